@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install everything (virtual environment, torch, qshard[dev]) and run qshard's main job.
+# Extra arguments go to the job.
+set -euo pipefail
+cd "$(dirname "$0")"
+. scripts/setup-venv.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec python benchmarks/quant_throughput.py "$@"
