@@ -1,0 +1,137 @@
+"""Shared helpers for the benchmark scripts: tables, machine facts, timing, markdown reports.
+
+Every benchmark prints its table(s) to stdout and, with ``--out-md FILE``, writes the same
+tables as markdown with the exact command, the date and the machine, so docs/RESULTS.md is
+assembled from files the scripts produced (never typed by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Report",
+    "Timing",
+    "add_report_args",
+    "format_table",
+    "machine_info",
+    "time_call",
+]
+
+
+def machine_info() -> str:
+    """One line naming the machine, so a number is never separated from where it came from."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    dev = "no GPU"
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name(0)
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {dev}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
+    )
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub-markdown table (also readable as plain text on a terminal)."""
+
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    return "\n".join(lines)
+
+
+@dataclass(slots=True)
+class Timing:
+    """Wall-clock samples of one measured call, in seconds."""
+
+    samples: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+
+def time_call(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> Timing:
+    """Time ``fn`` ``repeat`` times after ``warmup`` untimed calls (synchronising CUDA)."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return Timing(samples)
+
+
+def add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out-md", metavar="FILE", help="also write the tables as markdown to FILE"
+    )
+
+
+@dataclass(slots=True)
+class Report:
+    """Collects titled tables; prints each as it is added and writes them all as markdown."""
+
+    title: str
+    sections: list[str] = field(default_factory=list)
+
+    def table(self, heading: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+        text = format_table(header, rows)
+        print(f"\n## {heading}\n{text}", flush=True)
+        self.sections.append(f"### {heading}\n\n{text}\n")
+
+    def note(self, text: str) -> None:
+        print(text, flush=True)
+        self.sections.append(text + "\n")
+
+    def write(self, path: str | None) -> None:
+        if not path:
+            return
+        command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+        header = (
+            f"## {self.title}\n\n"
+            f"- command: `python {command}`\n"
+            f"- date: {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
+            f"- machine: {machine_info()}\n\n"
+        )
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(header + "\n".join(self.sections))
