@@ -1,1 +1,24 @@
-"""qshard.comm."""
+"""qshard.comm: where ranks sit (:class:`Topology`) and what every collective costs
+(:class:`CommLedger`), split into intra-node and inter-node bytes."""
+
+from qshard.comm.ledger import (
+    OPS,
+    CommLedger,
+    LedgerEntry,
+    LedgerSummary,
+    active_ledger,
+    record,
+    recording,
+)
+from qshard.comm.topology import Topology
+
+__all__ = [
+    "OPS",
+    "CommLedger",
+    "LedgerEntry",
+    "LedgerSummary",
+    "Topology",
+    "active_ledger",
+    "record",
+    "recording",
+]

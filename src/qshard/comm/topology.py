@@ -1,0 +1,217 @@
+"""Topology: which ranks share a node, and the process groups ZeRO++ needs.
+
+A *node* is a set of ``ranks_per_node`` consecutive ranks with fast links between them.
+Ranks are numbered node-major, as torchrun numbers them: ``rank = node * ranks_per_node +
+local_rank``. On one machine, nodes are emulated simply by choosing ``ranks_per_node``
+smaller than the world.
+
+The topology is derived from the launch environment (``LOCAL_WORLD_SIZE`` under torchrun) or
+given explicitly, never from the number of visible devices: a node with 8 GPUs may run 8 ranks
+or 1, and only the launcher knows.
+
+Process groups (``intra_node_group``, ``inter_node_group``) are created lazily on first
+access. [Note: collective group creation] ``torch.distributed.new_group`` is collective over
+the whole world: the first access to each of these properties must happen on every rank, in
+the same order (or call :meth:`Topology.init_groups` once on every rank right after
+``init_process_group``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+__all__ = ["Topology"]
+
+
+class Topology:
+    """World size, ranks per node, and this rank's place in them.
+
+    Args:
+        world_size: number of ranks in the job (>= 1).
+        ranks_per_node: ranks per node; must divide ``world_size``.
+        rank: this process's global rank; defaults to ``torch.distributed.get_rank()`` when a
+            default process group exists, else 0. Pass it to describe another rank's view.
+    """
+
+    __slots__ = ("_groups", "_rank", "_ranks_per_node", "_world_size")
+
+    def __init__(self, *, world_size: int, ranks_per_node: int, rank: int | None = None) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(
+                f"ranks_per_node must be an int >= 1; got {ranks_per_node!r} "
+                "(set LOCAL_WORLD_SIZE or pass ranks_per_node explicitly)"
+            )
+        if world_size % ranks_per_node != 0:
+            raise ValueError(
+                f"world_size must be a multiple of ranks_per_node (nodes hold equal numbers of "
+                f"ranks); got world {world_size}, ranks_per_node {ranks_per_node}: use a "
+                f"ranks_per_node that divides {world_size}"
+            )
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size {world_size} differs from the initialized process group's "
+                f"{dist.get_world_size()}; use Topology.from_env() or pass the real world size"
+            )
+        self._world_size = world_size
+        self._ranks_per_node = ranks_per_node
+        self._rank = rank
+        self._groups: dict[str, dist.ProcessGroup] = {}
+
+    @classmethod
+    def from_env(cls, ranks_per_node: int | None = None) -> Topology:
+        """The topology of the running job.
+
+        World size and rank come from the default process group if one is initialized, else
+        from ``WORLD_SIZE``/``RANK`` (default 1/0). ``ranks_per_node`` is the argument if
+        given (to emulate nodes), else ``LOCAL_WORLD_SIZE`` (set by torchrun), else an error:
+        it is never guessed from device counts.
+        """
+        if dist.is_available() and dist.is_initialized():
+            world_size, rank = dist.get_world_size(), dist.get_rank()
+        else:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            rank = int(os.environ.get("RANK", "0"))
+        if ranks_per_node is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                if world_size == 1:
+                    ranks_per_node = 1
+                else:
+                    raise ValueError(
+                        "cannot tell how many ranks share a node: LOCAL_WORLD_SIZE is not set "
+                        "(launch with torchrun) and ranks_per_node was not given; pass "
+                        "Topology.from_env(ranks_per_node=...)"
+                    )
+            else:
+                ranks_per_node = int(env)
+        return cls(world_size=world_size, ranks_per_node=ranks_per_node, rank=rank)
+
+    # ----------------------------------------------------------------- numbering
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self._ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        return self._world_size // self._ranks_per_node
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    @property
+    def node(self) -> int:
+        """This rank's node."""
+        return self.node_of(self._rank)
+
+    @property
+    def local_rank(self) -> int:
+        """This rank's index inside its node."""
+        return self.local_rank_of(self._rank)
+
+    def _check(self, rank: int) -> int:
+        if not 0 <= rank < self._world_size:
+            raise ValueError(f"rank must be in [0, {self._world_size}); got {rank}")
+        return rank
+
+    def node_of(self, rank: int) -> int:
+        """The node holding global ``rank``."""
+        return self._check(rank) // self._ranks_per_node
+
+    def local_rank_of(self, rank: int) -> int:
+        """The index of global ``rank`` inside its node."""
+        return self._check(rank) % self._ranks_per_node
+
+    def global_rank(self, node: int, local_rank: int) -> int:
+        """The global rank of ``local_rank`` on ``node`` (node-major numbering)."""
+        if not 0 <= node < self.num_nodes or not 0 <= local_rank < self._ranks_per_node:
+            raise ValueError(
+                f"(node, local_rank) must be in [0, {self.num_nodes}) x "
+                f"[0, {self._ranks_per_node}); got ({node}, {local_rank})"
+            )
+        return node * self._ranks_per_node + local_rank
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Global ranks of ``node``, in local-rank order (the intra-node group of that node)."""
+        return [self.global_rank(node, lr) for lr in range(self._ranks_per_node)]
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """Global ranks with ``local_rank`` on every node, in node order (an inter-node group)."""
+        return [self.global_rank(n, local_rank) for n in range(self.num_nodes)]
+
+    def nodes_of(self, ranks: Sequence[int]) -> set[int]:
+        """The set of nodes spanned by ``ranks``."""
+        return {self.node_of(r) for r in ranks}
+
+    def is_intra_node(self, ranks: Sequence[int]) -> bool:
+        """Whether all ``ranks`` lie inside one node (so a collective over them never leaves it)."""
+        return len(self.nodes_of(ranks)) <= 1
+
+    # ----------------------------------------------------------------- groups
+    def _make_groups(self, kind: str) -> dist.ProcessGroup:
+        # See [Note: collective group creation]: every rank creates every group of this kind,
+        # in the same order, and keeps the one it belongs to.
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "process groups need torch.distributed: call init_process_group() first"
+            )
+        if kind == "intra":
+            all_ranks = [self.node_ranks(n) for n in range(self.num_nodes)]
+            mine = self.node
+        else:
+            all_ranks = [self.peer_ranks(lr) for lr in range(self._ranks_per_node)]
+            mine = self.local_rank
+        groups = [dist.new_group(ranks) for ranks in all_ranks]
+        return groups[mine]
+
+    @property
+    def intra_node_group(self) -> dist.ProcessGroup:
+        """This rank's node: ``ranks_per_node`` ranks. Created on first access (collective)."""
+        if "intra" not in self._groups:
+            self._groups["intra"] = self._make_groups("intra")
+        return self._groups["intra"]
+
+    @property
+    def inter_node_group(self) -> dist.ProcessGroup:
+        """The ranks with this rank's local rank on every node: ``num_nodes`` ranks, one per
+        node. Created on first access (collective)."""
+        if "inter" not in self._groups:
+            self._groups["inter"] = self._make_groups("inter")
+        return self._groups["inter"]
+
+    def init_groups(self) -> None:
+        """Create both groups now (collective; call on every rank)."""
+        _ = self.intra_node_group
+        _ = self.inter_node_group
+
+    def __repr__(self) -> str:
+        return (
+            f"Topology(world_size={self._world_size}, ranks_per_node={self._ranks_per_node}, "
+            f"rank={self._rank}; {self.num_nodes} nodes)"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Topology):
+            return NotImplemented
+        return (self._world_size, self._ranks_per_node, self._rank) == (
+            other._world_size,
+            other._ranks_per_node,
+            other._rank,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self._world_size, self._ranks_per_node, self._rank))

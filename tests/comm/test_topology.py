@@ -1,0 +1,66 @@
+"""Topology: numbering, validation, environment, and the process groups on a real gloo world."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qshard.comm import Topology
+from qshard.testing import run_world
+
+
+def test_numbering_is_node_major():
+    t = Topology(world_size=6, ranks_per_node=3, rank=4)
+    assert t.num_nodes == 2 and t.node == 1 and t.local_rank == 1
+    assert [t.node_of(r) for r in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [t.local_rank_of(r) for r in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert t.node_ranks(1) == [3, 4, 5]
+    assert t.peer_ranks(2) == [2, 5]
+    assert t.global_rank(1, 2) == 5
+    assert t.is_intra_node([3, 5]) and not t.is_intra_node([2, 3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 6, "ranks_per_node": 4}, "got world 6, ranks_per_node 4"),
+        ({"world_size": 0, "ranks_per_node": 1}, "world_size"),
+        ({"world_size": 4, "ranks_per_node": 0}, "ranks_per_node"),
+        ({"world_size": 4, "ranks_per_node": 2, "rank": 4}, "rank"),
+    ],
+)
+def test_validation_names_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Topology(**kwargs)
+
+
+def test_from_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    t = Topology.from_env()
+    assert (t.world_size, t.ranks_per_node, t.rank, t.node) == (8, 4, 5, 1)
+    assert Topology.from_env(ranks_per_node=2).num_nodes == 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+        Topology.from_env()
+
+
+def _groups_world(rank: int, world_size: int, rpn: int) -> list:
+    topo = Topology.from_env(ranks_per_node=rpn)
+    topo.init_groups()
+    intra = dist.get_process_group_ranks(topo.intra_node_group)
+    inter = dist.get_process_group_ranks(topo.inter_node_group)
+    # The groups work: a sum over the node and over the peers.
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=topo.intra_node_group)
+    y = torch.tensor([float(rank)])
+    dist.all_reduce(y, group=topo.inter_node_group)
+    return [intra, inter, x.item(), y.item()]
+
+
+def test_groups_on_gloo_2x2():
+    out = run_world(_groups_world, 4, args=(2,), timeout_s=120)
+    assert out[0] == [[0, 1], [0, 2], 1.0, 2.0]
+    assert out[3] == [[2, 3], [1, 3], 5.0, 4.0]
