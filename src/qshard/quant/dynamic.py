@@ -1,0 +1,266 @@
+"""Dynamic (tree) 8-bit code maps and block-wise codebook quantization for optimizer state.
+
+This file owns the number formats of the 8-bit optimizers (Dettmers et al., "8-bit
+Optimizers via Block-wise Quantization"):
+
+* :func:`dynamic_map` builds the dynamic data type value for value as bitsandbytes'
+  ``create_dynamic_map`` does. Every step runs in fp32 (fp32 ``linspace`` -> fp32 bin centres
+  -> fp32 multiply by the power of ten rounded to fp32); that is the only recipe that
+  reproduces all 256 entries (a float64 recipe differs in the last bit of many of them).
+* :func:`linear_map` is the paper's ablation baseline (evenly spaced codes, bitsandbytes'
+  ``create_linear_map`` with ``add_zero=True``).
+* :func:`quantize_codebook` normalises each block of ``block_size`` elements by its absmax
+  and stores the index of the **nearest** code, exactly: the result equals
+  ``torch.bucketize(x / absmax, midpoints)`` with ``midpoints = (code[:-1] + code[1:]) / 2``
+  in fp32. A value exactly on a midpoint takes the lower code (the one nearer -inf).
+  bitsandbytes' CPU kernel approximates this with a lookup table and picks a wrong code for
+  about a fifth of second-moment entries; we do not copy that.
+
+Blocks: the flattened tensor is cut into contiguous blocks (last one partial); codes depend
+only on their block, so any block-aligned slice quantizes exactly like the same blocks of the
+whole tensor. All-zero blocks get absmax 0 and dequantize to zeros; a block holding NaN or
+Inf gets a NaN absmax and dequantizes to NaN (see [Note: non-finite blocks] in blockwise.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qshard.quant import _fastpath
+
+__all__ = [
+    "DEFAULT_CODEBOOK_BLOCK_SIZE",
+    "dequantize_codebook",
+    "dynamic_map",
+    "linear_map",
+    "quantize_codebook",
+]
+
+#: Elements per absmax block for optimizer state. The paper used 2048; 256 costs 1.6% extra
+#: memory (one fp32 absmax per 256 bytes) and isolates outliers better. Both work.
+DEFAULT_CODEBOOK_BLOCK_SIZE = 256
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ROUNDINGS = ("nearest", "stochastic")
+
+
+def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7) -> Tensor:
+    """The dynamic (tree) quantization map: ``2**total_bits`` sorted fp32 values in [-1, 1].
+
+    Each power of ten ``10**-(max_exponent_bits-1) .. 10**0`` gets a run of linearly spaced
+    fractions in [0.1, 1] (bin centres of an fp32 ``linspace``); the runs double in length
+    as the exponent grows, so small magnitudes get relative precision and large ones get
+    fine absolute steps. The map always holds 0 and +1.0; the signed map has no -1.0
+    (index 127 is 0, 255 is +1.0, the smallest positive value is 5.5e-7); the unsigned map
+    has 0 at index 0, 1.0 at 255 and 3.25e-7 as smallest non-zero.
+
+    ``total_bits`` 2..8 gives few-bit variants; ``max_exponent_bits`` must be in
+    ``1..total_bits-1`` (signed) and equal to ``total_bits - 1`` for unsigned maps (the
+    recipe has no filler run for unsigned maps, as in bitsandbytes).
+    """
+    if not 2 <= total_bits <= 8:
+        raise ValueError(f"total_bits must be in 2..8; got {total_bits}")
+    non_sign_bits = total_bits - 1
+    if not 1 <= max_exponent_bits <= non_sign_bits:
+        raise ValueError(
+            f"max_exponent_bits must be in 1..{non_sign_bits} for total_bits={total_bits}; "
+            f"got {max_exponent_bits} (pass max_exponent_bits={non_sign_bits})"
+        )
+    if not signed and max_exponent_bits != non_sign_bits:
+        raise ValueError(
+            f"an unsigned dynamic map needs max_exponent_bits == total_bits - 1 == "
+            f"{non_sign_bits}; got {max_exponent_bits}"
+        )
+    values: list[Tensor] = []
+
+    def add_run(power: int, fraction_items: int) -> None:
+        boundaries = torch.linspace(0.1, 1.0, fraction_items, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        # The Python scalar is rounded to fp32 and the product is computed in fp32.
+        values.append((10**power) * means)
+        if signed:
+            values.append((-(10**power)) * means)
+
+    power = 0
+    for i in range(max_exponent_bits):
+        power = -(max_exponent_bits - 1) + i
+        shift = i + non_sign_bits - max_exponent_bits + (0 if signed else 1)
+        add_run(power, 2**shift + 1)
+    filler = 2 ** (non_sign_bits - max_exponent_bits) - 1
+    if filler > 0:
+        # Filler run at the largest exponent: bitsandbytes reuses the last loop exponent.
+        add_run(power, filler + 1)
+    values.append(torch.tensor([0.0, 1.0], dtype=torch.float32))
+    out = torch.sort(torch.cat(values)).values
+    assert out.numel() == 2**total_bits, (out.numel(), total_bits)
+    return out
+
+
+def linear_map(*, signed: bool, total_bits: int = 8) -> Tensor:
+    """Evenly spaced codes, the paper's linear-quantization baseline (sorted fp32).
+
+    Signed: ``linspace(-1, 1, 2**total_bits - 1)`` (so 0 is a code) plus one duplicate 0 to
+    fill the last index, as bitsandbytes' ``create_linear_map(add_zero=True)`` does.
+    Unsigned: ``linspace(0, 1, 2**total_bits)``.
+    """
+    if not 2 <= total_bits <= 8:
+        raise ValueError(f"total_bits must be in 2..8; got {total_bits}")
+    n = 2**total_bits
+    if not signed:
+        return torch.linspace(0.0, 1.0, n, dtype=torch.float32)
+    values = torch.linspace(-1.0, 1.0, n - 1, dtype=torch.float32)
+    return torch.sort(torch.cat([values, values.new_zeros(1)])).values
+
+
+def _check_code(code: Tensor) -> None:
+    if code.dim() != 1 or not 2 <= code.numel() <= 256 or code.dtype != torch.float32:
+        raise ValueError(
+            f"code must be a 1-D fp32 map of 2..256 values; got shape {tuple(code.shape)}, "
+            f"{code.dtype}"
+        )
+    if bool((code[1:] < code[:-1]).any()):
+        raise ValueError("code must be sorted ascending (use torch.sort(code).values)")
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int; got {block_size!r}")
+
+
+def _normalize(flat: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Pad to whole blocks, return (x / absmax per block, absmax); see the module docstring."""
+    numel = flat.numel()
+    num_blocks = -(-numel // block_size)
+    padded = num_blocks * block_size
+    x = flat.float()
+    if padded != numel:
+        x = torch.cat([x, x.new_zeros(padded - numel)])
+    x2d = x.view(num_blocks, block_size)
+    absmax = x2d.abs().amax(dim=1)
+    finite = torch.isfinite(absmax)
+    usable = finite & (absmax > 0)
+    v = x2d / torch.where(usable, absmax, torch.ones_like(absmax))[:, None]
+    v = torch.where(usable[:, None], v, torch.zeros_like(v))
+    absmax = torch.where(finite, absmax, torch.full_like(absmax, float("nan")))
+    return v, absmax
+
+
+def _nearest_reference(v: Tensor, code: Tensor) -> Tensor:
+    midpoints = (code[:-1] + code[1:]) / 2.0
+    return torch.bucketize(v, midpoints.to(v.device))
+
+
+def _stochastic(v: Tensor, code: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Round to one of the two codes around ``v`` with probability linear in the distance."""
+    code = code.to(v.device)
+    n = code.numel()
+    lo = (torch.searchsorted(code, v, right=True) - 1).clamp(0, n - 1)
+    hi = (lo + 1).clamp(max=n - 1)
+    c_lo, c_hi = code[lo], code[hi]
+    gap = c_hi - c_lo
+    p = torch.where(gap > 0, (v - c_lo) / torch.where(gap > 0, gap, 1.0), 0.0).clamp(0.0, 1.0)
+    u = torch.rand(v.shape, generator=generator, device=v.device, dtype=torch.float32)
+    return torch.where(u < p, hi, lo)
+
+
+def quantize_codebook(
+    x: Tensor,
+    code: Tensor,
+    *,
+    block_size: int = DEFAULT_CODEBOOK_BLOCK_SIZE,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Block-wise absmax normalisation, then the index of the nearest value of ``code``.
+
+    Args:
+        x: any shape, fp32/bf16/fp16 (computed in fp32).
+        code: sorted fp32 map of at most 256 values (e.g. :func:`dynamic_map`).
+        block_size: elements per absmax block (last block may be partial).
+        rounding: ``"nearest"`` (exact, ties to the lower code) or ``"stochastic"`` (one of
+            the two neighbouring codes, with probability linear in the distance).
+        generator: random source for stochastic rounding.
+
+    Returns:
+        ``(codes, absmax)``: uint8 ``(x.numel(),)`` and fp32 ``(num_blocks,)``.
+    """
+    _check_code(code)
+    _check_block_size(block_size)
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {_ROUNDINGS}; got {rounding!r}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize_codebook supports {_FLOAT_DTYPES}; got {x.dtype}")
+    flat = x.reshape(-1)
+    numel = flat.numel()
+    if numel == 0:
+        return flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=torch.float32)
+    if rounding == "nearest" and _fastpath.use_fastpath(flat):
+        return _fastpath.quantize_codebook(flat, code, block_size)
+    v, absmax = _normalize(flat, block_size)
+    if rounding == "nearest":
+        idx = _nearest_reference(v, code)
+    else:
+        idx = _stochastic(v, code, generator)
+    return idx.to(torch.uint8).view(-1)[:numel], absmax
+
+
+def dequantize_codebook(
+    codes: Tensor,
+    absmax: Tensor,
+    code: Tensor,
+    *,
+    block_size: int = DEFAULT_CODEBOOK_BLOCK_SIZE,
+    shape: torch.Size | tuple[int, ...] | None = None,
+    dtype: torch.dtype = torch.float32,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``code[codes] * absmax[block]`` in fp32, cast to ``dtype``.
+
+    Args:
+        codes: uint8, ``numel`` elements (any shape; read flat).
+        absmax: fp32 ``(ceil(numel / block_size),)``.
+        code: the map used to quantize.
+        block_size: as used to quantize.
+        shape: result shape (default ``(numel,)``).
+        dtype: result dtype when ``out`` is not given.
+        out: optional preallocated contiguous tensor of ``numel`` elements; its dtype and
+            shape win.
+    """
+    _check_code(code)
+    _check_block_size(block_size)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8; got {codes.dtype}")
+    flat = codes.reshape(-1)
+    numel = flat.numel()
+    num_blocks = -(-numel // block_size)
+    if absmax.shape != (num_blocks,):
+        raise ValueError(
+            f"absmax must have ceil({numel} / {block_size}) = {num_blocks} entries; "
+            f"got shape {tuple(absmax.shape)}"
+        )
+    if out is not None:
+        if out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous tensor of {numel} elements")
+        dtype = out.dtype
+    if numel and _fastpath.use_fastpath(flat):
+        values = _fastpath.dequantize_codebook(flat, absmax, code, block_size, dtype)
+    else:
+        values = _dequantize_codebook_reference(flat, absmax, code, block_size).to(dtype)
+    if out is not None:
+        out.view(-1).copy_(values)
+        return out
+    return values.view(shape if shape is not None else (numel,))
+
+
+def _dequantize_codebook_reference(
+    flat: Tensor, absmax: Tensor, code: Tensor, block_size: int
+) -> Tensor:
+    numel = flat.numel()
+    num_blocks = absmax.numel()
+    padded = num_blocks * block_size
+    idx = flat.long()
+    if padded != numel:
+        idx = torch.cat([idx, idx.new_zeros(padded - numel)])
+    values = code.to(flat.device)[idx].view(num_blocks, block_size) * absmax.float()[:, None]
+    return values.view(-1)[:numel]

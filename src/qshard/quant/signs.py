@@ -1,0 +1,56 @@
+"""1-bit sign compression: 8 signs per byte, for 1-bit Adam and 0/1 Adam.
+
+Format: bit ``7 - (i % 8)`` of byte ``i // 8`` is 1 when element ``i`` is non-negative
+(most significant bit first) and 0 when it is negative. ``sign(0) = +1`` (also for -0.0,
+matching 1-bit Adam, which never sends a zero); NaN packs as +1, so a caller that must
+detect divergence checks its scale, not the signs. The unused low bits of the last byte
+are zero. The magnitude (the compression scale) travels separately; see
+``qshard.comm.compressed``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qshard.quant import _fastpath
+
+__all__ = ["pack_signs", "unpack_signs"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _bit_weights(device: torch.device) -> Tensor:
+    return torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+
+
+def pack_signs(x: Tensor) -> Tensor:
+    """Pack the signs of ``x`` (any shape, read flat): uint8 of ``ceil(numel / 8)`` bytes."""
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"pack_signs supports {_FLOAT_DTYPES}; got {x.dtype}")
+    flat = x.reshape(-1)
+    numel = flat.numel()
+    nbytes = -(-numel // 8)
+    if numel and _fastpath.use_fastpath(flat):
+        return _fastpath.pack_signs(flat)
+    bits = (~(flat < 0)).to(torch.uint8)
+    if nbytes * 8 != numel:
+        bits = torch.cat([bits, bits.new_zeros(nbytes * 8 - numel)])
+    return (bits.view(nbytes, 8) * _bit_weights(flat.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Inverse of :func:`pack_signs`: ``numel`` values of ``+1`` / ``-1`` in ``dtype``."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_signs expects uint8; got {packed.dtype}")
+    flat = packed.reshape(-1)
+    if numel < 0 or flat.numel() != -(-numel // 8):
+        raise ValueError(
+            f"{numel} signs need ceil({numel} / 8) = {-(-max(numel, 0) // 8)} bytes; "
+            f"got {flat.numel()}"
+        )
+    if numel and _fastpath.use_fastpath(flat):
+        return _fastpath.unpack_signs(flat, numel, dtype)
+    bits = (flat[:, None] & _bit_weights(flat.device)) != 0
+    signs = torch.where(bits, 1.0, -1.0).to(dtype)
+    return signs.view(-1)[:numel]
