@@ -9,7 +9,9 @@ Model (node-major ranks, P ranks, N nodes, R ranks per node, S bytes per rank):
 - ring all-gather: each node boundary is crossed by one ring edge per direction, and that edge
   carries P-1 chunks, so every node sends (P-1)*S;
 - all-gather inside a node (a per-node subgroup): 0 bytes on the link;
-- all-to-all (direct exchange): every rank sends (P-R)/P of its input off-node, a node R times that.
+- all-to-all (direct exchange): every rank sends (P-R)/P of its input off-node, a node R times that;
+- ring all-reduce of S bytes per rank: 2*(P-1)*S/P per node. gloo's reduce-scatter moves the same
+  bytes (it is an all-reduce keeping a slice), twice a ring reduce-scatter's (P-1)*S/P.
 int8 moves exactly a quarter of fp32. Byte counts are deterministic; times depend on the host load.
 Exit status 1 if a node's measured bytes differ from the model by more than ``--tolerance``.
 """
@@ -63,6 +65,16 @@ def main() -> int:
         dist.all_gather_into_tensor(out, x, group=group)
         return out
 
+    def reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.numel() // world, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x)
+        return out
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        dist.all_reduce(y)
+        return y
+
     def all_to_all(x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x)
@@ -74,6 +86,13 @@ def main() -> int:
         "all_gather int8, world": (lambda: gather(int8), (world - 1) * chunk // 4),
         "all_gather fp32, inside node": (lambda: gather(fp32, node_group), 0),
         "all_to_all fp32, world": (lambda: all_to_all(fp32), rpn * (world - rpn) * chunk // world),
+        # gloo has no ring reduce-scatter: it all-reduces and keeps a slice, so it moves twice the
+        # ring model's bytes (a cost model for FSDP2 on gloo must count it as an all-reduce).
+        "reduce_scatter fp32, world (gloo)": (
+            lambda: reduce_scatter(fp32),
+            2 * (world - 1) * chunk // world,
+        ),
+        "all_reduce fp32, world": (lambda: all_reduce(fp32), 2 * (world - 1) * chunk // world),
     }
     # Correctness first: every rank holds every rank's value in the right place.
     got = gather(fp32).view(world, -1)[:, 0]

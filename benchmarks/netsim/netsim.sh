@@ -208,7 +208,7 @@ run() {
         pid=""
         status=0
         wait -n -p pid "${!live[@]}" 2>/dev/null || status=$?
-        if [ -z "$pid" ]; then  # bash reaped the rest itself (after a kill): nothing left to wait for
+        if [ -z "${pid:-}" ]; then  # bash reaped the rest itself (after a kill): nothing left to wait for
             wait 2>/dev/null || true
             break
         fi

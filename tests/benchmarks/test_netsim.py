@@ -104,4 +104,10 @@ def test_gloo_bytes_across_the_link_match_the_ring_model():
         assert node_tx < 16384
     for node_tx in a2a["node_tx"]:  # all-to-all: half of each rank's input leaves its node
         assert chunk <= node_tx <= chunk * 1.01 + 16384
+    # gloo's reduce-scatter is an all-reduce keeping a slice: twice a ring reduce-scatter's bytes,
+    # the same as the all-reduce. A cost model for FSDP2 on gloo has to know this.
+    rs, ar = ops["reduce_scatter fp32, world (gloo)"], ops["all_reduce fp32, world"]
+    for rs_tx, ar_tx in zip(rs["node_tx"], ar["node_tx"]):
+        assert 1.5 * chunk <= rs_tx <= 1.5 * chunk * 1.01 + 16384
+        assert 1.5 * chunk <= ar_tx <= 1.5 * chunk * 1.01 + 16384
     assert _namespaces(prefix) == []
