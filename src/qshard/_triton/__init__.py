@@ -1,0 +1,125 @@
+"""The GPU path: Triton kernels for qshard's quantizers, qgZ's fused steps, the 8-bit optimizer
+update and 1-bit sign packing, behind one small dispatch layer.
+
+Public functions of `qshard.quant`, `qshard.zeropp` and `qshard.optim` call into here for CUDA
+tensors (`if x.is_cuda and _triton.available(): ...`); their torch code stays the reference these
+kernels are tested against. The kernel modules import `triton` and are loaded lazily on first
+use, so importing qshard never needs triton, and tests can set `TRITON_INTERPRET=1` (which Triton
+reads when a kernel is defined) before any kernel exists, to run every kernel on CPU tensors.
+
+Set `QSHARD_DISABLE_TRITON=1` to force the torch path on CUDA (debugging, A/B timing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "adam8bit_step",
+    "available",
+    "dequant_reduce",
+    "dequant_reduce_requant",
+    "dequantize_blocks",
+    "interpreter",
+    "optim8bit_step",
+    "pack_int4",
+    "pack_signs",
+    "quantize_blocks",
+    "quantize_flat",
+    "reorder_quantize",
+    "unpack_int4",
+    "unpack_signs",
+]
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def available() -> bool:
+    """True when the Triton kernels can serve CUDA tensors (triton installed, not disabled).
+
+    Callers check `tensor.is_cuda` themselves; this says nothing about CPU tensors, which the
+    kernels only accept under `TRITON_INTERPRET=1` (see `interpreter()`).
+    """
+    return os.environ.get("QSHARD_DISABLE_TRITON", "0") != "1" and _triton_importable()
+
+
+def interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _module(name: str) -> Any:
+    if not _triton_importable():
+        raise ModuleNotFoundError(
+            "qshard's GPU kernels need triton; install it with `pip install qshard[gpu]`"
+        )
+    return importlib.import_module(f"qshard._triton.{name}")
+
+
+def quantize_blocks(x2d: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of `qshard.quant.blockwise.quantize_blocks` (plus `pack=` for fused INT4)."""
+    return _module("_blockwise").quantize_blocks(x2d, **kwargs)
+
+
+def quantize_flat(x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a flat tensor of any numel without materialising the padding."""
+    return _module("_blockwise").quantize_flat(x, **kwargs)
+
+
+def dequantize_blocks(codes2d: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """Triton twin of `qshard.quant.blockwise.dequantize_blocks` (int8 or packed INT4 codes)."""
+    return _module("_blockwise").dequantize_blocks(codes2d, scales, **kwargs)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `qshard.quant.blockwise.pack_int4`."""
+    return _module("_blockwise").pack_int4(codes)
+
+
+def unpack_int4(packed: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+    """Triton twin of `qshard.quant.blockwise.unpack_int4`."""
+    return _module("_blockwise").unpack_int4(packed, numel)
+
+
+def reorder_quantize(x: torch.Tensor, order: torch.Tensor, **kwargs: Any) -> Any:
+    """qgZ's first step: gather slices in `order` and block-quantize them in one pass."""
+    return _module("_qgz").reorder_quantize(x, order, **kwargs)
+
+
+def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> Any:
+    """qgZ's middle hop: dequantize K peers' blocks, sum in fp32, requantize, in one pass."""
+    return _module("_qgz").dequant_reduce_requant(codes, scales, **kwargs)
+
+
+def dequant_reduce(codes: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """qgZ's last hop: dequantize K peers' blocks and sum them in fp32 into the output dtype."""
+    return _module("_qgz").dequant_reduce(codes, scales, **kwargs)
+
+
+def optim8bit_step(**kwargs: Any) -> None:
+    """Fused in-place 8-bit optimizer step (Adam/AdamW, momentum, RMSprop, Lion, Adagrad)."""
+    return _module("_optim8bit").optim8bit_step(**kwargs)
+
+
+def adam8bit_step(**kwargs: Any) -> None:
+    """Fused in-place 8-bit Adam/AdamW step; see `_optim8bit.optim8bit_step`."""
+    return _module("_optim8bit").optim8bit_step(algorithm="adam", **kwargs)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """Triton twin of `qshard.quant.signs.pack_signs` (MSB first, sign(0) = +1)."""
+    return _module("_signs").pack_signs(x)
+
+
+def unpack_signs(packed: torch.Tensor, numel: int, **kwargs: Any) -> torch.Tensor:
+    """Triton twin of `qshard.quant.signs.unpack_signs` (+1 / -1 values)."""
+    return _module("_signs").unpack_signs(packed, numel, **kwargs)

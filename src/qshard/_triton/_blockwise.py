@@ -1,0 +1,349 @@
+"""Triton kernels for symmetric absmax block quantization (INT8 / INT4), the GPU twin of
+`qshard.quant.blockwise`.
+
+One program owns ROWS whole quantization blocks: it reads them once, finds each block's absmax in
+registers, writes the codes (INT4 packed two per byte in the same pass) and one fp32 scale per
+block. Memory traffic is therefore the minimum: input bytes in, code bytes + 4/block_size out.
+
+Numerics (the reference contract, checked bit for bit by tests/gpu): computed in fp32;
+scale = absmax / qmax (qmax 127 or 7), so the block's largest magnitude round-trips exactly;
+code = round_half_even(x / scale) clamped to [-qmax, qmax]; an all-zero block has scale 0 and
+codes 0; a block holding NaN or +-Inf gets scale NaN and codes 0, so it dequantizes to NaN.
+INT4 packing: element 2k in the high nibble, 2k+1 in the low nibble, two's complement.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qshard._triton._common import (
+    check_contiguous,
+    check_device,
+    next_pow2,
+    num_warps_for,
+    rint,
+    rows_per_program,
+    store_as,
+)
+
+__all__ = [
+    "dequantize_blocks",
+    "pack_int4",
+    "quantize_blocks",
+    "quantize_flat",
+    "unpack_int4",
+]
+
+_QMAX = {8: 127, 4: 7}
+_FLT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _quantize_tile(x, valid, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, seed, idx):
+    """Quantize a (ROWS, BLOCK_N) fp32 tile whose rows are blocks; returns (int32 codes, scales).
+
+    Shared by the plain quantizer and qgZ's fused kernels so that all of them round alike.
+    """
+    xa = tl.where(valid, tl.abs(x), 0.0)
+    absmax = tl.max(xa, axis=1)
+    # NaN compares false with everything and Inf exceeds FLT_MAX: either poisons the block.
+    bad = tl.where(valid, (x != x) | (xa > 3.4028234663852886e38), False)
+    nonfinite = tl.max(bad.to(tl.int32), axis=1) > 0
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
+    scale = tl.where(nonfinite, float("nan"), scale)
+    # A zero (or poisoned) block divides by 1: its codes come out 0 and its scale says the rest.
+    divisor = tl.where((scale == 0.0) | nonfinite, 1.0, scale)
+    t = tl.math.div_rn(x, divisor[:, None])
+    if STOCHASTIC:
+        # floor(t + u), u ~ U[0, 1): rounds up with probability frac(t), so E[code] = t.
+        t = tl.floor(t + tl.rand(seed, idx))
+    else:
+        t = rint(t)
+    t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
+    codes = tl.where(valid & ~nonfinite[:, None], t, 0.0).to(tl.int32)
+    return codes, scale
+
+
+@triton.jit
+def _store_codes(codes_ptr, q, rows, cols, row_ok, BS: tl.constexpr, PACK: tl.constexpr):
+    """Store an int32 (ROWS, BLOCK_N) code tile as int8 codes or as packed INT4 bytes."""
+    if PACK:
+        ROWS: tl.constexpr = q.shape[0]
+        HALF: tl.constexpr = q.shape[1] // 2
+        hi, lo = tl.split(tl.reshape(q, (ROWS, HALF, 2)))
+        byte = ((hi & 15) << 4) | (lo & 15)
+        j = tl.arange(0, HALF)[None, :]
+        mask = row_ok[:, None] & (j < BS // 2)
+        tl.store(codes_ptr + rows[:, None] * (BS // 2) + j, byte.to(tl.uint8), mask=mask)
+    else:
+        mask = row_ok[:, None] & (cols[None, :] < BS)
+        tl.store(codes_ptr + rows[:, None] * BS + cols[None, :], q.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _load_codes(
+    codes_ptr, rows, row_ok, BS: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr
+):
+    """Load a (ROWS, BLOCK_N) int32 tile of codes stored as int8 or packed INT4."""
+    ROWS: tl.constexpr = rows.shape[0]
+    if PACK:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, HALF)[None, :]
+        mask = row_ok[:, None] & (j < BS // 2)
+        b = tl.load(codes_ptr + rows[:, None] * (BS // 2) + j, mask=mask, other=0).to(tl.int32)
+        # Sign-extend each nibble by moving it to the top of the int32 and shifting back.
+        hi = (b << 24) >> 28
+        lo = (b << 28) >> 28
+        q = tl.reshape(tl.join(hi, lo), (ROWS, BLOCK_N))
+    else:
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = row_ok[:, None] & (cols < BS)
+        q = tl.load(codes_ptr + rows[:, None] * BS + cols, mask=mask, other=0).to(tl.int32)
+    return q
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    n_blocks,
+    numel,
+    seed,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    QMAX: tl.constexpr,
+    PACK: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_blocks
+    idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
+    # Elements past numel are the padding of a partial last block: read as 0, never stored.
+    valid = row_ok[:, None] & (cols[None, :] < BS) & (idx < numel)
+    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+    q, scale = _quantize_tile(x, valid, QMAX, STOCHASTIC, seed, idx)
+    _store_codes(codes_ptr, q, rows, cols, row_ok, BS, PACK)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    n_blocks,
+    numel,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    PACK: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < n_blocks
+    q = _load_codes(codes_ptr, rows, row_ok, BS, BLOCK_N, PACK)
+    scale = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
+    y = q.to(tl.float32) * scale[:, None]
+    idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
+    valid = row_ok[:, None] & (cols[None, :] < BS) & (idx < numel)
+    store_as(out_ptr + idx, y, valid)
+
+
+@triton.jit
+def _pack_int4_kernel(codes_ptr, out_ptr, n_bytes, numel, BLOCK: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < n_bytes
+    hi = tl.load(codes_ptr + 2 * j, mask=ok & (2 * j < numel), other=0).to(tl.int32)
+    lo = tl.load(codes_ptr + 2 * j + 1, mask=ok & (2 * j + 1 < numel), other=0).to(tl.int32)
+    tl.store(out_ptr + j, (((hi & 15) << 4) | (lo & 15)).to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _unpack_int4_kernel(packed_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.load(packed_ptr + j, mask=2 * j < numel, other=0).to(tl.int32)
+    tl.store(out_ptr + 2 * j, ((b << 24) >> 28).to(tl.int8), mask=2 * j < numel)
+    tl.store(out_ptr + 2 * j + 1, ((b << 28) >> 28).to(tl.int8), mask=2 * j + 1 < numel)
+
+
+def _qmax(bits: int) -> int:
+    if bits not in _QMAX:
+        raise ValueError(f"bits must be 8 or 4; got {bits}")
+    return _QMAX[bits]
+
+
+def _seed(rounding: str, generator: torch.Generator | None) -> int:
+    if rounding == "nearest":
+        return 0
+    if rounding != "stochastic":
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic'; got {rounding!r}")
+    # One draw from the caller's generator seeds Triton's Philox stream, so a seeded
+    # generator gives a reproducible (though not torch-identical) rounding pattern.
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
+
+
+def _geometry(block_size: int) -> tuple[int, int, int]:
+    block_n = next_pow2(max(block_size, 2))
+    rows = rows_per_program(block_size)
+    return block_n, rows, num_warps_for(block_n * rows)
+
+
+def quantize_flat(
+    x: torch.Tensor,
+    *,
+    block_size: int,
+    bits: int,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    pack: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize the flattened `x` (any numel; the last block is zero-padded internally).
+
+    Returns codes int8 (n_blocks, block_size), or uint8 (n_blocks, block_size // 2) when `pack`
+    (INT4 only, even block_size), and fp32 scales (n_blocks,).
+    """
+    qmax = _qmax(bits)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1; got {block_size}")
+    if pack and (bits != 4 or block_size % 2):
+        raise ValueError(f"pack needs bits=4 and an even block_size; got {bits}, {block_size}")
+    check_contiguous("x", x)
+    numel = x.numel()
+    n_blocks = -(-numel // block_size)
+    width = block_size // 2 if pack else block_size
+    codes = torch.empty(
+        (n_blocks, width), dtype=torch.uint8 if pack else torch.int8, device=x.device
+    )
+    scales = torch.empty((n_blocks,), dtype=torch.float32, device=x.device)
+    if n_blocks == 0:
+        return codes, scales
+    block_n, rows, warps = _geometry(block_size)
+    _quantize_kernel[(triton.cdiv(n_blocks, rows),)](
+        x,
+        codes,
+        scales,
+        n_blocks,
+        numel,
+        _seed(rounding, generator),
+        BS=block_size,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        QMAX=qmax,
+        PACK=pack,
+        STOCHASTIC=rounding == "stochastic",
+        num_warps=warps,
+    )
+    return codes, scales
+
+
+def quantize_blocks(
+    x2d: torch.Tensor,
+    *,
+    bits: int,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    pack: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of `x2d` (n_blocks, block_size) as one block. See quantize_flat."""
+    if x2d.dim() != 2:
+        raise ValueError(f"x2d must be 2-D (n_blocks, block_size); got shape {tuple(x2d.shape)}")
+    return quantize_flat(
+        x2d.contiguous(),
+        block_size=x2d.shape[1],
+        bits=bits,
+        rounding=rounding,
+        generator=generator,
+        pack=pack,
+    )
+
+
+def dequantize_blocks(
+    codes2d: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    block_size: int | None = None,
+    numel: int | None = None,
+) -> torch.Tensor:
+    """codes * scale per block, cast to `dtype`.
+
+    `codes2d` is int8 (n_blocks, block_size) or packed INT4 uint8 (n_blocks, block_size // 2)
+    (then `block_size` must be given). The result is (n_blocks, block_size), or flat with the
+    first `numel` elements when `numel` is given (written straight into `out` if supplied, so
+    the padding of a partial last block is never materialised). `out`'s dtype wins over `dtype`.
+    """
+    check_contiguous("codes2d", codes2d)
+    check_device(codes2d, scales)
+    pack = codes2d.dtype == torch.uint8
+    n_blocks = codes2d.shape[0]
+    if block_size is None:
+        if pack:
+            raise ValueError("packed INT4 codes need block_size= to dequantize")
+        block_size = codes2d.shape[1]
+    if codes2d.shape[1] != (block_size // 2 if pack else block_size):
+        raise ValueError(
+            f"codes2d shape {tuple(codes2d.shape)} does not fit block_size {block_size}"
+        )
+    if scales.shape != (n_blocks,) or scales.dtype != torch.float32:
+        raise ValueError(
+            f"scales must be fp32 of shape ({n_blocks},); got {scales.dtype} {tuple(scales.shape)}"
+        )
+    shape = (n_blocks, block_size) if numel is None else (numel,)
+    total = n_blocks * block_size if numel is None else numel
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=codes2d.device)
+    elif out.numel() != total or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of {total} elements (its dtype wins)")
+    if n_blocks == 0:
+        return out
+    block_n, rows, warps = _geometry(block_size)
+    _dequantize_kernel[(triton.cdiv(n_blocks, rows),)](
+        codes2d,
+        scales.contiguous(),
+        out,
+        n_blocks,
+        total,
+        BS=block_size,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        PACK=pack,
+        num_warps=warps,
+    )
+    return out
+
+
+_ELEMWISE_BLOCK = 4096
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack int8 codes in [-8, 7] two per byte (element 2k high nibble); odd numel pads a 0."""
+    check_contiguous("codes", codes)
+    numel = codes.numel()
+    n_bytes = -(-numel // 2)
+    out = torch.empty((n_bytes,), dtype=torch.uint8, device=codes.device)
+    if n_bytes:
+        _pack_int4_kernel[(triton.cdiv(n_bytes, _ELEMWISE_BLOCK),)](
+            codes, out, n_bytes, numel, BLOCK=_ELEMWISE_BLOCK, num_warps=4
+        )
+    return out
+
+
+def unpack_int4(packed: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+    """Inverse of pack_int4: the first `numel` int8 codes (default all 2 * packed.numel())."""
+    check_contiguous("packed", packed)
+    if numel is None:
+        numel = 2 * packed.numel()
+    if packed.numel() * 2 < numel:
+        raise ValueError(f"{packed.numel()} packed bytes hold fewer than numel={numel} codes")
+    out = torch.empty((numel,), dtype=torch.int8, device=packed.device)
+    if numel:
+        _unpack_int4_kernel[(triton.cdiv(-(-numel // 2), _ELEMWISE_BLOCK),)](
+            packed, out, numel, BLOCK=_ELEMWISE_BLOCK, num_warps=4
+        )
+    return out
