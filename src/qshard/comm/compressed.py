@@ -1,0 +1,216 @@
+"""The 1-bit compressed all-reduce with worker and server error feedback (1-bit Adam, 0/1 Adam).
+
+This module owns the collective that 1-bit Adam and 0/1 Adam use instead of an fp32 all-reduce
+(`docs/zero_one_adam.md`; the math is restated in ``shared/papers/zero-one-adam-algorithm.md``).
+For every tensor of a bucket, each rank
+
+1. adds its *worker error* to the input, sends ``scale * sign(x)`` (one bit per element plus one
+   fp32 scale per tensor) and keeps what the compression lost as the new worker error;
+2. acts as the *server* of one ``1/n`` chunk of every tensor: averages the n workers' compressed
+   chunks, adds its *server error*, compresses the result again and keeps that loss;
+3. all-gathers the server chunks, so every rank reconstructs the same averaged tensor.
+
+A whole bucket (all tensors of an optimizer step) travels in exactly two collectives: one
+all-to-all (packed worker signs + worker scales, as bytes) and one all-gather (packed server signs
++ server scales). Each tensor keeps its own scale, so tensors of very different magnitudes do not
+share one.
+
+[Note: valid elements] 1 bit cannot encode 0, so elements that must stay exactly zero are
+*invalid*: the padding that makes every chunk a whole number of bytes, and the structurally zero
+elements named by an optional mask. Invalid elements are excluded from every scale, their error
+stays zero, and they are zero in the result. All ranks must pass the same masks (the mask is a
+property of the model, which is replicated).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from qshard.comm.ledger import active_ledger
+from qshard.quant.signs import pack_signs, unpack_signs
+
+__all__ = [
+    "compressed_all_reduce",
+    "padded_numel",
+    "server_error_numel",
+]
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """Length of a tensor's worker error buffer: ``numel`` rounded up so that it splits into
+    ``world_size`` chunks of whole bytes of packed signs (a multiple of ``8 * world_size``)."""
+    if numel < 0 or world_size < 1:
+        raise ValueError(f"need numel >= 0 and world_size >= 1; got {numel}, {world_size}")
+    step = 8 * world_size
+    return max(1, math.ceil(numel / step)) * step
+
+
+def server_error_numel(numel: int, world_size: int) -> int:
+    """Length of a tensor's server error buffer: one rank's chunk of the padded tensor."""
+    return padded_numel(numel, world_size) // world_size
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, list[int]]:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "compressed_all_reduce needs torch.distributed initialised "
+            "(torch.distributed.init_process_group); a single process can use world_size=1"
+        )
+    group = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the process group it was given; "
+            "call it only on the group's members"
+        )
+    return dist.get_world_size(group), rank, dist.get_process_group_ranks(group)
+
+
+def _segment_sums(values: torch.Tensor, segment_ids: torch.Tensor, num_segments: int):
+    return torch.zeros(num_segments, dtype=values.dtype).index_add_(0, segment_ids, values)
+
+
+def compressed_all_reduce(
+    tensors: Sequence[torch.Tensor],
+    worker_errors: Sequence[torch.Tensor],
+    server_errors: Sequence[torch.Tensor],
+    *,
+    masks: Sequence[torch.Tensor | None] | None = None,
+    group: dist.ProcessGroup | None = None,
+    tag: str = "compressed_all_reduce",
+) -> list[torch.Tensor]:
+    """Average ``tensors`` over ``group`` with 1-bit compression and error feedback.
+
+    Args:
+        tensors: float32 tensors of any shapes (the same shapes on every rank). Not modified.
+        worker_errors: one float32 buffer of ``padded_numel(t.numel(), n)`` elements per tensor,
+            this rank's worker error; updated in place. Start from zeros.
+        server_errors: one float32 buffer of ``server_error_numel(t.numel(), n)`` elements per
+            tensor, this rank's server error; updated in place. Start from zeros.
+        masks: optional bool tensor per tensor (shape of the tensor, or ``None``): ``False``
+            marks structurally zero elements, which are sent as nothing and come back exactly 0
+            (see [Note: valid elements]). Must be identical on every rank.
+        group: the process group (default: the world).
+        tag: name under which the two collectives are recorded in the active comm ledger.
+
+    Returns:
+        New tensors, identical on every rank: the compressed average of ``tensors``.
+    """
+    n, rank, group_ranks = _group_info(group)
+    num = len(tensors)
+    if len(worker_errors) != num or len(server_errors) != num:
+        raise ValueError(
+            f"need one worker and one server error buffer per tensor; got {num} tensors, "
+            f"{len(worker_errors)} worker and {len(server_errors)} server buffers"
+        )
+    if masks is None:
+        masks = [None] * num
+    elif len(masks) != num:
+        raise ValueError(f"need one mask (or None) per tensor; got {len(masks)} for {num}")
+    if num == 0:
+        return []
+
+    numels = [t.numel() for t in tensors]
+    chunks = [padded_numel(k, n) // n for k in numels]
+    for i, (t, ew, es) in enumerate(zip(tensors, worker_errors, server_errors)):
+        if t.dtype != torch.float32 or ew.dtype != torch.float32 or es.dtype != torch.float32:
+            raise TypeError(
+                f"tensor {i}: compressed_all_reduce works in float32; got input {t.dtype}, "
+                f"errors {ew.dtype}/{es.dtype} (cast the input, keep fp32 error buffers)"
+            )
+        if ew.numel() != chunks[i] * n or es.numel() != chunks[i]:
+            raise ValueError(
+                f"tensor {i} ({numels[i]} elements, world {n}) needs a worker error of "
+                f"{chunks[i] * n} and a server error of {chunks[i]} elements; got "
+                f"{ew.numel()} and {es.numel()} (allocate them with padded_numel / "
+                f"server_error_numel for this group's size)"
+            )
+    width = sum(chunks)  # elements per destination rank; a multiple of 8
+    seg_ids = torch.repeat_interleave(torch.arange(num), torch.tensor(chunks))
+
+    # Worker side, laid out destination-major: row r holds chunk r of every tensor.
+    x = torch.empty(n, width, dtype=torch.float32)
+    valid = torch.empty(n, width, dtype=torch.float32)
+    offset = 0
+    for t, ew, mask, k, c in zip(tensors, worker_errors, masks, numels, chunks):
+        vp = torch.zeros(n * c, dtype=torch.float32)
+        if mask is None:
+            vp[:k] = 1.0
+        else:
+            if mask.shape != t.shape:
+                raise ValueError(f"mask shape {tuple(mask.shape)} != tensor {tuple(t.shape)}")
+            vp[:k] = mask.reshape(-1).to(torch.float32)
+        xp = ew.clone()
+        xp[:k] += t.detach().reshape(-1)
+        xp.mul_(vp)  # invalid elements carry no value and no error
+        x[:, offset : offset + c] = xp.view(n, c)
+        valid[:, offset : offset + c] = vp.view(n, c)
+        offset += c
+    counts = _segment_sums(valid.sum(0), seg_ids, num)
+    worker_scales = (
+        _segment_sums(x.square().sum(0), seg_ids, num).sqrt() / counts.clamp_min(1).sqrt()
+    )
+    signs = torch.where(x >= 0, 1.0, -1.0)
+    sent = signs * worker_scales[seg_ids] * valid
+    new_worker_error = x - sent
+    offset = 0
+    for ew, c in zip(worker_errors, chunks):
+        ew.copy_(new_worker_error[:, offset : offset + c].reshape(-1))
+        offset += c
+
+    sign_bytes = width // 8
+    send = torch.empty(n, sign_bytes + 4 * num, dtype=torch.uint8)
+    send[:, :sign_bytes] = pack_signs(signs.reshape(-1)).view(n, sign_bytes)
+    send[:, sign_bytes:] = worker_scales.view(torch.uint8)
+    recv = torch.empty_like(send)
+    _record("all_to_all", group_ranks, send.numel(), tag)
+    dist.all_to_all_single(recv, send, group=group)
+
+    # Server side: this rank reduces chunk `rank` of every tensor.
+    recv_signs = unpack_signs(recv[:, :sign_bytes].reshape(-1), n * width).view(n, width)
+    recv_scales = recv[:, sign_bytes:].contiguous().view(torch.float32)  # (n, num)
+    my_valid = valid[rank]
+    server_err = torch.cat([es.reshape(-1) for es in server_errors])
+    y = (recv_signs * recv_scales[:, seg_ids]).sum(0).div_(n).mul_(my_valid).add_(server_err)
+    my_counts = _segment_sums(my_valid, seg_ids, num)
+    server_scales = _segment_sums(y.square(), seg_ids, num).sqrt() / my_counts.clamp_min(1).sqrt()
+    server_signs = torch.where(y >= 0, 1.0, -1.0)
+    server_sent = server_signs * server_scales[seg_ids] * my_valid
+    new_server_error = y - server_sent
+    offset = 0
+    for es, c in zip(server_errors, chunks):
+        es.copy_(new_server_error[offset : offset + c])
+        offset += c
+
+    payload = torch.empty(sign_bytes + 4 * num, dtype=torch.uint8)
+    payload[:sign_bytes] = pack_signs(server_signs)
+    payload[sign_bytes:] = server_scales.view(torch.uint8)
+    gathered = torch.empty(n, payload.numel(), dtype=torch.uint8)
+    _record("all_gather", group_ranks, gathered.numel(), tag)
+    _all_gather_single(gathered, payload, group)
+
+    out_signs = unpack_signs(gathered[:, :sign_bytes].reshape(-1), n * width).view(n, width)
+    out_scales = gathered[:, sign_bytes:].contiguous().view(torch.float32)  # (n, num)
+    result = out_signs.mul_(out_scales[:, seg_ids]).mul_(valid)
+    outputs = []
+    offset = 0
+    for t, k, c in zip(tensors, numels, chunks):
+        flat = result[:, offset : offset + c].reshape(-1)[:k]
+        outputs.append(flat.reshape(t.shape).clone())
+        offset += c
+    return outputs
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out.view(-1), inp.reshape(-1), group=group)  # gloo wants a flat output
+
+
+def _record(op: str, group_ranks: list[int], tensor_bytes: int, tag: str) -> None:
+    ledger = active_ledger()
+    if ledger is not None:
+        ledger.record(op, group_ranks=group_ranks, tensor_bytes=tensor_bytes, tag=tag)
