@@ -1,0 +1,345 @@
+"""The shared machinery of the 8-bit optimizers: options, state creation and layout, the step loop
+over plain and FSDP2 (DTensor) parameters, and checkpoint handling.
+
+A concrete optimizer only says which states it keeps and supplies its update: a pure function
+from :mod:`qshard.optim._functional` (reference path) and its hyperparameters for the fused
+kernel (fast path). Everything about quantized state lives here and in :mod:`._qstate`.
+
+State of one parameter (``optimizer.state[p]``), decided once from the *global* parameter:
+
+* ``step``: fp32 scalar tensor, as in ``torch.optim``.
+* 8-bit: ``<name>_codes`` (uint8, the parameter's shape) and ``<name>_absmax`` (fp32,
+  ``(dim0, blocks_per_row)``) per state, see [Note: row-block layout] in ``_qstate.py``.
+* 32-bit: ``<name>`` (fp32, the parameter's shape).
+
+For a DTensor parameter every state tensor is a DTensor on the parameter's mesh with its
+placements (``Shard(0)`` and/or ``Replicate()``), so ``state_dict()`` and DCP see ordinary
+sharded tensors and DCP can load them on any number of ranks. The step itself runs on local
+shards only; no collective is issued.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from qshard.optim import _kernels, _qstate
+from qshard.optim._overrides import is_full_precision_param
+
+__all__ = ["Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
+
+#: Options every 8-bit optimizer accepts, per parameter group.
+COMMON_DEFAULTS: dict[str, Any] = {
+    # 8: quantized state for eligible tensors; 32: fp32 state for the whole group.
+    "optim_bits": 8,
+    # Tensors with fewer elements (global count) keep fp32 state.
+    "min_8bit_size": 4096,
+    # Elements per absmax block, 1..4096 (256 default; the paper used 2048).
+    "block_size": 256,
+    # Reproduce bitsandbytes' CUDA rounding (no second-moment floor, sign nudge, -0.0 kept).
+    "bnb_compat": False,
+    # Stochastic instead of nearest rounding of the states.
+    "stochastic_rounding": False,
+}
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(stride))
+
+
+def _check_placements(p: DTensor) -> None:
+    for pl in p.placements:
+        if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
+            raise NotImplementedError(
+                f"8-bit optimizer state supports DTensor parameters sharded on dim 0 (FSDP2/HSDP)"
+                f" or replicated; got placements {p.placements}. Use optim_bits=32 for this "
+                f"parameter group."
+            )
+
+
+def _wrap_like(p: Tensor, local: Tensor, global_shape: tuple[int, ...]) -> Tensor:
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        p.device_mesh,
+        p.placements,
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=_contiguous_stride(global_shape),
+    )
+
+
+def _global_row_offset(p: Tensor) -> int:
+    if not isinstance(p, DTensor):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) if len(offset) else 0
+
+
+def _mix_seed(*parts: int) -> int:
+    h = 0x243F6A8885A308D3
+    for x in parts:
+        h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+class Optimizer8bit(torch.optim.Optimizer):
+    """Base class of the 8-bit block-wise optimizers (not used directly).
+
+    Subclasses set ``_kind`` (the kernel's update kind) and implement :meth:`_state_specs`,
+    :meth:`_reference_update` and :meth:`_kernel_hparams`.
+    """
+
+    _kind: int = -1
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, {**COMMON_DEFAULTS, **defaults})
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        """(state name, signed map?) for each state this group keeps."""
+        raise NotImplementedError
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Check the optimizer-specific options of a group (subclasses extend)."""
+
+    def _reference_update(
+        self, p: Tensor, g: Tensor, states: list[Tensor], group: dict[str, Any], step: int
+    ) -> None:
+        """Apply the pure update function to fp32 ``p``/``g``/``states`` in place."""
+        raise NotImplementedError
+
+    def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
+        raise NotImplementedError
+
+    def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
+        return 0.0
+
+    # -- options ----------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        unknown = sorted(set(param_group) - set(self.defaults) - {"params"})
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__}: unknown param-group option(s) {unknown}; known options:"
+                f" {sorted(self.defaults)}"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._validate_common(group)
+        self._validate_group(group)
+
+    def _validate_common(self, group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        if group["optim_bits"] not in (8, 32):
+            raise ValueError(f"{name}: optim_bits must be 8 or 32; got {group['optim_bits']!r}")
+        if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
+            raise ValueError(
+                f"{name}: min_8bit_size must be an int >= 0; got {group['min_8bit_size']!r}"
+            )
+        bs = group["block_size"]
+        if not isinstance(bs, int) or not 1 <= bs <= _kernels.MAX_BLOCK:
+            raise ValueError(
+                f"{name}: block_size must be an int in 1..{_kernels.MAX_BLOCK} (256 or 2048 are "
+                f"usual); got {bs!r}"
+            )
+        if not isinstance(group["lr"], float | int) or group["lr"] < 0:
+            raise ValueError(f"{name}: lr must be a float >= 0; got {group['lr']!r}")
+        for p in group["params"]:
+            if isinstance(p, DTensor):
+                _check_placements(p)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def uses_8bit_state(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p`` gets quantized state: decided from its global shape only."""
+        return (
+            group["optim_bits"] == 8
+            and p.dim() >= 2
+            and p.numel() >= group["min_8bit_size"]
+            and p.is_floating_point()
+            and not is_full_precision_param(p)
+        )
+
+    def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        specs = self._state_specs(group)
+        if not specs:
+            return
+        local = _local(p)
+        if self.uses_8bit_state(p, group):
+            bs = group["block_size"]
+            rows, row_numel = _qstate.row_view(local.shape)
+            nbr = _qstate.blocks_per_row(row_numel, bs)
+            for name, signed in specs:
+                q = _qstate.qmap(signed)
+                init = self._initial_state_value(group, name)
+                codes = torch.full(local.shape, q.zero_idx, dtype=torch.uint8)
+                absmax = torch.zeros(rows, nbr, dtype=torch.float32)
+                if init != 0.0:  # a constant encodes exactly as code 1.0 times |init|
+                    codes.fill_(int((q.code == math.copysign(1.0, init)).nonzero()[0, 0]))
+                    absmax.fill_(abs(init))
+                state[f"{name}_codes"] = _wrap_like(p, codes, tuple(p.shape))
+                state[f"{name}_absmax"] = _wrap_like(p, absmax, (p.shape[0], nbr))
+        else:
+            for name, _ in specs:
+                init = self._initial_state_value(group, name)
+                state[name] = torch.full_like(p, init, dtype=torch.float32)
+
+    @staticmethod
+    def _process_value_according_to_param_policy(
+        param: Tensor,
+        value: Tensor,
+        param_id: int,
+        param_groups: list[dict[Any, Any]],
+        key: Any = None,
+    ) -> Tensor:
+        # torch.optim casts every loaded state to the parameter's dtype; codes must stay uint8
+        # and absmax/fp32 states fp32, so only the device follows the parameter.
+        if key == "step":
+            return value
+        return value.to(device=param.device)
+
+    # -- step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, group, state)
+                state["step"] += 1
+                self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
+        return loss
+
+    def _step_param(
+        self,
+        p: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        step: int,
+        index: tuple[int, int],
+    ) -> None:
+        p_l, g_l = _local(p), _local(p.grad)
+        if p_l.numel() == 0:
+            return
+        specs = self._state_specs(group)
+        eight = bool(specs) and f"{specs[0][0]}_codes" in state
+        rounding = _qstate.Rounding.make(
+            bnb_compat=group["bnb_compat"], stochastic=group["stochastic_rounding"]
+        )
+        seed = _mix_seed(index[0], index[1], step)
+        bs = group["block_size"]
+        if not eight:
+            states = [_local(state[name]) for name, _ in specs]
+            p32 = p_l if p_l.dtype == torch.float32 else p_l.float()
+            self._reference_update(p32, g_l.float(), states, group, step)
+            if p32 is not p_l:
+                p_l.copy_(p32)
+            return
+        codes = [_local(state[f"{n}_codes"]) for n, _ in specs]
+        absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
+        maps = [_qstate.qmap(signed) for _, signed in specs]
+        offset = _global_row_offset(p) * _qstate.row_view(p_l.shape)[1]
+        lib = _kernels.library()
+        if lib is not None and p_l.dtype == torch.float32 and p_l.is_contiguous():
+            g = g_l.float().contiguous()
+            hp = torch.tensor(self._kernel_hparams(group, step) + [0.0] * 8, dtype=torch.float32)
+            flags = rounding.flags() | (_kernels.FLAG_FIRST_STEP if step == 1 else 0)
+            rows, row_numel = _qstate.row_view(p_l.shape)
+            two = len(specs) == 2
+            rc = lib.step8(
+                self._kind,
+                p_l.data_ptr(),
+                g.data_ptr(),
+                codes[0].data_ptr(),
+                absmax[0].data_ptr(),
+                maps[0].code.data_ptr(),
+                maps[0].mid.data_ptr(),
+                maps[0].lut.data_ptr(),
+                maps[0].zero_idx,
+                int(maps[0].signed),
+                codes[1].data_ptr() if two else None,
+                absmax[1].data_ptr() if two else None,
+                maps[1].code.data_ptr() if two else None,
+                maps[1].mid.data_ptr() if two else None,
+                maps[1].lut.data_ptr() if two else None,
+                maps[1].zero_idx if two else 0,
+                int(maps[1].signed) if two else 0,
+                rows,
+                row_numel,
+                bs,
+                hp.data_ptr(),
+                flags,
+                ctypes.c_uint64(seed),
+                offset,
+                torch.get_num_threads(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"fused 8-bit kernel rejected block_size={bs}")
+            return
+        # Reference path: dequantize, pure update in fp32, requantize.
+        states = [_qstate.dequantize_rows(c, a, q, bs) for c, a, q in zip(codes, absmax, maps)]
+        p32 = p_l if p_l.dtype == torch.float32 else p_l.float()
+        g32 = g_l.float()
+        if rounding.canonical_zero:
+            g32 = g32 + 0.0
+        self._reference_update(p32, g32, states, group, step)
+        if p32 is not p_l:
+            p_l.copy_(p32)
+        gen = None
+        if rounding.stochastic:
+            gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+        for s, c, a, q in zip(states, codes, absmax, maps):
+            nc, na = _qstate.quantize_rows(s, q, bs, rounding, gen)
+            c.copy_(nc)
+            a.copy_(na)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` on this rank (local shards of DTensors)."""
+    total = 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, Tensor):
+                t = _local(v)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:
+    """Optimizer-state bytes per parameter element on this rank (8-bit Adam: ~2.03)."""
+    numel = sum(
+        _local(p).numel()
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p in optimizer.state
+    )
+    return optimizer_state_bytes(optimizer) / max(numel, 1)

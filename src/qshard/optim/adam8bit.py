@@ -1,0 +1,127 @@
+"""8-bit Adam and AdamW: first moment on the signed dynamic map, second on the unsigned one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from qshard.optim import _functional, _kernels
+from qshard.optim._base8bit import Optimizer8bit
+
+__all__ = ["Adam8bit", "AdamW8bit"]
+
+
+class Adam8bit(Optimizer8bit):
+    """Adam with block-wise 8-bit state (Dettmers et al. 2022); ``torch.optim.Adam`` semantics.
+
+    Args:
+        params: parameters or parameter groups (groups may override every option below).
+        lr, betas, eps, weight_decay: as ``torch.optim.Adam`` (L2 decay added to the gradient).
+        amsgrad: must be False (not supported with quantized state).
+        optim_bits: 8 (quantized state for eligible tensors) or 32 (fp32 state).
+        min_8bit_size: tensors with fewer (global) elements keep fp32 state; 1-D tensors always
+            do (see [Note: row-block layout] in ``_qstate.py``).
+        block_size: elements per absmax block (1..4096; 256 default, 2048 as in the paper).
+        bnb_compat: reproduce bitsandbytes' CUDA rounding instead of the fixed one.
+        stochastic_rounding: stochastic rounding of the states.
+    """
+
+    _kind = _kernels.KIND_ADAM
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        optim_bits: int = 8,
+        min_8bit_size: int = 4096,
+        block_size: int = 256,
+        bnb_compat: bool = False,
+        stochastic_rounding: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise ValueError(f"{type(self).__name__} does not support amsgrad; use amsgrad=False")
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            optim_bits=optim_bits,
+            min_8bit_size=min_8bit_size,
+            block_size=block_size,
+            bnb_compat=bnb_compat,
+            stochastic_rounding=stochastic_rounding,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        b1, b2 = group["betas"]
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must be in [0, 1); got {group['betas']}")
+        if group["eps"] < 0 or group["weight_decay"] < 0:
+            raise ValueError("eps and weight_decay must be >= 0")
+
+    def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        return (("exp_avg", True), ("exp_avg_sq", False))
+
+    def _reference_update(self, p, g, states, group, step) -> None:
+        b1, b2 = group["betas"]
+        _functional.adam_update(
+            p,
+            g,
+            states[0],
+            states[1],
+            step=step,
+            lr=group["lr"],
+            beta1=b1,
+            beta2=b2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=self._decoupled,
+        )
+
+    def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
+        b1, b2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        decay = 1.0 - lr * wd if self._decoupled else 1.0
+        if self._decoupled and decay == 1.0:
+            wd = 0.0
+        step_size = lr / (1.0 - b1**step)
+        bc2_sqrt = math.sqrt(1.0 - b2**step)
+        return [
+            lr,
+            b1,
+            b2,
+            group["eps"],
+            0.0 if self._decoupled else wd,
+            step_size,
+            bc2_sqrt,
+            decay,
+        ]
+
+
+class AdamW8bit(Adam8bit):
+    """AdamW (decoupled weight decay, default 1e-2) with block-wise 8-bit state; arguments as
+    :class:`Adam8bit`, semantics of ``torch.optim.AdamW``."""
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

@@ -1,0 +1,82 @@
+"""8-bit RMSprop: the square average on the unsigned map, the momentum buffer on the signed one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from qshard.optim import _functional, _kernels
+from qshard.optim._base8bit import Optimizer8bit
+
+__all__ = ["RMSprop8bit"]
+
+
+class RMSprop8bit(Optimizer8bit):
+    """RMSprop with 8-bit state; ``torch.optim.RMSprop`` semantics (uncentered). The 8-bit
+    options are those of :class:`qshard.optim.Adam8bit`."""
+
+    _kind = _kernels.KIND_RMSPROP
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        *,
+        optim_bits: int = 8,
+        min_8bit_size: int = 4096,
+        block_size: int = 256,
+        bnb_compat: bool = False,
+        stochastic_rounding: bool = False,
+    ) -> None:
+        if centered:
+            raise ValueError(
+                "RMSprop8bit does not support centered=True (a third state); use "
+                "torch.optim.RMSprop(centered=True) or centered=False"
+            )
+        defaults = dict(
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            optim_bits=optim_bits,
+            min_8bit_size=min_8bit_size,
+            block_size=block_size,
+            bnb_compat=bnb_compat,
+            stochastic_rounding=stochastic_rounding,
+        )
+        super().__init__(params, defaults)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["alpha"] < 1.0:
+            raise ValueError(f"alpha must be in [0, 1); got {group['alpha']}")
+        if group["eps"] < 0 or group["weight_decay"] < 0 or group["momentum"] < 0:
+            raise ValueError("eps, weight_decay and momentum must be >= 0")
+
+    def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        if group["momentum"] > 0:
+            return (("square_avg", False), ("momentum_buffer", True))
+        return (("square_avg", False),)
+
+    def _reference_update(self, p, g, states, group, step) -> None:
+        _functional.rmsprop_update(
+            p,
+            g,
+            states[0],
+            states[1] if len(states) > 1 else None,
+            lr=group["lr"],
+            alpha=group["alpha"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+        )
+
+    def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
+        return [group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]]
