@@ -1,0 +1,324 @@
+"""Triton kernel for the fused 8-bit optimizer step, the GPU twin of the CPU kernel `step8` in
+`qshard.optim._kernels` (same arguments, same expressions in the same order, same encoder).
+
+One program owns whole state blocks: it decodes both states through the 256-entry maps, applies
+the update in fp32 registers, writes the parameter, finds each block's new absmax and encodes
+the states back, so every byte of parameter, gradient and state moves once each way (the
+8-bit-optimizer paper's kernel). For Adam that is 4+4+1+1 bytes read and 4+1+1 written per
+parameter against 16 + 12 for fused fp32 AdamW.
+
+Layout ([Note: row-block layout] in `qshard.optim._qstate`): a state of `rows * row_numel`
+elements; each row is cut into ceil(row_numel / block_size) blocks (the last one partial), one
+fp32 absmax per block, block b = row * blocks_per_row + j.
+
+Encoding is exact nearest: the code index is the number of map midpoints strictly below
+x / absmax (ties to the lower code), found with an 8-step branchless binary search over the
+255 midpoints (L1-resident), plus the reference's optional fix-ups (flags below). An all-zero
+block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
+stream would have to be reproduced); callers keep their torch path for it.
+
+The kernel is launched with fp fusion off, so no multiply-add is contracted into an FMA and
+the fp32 results equal the C kernel's (built with -ffp-contract=off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from qshard._triton._common import check_contiguous, next_pow2, rows_per_program, store_as
+
+__all__ = [
+    "FLAG_BNB_SIGN_NUDGE",
+    "FLAG_CANONICAL_ZERO",
+    "FLAG_FIRST_STEP",
+    "FLAG_FLOOR_UNSIGNED",
+    "FLAG_STOCHASTIC",
+    "KINDS",
+    "optim8bit_step",
+]
+
+# Mirrors qshard.optim._kernels (kept as literals so this module never imports the C builder).
+KINDS = {"adam": 0, "lion": 1, "sgd": 2, "rmsprop": 3, "adagrad": 4}
+FLAG_CANONICAL_ZERO = 1
+FLAG_FLOOR_UNSIGNED = 2
+FLAG_BNB_SIGN_NUDGE = 4
+FLAG_STOCHASTIC = 8
+FLAG_FIRST_STEP = 16
+_KNOWN_FLAGS = 31
+_MAX_BLOCK = 4096
+
+
+@triton.jit
+def _nearest(x, mid_ptr):
+    """Number of the 255 sorted midpoints strictly below x (NaN -> 0): the nearest code."""
+    lo = tl.zeros(x.shape, tl.int32)
+    # Branchless lower bound, unrolled: after the step of 2**k, lo has its bits >= k fixed.
+    lo = tl.where(tl.load(mid_ptr + lo + 127) < x, lo + 128, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 63) < x, lo + 64, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 31) < x, lo + 32, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 15) < x, lo + 16, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 7) < x, lo + 8, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 3) < x, lo + 4, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 1) < x, lo + 2, lo)
+    lo = tl.where(tl.load(mid_ptr + lo) < x, lo + 1, lo)
+    return lo
+
+
+@triton.jit
+def _signbit(x):
+    return x.to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
+def _encode(s, amax, code_ptr, mid_ptr, zero_idx, SIGNED: tl.constexpr, FLAGS: tl.constexpr):
+    """uint8 codes of a (G, BLOCK_N) fp32 state tile given each block's absmax (G,)."""
+    zero_block = (amax == 0.0)[:, None]
+    x = tl.where(zero_block, s * 0.0, tl.math.div_rn(s, tl.where(zero_block, 1.0, amax[:, None])))
+    i = _nearest(x, mid_ptr)
+    if SIGNED:
+        if FLAGS & 4:  # bitsandbytes: a code of the other sign moves one step towards x's sign
+            wrong = _signbit(tl.load(code_ptr + i)) != _signbit(x)
+            i = tl.where(wrong, i + tl.where(x > 0.0, 1, -1), i)
+    else:
+        if FLAGS & 2:  # a positive state never encodes to the zero code (pitfall 1)
+            i = tl.where((x > 0.0) & (i == zero_idx), zero_idx + 1, i)
+    return i.to(tl.uint8)
+
+
+@triton.jit
+def _block_absmax(s, valid):
+    # The C kernel's `a > m ? a : m` from 0 skips NaN; match it.
+    a = tl.abs(s)
+    return tl.max(tl.where(valid & (a == a), a, 0.0), axis=1)
+
+
+@triton.jit
+def _step8_kernel(
+    p_ptr,
+    g_ptr,
+    c1_ptr,
+    a1_ptr,
+    code1_ptr,
+    mid1_ptr,
+    zero1,
+    c2_ptr,
+    a2_ptr,
+    code2_ptr,
+    mid2_ptr,
+    zero2,
+    n_blocks,
+    blocks_per_row,
+    row_numel,
+    hp0,
+    hp1,
+    hp2,
+    hp3,
+    hp4,
+    hp5,
+    hp6,
+    hp7,
+    w1,
+    w2,
+    KIND: tl.constexpr,
+    FLAGS: tl.constexpr,
+    HAS2: tl.constexpr,
+    SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+):
+    b = tl.program_id(0) * G + tl.arange(0, G)
+    b_ok = b < n_blocks
+    r = b // blocks_per_row
+    j = b % blocks_per_row
+    base = r.to(tl.int64) * row_numel + j.to(tl.int64) * BS
+    n = tl.minimum(row_numel - j * BS, BS)
+    cols = tl.arange(0, BLOCK_N)
+    valid = b_ok[:, None] & (cols[None, :] < n[:, None])
+    off = base[:, None] + cols[None, :]
+
+    gi = tl.load(g_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    if FLAGS & 1:
+        gi = gi + 0.0  # -0.0 -> +0.0 (pitfall 2)
+    pi = tl.load(p_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    c1 = tl.load(c1_ptr + off, mask=valid, other=0).to(tl.int32)
+    old1 = tl.load(a1_ptr + b, mask=b_ok, other=0.0)
+    s1 = tl.load(code1_ptr + c1) * old1[:, None]
+    s2 = s1  # placeholder for one-state kinds; only stored when HAS2
+    if HAS2:
+        c2 = tl.load(c2_ptr + off, mask=valid, other=0).to(tl.int32)
+        old2 = tl.load(a2_ptr + b, mask=b_ok, other=0.0)
+        s2 = tl.load(code2_ptr + c2) * old2[:, None]
+
+    # w1 = 1 - hp1 and w2 = 1 - hp2, rounded to fp32 on the host (see [Note: fp32 scalars]).
+    if KIND == 0:  # Adam / AdamW: hp = lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, decay
+        decoupled = hp7 != 1.0
+        pi = tl.where(decoupled, pi * hp7, pi)
+        gi = tl.where(~decoupled & (hp4 != 0.0), gi + hp4 * pi, gi)
+        s1 = s1 + w1 * (gi - s1)
+        s2 = s2 * hp2 + w2 * gi * gi
+        denom = tl.math.div_rn(tl.math.sqrt_rn(s2), tl.full(s2.shape, hp6, tl.float32)) + hp3
+        pi = pi - hp5 * tl.math.div_rn(s1, denom)
+    elif KIND == 1:  # Lion: hp = lr, beta1, beta2, wd, decay
+        c = hp1 * s1 + w1 * gi
+        sg = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
+        pi = pi * hp4 - hp0 * sg
+        s1 = hp2 * s1 + w2 * gi
+    elif KIND == 2:  # SGD momentum: hp = lr, momentum, dampening, wd, nesterov
+        gi = tl.where(hp3 != 0.0, gi + hp3 * pi, gi)
+        if FLAGS & 16:
+            s1 = gi
+        else:
+            s1 = s1 * hp1 + w2 * gi
+        d = tl.where(hp4 != 0.0, gi + hp1 * s1, s1)
+        pi = pi - hp0 * d
+    elif KIND == 3:  # RMSprop: hp = lr, alpha, eps, wd, momentum; state1 = v, state2 = buffer
+        gi = tl.where(hp3 != 0.0, gi + hp3 * pi, gi)
+        s1 = s1 * hp1 + w1 * gi * gi
+        avg = tl.math.sqrt_rn(s1) + hp2
+        if HAS2:
+            s2 = s2 * hp4 + tl.math.div_rn(gi, avg)
+            pi = pi - hp0 * s2
+        else:
+            pi = pi - hp0 * tl.math.div_rn(gi, avg)
+    else:  # Adagrad: hp = clr, eps, wd
+        gi = tl.where(hp2 != 0.0, gi + hp2 * pi, gi)
+        s1 = s1 + gi * gi
+        pi = pi - hp0 * tl.math.div_rn(gi, tl.math.sqrt_rn(s1) + hp1)
+
+    store_as(p_ptr + off, pi, valid)
+    m1 = _block_absmax(s1, valid)
+    tl.store(c1_ptr + off, _encode(s1, m1, code1_ptr, mid1_ptr, zero1, SIGNED1, FLAGS), mask=valid)
+    tl.store(a1_ptr + b, m1, mask=b_ok)
+    if HAS2:
+        m2 = _block_absmax(s2, valid)
+        tl.store(
+            c2_ptr + off, _encode(s2, m2, code2_ptr, mid2_ptr, zero2, SIGNED2, FLAGS), mask=valid
+        )
+        tl.store(a2_ptr + b, m2, mask=b_ok)
+
+
+def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
+    if code.shape != (256,) or code.dtype != torch.float32:
+        raise ValueError(
+            f"{name}: code must be the fp32 (256,) map; got {code.dtype} {tuple(code.shape)}"
+        )
+    if mid.shape != (255,) or mid.dtype != torch.float32:
+        raise ValueError(
+            f"{name}: mid must be fp32 (255,) midpoints; got {mid.dtype} {tuple(mid.shape)}"
+        )
+
+
+def optim8bit_step(
+    *,
+    kind: int | str,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    codes1: torch.Tensor,
+    absmax1: torch.Tensor,
+    code1: torch.Tensor,
+    mid1: torch.Tensor,
+    zero1: int,
+    signed1: bool,
+    rows: int,
+    row_numel: int,
+    block_size: int,
+    hp: Sequence[float],
+    flags: int,
+    codes2: torch.Tensor | None = None,
+    absmax2: torch.Tensor | None = None,
+    code2: torch.Tensor | None = None,
+    mid2: torch.Tensor | None = None,
+    zero2: int = 0,
+    signed2: bool = False,
+) -> None:
+    """One in-place step on `param` (fp32 or bf16) and its 8-bit states, as `step8` does.
+
+    `kind` is "adam" | "lion" | "sgd" | "rmsprop" | "adagrad" (or the C kernel's int);
+    `hp` the kind's hyperparameters in `step8`'s order; `flags` its FLAG_* bits. State 2 is
+    given for Adam (second moment) and RMSprop with momentum (buffer).
+    """
+    kind_id = KINDS[kind] if isinstance(kind, str) else int(kind)
+    if kind_id not in KINDS.values():
+        raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
+    if flags & ~_KNOWN_FLAGS:
+        raise ValueError(f"unknown flag bits {flags & ~_KNOWN_FLAGS:#x}")
+    if flags & FLAG_STOCHASTIC:
+        raise NotImplementedError(
+            "stochastic state rounding has no Triton kernel; use the torch path for it"
+        )
+    if not 1 <= block_size <= _MAX_BLOCK:
+        raise ValueError(f"block_size must be in 1..{_MAX_BLOCK}; got {block_size}")
+    has2 = codes2 is not None
+    if (kind_id == 0) != has2 and kind_id != 3:
+        raise ValueError(f"kind {kind!r} {'needs' if kind_id == 0 else 'takes no'} a second state")
+    numel = rows * row_numel
+    nbr = -(-row_numel // block_size)
+    n_blocks = rows * nbr
+    for name, t, dtype, count in (
+        ("param", param, None, numel),
+        ("grad", grad, None, numel),
+        ("codes1", codes1, torch.uint8, numel),
+        ("absmax1", absmax1, torch.float32, n_blocks),
+    ):
+        check_contiguous(name, t)
+        if t.numel() != count or (dtype is not None and t.dtype != dtype):
+            raise ValueError(
+                f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
+            )
+    _check_map("state 1", code1, mid1)
+    if has2:
+        assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None
+        check_contiguous("codes2", codes2)
+        if codes2.numel() != numel or absmax2.numel() != n_blocks:
+            raise ValueError("codes2/absmax2 must match codes1/absmax1 in size")
+        _check_map("state 2", code2, mid2)
+    if len(hp) > 8:
+        raise ValueError(f"hp takes at most 8 values; got {len(hp)}")
+    # [Note: fp32 scalars] The C kernel reads hp as fp32 and forms 1 - beta in fp32. Rounding
+    # here, and forming w1 = 1 - hp[1], w2 = 1 - hp[2] in fp32 on the host, gives the kernel
+    # the same constants on CUDA (fp32 arguments) and in the interpreter (which would otherwise
+    # evaluate `1.0 - hp` on Python doubles).
+    hps = [float(np.float32(v)) for v in hp] + [0.0] * (8 - len(hp))
+    w1 = float(np.float32(1.0) - np.float32(hps[1]))
+    w2 = float(np.float32(1.0) - np.float32(hps[2]))
+    if n_blocks == 0:
+        return
+    block_n = next_pow2(block_size)
+    g = rows_per_program(block_size)
+    _step8_kernel[(triton.cdiv(n_blocks, g),)](
+        param,
+        grad,
+        codes1,
+        absmax1,
+        code1,
+        mid1,
+        int(zero1),
+        codes2 if has2 else codes1,
+        absmax2 if has2 else absmax1,
+        code2 if has2 else code1,
+        mid2 if has2 else mid1,
+        int(zero2),
+        n_blocks,
+        nbr,
+        row_numel,
+        *hps,
+        w1,
+        w2,
+        KIND=kind_id,
+        FLAGS=int(flags),
+        HAS2=has2,
+        SIGNED1=bool(signed1),
+        SIGNED2=bool(signed2),
+        BS=block_size,
+        BLOCK_N=block_n,
+        G=g,
+        num_warps=8 if block_n * g >= 4096 else 4,
+        enable_fp_fusion=False,
+    )
