@@ -1,0 +1,404 @@
+"""Training throughput of ZeRO-3 vs ZeRO++ on an emulated slow inter-node network (the ZeRO++
+paper's Tables 2-3 and Figure 9, in miniature), with the bytes that really crossed each node's
+link next to the comm ledger's prediction.
+
+One launch of ``benchmarks/netsim/netsim.sh`` (2 nodes x 2 ranks by default, each node's link
+shaped with tbf) runs every variant at every rate inside one gloo world, because importing torch
+costs ~10 s per process here. Per rate (the links are re-shaped between rates) and per variant,
+each rank builds the same GPT (``qshard.train.model``, fp32 compute: bf16 matmuls are ~65x slower
+on this CPU), shards it, and trains on the same batches of the embedded corpus:
+
+- ``fsdp2``: plain ``torch.distributed.fsdp.fully_shard`` per block and root, no qshard code;
+- ``zero3``: ``qshard.zeropp.shard`` with every feature off (must cost what ``fsdp2`` costs);
+- ``zero3-bf16``: the same with a bf16 wire (the paper's fp16 ZeRO-3 baseline), when supported;
+- ``qwz``, ``hpz``, ``qgz``, ``all``: the ZeRO++ features alone and together.
+
+Step time is the slowest rank's time from a barrier to the end of ``optimizer.step()``; median and
+min over ``--steps`` timed steps after ``--warmup`` untimed ones. Link bytes are the node's
+``eth0`` tx counter over the timed steps (read after a barrier), divided by the steps; the ledger
+column is ``CommLedger.gather_summary()``'s inter-node bytes of the busiest node per step.
+
+Needs root (network namespaces); run from the repository root, e.g.
+
+    python benchmarks/throughput.py --rates 100,200,400 --steps 10 --out-md docs/results/throughput.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import Report, add_report_args  # noqa: E402
+
+NETSIM = HERE / "netsim" / "netsim.sh"
+ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
+DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
+# ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
+FEATURES: dict[str, dict[str, object]] = {
+    "zero3": {},
+    "zero3-bf16": {"wire_dtype": "bf16"},
+    "qwz": {"qwz": True},
+    "hpz": {"hpz": True},
+    "qgz": {"qgz": True},
+    "all": {"qwz": True, "hpz": True, "qgz": True},
+}
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rates", default="100,200,400", help="link rates in Mbit/s, comma separated")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma separated")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant and rate")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rank-timeout", type=int, default=3000, help="seconds, per rank")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-json", help=argparse.SUPPRESS)
+    add_report_args(p)
+    args = p.parse_args(argv)
+    args.rate_list = [int(r) for r in args.rates.split(",") if r.strip()]
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variant_list if v not in ALL_VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(ALL_VARIANTS)}")
+    if not args.rate_list or any(r < 1 for r in args.rate_list):
+        p.error("--rates must list positive Mbit/s values, e.g. 100,200,400")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker: one process per rank, inside the emulated cluster.
+
+
+def _build(variant: str, args: argparse.Namespace, topology):
+    """The GPT of this benchmark, sharded as ``variant`` says."""
+    from qshard.train.model import GPT, GPTConfig
+
+    cfg = GPTConfig(
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        context=args.context,
+        seed=args.seed,
+    )
+    model = GPT(cfg)
+    if variant == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from qshard.zeropp import ZeroPPConfig, shard
+
+    return shard(model, topology=topology, config=ZeroPPConfig(**_zeropp_kwargs(variant)))
+
+
+def _zeropp_kwargs(variant: str) -> dict[str, object]:
+    import torch
+
+    kw = dict(FEATURES[variant])
+    if kw.get("wire_dtype") == "bf16":
+        kw["wire_dtype"] = torch.bfloat16
+    return kw
+
+
+def _supported(variant: str) -> str | None:
+    """None if ``variant`` can run with the installed qshard, else why not."""
+    if variant == "fsdp2":
+        return None
+    try:
+        from qshard.zeropp import ZeroPPConfig, shard  # noqa: F401
+    except ImportError as exc:
+        return f"qshard.zeropp.shard is not available ({exc})"
+    try:
+        ZeroPPConfig(**_zeropp_kwargs(variant))
+    except (TypeError, ValueError) as exc:
+        return f"ZeroPPConfig refuses it: {exc}"
+    return None
+
+
+def _measure(variant, args, topology, corpus, rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from netsim.link import NodeLinkMeter
+    from qshard.comm import CommLedger, recording
+    from qshard.train.data import batch_for_step
+
+    torch.manual_seed(args.seed)
+    model = _build(variant, args, topology)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    ledger = CommLedger(topology)
+    meter = NodeLinkMeter()
+    global_batch = args.batch_per_rank * world
+
+    def step(i: int) -> float:
+        x, y = batch_for_step(
+            corpus.train,
+            step=i,
+            seed=args.seed,
+            global_batch=global_batch,
+            context=args.context,
+            rank=rank,
+            world_size=world,
+        )
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    with recording(ledger):
+        losses = [step(i) for i in range(args.warmup)]
+        ledger.reset()
+        times = []
+        meter.start()
+        for i in range(args.warmup, args.warmup + args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(step(i))
+            times.append(time.perf_counter() - t0)
+        per_node = meter.stop()
+    summary = ledger.gather_summary()
+    # The step's time is its slowest rank's (one reduction for all steps, after the metering).
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    result = {
+        "times": t.tolist(),
+        "node_tx": [b.tx / args.steps for b in per_node],
+        "node_rx": [b.rx / args.steps for b in per_node],
+        "ledger_inter": summary.inter_node_bytes / args.steps,
+        "ledger_intra": summary.intra_node_bytes / args.steps,
+        "ledger_by_tag": [
+            [e.tag, e.op, e.inter_node_bytes / args.steps, e.intra_node_bytes / args.steps]
+            for e in summary.entries
+        ],
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+    return result
+
+
+def worker(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from netsim.link import set_link_rate
+    from qshard.comm import Topology
+    from qshard.train.data import load_corpus
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.rank_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topology = Topology.from_env()
+    if rank == 0:
+        load_corpus(min_tokens=args.context + 1)  # build the cache once, before the others read it
+    dist.barrier()
+    corpus = load_corpus(min_tokens=args.context + 1)
+    results: dict[str, dict[str, object]] = {}
+    skipped: dict[str, str] = {}
+    for rate in args.rate_list:
+        set_link_rate(rate)
+        results[str(rate)] = {}
+        for variant in args.variant_list:
+            why = _supported(variant)
+            if why:
+                skipped[variant] = why
+                continue
+            t0 = time.perf_counter()
+            res = _measure(variant, args, topology, corpus, rank, world)
+            gc.collect()  # the previous variant's model and optimizer go before the next is built
+            results[str(rate)][variant] = res
+            if rank == 0:
+                print(
+                    f"[throughput] {rate} Mbit/s {variant:>10}: median "
+                    f"{statistics.median(res['times']):.3f} s/step, link "
+                    f"{max(res['node_tx']) / 2**20:.2f} MiB/step, ledger "
+                    f"{res['ledger_inter'] / 2**20:.2f} MiB/step ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+    if rank == 0 and args.result_json:
+        from qshard.train.model import GPT, GPTConfig
+
+        n_params = GPT(
+            GPTConfig(
+                n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, context=args.context
+            )
+        ).num_params()
+        with open(args.result_json, "w") as f:
+            json.dump({"results": results, "skipped": skipped, "n_params": n_params}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher: starts the emulated cluster, then turns the workers' numbers into the report.
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    if os.geteuid() != 0:
+        print(
+            "throughput: needs root to build the emulated cluster (network namespaces, tc); "
+            "run as root",
+            file=sys.stderr,
+        )
+        return 77
+    fd, result_json = tempfile.mkstemp(prefix="qshard-throughput-", suffix=".json")
+    os.close(fd)
+    cmd = [
+        "bash", str(NETSIM),
+        "-p", f"qtp{os.getpid() % 100000}-",
+        "-n", str(args.nodes), "-r", str(args.ranks_per_node),
+        "-b", str(args.rate_list[0]), "-t", str(args.rank_timeout),
+        "run", "--",
+        sys.executable, str(Path(__file__).resolve()), *argv,
+        "--worker", "--result-json", result_json,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0:
+        print(f"throughput: the emulated cluster run failed with status {rc}", file=sys.stderr)
+        return rc
+    with open(result_json) as f:
+        data = json.load(f)
+    os.unlink(result_json)
+    report(args, data, time.perf_counter() - t0)
+    return 0
+
+
+def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
+    results, skipped = data["results"], data["skipped"]
+    rep = Report("Throughput: ZeRO-3 vs ZeRO++ on an emulated slow network")
+    rep.note(
+        f"GPT of {data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width "
+        f"{args.n_embd}, context {args.context}), fp32 compute and master weights, "
+        f"{args.batch_per_rank} sequences per rank; {args.nodes} nodes x {args.ranks_per_node} "
+        f"ranks (netns + tbf, intra-node over loopback); torch AdamW; {args.steps} timed steps "
+        f"after {args.warmup} warm-up steps per variant and rate; whole run {wall_s:.0f} s. "
+        "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
+        "Link MiB/step: the busiest node's eth0 tx bytes over the timed steps; ledger: "
+        "CommLedger's inter-node bytes of the busiest node. The ledger models a reduce-scatter "
+        "as a ring; gloo runs it as an all-reduce and keeps a slice (twice the bytes, measured by "
+        "benchmarks/netsim/check.py), so a second ratio counts the ledger's reduce-scatter "
+        "bytes twice. fsdp2 is plain fully_shard without explicit prefetch; zero3 is "
+        "qshard.zeropp.shard with every feature off (prefetch on, as in every qshard variant)."
+    )
+    rows = []
+    targets = []
+    for rate, by_variant in results.items():
+        base = by_variant.get("zero3") or by_variant.get("fsdp2")
+        for variant, r in by_variant.items():
+            med, mn = statistics.median(r["times"]), min(r["times"])
+            link = max(r["node_tx"])
+            speed = statistics.median(base["times"]) / med if base else float("nan")
+            speed_min = min(base["times"]) / mn if base else float("nan")
+            ledger = r["ledger_inter"]
+            ratio = ledger / link if link else float("nan")
+            # [gloo reduce-scatter] gloo has no ring reduce-scatter: it all-reduces and keeps a
+            # slice, moving twice the ring model's bytes (benchmarks/netsim/check.py measures it).
+            gloo = sum(
+                i * (2 if op == "reduce_scatter" else 1) for _, op, i, _ in r["ledger_by_tag"]
+            )
+            gloo_ratio = gloo / link if link else float("nan")
+            rows.append(
+                [
+                    rate,
+                    variant,
+                    f"{med:.3f}",
+                    f"{mn:.3f}",
+                    f"{speed:.2f}x ({speed_min:.2f}x)",
+                    f"{link / 2**20:.2f}",
+                    f"{ledger / 2**20:.2f}" if ledger else "-",
+                    f"{ratio:.3f}" if ledger else "-",
+                    f"{gloo_ratio:.3f}" if ledger else "-",
+                    f"{r['loss_last']:.3f}",
+                ]
+            )
+            if variant == "all" and int(rate) == 100:
+                targets.append(
+                    f"ZeRO++ (all) at 100 Mbit/s: {speed:.2f}x ZeRO-3 (target >= 2x: "
+                    f"{'met' if speed >= 2 else 'NOT met'})"
+                )
+            if ledger:
+                targets.append(
+                    f"ledger/link at {rate} Mbit/s, {variant}: {ratio:.3f} "
+                    f"({'within' if abs(ratio - 1) <= 0.10 else 'NOT within'} 10%); counting "
+                    f"gloo's reduce-scatter as the all-reduce it is: {gloo_ratio:.3f} "
+                    f"({'within' if abs(gloo_ratio - 1) <= 0.10 else 'NOT within'} 10%)"
+                )
+    rep.table(
+        "Step time and link bytes per step",
+        [
+            "Mbit/s",
+            "variant",
+            "median s",
+            "min s",
+            "speed-up vs zero3",
+            "link MiB/step",
+            "ledger MiB/step",
+            "ledger/link",
+            "ledger (gloo RS x2)/link",
+            "last loss",
+        ],
+        rows,
+    )
+    first = next(iter(results.values()), {})
+    tag_rows = []
+    for variant, r in first.items():
+        for tag, op, inter, intra in r["ledger_by_tag"]:
+            tag_rows.append([variant, tag, op, f"{inter / 2**20:.3f}", f"{intra / 2**20:.3f}"])
+    if tag_rows:
+        rep.table(
+            "Ledger per collective (per step, busiest node; same at every rate)",
+            ["variant", "tag", "op", "inter-node MiB", "intra-node MiB"],
+            tag_rows,
+        )
+    for line in targets:
+        rep.note(f"- {line}")
+    for variant, why in skipped.items():
+        rep.note(f"- {variant} not run: {why}")
+    rep.note(
+        "- DeepSpeed ZeRO-3 baseline: not attempted in this run (optional in the issue; its "
+        "ZeRO++ options have no CPU kernels)."
+    )
+    rep.write(args.out_md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _args(argv)
+    if args.worker:
+        return worker(args)
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
