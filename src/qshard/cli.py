@@ -16,6 +16,8 @@ __all__ = ["main"]
 
 _COMMANDS: dict[str, tuple[str, str]] = {
     "version": ("print the qshard and torch versions", "qshard.cli:_version_main"),
+    "train": ("train a small GPT with ZeRO++ on local ranks", "qshard.train.cli:main"),
+    "report": ("plot the metrics of qshard train runs (PNG)", "qshard.train.report:main"),
 }
 
 

@@ -1,0 +1,263 @@
+"""Checkpoints of a training run: atomic DCP saves, resume, and a streamed safetensors export.
+
+Layout under ``<run>/checkpoints``::
+
+    step_00000100/          a complete checkpoint (DCP files + .metadata + qshard.json)
+    .step_00000200.partial/ a save in progress (or one a crash interrupted): never loaded
+
+[Note: atomic checkpoints] Every rank writes its DCP shard into the ``.partial`` folder; only
+after all ranks are done (a barrier) does rank 0 write ``qshard.json``, fsync it, and rename the
+folder to its final name (a rename within one file system is atomic). A crash at any point
+before the rename leaves only a ``.partial`` folder, which :func:`latest_checkpoint` ignores
+and the next save of that step removes. Multi-node runs need ``<run>`` on a shared file system,
+as DCP itself does.
+
+The state holds the model and optimizer (through ``torch.distributed.checkpoint.state_dict``,
+so FSDP2-sharded tensors are saved by their global layout and load on any number of ranks),
+the step (which is also the data position: batches are a pure function of the step, see
+:mod:`qshard.train.data`) and rank 0's RNG states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "CheckpointError",
+    "checkpoint_info",
+    "export_safetensors",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_META = "qshard.json"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    *,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Save a complete checkpoint of ``step`` under ``root`` atomically (collective).
+
+    ``meta`` (JSON-able, e.g. the run config) goes into ``qshard.json``. Keeps the ``keep``
+    newest checkpoints. Returns the final folder.
+    """
+    root = Path(root)
+    final = root / f"step_{step:08d}"
+    partial = root / f".step_{step:08d}.partial"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():  # left by a crashed save of this step
+            shutil.rmtree(partial)
+        partial.mkdir()
+    _barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "train": {"step": torch.tensor(step, dtype=torch.int64), "rng": _rng_state()},
+    }
+    dcp.save(state, checkpoint_id=partial)
+    _barrier()  # every shard is on disk before the folder may look complete
+    if _rank() == 0:
+        info = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        info.update(meta or {})
+        _write_json_atomic(partial / _META, info)
+        _fsync_dir(partial)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(root)
+        for old in _complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(old[1], ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / _META).is_file() and (child / ".metadata").is_file():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``root`` (``None`` if there is none)."""
+    found = _complete_checkpoints(Path(root))
+    return found[-1][1] if found else None
+
+
+def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``qshard.json`` of a checkpoint (step, world size, run metadata)."""
+    return json.loads((Path(path) / _META).read_text())
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Load a checkpoint into ``model`` and ``optimizer`` (collective) and return its step.
+
+    Works on a different number of ranks than the save (DCP reshards by global layout).
+    """
+    path = Path(path)
+    if not (path / _META).is_file():
+        raise CheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "train": {"step": torch.tensor(-1, dtype=torch.int64), "rng": _rng_state()},
+    }
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    rng = state["train"]["rng"]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return int(state["train"]["step"])
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.bool: "BOOL",
+}
+
+
+def export_safetensors(
+    model: nn.Module, path: str | os.PathLike[str], *, metadata: dict[str, str] | None = None
+) -> Path:
+    """Write the full (unsharded) model to one ``.safetensors`` file (collective).
+
+    Streamed: the header is written from the global shapes first, then each tensor is gathered
+    (``DTensor.full_tensor``), written by rank 0 and dropped, so no rank ever holds more than
+    one unsharded tensor. A parameter shared by two names (a tied head) is written once under
+    its first name; the alias is listed in the metadata (``"aliases"``). The file appears
+    atomically (written to a temp name, then renamed).
+    """
+    path = Path(path)
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers()
+    ):
+        if id(t) in first_name:
+            aliases[name] = first_name[id(t)]
+            continue
+        first_name[id(t)] = name
+        names.append(name)
+        tensors.append(t)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in zip(names, tensors):
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"cannot export {name}: dtype {t.dtype} has no safetensors code")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    meta = dict(metadata or {})
+    if aliases:
+        meta["aliases"] = json.dumps(aliases)
+    if meta:
+        header["__metadata__"] = meta
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format recommends 8-byte aligned data
+    tmp = path.with_name(f".{path.name}.tmp")
+    f = open(tmp, "wb") if _rank() == 0 else None  # noqa: SIM115 - only rank 0 writes
+    try:
+        if f is not None:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+        for t in tensors:
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if f is not None:
+                data = full.detach().to("cpu").contiguous().reshape(-1)
+                f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+            del full
+        if f is not None:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            f = None
+            os.replace(tmp, path)
+    finally:
+        if f is not None:
+            f.close()
+            tmp.unlink(missing_ok=True)
+    _barrier()
+    return path

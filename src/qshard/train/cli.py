@@ -1,0 +1,175 @@
+"""``qshard train``: a thin argparse layer over :class:`TrainConfig`, and the local launcher.
+
+Every field of :class:`TrainConfig` is a flag of the same name with dashes (booleans also have
+``--no-...``); the help text is the field's docstring. Started by hand, the command checks the
+whole configuration and builds the corpus cache, then starts ``--nproc`` ranks on this machine
+through PyTorch's elastic launcher (``torch.distributed.launcher.api``, the engine of
+``torchrun``). Started by torchrun (``torchrun ... -m qshard.train ...``) it runs the rank it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from qshard.train import config as config_module
+from qshard.train.config import DTYPES, OPTIMIZERS, TrainConfig
+
+__all__ = ["build_parser", "config_from_args", "launch", "main"]
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _field_docs() -> dict[str, str]:
+    """Attribute docstrings of TrainConfig (the string right after each field)."""
+    tree = ast.parse(inspect.getsource(config_module))
+    docs: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "TrainConfig":
+            body = node.body
+            for stmt, nxt in itertools.pairwise(body):
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
+                    docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qshard train",
+        description=(
+            "Train a small GPT with ZeRO++ / 8-bit / 1-bit optimizers on N local ranks "
+            "(emulated nodes), with checkpoints, metrics and a summary of the bytes saved."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    docs = _field_docs()
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        annotation = str(field.type).replace("None", "").replace("|", "").strip()
+        kind = _TYPES[annotation]
+        help_text = docs.get(field.name, "").replace("%", "%%")
+        kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": help_text}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if field.name == "optim":
+                kwargs["choices"] = OPTIMIZERS
+            elif field.name == "dtype":
+                kwargs["choices"] = DTYPES
+            kwargs["metavar"] = field.name.upper() if kind is str else kind.__name__.upper()
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def config_from_args(argv: Sequence[str]) -> TrainConfig:
+    """Parse ``argv`` into a validated :class:`TrainConfig` (raises ``ValueError`` with the fix;
+    argparse exits on unknown flags). Under torchrun, ``nproc`` is the job's world size."""
+    args = vars(build_parser().parse_args(list(argv)))
+    if _under_torchrun():
+        args["nproc"] = int(os.environ["WORLD_SIZE"])
+    return TrainConfig(**args)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@record
+def _entrypoint(config: TrainConfig) -> dict[str, Any]:
+    from qshard.train.loop import train
+
+    result = train(config)
+    # Only small, picklable facts travel back to the launcher.
+    return {k: v for k, v in result.items() if k != "ledger"}
+
+
+def preflight(config: TrainConfig) -> None:
+    """Everything that can be refused before a rank starts: unavailable options, a bad corpus,
+    ``--resume`` without a checkpoint. Builds the corpus cache as a side effect."""
+    from qshard.train._parallel import missing_features
+    from qshard.train.checkpoint import latest_checkpoint
+    from qshard.train.data import load_corpus
+
+    problems = missing_features(config)
+    if problems:
+        raise ValueError("; ".join(problems))
+    load_corpus(
+        config.data,
+        cache_dir=config.cache_dir,
+        val_fraction=config.val_fraction,
+        min_tokens=config.context + 1,
+    )
+    if config.resume and latest_checkpoint(os.path.join(config.out, "checkpoints")) is None:
+        raise ValueError(
+            f"--resume: no complete checkpoint under {config.out}/checkpoints; "
+            "run without --resume to start fresh"
+        )
+
+
+def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:
+    """Run ``config`` on ``config.nproc`` local ranks through the elastic launcher; returns the
+    per-rank results (the summary numbers of :func:`qshard.train.loop.train`)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = config.replace(ranks_per_node=config.local_ranks_per_node())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=config.nproc,
+        run_id=f"qshard-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    return elastic_launch(launch_config, _entrypoint)(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = config_from_args(argv)
+    except ValueError as exc:
+        print(f"qshard train: error: {exc}", file=sys.stderr)
+        return 2
+    if _under_torchrun():
+        from qshard.train.loop import train
+
+        train(config)
+        return 0
+    try:
+        preflight(config)
+    except ValueError as exc:
+        print(f"qshard train: error: {exc}", file=sys.stderr)
+        return 2
+    launch(config)
+    return 0

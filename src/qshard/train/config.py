@@ -1,0 +1,208 @@
+"""``TrainConfig``: every option of one ``qshard train`` run, validated before any rank starts.
+
+The CLI (:mod:`qshard.train.cli`) is a thin argparse layer over this dataclass: one flag per
+field, same name with dashes. Combinations that cannot work are refused here, with the fix in
+the message, so a bad run fails in the launcher instead of on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["DTYPES", "OPTIMIZERS", "ZEROPP_FEATURES", "TrainConfig", "parse_zeropp"]
+
+ZEROPP_FEATURES: tuple[str, ...] = ("qwz", "hpz", "qgz")
+"""The three ZeRO++ features: quantized weights, hierarchical partitioning, quantized grads."""
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "onebit_adam", "zero_one_adam")
+"""Optimizers ``qshard train`` knows."""
+
+DATA_PARALLEL_OPTIMIZERS: tuple[str, ...] = ("onebit_adam", "zero_one_adam")
+"""Optimizers that own their communication: replicated model, no FSDP, no ZeRO++."""
+
+DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16")
+"""Compute dtypes: ``auto`` is fp32 on CPU (bf16 matmuls are ~65x slower there) and bf16 on
+CUDA."""
+
+
+def parse_zeropp(spec: str) -> frozenset[str]:
+    """``"off"`` -> {}, ``"all"`` -> all three, else a comma list such as ``"qwz,hpz"``."""
+    spec = spec.strip().lower()
+    if spec == "off":
+        return frozenset()
+    if spec == "all":
+        return frozenset(ZEROPP_FEATURES)
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in ZEROPP_FEATURES]
+    if unknown or not parts:
+        raise ValueError(
+            f"--zeropp {spec!r} is not understood; use off, all, or a comma list of "
+            f"{', '.join(ZEROPP_FEATURES)} (e.g. qwz,hpz)"
+        )
+    return frozenset(parts)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One training run. Defaults: the README's main job (a few minutes on 2 CPU cores)."""
+
+    # --- where
+    out: str = "runs/default"
+    """Run directory: metrics, checkpoints, export and plots go there."""
+    data: str | None = None
+    """A text file or folder to train on; ``None`` uses the Python standard library."""
+    cache_dir: str | None = None
+    """Where the token cache lives; ``None``: ``$QSHARD_CACHE`` or ``~/.cache/qshard``."""
+    val_fraction: float = 0.05
+    """Fraction of files (by path hash) held out for validation."""
+    resume: bool = False
+    """Continue from the newest checkpoint in ``out`` (error if there is none)."""
+    # --- launch
+    nproc: int = 4
+    """Ranks to start on this machine (ignored under torchrun, which starts them)."""
+    ranks_per_node: int | None = None
+    """Ranks per (emulated) node. ``None``: ``LOCAL_WORLD_SIZE`` under torchrun; on a local
+    launch two emulated nodes (``nproc // 2``) when ``nproc`` is even, else one node."""
+    # --- model
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads."""
+    n_embd: int = 256
+    """Model width."""
+    context: int = 128
+    """Tokens per training sequence."""
+    stable_embedding: bool = False
+    """Use ``qshard.nn.StableEmbedding`` (implies an untied head)."""
+    # --- distribution and optimizer
+    zeropp: str = "all"
+    """ZeRO++ features: ``off`` (plain FSDP2 ZeRO-3), ``all``, or a list like ``qwz,hpz``."""
+    optim: str = "adamw8bit"
+    """One of :data:`OPTIMIZERS`."""
+    dtype: str = "auto"
+    """Compute dtype, one of :data:`DTYPES` (parameters and reductions stay fp32)."""
+    # --- schedule
+    steps: int = 200
+    """Optimizer steps (total, counting resumed ones)."""
+    batch_size: int = 16
+    """Global batch in sequences; split evenly over the ranks."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to ``lr``."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices and embeddings (not on biases and norms)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    seed: int = 0
+    """Seed of the model init, the data order and dropout."""
+    # --- observation
+    eval_interval: int = 50
+    """Evaluate validation loss every N steps (and at the end); 0: only at the end."""
+    eval_batches: int = 4
+    """Global batches per validation estimate."""
+    checkpoint_interval: int = 0
+    """Save a DCP checkpoint every N steps (always at the end); 0: only at the end."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in ``out/checkpoints``."""
+    export: bool = True
+    """Write ``out/model.safetensors`` at the end."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, *, zero_ok: bool = False) -> None:
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int)
+                or isinstance(value, bool)
+                or value < (0 if zero_ok else 1)
+            ):
+                bound = ">= 0" if zero_ok else ">= 1"
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an int {bound}; got {value!r}"
+                )
+
+        for name in ("nproc", "n_layer", "n_head", "n_embd", "context", "steps", "batch_size"):
+            positive(name)
+        for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "seed"):
+            positive(name, zero_ok=True)
+        positive("eval_batches")
+        positive("keep_checkpoints")
+        if self.ranks_per_node is not None:
+            positive("ranks_per_node")
+        if not self.out:
+            raise ValueError("--out must name a run directory")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"--val-fraction must be in (0, 1); got {self.val_fraction}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}"
+                )
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be > 0; got {self.lr}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must not exceed --lr {self.lr}")
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(
+                f"--warmup-steps {self.warmup_steps} must be below --steps {self.steps}"
+            )
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"--{name} must be in [0, 1); got {getattr(self, name)}")
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(
+                f"--optim {self.optim!r} is unknown; choose from {', '.join(OPTIMIZERS)}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose from {', '.join(DTYPES)}")
+        features = parse_zeropp(self.zeropp)  # raises with the fix
+        if self.optim in DATA_PARALLEL_OPTIMIZERS and features:
+            raise ValueError(
+                f"--optim {self.optim} is data-parallel (it replicates the model and compresses "
+                f"its own communication), so it cannot run with ZeRO++ sharding "
+                f"(--zeropp {self.zeropp}); pass --zeropp off"
+            )
+        if self.ranks_per_node is not None and self.nproc % self.ranks_per_node:
+            raise ValueError(
+                f"--nproc {self.nproc} must be a multiple of --ranks-per-node "
+                f"{self.ranks_per_node} (nodes hold equal numbers of ranks); e.g. "
+                f"--ranks-per-node {_largest_divisor_at_most(self.nproc, self.ranks_per_node)}"
+            )
+        if self.batch_size % self.nproc:
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be divisible by the number of ranks "
+                f"{self.nproc}; e.g. --batch-size {self.nproc * max(1, self.batch_size // self.nproc)}"
+            )
+
+    def local_ranks_per_node(self) -> int:
+        """``ranks_per_node`` for a launch on this machine (see the field's doc)."""
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        return self.nproc // 2 if self.nproc % 2 == 0 else self.nproc
+
+    @property
+    def zeropp_features(self) -> frozenset[str]:
+        """The enabled ZeRO++ features."""
+        return parse_zeropp(self.zeropp)
+
+    def replace(self, **changes: object) -> TrainConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def _largest_divisor_at_most(n: int, bound: int) -> int:
+    return max(d for d in range(1, min(n, bound) + 1) if n % d == 0)

@@ -1,0 +1,135 @@
+"""What a run should cost before it starts: per-rank memory by component and cross-node bytes per
+step from the ZeRO++ paper's analytic model, in the comm ledger's units.
+
+Cross-node bytes follow [Note: ledger cost model] in :mod:`qshard.comm.ledger`: bytes leaving
+each node per step, for bandwidth-optimal algorithms. For ``M`` parameters on ``N`` nodes of
+``D`` ranks (``P = N * D``) and wire bytes per element ``w``:
+
+* ZeRO-3 (FSDP2): forward all-gather, backward all-gather and gradient reduce-scatter are rings
+  over the world, each sends ``(P-1)/P * M * w`` out of every node: the paper's ``3M`` (Table 1)
+  with ``w = 2`` and large ``P``.
+* qwZ: the forward all-gather carries INT8 codes plus one fp32 scale per block:
+  ``w = 1 + 4 / block``.
+* hpZ: the backward all-gather stays inside the node: 0 cross-node bytes.
+* qgZ: gradients are reduced inside the node first, then each rank sends its node's partial
+  sums of ``M / D`` elements, as INT4 with fp32 block scales, to the ``N - 1`` other nodes in an
+  all-to-all: ``(N-1)/N * M * (0.5 + 4 / block)`` per node, the paper's ``0.25M`` (in fp16 units).
+
+Memory is per rank, in bytes, counting tensors only (no allocator slack, no activations, no
+framework overhead), so it is a floor the measured peak is compared against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CommEstimate", "estimate_comm", "estimate_memory", "optimizer_state_bytes_per_param"]
+
+_OPTIM_STATE_BYTES = {
+    # exp_avg + exp_avg_sq in fp32
+    "adamw": 8.0,
+    # two 8-bit states plus one fp32 absmax per 256-element block each
+    "adamw8bit": 2.0 + 2 * 4 / 256,
+    # fp32 momentum and variance, plus worker error (fp32, padded) ...
+    "onebit_adam": 12.0,
+    "zero_one_adam": 12.0,
+}
+
+
+def optimizer_state_bytes_per_param(optim: str, *, world_size: int = 1) -> float:
+    """Optimizer state bytes per parameter *held by a rank* for one of the app's optimizers.
+
+    The data-parallel optimizers add a server error buffer of 1/world of the model (4 bytes).
+    """
+    if optim not in _OPTIM_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optim!r}; expected one of {list(_OPTIM_STATE_BYTES)}")
+    extra = 4.0 / world_size if optim in ("onebit_adam", "zero_one_adam") else 0.0
+    return _OPTIM_STATE_BYTES[optim] + extra
+
+
+def estimate_memory(
+    *,
+    num_params: int,
+    largest_unit_params: int,
+    world_size: int,
+    ranks_per_node: int,
+    features: frozenset[str],
+    optim: str,
+    param_bytes: int = 4,
+    compute_bytes: int = 4,
+    sharded: bool = True,
+) -> dict[str, float]:
+    """Per-rank memory by component, in bytes.
+
+    ``largest_unit_params`` is the largest FSDP unit (one transformer block, or the root's
+    embeddings and head): FSDP holds at most about two units unsharded at a time (the current
+    one and the prefetched next one).
+    """
+    if not sharded:
+        share = 1.0
+        rows = {
+            "parameters (replicated)": num_params * param_bytes,
+            "gradients (replicated)": num_params * param_bytes,
+        }
+    else:
+        share = 1.0 / world_size
+        rows = {
+            "parameter shard": num_params * param_bytes * share,
+            "gradient shard": num_params * param_bytes * share,
+        }
+        if "hpz" in features:
+            rows["hpZ secondary shard"] = num_params * compute_bytes / ranks_per_node
+        rows["unsharded units (2 in flight)"] = 2 * largest_unit_params * compute_bytes
+    rows[f"optimizer state ({optim})"] = (
+        num_params * optimizer_state_bytes_per_param(optim, world_size=world_size) * share
+    )
+    rows["total (tensors only)"] = sum(rows.values())
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommEstimate:
+    """Cross-node bytes per step (per node) of the three ZeRO collectives."""
+
+    fwd_all_gather: float
+    bwd_all_gather: float
+    grad_reduce_scatter: float
+
+    @property
+    def total(self) -> float:
+        return self.fwd_all_gather + self.bwd_all_gather + self.grad_reduce_scatter
+
+
+def estimate_comm(
+    *,
+    num_params: int,
+    world_size: int,
+    ranks_per_node: int,
+    features: frozenset[str] = frozenset(),
+    wire_bytes: float = 4.0,
+    grad_wire_bytes: float | None = None,
+    weight_block: int = 2048,
+    grad_block: int = 512,
+) -> CommEstimate:
+    """Analytic cross-node bytes per step for ZeRO-3 with the given ZeRO++ ``features``.
+
+    ``wire_bytes`` is the element size of the plain all-gather (4 for fp32 on CPU, 2 for the
+    paper's fp16 baseline); ``grad_wire_bytes`` that of the plain reduce-scatter (default the
+    same). Block sizes are those of qwZ and qgZ's quantization.
+    """
+    p, d = world_size, ranks_per_node
+    n = p // d
+    if n <= 1:
+        return CommEstimate(fwd_all_gather=0.0, bwd_all_gather=0.0, grad_reduce_scatter=0.0)
+    ring = (p - 1) / p * num_params
+    grad_wire = wire_bytes if grad_wire_bytes is None else grad_wire_bytes
+    fwd = ring * ((1 + 4 / weight_block) if "qwz" in features else wire_bytes)
+    if "hpz" in features:
+        bwd = 0.0
+    else:
+        bwd = ring * ((1 + 4 / weight_block) if "qwz" in features else wire_bytes)
+    if "qgz" in features:
+        grad = (n - 1) / n * num_params * (0.5 + 4 / grad_block)
+    else:
+        grad = ring * grad_wire
+    return CommEstimate(fwd_all_gather=fwd, bwd_all_gather=bwd, grad_reduce_scatter=grad)
