@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 import torch.distributed as dist
 
-from _common import format_table
-from netsim.link import NodeLinkMeter, wire_overhead
+from _common import Report
+from netsim.link import NodeLinkMeter, set_link_rate, wire_overhead
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -44,6 +44,10 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3, help="timed calls per op (after one warm-up)")
     p.add_argument("--tolerance", type=float, default=0.03, help="relative byte tolerance")
     p.add_argument("--json", action="store_true", help="print one 'NETSIM_CHECK {...}' line")
+    p.add_argument(
+        "--rates", default="", help="re-shape to each of these Mbit/s in turn (e.g. 100,400)"
+    )
+    p.add_argument("--out-md", metavar="FILE", help="also write the tables as markdown (rank 0)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -51,7 +55,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     rpn = int(os.environ["LOCAL_WORLD_SIZE"])
     nodes = world // rpn
-    rate = int(os.environ.get("NETSIM_RATE_MBIT", "0"))
+    rate = int(os.environ.get("NETSIM_RATE_MBIT", "0"))  # as launched
     node_group, _ = dist.new_subgroups(group_size=rpn)  # node-major: ranks n*rpn .. n*rpn+rpn-1
 
     numel = int(args.mib_per_rank * 2**20) // 4
@@ -101,45 +105,53 @@ def main() -> int:
     assert torch.equal(got8, torch.arange(world, dtype=torch.int8)), got8
 
     meter = NodeLinkMeter()
-    rows, results, ok = [], {}, True
-    for name, (fn, model_tx) in ops.items():
-        fn()  # warm-up: connections and buffers
-        times = []
-        meter.start()
-        for _ in range(args.reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time is the op's time
-            times.append(dt.item())
-        per_node = meter.stop()
-        tx = [b.tx / args.reps for b in per_node]
-        # Barriers and the time reduction add a few hundred bytes per call; allow 16 KiB per call.
-        slack = args.tolerance * model_tx + 16384
-        good = all(abs(t - model_tx) <= slack for t in tx)
-        ok &= good
-        pred = model_tx * wire_overhead() * 8 / (rate * 1e6) if rate else float("nan")
-        rows.append(
-            [
-                name,
-                f"{model_tx / 2**20:.3f}",
-                " / ".join(f"{t / 2**20:.3f}" for t in tx),
-                f"{max(tx) / model_tx:.4f}" if model_tx else f"{max(tx):.0f} B",
-                "yes" if good else "NO",
-                statistics.median(times),
-                min(times),
-                pred,
-            ]
-        )
-        results[name] = {"model_tx": model_tx, "node_tx": tx, "times": times, "bytes_ok": good}
-    if rank == 0:
-        print(
-            f"\nnetsim check: {nodes} nodes x {rpn} ranks, {rate or 'unshaped'} Mbit/s, "
-            f"{args.mib_per_rank} MiB fp32 per rank, {args.reps} calls per op"
-        )
-        print(
-            format_table(
+    rates = [int(r) for r in args.rates.split(",") if r.strip()] or [rate]
+    rep = Report("Emulated cluster check: gloo collectives across shaped links")
+    results, ok = {}, True
+    for rate in rates:
+        if args.rates:
+            set_link_rate(rate)
+        rows, results[str(rate)] = [], {}
+        for name, (fn, model_tx) in ops.items():
+            fn()  # warm-up: connections and buffers
+            times = []
+            meter.start()
+            for _ in range(args.reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time is the op's
+                times.append(dt.item())
+            per_node = meter.stop()
+            tx = [b.tx / args.reps for b in per_node]
+            # Barriers and the time reduction add a few hundred bytes per call: allow 16 KiB.
+            slack = args.tolerance * model_tx + 16384
+            good = all(abs(t - model_tx) <= slack for t in tx)
+            ok &= good
+            pred = model_tx * wire_overhead() * 8 / (rate * 1e6) if rate else float("nan")
+            rows.append(
+                [
+                    name,
+                    f"{model_tx / 2**20:.3f}",
+                    " / ".join(f"{t / 2**20:.3f}" for t in tx),
+                    f"{max(tx) / model_tx:.4f}" if model_tx else f"{max(tx):.0f} B",
+                    "yes" if good else "NO",
+                    f"{statistics.median(times):.4f}",
+                    f"{min(times):.4f}",
+                    f"{pred:.4f}",
+                ]
+            )
+            results[str(rate)][name] = {
+                "model_tx": model_tx,
+                "node_tx": tx,
+                "times": times,
+                "bytes_ok": good,
+            }
+        if rank == 0:
+            rep.table(
+                f"{nodes} nodes x {rpn} ranks, {rate or 'unshaped'} Mbit/s, "
+                f"{args.mib_per_rank} MiB fp32 per rank, {args.reps} calls per op",
                 [
                     "op",
                     "model tx/node (MiB)",
@@ -148,13 +160,21 @@ def main() -> int:
                     "bytes ok",
                     "median s",
                     "min s",
-                    "bytes/rate s",
+                    "bytes x (MTU+14)/(MTU-52) / rate, s",
                 ],
                 rows,
             )
+    if rank == 0:
+        rep.note(
+            "Launched as one rank per process by `benchmarks/netsim/netsim.sh -n "
+            f"{nodes} -r {rpn} -b {rates[0]} run -- python benchmarks/netsim/check.py ...`. "
+            "Times are the slowest rank's, per call; bytes are each node's eth0 tx counter "
+            "(read after a barrier) per call. gloo's reduce-scatter is an all-reduce that keeps a "
+            "slice: its model here is the all-reduce's bytes, twice a ring reduce-scatter's."
         )
+        rep.write(args.out_md)
         if args.json:
-            print("NETSIM_CHECK " + json.dumps({"rate_mbit": rate, "ok": ok, "ops": results}))
+            print("NETSIM_CHECK " + json.dumps({"ok": ok, "rates": results}))
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -89,7 +89,7 @@ def test_gloo_bytes_across_the_link_match_the_ring_model():
         pytest.skip(res.stderr.strip())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     line = next(x for x in res.stdout.splitlines() if x.startswith("NETSIM_CHECK "))
-    ops = json.loads(line.removeprefix("NETSIM_CHECK "))["ops"]
+    ops = json.loads(line.removeprefix("NETSIM_CHECK "))["rates"]["400"]
     chunk = (2**20 // 4) * 4
     fp32 = ops["all_gather fp32, world"]
     int8 = ops["all_gather int8, world"]

@@ -1,0 +1,45 @@
+"""docs/RESULTS.md is assembled from the benchmarks' --out-md files, never typed by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location(
+        "make_results", ROOT / "benchmarks" / "make_results.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected(tmp_path):
+    mr = _load()
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    (results / "throughput.md").write_text(
+        "## Throughput\n\n- command: `python benchmarks/throughput.py`\n\n### Table\n\n| a |\n"
+    )
+    (results / "convergence.md").write_text(
+        "## Convergence\n\n![curves](convergence_zeropp.png)\n![web](https://x.org/a.png)\n"
+    )
+    (results / "zz_extra.md").write_text("## Extra\n")
+    out = tmp_path / "docs" / "RESULTS.md"
+    assert mr.main(["--results-dir", str(results), "--out", str(out)]) == 0
+    text = out.read_text()
+    # Known sections first in their fixed order, then the others; headings nested one level.
+    assert text.index("### Throughput") < text.index("### Convergence") < text.index("### Extra")
+    assert "#### Table" in text
+    # Image paths resolve from docs/, URLs are left alone.
+    assert "![curves](results/convergence_zeropp.png)" in text
+    assert "![web](https://x.org/a.png)" in text
+    # What was not measured is listed with the command that measures it.
+    assert "docs/results/netsim_check.md" in text.split("## Not yet measured")[1]
+    assert "Regenerate: `python benchmarks/throughput.py --rates 100,200,400" in text
+    assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 0
+    (results / "zz_extra.md").write_text("## Extra, changed\n")
+    assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 1
