@@ -1,0 +1,72 @@
+"""Pieces shared by qshard's FSDP2 comms: the deferred work handle, the phase tag, logging once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DeferredWork", "group_ranks", "log_once", "phase_tag"]
+
+logger = logging.getLogger("qshard.zeropp")
+_LOGGED: set[str] = set()
+
+
+def log_once(key: str, message: str) -> None:
+    """Log ``message`` at WARNING the first time ``key`` is seen in this process."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.warning(message)
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    """Global ranks of ``group``, in group-rank order."""
+    return dist.get_process_group_ranks(group)
+
+
+def phase_tag(kind: str) -> str:
+    """``"fwd_<kind>"`` or ``"bwd_<kind>"``: whether autograd's backward is running now.
+
+    FSDP2 issues the backward all-gather from a pre-backward hook, inside autograd's
+    graph task; everything else (forward, prefetch issued in forward) runs outside one.
+    """
+    in_backward = torch._C._current_graph_task_id() != -1
+    return f"{'bwd' if in_backward else 'fwd'}_{kind}"
+
+
+class DeferredWork(dist.distributed_c10d.Work):
+    """A work handle that waits on in-flight collectives, then runs a finishing step once.
+
+    [Note: deferred dequantization] FSDP2 waits on an all-gather's handle only if it is an
+    instance of ``torch.distributed.distributed_c10d.Work``; this Python subclass is one. Its
+    ``wait()`` finishes the work the collective started (dequantization, a cast, a copy out),
+    so with ``async_op=True`` that work runs when FSDP2 needs the unsharded parameters,
+    after the next block's compute has overlapped the transfer.
+    """
+
+    def __init__(
+        self, works: Sequence[dist.Work | None], finish: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__()
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+        self._done = False
+
+    def wait(self, timeout: object = None) -> bool:
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._works = []
+            if self._finish is not None:
+                self._finish()
+                self._finish = None
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done

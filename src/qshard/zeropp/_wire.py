@@ -1,0 +1,72 @@
+"""The byte layout qwZ and qgZ put on the wire: rows of [fp32 scales | codes].
+
+One row per destination (qgZ's all-to-all) or per source rank (qwZ's all-gather), so a
+single uint8 collective moves codes and scales together (one message, one work handle).
+A row holds ``m`` values, a multiple of ``block_size``: blocks never straddle rows, so the
+codes of a row do not depend on how the buffer was cut (see the quant core's
+[Note: chunk invariance]). ``bits=None`` sends the values themselves in ``wire_dtype``
+(fp32 by default): the same path with quantization off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qshard.quant.blockwise import dequantize_blocks, pack_int4, quantize_blocks, unpack_int4
+
+__all__ = ["RowCodec"]
+
+
+class RowCodec:
+    """Encodes ``(rows, m)`` fp32 into ``(rows, row_bytes)`` uint8 and back."""
+
+    __slots__ = ("bits", "block_size", "wire_dtype")
+
+    def __init__(
+        self, *, bits: int | None, block_size: int, wire_dtype: torch.dtype | None = None
+    ) -> None:
+        self.bits = bits
+        self.block_size = block_size
+        self.wire_dtype = wire_dtype or torch.float32
+
+    def row_bytes(self, m: int) -> int:
+        if self.bits is None:
+            return m * self.wire_dtype.itemsize
+        self._check(m)
+        return 4 * (m // self.block_size) + m * self.bits // 8
+
+    def _check(self, m: int) -> None:
+        if m % self.block_size:
+            raise ValueError(f"row length {m} is not a multiple of block_size {self.block_size}")
+
+    def encode(self, x: Tensor) -> Tensor:
+        """``(rows, m)`` float -> ``(rows, row_bytes(m))`` uint8."""
+        rows, m = x.shape
+        if self.bits is None:
+            return x.to(self.wire_dtype).contiguous().view(torch.uint8).view(rows, -1)
+        self._check(m)
+        bs = self.block_size
+        codes, scales = quantize_blocks(x.reshape(-1, bs), bits=self.bits)
+        scale_bytes = scales.view(rows, m // bs).view(torch.uint8)
+        if self.bits == 4:
+            code_bytes = pack_int4(codes).view(rows, m // 2)
+        else:
+            code_bytes = codes.view(torch.uint8).view(rows, m)
+        return torch.cat([scale_bytes, code_bytes], dim=1)
+
+    def decode(self, buf: Tensor, m: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``(rows, row_bytes(m))`` uint8 -> ``(rows, m)`` values in ``dtype`` (dequantized in
+        fp32 first)."""
+        rows = buf.shape[0]
+        if self.bits is None:
+            return buf.contiguous().view(self.wire_dtype).view(rows, m).to(dtype)
+        bs = self.block_size
+        nb = m // bs
+        scales = buf[:, : 4 * nb].contiguous().view(torch.float32).reshape(-1)
+        code_bytes = buf[:, 4 * nb :].contiguous()
+        if self.bits == 4:
+            codes = unpack_int4(code_bytes.view(-1))
+        else:
+            codes = code_bytes.view(torch.int8)
+        return dequantize_blocks(codes.view(-1, bs), scales, dtype=dtype).view(rows, m)

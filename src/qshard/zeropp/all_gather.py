@@ -1,0 +1,185 @@
+"""qwZ: the quantized weight all-gather, and the recording (plain) all-gather of the baseline.
+
+Both implement FSDP2's ``AllGather`` comm interface (``allocate`` + ``__call__``) and are
+installed with ``FSDPModule.set_custom_all_gather`` by :func:`qshard.zeropp.shard`. FSDP2
+hands them one flat buffer per FSDP unit: this rank's shards of all the unit's parameters,
+concatenated, in ``param_dtype``; the output is the same for every rank, rank-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from qshard.comm.ledger import active_ledger, record
+from qshard.comm.topology import Topology
+from qshard.zeropp._common import DeferredWork, group_ranks, log_once, phase_tag
+from qshard.zeropp._wire import RowCodec
+
+__all__ = ["QuantizedAllGather", "RecordingAllGather"]
+
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class RecordingAllGather(AllGather):
+    """FSDP2's plain all-gather, recorded in the active ledger (tags ``fwd_all_gather`` /
+    ``bwd_all_gather``).
+
+    Args:
+        wire_dtype: ``None`` gathers the input as is (bit-identical to FSDP2's default);
+            ``torch.bfloat16`` / ``torch.float16`` casts a wider float input to 16 bits for
+            the wire and back to the input dtype after (the paper's 16-bit ZeRO-3 baseline).
+    """
+
+    def __init__(self, *, wire_dtype: torch.dtype | None = None) -> None:
+        if wire_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
+        self.wire_dtype = wire_dtype
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _plain(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        ranks: list[int],
+        async_op: bool,
+    ) -> dist.Work | None:
+        wire = self.wire_dtype
+        tag = phase_tag("all_gather")
+        if (
+            wire is None
+            or not input_tensor.is_floating_point()
+            or input_tensor.element_size() <= wire.itemsize
+        ):
+            record(
+                "all_gather",
+                group_ranks=ranks,
+                tensor_bytes=output_tensor.numel() * output_tensor.element_size(),
+                tag=tag,
+            )
+            return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        wire_in = input_tensor.to(wire)
+        wire_out = torch.empty(output_tensor.shape, dtype=wire, device=output_tensor.device)
+        record(
+            "all_gather",
+            group_ranks=ranks,
+            tensor_bytes=wire_out.numel() * wire.itemsize,
+            tag=tag,
+        )
+        work = _all_gather(wire_out, wire_in, group=group, async_op=async_op)
+        return _finish(work, lambda: output_tensor.copy_(wire_out), async_op)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return self._plain(output_tensor, input_tensor, group, group_ranks(group), async_op)
+
+
+def _finish(work: dist.Work | None, finish, async_op: bool) -> dist.Work | None:
+    """Return a handle that runs ``finish`` after ``work`` (async), or run it now (sync)."""
+    if async_op:
+        return DeferredWork([work], finish)
+    if work is not None:
+        work.wait()
+    finish()
+    return None
+
+
+class QuantizedAllGather(RecordingAllGather):
+    """qwZ: block-quantize this rank's shard, all-gather codes and scales, dequantize.
+
+    Every rank (this one included) dequantizes the same gathered codes, so all ranks compute
+    with bit-identical weights. The shard is cut into blocks of ``block_size`` elements
+    (zero-padded at the end; the padding is never written to the output); each block has
+    one fp32 scale ``absmax / qmax``, so the error per element is at most half a step,
+    ``absmax_block / (2 * qmax)`` (``qmax`` = 127 for INT8, 7 for INT4), plus the rounding
+    of the result to the parameter dtype.
+
+    A gather whose group lies inside one node (hpZ's backward gather, handed a node-sized
+    group by FSDP2) is not quantized: it is the plain all-gather, in ``wire_dtype`` if set.
+
+    With ``async_op=True`` the collective starts now and the returned handle's ``wait()``
+    dequantizes (see [Note: deferred dequantization]).
+
+    Args:
+        topology: tells intra-node groups from cross-node ones.
+        bits: 8 (the paper) or 4 (two codes per byte).
+        block_size: elements per block (multiple of 8).
+        wire_dtype: the 16-bit wire format of the unquantized (intra-node) gathers, or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: Topology,
+        bits: int = 8,
+        block_size: int = 256,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(wire_dtype=wire_dtype)
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 8 or 4; got {bits}")
+        if block_size < 8 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8; got {block_size}")
+        self.topology = topology
+        self.codec = RowCodec(bits=bits, block_size=block_size)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        ranks = group_ranks(group)
+        if self.topology.is_intra_node(ranks):
+            return self._plain(output_tensor, input_tensor, group, ranks, async_op)
+        if input_tensor.dtype not in _QUANTIZABLE:
+            log_once(
+                f"qwz-dtype-{input_tensor.dtype}",
+                f"qwZ cannot quantize {input_tensor.dtype} all-gather inputs; sending them "
+                "unquantized (counted as event 'qwz_unquantized_dtype' in the ledger)",
+            )
+            if (ledger := active_ledger()) is not None:
+                ledger.count("qwz_unquantized_dtype")
+            return self._plain(output_tensor, input_tensor, group, ranks, async_op)
+        world = len(ranks)
+        n = input_tensor.numel()
+        bs = self.codec.block_size
+        padded = -(-n // bs) * bs
+        x = input_tensor.reshape(1, n)
+        if padded != n:
+            x = torch.cat([x, x.new_zeros(1, padded - n)], dim=1)
+        payload = self.codec.encode(x).view(-1)
+        gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
+        record(
+            "all_gather",
+            group_ranks=ranks,
+            tensor_bytes=gathered.numel(),
+            tag=phase_tag("all_gather"),
+        )
+        work = _all_gather(gathered, payload, group=group, async_op=async_op)
+
+        def dequantize() -> None:
+            rows = gathered.view(world, -1)
+            if padded == n:
+                out = output_tensor.view(world, n)
+                out.copy_(self.codec.decode(rows, padded, dtype=output_tensor.dtype))
+            else:
+                values = self.codec.decode(rows, padded, dtype=output_tensor.dtype)
+                output_tensor.view(world, n).copy_(values[:, :n])
+
+        return _finish(work, dequantize, async_op)

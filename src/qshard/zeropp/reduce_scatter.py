@@ -1,0 +1,277 @@
+"""qgZ: the hierarchical quantized gradient reduce-scatter, and the recording (plain)
+reduce-scatter of the baseline.
+
+Both implement FSDP2's ``ReduceScatter`` comm interface and are installed with
+``FSDPModule.set_custom_reduce_scatter`` by :func:`qshard.zeropp.shard`. FSDP2 hands them the
+flat gradient buffer of one FSDP unit (``world * S`` elements, rank-major: the slice for
+rank ``p`` is ``[p*S, (p+1)*S)``), the output buffer (``S``) and the reduce op: ``AVG``,
+``SUM`` or ``PREMUL_SUM(1/f)`` when a gradient divide factor ``f`` is set.
+
+[Note: qgZ slice order] With ``N`` nodes of ``D`` ranks (rank ``p = n*D + d``), hop 1 is an
+all-to-all inside each node: local rank ``j`` must receive, from every local peer, the
+slices of all partitions it will forward, i.e. partitions ``(n', j)`` for every node
+``n'``. So the send buffer holds partition ``p`` at slot ``(p mod D) * N + p div D`` (the
+paper's eq. 2): ``D`` contiguous chunks of ``N`` slices. After hop 1 and a local fp32 sum,
+rank ``(n, d)`` holds its node's sum of partitions ``(0, d) .. (N-1, d)``; hop 2 is an
+all-to-all among the ranks with local rank ``d`` (one per node), after which rank
+``(n, d)`` sums the ``N`` node partials of its own partition ``n*D + d``. Pipelined in ``K``
+stages (the paper's Algorithm 2), every partition is cut into ``K`` sub-slices and the
+buffer is laid out ``(K, D, N, s)``, so stage ``k`` is one contiguous block and its
+inter-node hop runs while stage ``k+1``'s intra-node hop is in flight (different process
+groups, so gloo/NCCL progress them concurrently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from qshard.comm.ledger import active_ledger, record
+from qshard.comm.topology import Topology
+from qshard.zeropp._common import DeferredWork, group_ranks, log_once
+from qshard.zeropp._wire import RowCodec
+
+__all__ = ["HierarchicalQuantizedReduceScatter", "RecordingReduceScatter", "op_scale"]
+
+TAG = "grad_reduce_scatter"
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None)
+
+
+def op_scale(op: object, group_size: int) -> float:
+    """The factor a reduce-scatter applies to the sum: ``1/group_size`` for ``AVG``, 1 for
+    ``SUM``, ``f`` for ``PREMUL_SUM(f)``. Other ops are errors (gradients are summed)."""
+    kind = getattr(op, "op", op)  # a ReduceOp instance wraps its RedOpType in .op
+    if kind == ReduceOp.AVG:
+        return 1.0 / group_size
+    if kind == ReduceOp.SUM:
+        return 1.0
+    if kind == ReduceOp.PREMUL_SUM:
+        return float(op.factor)  # type: ignore[attr-defined]
+    raise ValueError(f"a gradient reduce-scatter supports AVG, SUM and PREMUL_SUM; got {op}")
+
+
+def _plain_reduce_scatter(output, input_tensor, group, op, async_op):
+    if _reduce_scatter is not None:
+        return _reduce_scatter(
+            output=output, input=input_tensor, group=group, op=op, async_op=async_op
+        )
+    return dist.reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class RecordingReduceScatter(ReduceScatter):
+    """FSDP2's plain reduce-scatter, recorded in the active ledger (tag
+    ``grad_reduce_scatter``).
+
+    Args:
+        wire_dtype: ``None`` runs FSDP2's own reduce-scatter (bit-identical to the default);
+            ``torch.bfloat16`` / ``torch.float16`` sends each destination's slice in 16 bits
+            (an all-to-all) and sums the received slices in fp32, so only the wire is 16-bit
+            (the paper's fp16 ZeRO-3 baseline). The ledger records it as the reduce-scatter
+            it computes (a ring reduce-scatter of the 16-bit tensor, see
+            [Note: ledger cost model]).
+    """
+
+    def __init__(self, *, wire_dtype: torch.dtype | None = None) -> None:
+        if wire_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
+        self.wire_dtype = wire_dtype
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _plain(self, output_tensor, input_tensor, group, op, ranks, async_op):
+        wire = self.wire_dtype
+        if wire is None or input_tensor.element_size() <= wire.itemsize:
+            record(
+                "reduce_scatter",
+                group_ranks=ranks,
+                tensor_bytes=input_tensor.numel() * input_tensor.element_size(),
+                tag=TAG,
+            )
+            return _plain_reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+        world = len(ranks)
+        scale = op_scale(op, world)
+        send = input_tensor.to(wire)
+        recv = torch.empty_like(send)
+        record(
+            "reduce_scatter", group_ranks=ranks, tensor_bytes=send.numel() * wire.itemsize, tag=TAG
+        )
+        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+
+        def reduce() -> None:
+            total = recv.view(world, -1).float().sum(dim=0)
+            if scale != 1.0:
+                total.mul_(scale)
+            output_tensor.copy_(total)
+
+        if async_op:
+            return DeferredWork([work], reduce)
+        reduce()
+        return None
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return self._plain(output_tensor, input_tensor, group, op, group_ranks(group), async_op)
+
+
+class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
+    """qgZ: a reduce-scatter as two quantized all-to-all hops, intra-node then inter-node.
+
+    See [Note: qgZ slice order]. Each hop block-quantizes what it sends (``bits``, one fp32
+    scale per ``block_size`` elements), the receiver dequantizes and sums in fp32, and the
+    intra-node partial sums are re-quantized for the inter-node hop; data is quantized only
+    on the wire. The result is the sum over all ranks times the op's factor: ``AVG`` is the
+    mean over ALL ranks, ``SUM`` the sum, ``PREMUL_SUM(f)`` the sum times ``f`` (FSDP2's
+    gradient divide factors).
+
+    Slices are zero-padded to a multiple of ``pipeline_stages * block_size`` elements, so
+    any size works and no block straddles two destinations. On one node the inter-node hop
+    does not exist and the reduce-scatter is the single intra-node hop; with one rank per
+    node the intra-node hop is local. Either is logged once and counted in the ledger
+    (events ``qgz_single_node`` / ``qgz_single_rank_nodes``). A group other than the
+    topology's world (qgZ needs the node-major world) falls back to the plain reduce-scatter,
+    logged once and counted (``qgz_fallback_plain``).
+
+    Args:
+        topology: nodes and their process groups (created on first use; see
+            [Note: collective group creation], :func:`qshard.zeropp.shard` creates them).
+        bits: 4 (the paper), 8, or ``None`` to send fp32 (or ``wire_dtype``) values through
+            the same two hops (no quantization).
+        block_size: elements per quantization block (multiple of 8).
+        pipeline_stages: chunks pipelined through the two hops.
+        wire_dtype: used only with ``bits=None`` and for the fallback.
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: Topology,
+        bits: int | None = 4,
+        block_size: int = 256,
+        pipeline_stages: int = 1,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(wire_dtype=wire_dtype)
+        if bits not in (None, 4, 8):
+            raise ValueError(f"bits must be 4, 8 or None; got {bits}")
+        if block_size < 8 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8; got {block_size}")
+        if pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be >= 1; got {pipeline_stages}")
+        self.topology = topology
+        self.bits = bits
+        self.block_size = block_size
+        self.pipeline_stages = pipeline_stages
+        self.codec = RowCodec(bits=bits, block_size=block_size, wire_dtype=wire_dtype)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: object,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        ranks = group_ranks(group)
+        topo = self.topology
+        if ranks != list(range(topo.world_size)):
+            log_once(
+                f"qgz-group-{ranks}",
+                f"qgZ needs the node-major world group; got ranks {ranks}: using the plain "
+                "reduce-scatter (counted as event 'qgz_fallback_plain')",
+            )
+            if (ledger := active_ledger()) is not None:
+                ledger.count("qgz_fallback_plain")
+            return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
+        self._reduce(output_tensor, input_tensor, op_scale(op, len(ranks)))
+        # FSDP2 calls the reduce-scatter synchronously; if asked for a handle, the work is done.
+        return DeferredWork([]) if async_op else None
+
+    def _reduce(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
+        topo = self.topology
+        nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
+        ledger = active_ledger()
+        if nodes == 1 and world > 1:
+            log_once("qgz-one-node", "qgZ on a single node: one intra-node hop, no inter-node hop")
+            if ledger is not None:
+                ledger.count("qgz_single_node")
+        if per_node == 1 and nodes > 1:
+            log_once("qgz-one-rank", "qgZ with one rank per node: the intra-node hop is local")
+            if ledger is not None:
+                ledger.count("qgz_single_rank_nodes")
+        stages = self.pipeline_stages
+        size = output.numel()
+        unit = stages * self.block_size
+        padded = -(-size // unit) * unit
+        sub = padded // stages
+        x = inp.reshape(world, size).float()
+        if padded != size:
+            x = torch.nn.functional.pad(x, (0, padded - size))
+        # [Note: qgZ slice order]: partition p = n*D + j -> (n, j); lay out (K, D, N, s).
+        x = x.view(nodes, per_node, stages, sub).permute(2, 1, 0, 3).contiguous()
+        intra_group = topo.intra_node_group if per_node > 1 else None
+        inter_group = topo.inter_node_group if nodes > 1 else None
+        intra_ranks = topo.node_ranks(topo.node)
+        inter_ranks = topo.peer_ranks(topo.local_rank)
+        codec = self.codec
+        m1, m2 = nodes * sub, sub
+
+        def start_intra(k: int):
+            if intra_group is None:
+                return None, x[k].view(1, m1)  # one rank per node: this rank's own slices
+            send = codec.encode(x[k].view(per_node, m1))
+            recv = torch.empty_like(send)
+            record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
+            return dist.all_to_all_single(recv, send, group=intra_group, async_op=True), recv
+
+        def finish_intra(work, recv) -> torch.Tensor:
+            if work is None:
+                return recv.view(nodes, sub)
+            work.wait()
+            return codec.decode(recv, m1).sum(dim=0).view(nodes, sub)
+
+        def start_inter(partial: torch.Tensor):
+            if inter_group is None:
+                return None, partial
+            send = codec.encode(partial.view(nodes, m2))
+            recv = torch.empty_like(send)
+            record("all_to_all", group_ranks=inter_ranks, tensor_bytes=send.numel(), tag=TAG)
+            return dist.all_to_all_single(recv, send, group=inter_group, async_op=True), recv
+
+        def finish_inter(work, recv) -> torch.Tensor:
+            if work is None:
+                return recv.view(-1)
+            work.wait()
+            return codec.decode(recv, m2).sum(dim=0)
+
+        result = torch.empty(padded, dtype=torch.float32, device=output.device)
+        pending_intra = start_intra(0)
+        pending_inter: list[tuple[int, object, torch.Tensor]] = []
+        for k in range(stages):
+            nxt = start_intra(k + 1) if k + 1 < stages else None
+            partial = finish_intra(*pending_intra)
+            work, recv = start_inter(partial)
+            pending_inter.append((k, work, recv))
+            # Drain finished inter hops, keeping one in flight while the next stage proceeds.
+            while len(pending_inter) > 1:
+                kk, w, r = pending_inter.pop(0)
+                result[kk * sub : (kk + 1) * sub] = finish_inter(w, r)
+            pending_intra = nxt
+        for kk, w, r in pending_inter:
+            result[kk * sub : (kk + 1) * sub] = finish_inter(w, r)
+        out = result[:size]
+        if scale != 1.0:
+            out = out * scale
+        output.copy_(out.view(output.shape))

@@ -1,0 +1,169 @@
+"""shard(): FSDP2 per block, then the root, with ZeRO++'s comms, hpZ and prefetching applied.
+
+The one place qshard touches FSDP2 modules: every hook and comm it installs is set here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from qshard.comm.topology import Topology
+from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
+from qshard.zeropp.config import ZeroPPConfig
+from qshard.zeropp.reduce_scatter import HierarchicalQuantizedReduceScatter, RecordingReduceScatter
+
+__all__ = ["find_blocks", "shard"]
+
+
+def find_blocks(
+    model: nn.Module, blocks: Sequence[nn.Module] | tuple[type, ...] | type | None = None
+) -> list[nn.Module]:
+    """The modules to wrap one by one, in forward order.
+
+    ``None``: the children of every outermost ``nn.ModuleList`` (a transformer's layers);
+    a class or tuple of classes: every outermost submodule of those types; a sequence of
+    modules: those, as given.
+    """
+    if blocks is None:
+        found: list[nn.Module] = []
+        taken: set[int] = set()
+        for _, mod in model.named_modules():
+            if id(mod) in taken:
+                continue
+            if isinstance(mod, nn.ModuleList):
+                for child in mod:
+                    found.append(child)
+                    taken.update(id(m) for m in child.modules())
+                taken.update(id(m) for m in mod.modules())
+        return found
+    if isinstance(blocks, type) or (
+        isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)
+    ):
+        found, taken = [], set()
+        for mod in model.modules():
+            if id(mod) not in taken and isinstance(mod, blocks) and mod is not model:
+                found.append(mod)
+                taken.update(id(m) for m in mod.modules())
+        if not found:
+            raise ValueError(f"no submodule of {type(model).__name__} is an instance of {blocks}")
+        return found
+    mods = list(blocks)
+    owned = {id(m) for m in model.modules()}
+    for m in mods:
+        if not isinstance(m, nn.Module) or id(m) not in owned:
+            raise ValueError(f"blocks must be submodules of the model; got {type(m).__name__}")
+    return mods
+
+
+def _device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def shard(
+    model: nn.Module,
+    *,
+    topology: Topology,
+    config: ZeroPPConfig | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    blocks: Sequence[nn.Module] | tuple[type, ...] | type | None = None,
+    mesh: DeviceMesh | None = None,
+) -> FSDPModule:
+    """Shard ``model`` with FSDP2 (ZeRO-3) and apply the ZeRO++ features of ``config``.
+
+    Call on every rank, after ``init_process_group`` (collective: it creates the topology's
+    process groups). Applies ``fully_shard`` to each block (see :func:`find_blocks`), then to
+    the root, and on every FSDP module installs:
+
+    * all-gather: :class:`~qshard.zeropp.QuantizedAllGather` if ``qwz``, else the recording
+      plain one (16-bit wire if ``wire_dtype``);
+    * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``);
+    * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``,
+      else the recording plain one;
+    * with ``prefetch``: each block prefetches the next one in forward and the previous one
+      in backward, and unshards run asynchronously.
+
+    With every feature off, ``wire_dtype=None`` and ``prefetch=False`` it is ``fully_shard``
+    per block and root, plus recording comms that call FSDP2's own collectives: training is
+    bit-identical to plain FSDP2 (and prefetching changes only timing).
+
+    Args:
+        model: the model, on its compute device (or meta, to be materialized later).
+        topology: the job's nodes; must match the initialized world.
+        config: the ZeRO++ features (default: all off).
+        mp_policy: FSDP2 mixed precision (``param_dtype`` is what the all-gather moves).
+        blocks: what to wrap one by one (see :func:`find_blocks`).
+        mesh: a 1-D data-parallel mesh over the world (default: created here).
+
+    Returns:
+        ``model``, now an :class:`FSDPModule`.
+    """
+    config = config or ZeroPPConfig()
+    if not dist.is_initialized():
+        raise RuntimeError("shard() needs torch.distributed: call init_process_group() first")
+    if topology.world_size != dist.get_world_size() or topology.rank != dist.get_rank():
+        raise ValueError(
+            f"topology {topology} does not describe this process (world "
+            f"{dist.get_world_size()}, rank {dist.get_rank()}); build it with Topology.from_env()"
+        )
+    if mesh is None:
+        mesh = init_device_mesh(_device_type(model), (topology.world_size,))
+    elif mesh.ndim != 1 or mesh.size() != topology.world_size:
+        raise ValueError(
+            f"shard() needs a 1-D mesh over all {topology.world_size} ranks; got {mesh}"
+        )
+    if config.qgz and topology.world_size > 1:
+        topology.init_groups()  # collective, every rank at the same point
+    reshard: bool | int = topology.ranks_per_node if config.hpz else True
+    fsdp_kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
+    if mp_policy is not None:
+        fsdp_kwargs["mp_policy"] = mp_policy
+
+    block_list = find_blocks(model, blocks)
+    for block in block_list:
+        fully_shard(block, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    root = model  # now an FSDPModule
+
+    all_gather = None
+    if config.qwz:
+        all_gather = QuantizedAllGather(
+            topology=topology,
+            bits=config.weight_bits,
+            block_size=config.weight_block_size,
+            wire_dtype=config.wire_dtype,
+        )
+    elif config.record or config.wire_dtype is not None:
+        all_gather = RecordingAllGather(wire_dtype=config.wire_dtype)
+    reduce_scatter = None
+    if config.qgz:
+        reduce_scatter = HierarchicalQuantizedReduceScatter(
+            topology=topology,
+            bits=config.grad_bits,
+            block_size=config.grad_block_size,
+            pipeline_stages=config.pipeline_stages,
+        )
+    elif config.record or config.wire_dtype is not None:
+        reduce_scatter = RecordingReduceScatter(wire_dtype=config.wire_dtype)
+    fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp_modules:
+        if all_gather is not None:
+            m.set_custom_all_gather(all_gather)
+        if reduce_scatter is not None:
+            m.set_custom_reduce_scatter(reduce_scatter)
+
+    if config.prefetch and len(block_list) > 1:
+        for prev, nxt in itertools.pairwise(block_list):
+            prev.set_modules_to_forward_prefetch([nxt])  # type: ignore[union-attr]
+            nxt.set_modules_to_backward_prefetch([prev])  # type: ignore[union-attr]
+        root._set_unshard_async_op(True)  # type: ignore[union-attr]
+    return root  # type: ignore[return-value]
