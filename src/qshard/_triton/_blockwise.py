@@ -21,6 +21,8 @@ import triton.language as tl
 from qshard._triton._common import (
     check_contiguous,
     check_device,
+    kernel_view,
+    load_f32,
     next_pow2,
     num_warps_for,
     rint,
@@ -118,6 +120,7 @@ def _quantize_kernel(
     QMAX: tl.constexpr,
     PACK: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -125,7 +128,7 @@ def _quantize_kernel(
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
     # Elements past numel are the padding of a partial last block: read as 0, never stored.
     valid = row_ok[:, None] & (cols[None, :] < BS) & (idx < numel)
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+    x = load_f32(x_ptr + idx, valid, BF16)
     q, scale = _quantize_tile(x, valid, QMAX, STOCHASTIC, seed, idx)
     _store_codes(codes_ptr, q, rows, cols, row_ok, BS, PACK)
     tl.store(scales_ptr + rows, scale, mask=row_ok)
@@ -223,8 +226,9 @@ def quantize_flat(
     if n_blocks == 0:
         return codes, scales
     block_n, rows, warps = _geometry(block_size)
+    xk, bf16 = kernel_view(x)
     _quantize_kernel[(triton.cdiv(n_blocks, rows),)](
-        x,
+        xk,
         codes,
         scales,
         n_blocks,
@@ -236,6 +240,7 @@ def quantize_flat(
         QMAX=qmax,
         PACK=pack,
         STOCHASTIC=rounding == "stochastic",
+        BF16=bf16,
         num_warps=warps,
     )
     return codes, scales

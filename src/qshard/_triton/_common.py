@@ -37,13 +37,36 @@ def store_as(ptr, y, mask):
     on both, so interpreter tests check exactly what the GPU stores; it is a few integer ops in
     a memory-bound kernel.
     """
-    if ptr.dtype.element_ty == tl.bfloat16:
+    if ptr.dtype.element_ty == tl.bfloat16 or ptr.dtype.element_ty == tl.int16:
+        # int16 pointers are bf16 tensors viewed as bits (see `kernel_view`).
         bits = y.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         rounded = tl.where(y != y, 0x7FC0, rounded)
-        tl.store(ptr, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(ptr, rounded.to(tl.uint16).to(ptr.dtype.element_ty, bitcast=True), mask=mask)
     else:
         tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_f32(ptr, mask, BF16_BITS: tl.constexpr):
+    """Load floats as fp32. With BF16_BITS, `ptr` holds bf16 bit patterns viewed as int16.
+
+    [Note: bf16 load] bf16 -> fp32 is exact: the 16 bits become the top half of the fp32.
+    Doing that shift by hand is what CUDA does anyway, and it sidesteps Triton's interpreter,
+    which flushes bf16 subnormals to zero on load (tests would then check the wrong thing).
+    """
+    if BF16_BITS:
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+def kernel_view(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(tensor to hand a kernel, BF16_BITS flag for `load_f32`)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16), True
+    return t, False
 
 
 def next_pow2(n: int) -> int:

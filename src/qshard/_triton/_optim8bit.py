@@ -30,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qshard._triton._common import check_contiguous, next_pow2, rows_per_program, store_as
+from qshard._triton._common import (
+    check_contiguous,
+    kernel_view,
+    load_f32,
+    next_pow2,
+    rows_per_program,
+    store_as,
+)
 
 __all__ = [
     "FLAG_BNB_SIGN_NUDGE",
@@ -132,6 +139,8 @@ def _step8_kernel(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     G: tl.constexpr,
+    P_BF16: tl.constexpr,
+    G_BF16: tl.constexpr,
 ):
     b = tl.program_id(0) * G + tl.arange(0, G)
     b_ok = b < n_blocks
@@ -143,10 +152,10 @@ def _step8_kernel(
     valid = b_ok[:, None] & (cols[None, :] < n[:, None])
     off = base[:, None] + cols[None, :]
 
-    gi = tl.load(g_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    gi = load_f32(g_ptr + off, valid, G_BF16)
     if FLAGS & 1:
         gi = gi + 0.0  # -0.0 -> +0.0 (pitfall 2)
-    pi = tl.load(p_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    pi = load_f32(p_ptr + off, valid, P_BF16)
     c1 = tl.load(c1_ptr + off, mask=valid, other=0).to(tl.int32)
     old1 = tl.load(a1_ptr + b, mask=b_ok, other=0.0)
     s1 = tl.load(code1_ptr + c1) * old1[:, None]
@@ -292,9 +301,11 @@ def optim8bit_step(
         return
     block_n = next_pow2(block_size)
     g = rows_per_program(block_size)
+    pk, p_bf16 = kernel_view(param)
+    gk, g_bf16 = kernel_view(grad)
     _step8_kernel[(triton.cdiv(n_blocks, g),)](
-        param,
-        grad,
+        pk,
+        gk,
         codes1,
         absmax1,
         code1,
@@ -319,6 +330,8 @@ def optim8bit_step(
         BS=block_size,
         BLOCK_N=block_n,
         G=g,
+        P_BF16=p_bf16,
+        G_BF16=g_bf16,
         num_warps=8 if block_n * g >= 4096 else 4,
         enable_fp_fusion=False,
     )

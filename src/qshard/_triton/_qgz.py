@@ -30,7 +30,7 @@ from qshard._triton._blockwise import (
     _seed,
     _store_codes,
 )
-from qshard._triton._common import check_contiguous, check_device, store_as
+from qshard._triton._common import check_contiguous, check_device, kernel_view, load_f32, store_as
 
 __all__ = ["dequant_reduce", "dequant_reduce_requant", "reorder_quantize"]
 
@@ -50,6 +50,7 @@ def _reorder_quantize_kernel(
     QMAX: tl.constexpr,
     PACK: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     slot = tl.program_id(0)
     src = tl.load(order_ptr + slot).to(tl.int64)
@@ -58,7 +59,7 @@ def _reorder_quantize_kernel(
     row_ok = local < blocks_per_slice
     within = local[:, None].to(tl.int64) * BS + cols[None, :]
     valid = row_ok[:, None] & (cols[None, :] < BS) & (within < slice_numel)
-    x = tl.load(x_ptr + src * slice_numel + within, mask=valid, other=0.0).to(tl.float32)
+    x = load_f32(x_ptr + src * slice_numel + within, valid, BF16)
     rows = slot * blocks_per_slice + local
     # Random stream indexed by the output position, so the draw does not depend on the order.
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
@@ -183,8 +184,9 @@ def reorder_quantize(
     if n_blocks == 0:
         return codes, scales
     block_n, rows, warps = _geometry(block_size)
+    xk, bf16 = kernel_view(x)
     _reorder_quantize_kernel[(n_slices, triton.cdiv(blocks_per_slice, rows))](
-        x,
+        xk,
         order.to(torch.int32).contiguous(),
         codes,
         scales,
@@ -197,6 +199,7 @@ def reorder_quantize(
         QMAX=qmax,
         PACK=pack,
         STOCHASTIC=rounding == "stochastic",
+        BF16=bf16,
         num_warps=warps,
     )
     return codes, scales

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qshard._triton._common import check_contiguous, store_as
+from qshard._triton._common import check_contiguous, kernel_view, load_f32, store_as
 
 __all__ = ["pack_signs", "unpack_signs"]
 
@@ -19,12 +19,12 @@ _BYTES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _pack_signs_kernel(x_ptr, out_ptr, numel, n_bytes, BYTES: tl.constexpr):
+def _pack_signs_kernel(x_ptr, out_ptr, numel, n_bytes, BYTES: tl.constexpr, BF16: tl.constexpr):
     byte = tl.program_id(0) * BYTES + tl.arange(0, BYTES)
     bit = tl.arange(0, 8)
     idx = byte[:, None].to(tl.int64) * 8 + bit[None, :]
     valid = idx < numel
-    x = tl.load(x_ptr + idx, mask=valid, other=0.0).to(tl.float32)
+    x = load_f32(x_ptr + idx, valid, BF16)
     # `not (x < 0)` rather than `x >= 0`: NaN must pack as +1, as in the reference.
     ones = tl.where(valid & ~(x < 0), 1, 0)
     weights = 128 >> bit
@@ -50,8 +50,9 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     n_bytes = -(-numel // 8)
     out = torch.empty((n_bytes,), dtype=torch.uint8, device=x.device)
     if n_bytes:
+        xk, bf16 = kernel_view(x)
         _pack_signs_kernel[(triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)](
-            x, out, numel, n_bytes, BYTES=_BYTES_PER_PROGRAM, num_warps=4
+            xk, out, numel, n_bytes, BYTES=_BYTES_PER_PROGRAM, BF16=bf16, num_warps=4
         )
     return out
 

@@ -1,0 +1,159 @@
+"""Block INT8/INT4 kernels vs `qshard.quant.blockwise`'s plain torch reference, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
+
+from qshard import _triton
+from qshard.quant import blockwise as ref
+from tests.gpu.conftest import DEVICE
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+def _reference(x2d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The plain definition (not the CPU fast path), so the kernel is held to the spec itself.
+    return ref._quantize_blocks_reference(x2d.cpu(), ref.qmax_for_bits(bits), "nearest", None)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality that treats NaN == NaN (non-finite blocks dequantize to NaN)."""
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.is_floating_point:
+        return (
+            a.shape == b.shape
+            and torch.equal(torch.isnan(a), torch.isnan(b))
+            and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+        )
+    return torch.equal(a, b)
+
+
+def _awkward(n_blocks: int, block_size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gaussian blocks plus the cases that break quantizers: zeros, ties, NaN/Inf, outliers."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_blocks, block_size, generator=g) * torch.rand(n_blocks, 1, generator=g) * 10
+    if n_blocks > 1:
+        x[1] = 0.0
+    if n_blocks > 2:
+        # Values on exact half-steps of the scale: rounding ties must go to even.
+        x[2] = (torch.arange(block_size) - block_size / 2 + 0.5) * (127.0 / (block_size / 2))
+    if n_blocks > 3:
+        x[3, block_size // 2] = float("nan")
+    if n_blocks > 4:
+        x[4, 0] = float("-inf")
+    if n_blocks > 5:
+        x[5, -1] = 1e4  # one outlier sets the scale of its block only
+    if n_blocks > 6:
+        x[6] = 1e-40  # subnormal block
+    return x.to(dtype)
+
+
+@SETTINGS
+@given(
+    n_blocks=st.integers(1, 9),
+    block_size=st.sampled_from([2, 6, 64, 100, 256]),
+    bits=st.sampled_from([8, 4]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_dequantize_match_reference(n_blocks, block_size, bits, dtype, seed):
+    x = _awkward(n_blocks, block_size, dtype, seed)
+    codes, scales = _triton.quantize_blocks(x.to(DEVICE), bits=bits)
+    want_codes, want_scales = _reference(x, bits)
+    assert _same(codes, want_codes)
+    assert _same(scales, want_scales)
+    for out_dtype in DTYPES:
+        got = _triton.dequantize_blocks(codes, scales, dtype=out_dtype)
+        want = ref.dequantize_blocks(want_codes, want_scales, dtype=out_dtype)
+        assert _same(got, want), out_dtype
+    if bits == 4:
+        # Fused quantize + pack gives exactly the reference's separate pack_int4.
+        packed, packed_scales = _triton.quantize_blocks(x.to(DEVICE), bits=4, pack=True)
+        assert _same(packed.view(-1), ref.pack_int4(want_codes))
+        assert _same(packed_scales, want_scales)
+        got = _triton.dequantize_blocks(packed, packed_scales, block_size=block_size)
+        assert _same(got, ref.dequantize_blocks(want_codes, want_scales))
+
+
+@SETTINGS
+@given(
+    numel=st.integers(0, 700),
+    block_size=st.sampled_from([4, 64, 256]),
+    bits=st.sampled_from([8, 4]),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_flat_matches_quantize_blockwise(numel, block_size, bits, dtype):
+    """Any numel: the partial last block is masked in-kernel, never materialised as padding."""
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(dtype)
+    q = ref.quantize_blockwise(x, bits=bits, block_size=block_size)
+    codes, scales = _triton.quantize_flat(
+        x.to(DEVICE), block_size=block_size, bits=bits, pack=bits == 4
+    )
+    assert _same(codes.view(-1), q.codes)
+    assert _same(scales, q.scales)
+    out = torch.full((numel,), 7.0, dtype=dtype, device=DEVICE)
+    got = _triton.dequantize_blocks(codes, scales, block_size=block_size, numel=numel, out=out)
+    assert got is out
+    assert _same(out, ref.dequantize_blockwise(q))
+
+
+def test_absmax_round_trips_and_error_bound(device):
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0), device="cpu") * 5
+    for bits, qmax in ((8, 127), (4, 7)):
+        codes, scales = _triton.quantize_blocks(x.to(device), bits=bits)
+        y = _triton.dequantize_blocks(codes, scales).cpu()
+        err = (y - x).abs()
+        # Half a quantization step per element, plus fp32 rounding of code * scale.
+        assert bool((err <= scales.cpu()[:, None] * 0.5 * (1 + 1e-6)).all())
+        assert int(codes.abs().max()) == qmax
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 1001])
+def test_pack_unpack_int4_match_reference(device, numel):
+    codes = torch.randint(
+        -8, 8, (numel,), dtype=torch.int8, generator=torch.Generator().manual_seed(1)
+    )
+    packed = _triton.pack_int4(codes.to(device))
+    assert packed.numel() == -(-numel // 2)
+    if numel % 2 == 0:
+        assert _same(packed, ref.pack_int4(codes))
+        assert _same(_triton.unpack_int4(packed), ref.unpack_int4(ref.pack_int4(codes)))
+    assert _same(_triton.unpack_int4(packed, numel), codes)
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible(device):
+    # Every element sits at 0.3 of a step above a code: it must round to that code or the
+    # next, up with probability 0.3.
+    x = torch.full((64, 256), 0.3 * (10.0 / 127))
+    x[:, 0] = 10.0  # scale = 10 / 127
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    c1, s1 = _triton.quantize_blocks(x.to(device), bits=8, rounding="stochastic", generator=g1)
+    c2, _ = _triton.quantize_blocks(x.to(device), bits=8, rounding="stochastic", generator=g2)
+    assert torch.equal(c1, c2)
+    body = c1[:, 1:].cpu().float()
+    assert set(body.unique().tolist()) <= {0.0, 1.0}
+    # 16320 Bernoulli(0.3) draws: the mean is within 5 standard deviations (0.018) of 0.3.
+    assert abs(body.mean().item() - 0.3) < 0.018
+    assert int(c1[0, 0]) == 127 and _same(s1, torch.full((64,), 10.0 / 127))
+
+
+def test_rejects_bad_arguments(device):
+    x = torch.zeros(2, 8, device=device)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        _triton.quantize_blocks(x, bits=3)
+    with pytest.raises(ValueError, match="rounding"):
+        _triton.quantize_blocks(x, bits=8, rounding="up")
+    with pytest.raises(ValueError, match="pack needs bits=4"):
+        _triton.quantize_blocks(x, bits=8, pack=True)
+    with pytest.raises(ValueError, match="block_size"):
+        _triton.dequantize_blocks(
+            torch.zeros(2, 4, dtype=torch.uint8, device=device), torch.zeros(2, device=device)
+        )
+    with pytest.raises(ValueError, match="contiguous"):
+        _triton.quantize_flat(torch.zeros(8, 8, device=device).t(), block_size=8, bits=8)
