@@ -30,6 +30,7 @@ __all__ = [
     "optim8bit_step",
     "pack_int4",
     "pack_signs",
+    "qgz_slots",
     "quantize_blocks",
     "quantize_flat",
     "reorder_quantize",
@@ -90,9 +91,14 @@ def unpack_int4(packed: torch.Tensor, numel: int | None = None) -> torch.Tensor:
     return _module("_blockwise").unpack_int4(packed, numel)
 
 
-def reorder_quantize(x: torch.Tensor, order: torch.Tensor, **kwargs: Any) -> Any:
-    """qgZ's first step: gather slices in `order` and block-quantize them in one pass."""
-    return _module("_qgz").reorder_quantize(x, order, **kwargs)
+def reorder_quantize(x: torch.Tensor, offsets: torch.Tensor, **kwargs: Any) -> Any:
+    """qgZ's first step: gather slots at `offsets` and block-quantize them in one pass."""
+    return _module("_qgz").reorder_quantize(x, offsets, **kwargs)
+
+
+def qgz_slots(**kwargs: Any) -> Any:
+    """(offsets, lengths, slot_numel) of qgZ's send slots (eq. 2 order, pipelined, padded)."""
+    return _module("_qgz").qgz_slots(**kwargs)
 
 
 def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> Any:

@@ -1,9 +1,10 @@
 """Triton kernels for qgZ's fused steps (ZeRO++ §4.2), the GPU twin of the torch path in
 `qshard.zeropp.reduce_scatter`.
 
-* `reorder_quantize`: the gradient buffer is P equal slices; output slot t holds slice
-  `order[t]` block-quantized. Reordering happens in the load addresses, so the permuted copy
-  of the gradients is never written (the paper's "tensor slice reordering fused into
+* `reorder_quantize`: output slot t holds x[offsets[t] : offsets[t] + lengths[t]], zero-padded
+  and block-quantized (`qgz_slots` gives qgZ's eq. 2 / Algorithm 2 order with per-partition
+  padding). Reordering and padding happen in the load addresses, so the permuted, padded
+  copy of the gradients is never written (the paper's "tensor slice reordering fused into
   quantization").
 * `dequant_reduce_requant`: the middle hop. K peers' quantized copies of the same M blocks are
   dequantized, summed in fp32 in peer order 0..K-1, and requantized in one pass: each peer's
@@ -32,17 +33,17 @@ from qshard._triton._blockwise import (
 )
 from qshard._triton._common import check_contiguous, check_device, kernel_view, load_f32, store_as
 
-__all__ = ["dequant_reduce", "dequant_reduce_requant", "reorder_quantize"]
+__all__ = ["dequant_reduce", "dequant_reduce_requant", "qgz_slots", "reorder_quantize"]
 
 
 @triton.jit
 def _reorder_quantize_kernel(
     x_ptr,
-    order_ptr,
+    offsets_ptr,
+    lengths_ptr,
     codes_ptr,
     scales_ptr,
-    slice_numel,
-    blocks_per_slice,
+    blocks_per_slot,
     seed,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -53,17 +54,20 @@ def _reorder_quantize_kernel(
     BF16: tl.constexpr,
 ):
     slot = tl.program_id(0)
-    src = tl.load(order_ptr + slot).to(tl.int64)
+    src = tl.load(offsets_ptr + slot)
+    length = tl.load(lengths_ptr + slot)
     local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
-    row_ok = local < blocks_per_slice
+    row_ok = local < blocks_per_slot
     within = local[:, None].to(tl.int64) * BS + cols[None, :]
-    valid = row_ok[:, None] & (cols[None, :] < BS) & (within < slice_numel)
-    x = load_f32(x_ptr + src * slice_numel + within, valid, BF16)
-    rows = slot * blocks_per_slice + local
+    # Past `length` is the slot's zero padding: read as 0, so it never raises an absmax.
+    valid = row_ok[:, None] & (cols[None, :] < BS) & (within < length)
+    x = load_f32(x_ptr + src + within, valid, BF16)
+    rows = slot * blocks_per_slot + local
     # Random stream indexed by the output position, so the draw does not depend on the order.
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
-    q, scale = _quantize_tile(x, valid, QMAX, STOCHASTIC, seed, idx)
+    in_block = row_ok[:, None] & (cols[None, :] < BS)
+    q, scale = _quantize_tile(x, in_block, QMAX, STOCHASTIC, seed, idx)
     _store_codes(codes_ptr, q, rows, cols, row_ok, BS, PACK)
     tl.store(scales_ptr + rows, scale, mask=row_ok)
 
@@ -146,36 +150,73 @@ def _dequant_reduce_kernel(
     store_as(out_ptr + idx, acc, valid)
 
 
+def qgz_slots(
+    *, nodes: int, ranks_per_node: int, stages: int, size: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where qgZ's send slots come from: (offsets, lengths, slot_numel).
+
+    The gradient buffer is `nodes * ranks_per_node` partitions of `size` elements (rank-major).
+    Each partition is padded to a multiple of `stages * block_size` and cut into `stages`
+    sub-slices of `slot_numel`; slot (k, d, n) (k-major, the paper's eq. 2 generalised by
+    Algorithm 2, as `qshard.zeropp.reduce_scatter` lays it out) takes sub-slice k of
+    partition n * ranks_per_node + d. `lengths` < slot_numel where the padding starts.
+    """
+    unit = stages * block_size
+    slot_numel = -(-size // unit) * unit // stages
+    k = torch.arange(stages).view(stages, 1, 1)
+    d = torch.arange(ranks_per_node).view(1, ranks_per_node, 1)
+    n = torch.arange(nodes).view(1, 1, nodes)
+    start_in_partition = k * slot_numel
+    offsets = (n * ranks_per_node + d) * size + start_in_partition
+    lengths = (size - start_in_partition).clamp(0, slot_numel)
+    offsets = torch.where(lengths > 0, offsets, torch.zeros_like(offsets))
+    shape = (stages, ranks_per_node, nodes)
+    return (
+        offsets.expand(shape).reshape(-1).contiguous(),
+        lengths.expand(shape).reshape(-1).contiguous(),
+        slot_numel,
+    )
+
+
 def reorder_quantize(
     x: torch.Tensor,
-    order: torch.Tensor,
+    offsets: torch.Tensor,
     *,
+    slot_numel: int,
+    lengths: torch.Tensor | None = None,
     block_size: int,
     bits: int = 4,
     pack: bool | None = None,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the P = len(order) equal slices of flat `x`, slot t taking slice order[t].
+    """Gather slots of `slot_numel` elements from flat `x` and block-quantize them in one pass.
 
-    Returns codes (P * blocks_per_slice, block_size) int8, or packed uint8
-    (P * blocks_per_slice, block_size // 2) (default for bits=4), and fp32 scales
-    (P * blocks_per_slice,), blocks_per_slice = ceil(x.numel() / P / block_size).
+    Slot t reads x[offsets[t] : offsets[t] + lengths[t]] (lengths default to slot_numel) and
+    is zero-padded to slot_numel, itself padded to whole blocks. `qgz_slots` gives qgZ's
+    offsets. Returns codes (T * blocks_per_slot, block_size) int8, or packed uint8
+    (.., block_size // 2) (default for bits=4), and fp32 scales (T * blocks_per_slot,).
     """
     qmax = _qmax(bits)
     pack = bits == 4 if pack is None else pack
     if pack and (bits != 4 or block_size % 2):
         raise ValueError(f"pack needs bits=4 and an even block_size; got {bits}, {block_size}")
     check_contiguous("x", x)
-    check_device(x, order)
-    n_slices = order.numel()
-    if n_slices == 0 or x.numel() % n_slices:
+    check_device(x, offsets)
+    n_slots = offsets.numel()
+    if lengths is None:
+        lengths = torch.full_like(offsets, slot_numel)
+    check_device(x, lengths)
+    if lengths.shape != offsets.shape:
         raise ValueError(
-            f"x.numel()={x.numel()} must split into len(order)={n_slices} equal slices"
+            f"lengths {tuple(lengths.shape)} must match offsets {tuple(offsets.shape)}"
         )
-    slice_numel = x.numel() // n_slices
-    blocks_per_slice = -(-slice_numel // block_size)
-    n_blocks = n_slices * blocks_per_slice
+    if n_slots and bool(((offsets < 0) | (lengths < 0) | (lengths > slot_numel)).any()):
+        raise ValueError(f"need offsets >= 0 and 0 <= lengths <= slot_numel={slot_numel}")
+    if n_slots and int((offsets + lengths).max()) > x.numel():
+        raise ValueError(f"a slot reads past the end of x ({x.numel()} elements)")
+    blocks_per_slot = -(-slot_numel // block_size)
+    n_blocks = n_slots * blocks_per_slot
     width = block_size // 2 if pack else block_size
     codes = torch.empty(
         (n_blocks, width), dtype=torch.uint8 if pack else torch.int8, device=x.device
@@ -185,13 +226,13 @@ def reorder_quantize(
         return codes, scales
     block_n, rows, warps = _geometry(block_size)
     xk, bf16 = kernel_view(x)
-    _reorder_quantize_kernel[(n_slices, triton.cdiv(blocks_per_slice, rows))](
+    _reorder_quantize_kernel[(n_slots, triton.cdiv(blocks_per_slot, rows))](
         xk,
-        order.to(torch.int32).contiguous(),
+        offsets.to(torch.int64).contiguous(),
+        lengths.to(torch.int64).contiguous(),
         codes,
         scales,
-        slice_numel,
-        blocks_per_slice,
+        blocks_per_slot,
         _seed(rounding, generator),
         BS=block_size,
         BLOCK_N=block_n,
