@@ -56,25 +56,34 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const float *code;    /* 256 sorted values */
     const float *mid;     /* 255 midpoints between consecutive codes */
-    const uint16_t *lut;  /* 65536: midpoints strictly below the smallest float of a bucket */
+    const uint8_t *lut;   /* 16384 (+4 padding): a lower bound of the midpoints below any x of a bucket */
     int zero_idx;         /* index of the 0.0 code */
     int is_signed;
 } qmap_t;
 
-static inline uint32_t fkey(float x) {
+/* Search-table index of x: sign, then |x|'s exponent clamped to [2^-31, 2^0] and its top 8
+ * mantissa bits (13 bits). Normalised states are in [-1, 1] and the maps have no midpoint
+ * below 2^-22 in magnitude, so the clamp never merges two midpoints into one bucket. */
+static inline int lut_index(float x) {
     uint32_t b; memcpy(&b, &x, 4);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    int t = (int)((b & 0x7FFFFFFFu) >> 15) - (96 << 8);
+    t = t < 0 ? 0 : (t > 8191 ? 8191 : t);
+    return (int)((b >> 31) << 13) | t;
 }
 
-/* Number of midpoints strictly below x: exact nearest code, ties to the lower code. */
+/* Number of midpoints strictly below x: exact nearest code, ties to the lower code. Every
+ * table bucket holds at most one midpoint (checked when the table is built), so one
+ * branchless compare finishes the search; mid[255] is +inf. */
 static inline int nearest(const qmap_t *q, float x) {
-    int i = q->lut[fkey(x) >> 16];
-    while (i < 255 && x > q->mid[i]) i++;
-    return i;
+    int i = q->lut[lut_index(x)];
+    return i + (x > q->mid[i]);
 }
 
 static inline uint64_t mix64(uint64_t z) {
@@ -105,27 +114,99 @@ static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int
     return i;
 }
 
-static void encode_block(const qmap_t *q, const float *s, int n, float amax, uint8_t *c,
-                         int flags, uint64_t seed, int64_t gidx0) {
+static inline float block_absmax(const float *s, int n) {
+    int k = 0;
+    float m = 0.0f;
+#ifdef __AVX2__
+    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 acc = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) acc = _mm256_max_ps(acc, _mm256_and_ps(_mm256_loadu_ps(s + k), mask));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+#endif
+    for (; k < n; k++) {
+        float v = fabsf(s[k]);
+        m = v > m ? v : m;
+    }
+    return m;
+}
+
+/* Encode a block in place of its fp32 buffer `s` (overwritten with s / amax). */
+static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *c, int flags,
+                         uint64_t seed, int64_t gidx0) {
     if (amax == 0.0f) {
-        for (int k = 0; k < n; k++) {
-            /* an all-zero block: zero code, except -0.0 under the bitsandbytes sign nudge */
-            c[k] = (uint8_t)encode(q, s[k] * 0.0f, flags & ~8, seed, gidx0 + k);
-        }
+        /* an all-zero block: zero code, except -0.0 under the bitsandbytes sign nudge */
+        for (int k = 0; k < n; k++) s[k] = s[k] * 0.0f;
+        flags &= ~8;
+    } else {
+        for (int k = 0; k < n; k++) s[k] = s[k] / amax;
+    }
+    if (flags & (4 | 8)) {
+        for (int k = 0; k < n; k++) c[k] = (uint8_t)encode(q, s[k], flags, seed, gidx0 + k);
         return;
     }
-    for (int k = 0; k < n; k++) c[k] = (uint8_t)encode(q, s[k] / amax, flags, seed, gidx0 + k);
+    const int floor0 = (!q->is_signed && (flags & 2)) ? 1 : 0;
+    const int zero = q->zero_idx;
+    const uint8_t *restrict lut = q->lut;
+    const float *restrict mid = q->mid;
+    uint8_t *restrict out = c;
+    int k = 0;
+#ifdef __AVX2__
+    /* The same search, 8 lanes at a time: table index from the float bits, gather the table
+     * (4-byte reads at byte offsets; the table is padded), gather the midpoint, compare. */
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), bias = _mm256_set1_epi32(96 << 8);
+    const __m256i zero_v = _mm256_setzero_si256(), top = _mm256_set1_epi32(8191);
+    const __m256i byte = _mm256_set1_epi32(0xFF), zidx = _mm256_set1_epi32(zero);
+    const __m256i floor_v = _mm256_set1_epi32(floor0 ? -1 : 0);
+    for (; k + 8 <= n; k += 8) {
+        const __m256 x = _mm256_loadu_ps(s + k);
+        const __m256i b = _mm256_castps_si256(x);
+        __m256i t = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(b, absmask), 15), bias);
+        t = _mm256_min_epi32(_mm256_max_epi32(t, zero_v), top);
+        const __m256i idx = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(b, 31), 13), t);
+        __m256i i = _mm256_and_si256(_mm256_i32gather_epi32((const int *)lut, idx, 1), byte);
+        const __m256 m = _mm256_i32gather_ps(mid, i, 4);
+        i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(x, m, _CMP_GT_OQ)));
+        const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+        i = _mm256_sub_epi32(
+            i, _mm256_and_si256(floor_v, _mm256_and_si256(pos, _mm256_cmpeq_epi32(i, zidx))));
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(i),
+                                           _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64((__m128i *)(out + k), _mm_packus_epi16(w, w));
+    }
+#endif
+    for (; k < n; k++) {
+        const float x = s[k];
+        int i = lut[lut_index(x)];
+        i += x > mid[i];
+        i += floor0 & (x > 0.0f) & (i == zero);
+        out[k] = (uint8_t)i;
+    }
+}
+
+static inline void decode_block(const float *code, const uint8_t *c, float amax, int n, float *s) {
+    int k = 0;
+#ifdef __AVX2__
+    const __m256 a = _mm256_set1_ps(amax);
+    for (; k + 8 <= n; k += 8) {
+        const __m256i i = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + k)));
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(_mm256_i32gather_ps(code, i, 4), a));
+    }
+#endif
+    for (; k < n; k++) s[k] = code[c[k]] * amax;
 }
 
 /*
  * One optimizer step over `rows` rows of `row_numel` elements; each row is cut into blocks of
- * `block` elements (the last one may be partial) with one absmax each.
- * hp: kind-specific hyperparameters (see _HP in _kernels.py). c2/a2 may be NULL (one state).
+ * `block` elements (the last one may be partial) with one absmax each. Per block: decode the
+ * states into L1 buffers, update (a loop the compiler vectorises), find the new absmax, encode.
+ * hp: kind-specific hyperparameters (see the optimizers' _kernel_hparams). c2/a2 may be NULL.
  */
 int step8(int kind, float *p, const float *g,
-          uint8_t *c1, float *a1, const float *code1, const float *mid1, const uint16_t *lut1,
+          uint8_t *c1, float *a1, const float *code1, const float *mid1, const uint8_t *lut1,
           int zero1, int signed1,
-          uint8_t *c2, float *a2, const float *code2, const float *mid2, const uint16_t *lut2,
+          uint8_t *c2, float *a2, const float *code2, const float *mid2, const uint8_t *lut2,
           int zero2, int signed2,
           int64_t rows, int64_t row_numel, int64_t block, const float *hp, int flags,
           uint64_t seed, int64_t global_offset, int nthreads) {
@@ -136,39 +217,41 @@ int step8(int kind, float *p, const float *g,
     const int64_t nblocks = rows * nbr;
     const int has2 = (c2 != NULL);
     const uint64_t seed1 = mix64(seed), seed2 = mix64(seed ^ 0x5555555555555555ull);
+    const float canon = (flags & 1) ? 0.0f : -0.0f; /* x + 0.0f turns -0.0 into +0.0 */
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblocks; b++) {
         float s1[4096], s2[4096];
         const int64_t r = b / nbr, j = b % nbr;
         const int64_t off = r * row_numel + j * block;
         const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
-        float *pp = p + off;
-        const float *gg = g + off;
+        float *restrict pp = p + off;
+        const float *restrict gg = g + off;
         uint8_t *cc1 = c1 + off;
         uint8_t *cc2 = has2 ? c2 + off : NULL;
-        const float old1 = a1[b], old2 = has2 ? a2[b] : 0.0f;
-        float m1 = 0.0f, m2 = 0.0f;
+        decode_block(code1, cc1, a1[b], n, s1);
+        if (has2) decode_block(code2, cc2, a2[b], n, s2);
         switch (kind) {
         case 0: { /* Adam / AdamW: hp = lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, decay */
             const float b1w = 1.0f - hp[1], b2 = hp[2], b2w = 1.0f - hp[2], eps = hp[3];
             const float wd = hp[4], step_size = hp[5], bc2s = hp[6], decay = hp[7];
-            const int decoupled = decay != 1.0f;
-            for (int k = 0; k < n; k++) {
-                float gi = gg[k];
-                if (flags & 1) gi += 0.0f;
-                float pi = pp[k];
-                if (decoupled) pi = pi * decay;
-                else if (wd != 0.0f) gi = gi + wd * pi;
-                float m = code1[cc1[k]] * old1;
-                float v = code2[cc2[k]] * old2;
-                m = m + b1w * (gi - m);
-                v = v * b2 + b2w * gi * gi;
-                pi = pi - step_size * (m / (sqrtf(v) / bc2s + eps));
-                pp[k] = pi;
-                s1[k] = m; s2[k] = v;
-                float am = fabsf(m);
-                m1 = am > m1 ? am : m1;
-                m2 = v > m2 ? v : m2;
+            if (decay != 1.0f) {
+                for (int k = 0; k < n; k++) {
+                    const float gi = gg[k] + canon;
+                    const float pi = pp[k] * decay;
+                    const float m = s1[k] + b1w * (gi - s1[k]);
+                    const float v = s2[k] * b2 + b2w * gi * gi;
+                    pp[k] = pi - step_size * (m / (sqrtf(v) / bc2s + eps));
+                    s1[k] = m; s2[k] = v;
+                }
+            } else {
+                for (int k = 0; k < n; k++) {
+                    const float pi = pp[k];
+                    const float gi = (wd != 0.0f) ? (gg[k] + canon) + wd * pi : gg[k] + canon;
+                    const float m = s1[k] + b1w * (gi - s1[k]);
+                    const float v = s2[k] * b2 + b2w * gi * gi;
+                    pp[k] = pi - step_size * (m / (sqrtf(v) / bc2s + eps));
+                    s1[k] = m; s2[k] = v;
+                }
             }
             break;
         }
@@ -176,16 +259,11 @@ int step8(int kind, float *p, const float *g,
             const float lr = hp[0], b1 = hp[1], b1w = 1.0f - hp[1], b2 = hp[2];
             const float b2w = 1.0f - hp[2], decay = hp[4];
             for (int k = 0; k < n; k++) {
-                float gi = gg[k];
-                if (flags & 1) gi += 0.0f;
-                float m = code1[cc1[k]] * old1;
-                float c = b1 * m + b1w * gi;
-                float sg = (c > 0.0f) ? 1.0f : ((c < 0.0f) ? -1.0f : 0.0f);
+                const float gi = gg[k] + canon;
+                const float c = b1 * s1[k] + b1w * gi;
+                const float sg = (c > 0.0f) ? 1.0f : ((c < 0.0f) ? -1.0f : 0.0f);
                 pp[k] = pp[k] * decay - lr * sg;
-                m = b2 * m + b2w * gi;
-                s1[k] = m;
-                float am = fabsf(m);
-                m1 = am > m1 ? am : m1;
+                s1[k] = b2 * s1[k] + b2w * gi;
             }
             break;
         }
@@ -193,16 +271,12 @@ int step8(int kind, float *p, const float *g,
             const float lr = hp[0], mom = hp[1], damp = 1.0f - hp[2], wd = hp[3];
             const int nesterov = hp[4] != 0.0f, first = (flags & 16) != 0;
             for (int k = 0; k < n; k++) {
-                float gi = gg[k];
-                if (flags & 1) gi += 0.0f;
-                float pi = pp[k];
-                if (wd != 0.0f) gi = gi + wd * pi;
-                float buf = first ? gi : code1[cc1[k]] * old1 * mom + damp * gi;
-                float d = nesterov ? gi + mom * buf : buf;
+                const float pi = pp[k];
+                const float gi = (wd != 0.0f) ? (gg[k] + canon) + wd * pi : gg[k] + canon;
+                const float buf = first ? gi : s1[k] * mom + damp * gi;
+                const float d = nesterov ? gi + mom * buf : buf;
                 pp[k] = pi - lr * d;
                 s1[k] = buf;
-                float am = fabsf(buf);
-                m1 = am > m1 ? am : m1;
             }
             break;
         }
@@ -210,38 +284,29 @@ int step8(int kind, float *p, const float *g,
             const float lr = hp[0], alpha = hp[1], aw = 1.0f - hp[1], eps = hp[2], wd = hp[3];
             const float mom = hp[4];
             for (int k = 0; k < n; k++) {
-                float gi = gg[k];
-                if (flags & 1) gi += 0.0f;
-                float pi = pp[k];
-                if (wd != 0.0f) gi = gi + wd * pi;
-                float v = code1[cc1[k]] * old1;
-                v = v * alpha + aw * gi * gi;
-                float avg = sqrtf(v) + eps;
+                const float pi = pp[k];
+                const float gi = (wd != 0.0f) ? (gg[k] + canon) + wd * pi : gg[k] + canon;
+                const float v = s1[k] * alpha + aw * gi * gi;
+                const float avg = sqrtf(v) + eps;
                 if (has2) {
-                    float buf = code2[cc2[k]] * old2 * mom + gi / avg;
+                    const float buf = s2[k] * mom + gi / avg;
                     pp[k] = pi - lr * buf;
                     s2[k] = buf;
-                    float ab = fabsf(buf);
-                    m2 = ab > m2 ? ab : m2;
                 } else {
                     pp[k] = pi - lr * (gi / avg);
                 }
                 s1[k] = v;
-                m1 = v > m1 ? v : m1;
             }
             break;
         }
         case 4: { /* Adagrad: hp = clr, eps, wd */
             const float clr = hp[0], eps = hp[1], wd = hp[2];
             for (int k = 0; k < n; k++) {
-                float gi = gg[k];
-                if (flags & 1) gi += 0.0f;
-                float pi = pp[k];
-                if (wd != 0.0f) gi = gi + wd * pi;
-                float s = code1[cc1[k]] * old1 + gi * gi;
-                pp[k] = pi - clr * (gi / (sqrtf(s) + eps));
-                s1[k] = s;
-                m1 = s > m1 ? s : m1;
+                const float pi = pp[k];
+                const float gi = (wd != 0.0f) ? (gg[k] + canon) + wd * pi : gg[k] + canon;
+                const float sum = s1[k] + gi * gi;
+                pp[k] = pi - clr * (gi / (sqrtf(sum) + eps));
+                s1[k] = sum;
             }
             break;
         }
@@ -249,11 +314,13 @@ int step8(int kind, float *p, const float *g,
             break;
         }
         const int64_t gidx = global_offset + off;
-        encode_block(&q1, s1, n, m1, cc1, flags, seed1, gidx);
+        const float m1 = block_absmax(s1, n);
         a1[b] = m1;
+        encode_block(&q1, s1, n, m1, cc1, flags, seed1, gidx);
         if (has2) {
-            encode_block(&q2, s2, n, m2, cc2, flags, seed2, gidx);
+            const float m2 = block_absmax(s2, n);
             a2[b] = m2;
+            encode_block(&q2, s2, n, m2, cc2, flags, seed2, gidx);
         }
     }
     return 0;
@@ -262,7 +329,7 @@ int step8(int kind, float *p, const float *g,
 /* Encode `rows` x `row_numel` floats with the row-block layout (used to initialise states and by
  * tests to check the kernel's encoder against the torch reference). */
 int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const float *mid,
-                  const uint16_t *lut, int zero, int is_signed, int64_t rows, int64_t row_numel,
+                  const uint8_t *lut, int zero, int is_signed, int64_t rows, int64_t row_numel,
                   int64_t block, int flags, uint64_t seed, int64_t global_offset, int nthreads) {
     if (block > 4096 || block <= 0) return -1;
     qmap_t q = {code, mid, lut, zero, is_signed};
@@ -273,16 +340,25 @@ int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const
         const int64_t r = b / nbr, j = b % nbr;
         const int64_t off = r * row_numel + j * block;
         const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
-        float m = 0.0f;
-        for (int k = 0; k < n; k++) { float v = fabsf(x[off + k]); m = v > m ? v : m; }
-        encode_block(&q, x + off, n, m, c + off, flags, seed1, global_offset + off);
+        float buf[4096];
+        memcpy(buf, x + off, (size_t)n * sizeof(float));
+        const float m = block_absmax(buf, n);
+        encode_block(&q, buf, n, m, c + off, flags, seed1, global_offset + off);
         a[b] = m;
     }
     return 0;
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC"]
+_FLAGS = [
+    "-O3",
+    "-Werror=implicit-function-declaration",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fPIC",
+]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -40,19 +40,32 @@ class QMap:
 
     code: Tensor  # (256,) fp32, sorted
     mid: Tensor  # (255,) fp32 midpoints (ties go to the lower code)
-    lut: Tensor  # (65536,) int16 (read as uint16): midpoints below a 16-bit key bucket
+    mid_padded: Tensor  # (256,) the midpoints and +inf, for the kernel's branchless search
+    lut: Tensor  # (16388,) uint8: the kernel's search table, see _build_lut
     zero_idx: int
     signed: bool
 
 
 def _build_lut(mid: Tensor) -> Tensor:
-    # The smallest float of each bucket of the order-preserving key's top 16 bits.
-    keys = np.arange(65536, dtype=np.uint32) << np.uint32(16)
-    bits = np.where(keys >= 0x80000000, keys ^ np.uint32(0x80000000), ~keys).astype(np.uint32)
-    xmin = torch.from_numpy(bits.view(np.float32).copy())
-    count = torch.bucketize(xmin, mid).clamp(max=255)
-    count = torch.where(torch.isnan(xmin), torch.zeros_like(count), count)
-    return count.to(torch.int16)
+    """The kernel's search table (see ``lut_index`` in ``_kernels.py``): for each sign and each
+    magnitude bucket (exponent clamped to [2^-31, 2^0], top 8 mantissa bits), the number of
+    midpoints certainly below any value of the bucket; the kernel adds one compare."""
+    t = np.arange(8192, dtype=np.int64)
+    lo_bits = ((t + (96 << 8)) << 15).astype(np.uint32)
+    hi_bits = ((t + 1 + (96 << 8)) << 15).astype(np.uint32)
+    lo = torch.from_numpy(lo_bits.view(np.float32).copy())
+    hi = torch.from_numpy(hi_bits.view(np.float32).copy())
+    lo[0] = 0.0  # bucket 0 also holds every smaller magnitude
+    pos = torch.bucketize(lo, mid)  # midpoints < lo
+    neg = torch.bucketize(-hi, mid, right=True)  # midpoints <= -hi
+    # Each bucket may hold at most one midpoint, or one compare would not finish the search.
+    if (
+        int((torch.bucketize(hi, mid) - pos).max()) > 1
+        or int((torch.bucketize(-lo, mid) - neg).max()) > 1
+    ):
+        raise AssertionError("code map too dense for the kernel's search table")
+    # 4 bytes of padding: the AVX2 kernel gathers 32-bit words at byte offsets.
+    return torch.cat([pos, neg, torch.zeros(4, dtype=pos.dtype)]).to(torch.uint8).contiguous()
 
 
 @functools.cache
@@ -60,7 +73,11 @@ def qmap(signed: bool) -> QMap:
     code = dynamic_map(signed=signed).contiguous()
     mid = ((code[:-1] + code[1:]) / 2.0).contiguous()
     zero_idx = int((code == 0).nonzero()[0, 0])
-    return QMap(code=code, mid=mid, lut=_build_lut(mid), zero_idx=zero_idx, signed=signed)
+    lut = _build_lut(mid)
+    mid_padded = torch.cat([mid, torch.tensor([float("inf")])]).contiguous()
+    return QMap(
+        code=code, mid=mid, mid_padded=mid_padded, lut=lut, zero_idx=zero_idx, signed=signed
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +196,7 @@ def kernel_quantize_rows(
         codes.data_ptr(),
         absmax.data_ptr(),
         q.code.data_ptr(),
-        q.mid.data_ptr(),
+        q.mid_padded.data_ptr(),
         q.lut.data_ptr(),
         q.zero_idx,
         int(q.signed),
