@@ -165,13 +165,39 @@ def quantize_blocks(
     _check_rounding(rounding)
     if x2d.dim() != 2:
         raise ValueError(
-            f"quantize_blocks expects a 2-D (num_blocks, block_size) tensor; got shape {tuple(x2d.shape)}"
+            f"quantize_blocks expects a 2-D (num_blocks, block_size) tensor; "
+            f"got shape {tuple(x2d.shape)}"
         )
     if x2d.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize_blocks supports {_FLOAT_DTYPES}; got {x2d.dtype}")
-    if rounding == "nearest" and x2d.numel() and _fastpath.use_fastpath(x2d):
-        return _fastpath.quantize_blocks(x2d, qmax)
-    return _quantize_blocks_reference(x2d, qmax, rounding, generator)
+    codes = torch.empty(x2d.shape, dtype=torch.int8, device=x2d.device)
+    scales = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
+    _quantize_into(x2d, qmax, rounding, generator, codes, scales)
+    return codes, scales
+
+
+def _quantize_into(
+    x2d: Tensor,
+    qmax: int,
+    rounding: str,
+    generator: torch.Generator | None,
+    codes_out: Tensor,
+    scales_out: Tensor,
+) -> None:
+    """Quantize rows of ``x2d`` into ``codes_out`` (int8 unpacked, or uint8 packed INT4)."""
+    if (
+        rounding == "nearest"
+        and x2d.shape[0] >= 2
+        and x2d.is_contiguous()
+        and _fastpath.use_fastpath(x2d)
+    ):
+        _fastpath.quantize_int_into(x2d, qmax, codes_out, scales_out)
+        return
+    codes, scales = _quantize_blocks_reference(x2d, qmax, rounding, generator)
+    if codes_out.dtype == torch.uint8:
+        codes = pack_int4(codes)
+    codes_out.copy_(codes.view(codes_out.shape))
+    scales_out.copy_(scales)
 
 
 def dequantize_blocks(
@@ -195,17 +221,25 @@ def dequantize_blocks(
             f"dequantize_blocks needs codes (num_blocks, block_size) and scales (num_blocks,); "
             f"got {tuple(codes2d.shape)} and {tuple(scales.shape)}"
         )
+    if codes2d.dtype != torch.int8:
+        raise TypeError(f"dequantize_blocks expects int8 codes; got {codes2d.dtype}")
     if out is not None:
         _check_out(out, codes2d.numel())
-        dtype = out.dtype
-    if codes2d.numel() and _fastpath.use_fastpath(codes2d):
-        result = _fastpath.dequantize_blocks(codes2d, scales, dtype)
+        result = out
     else:
-        result = (codes2d.float() * scales.float()[:, None]).to(dtype)
-    if out is None:
-        return result
-    out.view(codes2d.shape).copy_(result)
-    return out
+        result = torch.empty(codes2d.shape, dtype=dtype, device=codes2d.device)
+    _dequantize_into(codes2d, scales, result.view(codes2d.shape))
+    return result
+
+
+def _dequantize_into(codes2d: Tensor, scales: Tensor, out2d: Tensor) -> None:
+    """``out2d = codes * scale`` per row; ``codes2d`` int8, or uint8 packed INT4 (half width)."""
+    if codes2d.shape[0] >= 2 and codes2d.is_contiguous() and _fastpath.use_fastpath(out2d):
+        _fastpath.dequantize_int_into(codes2d, scales.float(), out2d)
+        return
+    if codes2d.dtype == torch.uint8:
+        codes2d = unpack_int4(codes2d).view(out2d.shape)
+    out2d.copy_(codes2d.float() * scales.float()[:, None])
 
 
 def _check_out(out: Tensor, numel: int) -> None:
@@ -255,23 +289,37 @@ def quantize_blockwise(
     See the module docstring for the format, the scale choice, and how NaN/Inf and zero
     blocks are handled.
     """
-    qmax_for_bits(bits)
+    qmax = qmax_for_bits(bits)
     _check_block_size(block_size, bits)
+    _check_rounding(rounding)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize_blockwise supports {_FLOAT_DTYPES}; got {x.dtype}")
     flat = x.reshape(-1)
     numel = flat.numel()
     num_blocks = -(-numel // block_size)
-    padded = num_blocks * block_size
-    if padded != numel:
-        # Zero padding cannot raise a block's absmax, so it never changes real codes.
-        flat = torch.cat([flat, flat.new_zeros(padded - numel)])
-    codes, scales = quantize_blocks(
-        flat.view(num_blocks, block_size), bits=bits, rounding=rounding, generator=generator
+    full = numel // block_size
+    per_block = block_size if bits == 8 else block_size // 2
+    codes = torch.empty(
+        num_blocks * per_block, dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device
     )
-    codes = codes.view(-1)
-    if bits == 4:
-        codes = pack_int4(codes)
+    scales = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    if full:
+        _quantize_into(
+            flat[: full * block_size].view(full, block_size),
+            qmax,
+            rounding,
+            generator,
+            codes[: full * per_block].view(full, per_block),
+            scales[:full],
+        )
+    if full != num_blocks:
+        # The partial last block, zero-padded: zeros cannot raise its absmax, so padding
+        # never changes the codes of real elements.
+        tail = flat.new_zeros(1, block_size)
+        tail[0, : numel - full * block_size] = flat[full * block_size :]
+        _quantize_into(
+            tail, qmax, rounding, generator, codes[full * per_block :].view(1, -1), scales[full:]
+        )
     return BlockQuantized(
         codes=codes,
         scales=scales,
@@ -296,17 +344,23 @@ def dequantize_blockwise(
         _check_out(out, q.numel)
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"dtype {dtype} conflicts with out.dtype {out.dtype}; pass one")
-        dtype = out.dtype
-    elif dtype is None:
-        dtype = q.dtype
-    codes = unpack_int4(q.codes) if q.bits == 4 else q.codes
-    codes2d = codes.view(q.num_blocks, q.block_size)
-    if q.padded_numel == q.numel:
-        if out is not None:
-            return dequantize_blocks(codes2d, q.scales, out=out)
-        return dequantize_blocks(codes2d, q.scales, dtype=dtype).view(q.shape)
-    full = dequantize_blocks(codes2d, q.scales, dtype=dtype).view(-1)[: q.numel]
-    if out is not None:
-        out.view(-1).copy_(full)
-        return out
-    return full.view(q.shape)
+        result = out
+    else:
+        result = torch.empty(
+            q.shape, dtype=q.dtype if dtype is None else dtype, device=q.codes.device
+        )
+    flat = result.view(-1)
+    bs = q.block_size
+    per_block = bs if q.bits == 8 else bs // 2
+    full = q.numel // bs
+    if full:
+        _dequantize_into(
+            q.codes[: full * per_block].view(full, per_block),
+            q.scales[:full],
+            flat[: full * bs].view(full, bs),
+        )
+    if full != q.num_blocks:
+        tail = torch.empty(1, bs, dtype=flat.dtype, device=flat.device)
+        _dequantize_into(q.codes[full * per_block :].view(1, per_block), q.scales[full:], tail)
+        flat[full * bs :] = tail[0, : q.numel - full * bs]
+    return result

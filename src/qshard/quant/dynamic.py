@@ -193,16 +193,48 @@ def quantize_codebook(
         raise TypeError(f"quantize_codebook supports {_FLOAT_DTYPES}; got {x.dtype}")
     flat = x.reshape(-1)
     numel = flat.numel()
-    if numel == 0:
-        return flat.new_empty(0, dtype=torch.uint8), flat.new_empty(0, dtype=torch.float32)
-    if rounding == "nearest" and _fastpath.use_fastpath(flat):
-        return _fastpath.quantize_codebook(flat, code, block_size)
+    num_blocks = -(-numel // block_size)
+    codes = torch.empty(numel, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    full = numel // block_size
+    table = None
+    if rounding == "nearest" and full >= 2 and _fastpath.use_fastpath(flat):
+        table = _fastpath.codebook_table(code)
+    if table is None:
+        codes.copy_(
+            _quantize_codebook_reference(flat, code, block_size, rounding, generator, absmax)
+        )
+        return codes, absmax
+    split = full * block_size
+    _fastpath.quantize_codebook_into(
+        flat[:split].view(full, block_size),
+        table,
+        codes[:split].view(full, block_size),
+        absmax[:full],
+    )
+    if split != numel:
+        codes[split:] = _quantize_codebook_reference(
+            flat[split:], code, block_size, rounding, generator, absmax[full:]
+        )
+    return codes, absmax
+
+
+def _quantize_codebook_reference(
+    flat: Tensor,
+    code: Tensor,
+    block_size: int,
+    rounding: str,
+    generator: torch.Generator | None,
+    absmax_out: Tensor,
+) -> Tensor:
+    """The plain torch definition (bit-exact reference of the fast path); returns codes."""
     v, absmax = _normalize(flat, block_size)
+    absmax_out.copy_(absmax)
     if rounding == "nearest":
         idx = _nearest_reference(v, code)
     else:
         idx = _stochastic(v, code, generator)
-    return idx.to(torch.uint8).view(-1)[:numel], absmax
+    return idx.to(torch.uint8).view(-1)[: flat.numel()]
 
 
 def dequantize_codebook(
@@ -242,15 +274,29 @@ def dequantize_codebook(
     if out is not None:
         if out.numel() != numel or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous tensor of {numel} elements")
-        dtype = out.dtype
-    if numel and _fastpath.use_fastpath(flat):
-        values = _fastpath.dequantize_codebook(flat, absmax, code, block_size, dtype)
+        result = out
     else:
-        values = _dequantize_codebook_reference(flat, absmax, code, block_size).to(dtype)
-    if out is not None:
-        out.view(-1).copy_(values)
-        return out
-    return values.view(shape if shape is not None else (numel,))
+        result = torch.empty(
+            shape if shape is not None else (numel,), dtype=dtype, device=codes.device
+        )
+        if result.numel() != numel:
+            raise ValueError(f"shape {tuple(shape)} does not hold {numel} elements")
+    values = result.view(-1)
+    full = numel // block_size
+    split = 0
+    if full >= 2 and _fastpath.use_fastpath(flat):
+        split = full * block_size
+        _fastpath.dequantize_codebook_into(
+            flat[:split].view(full, block_size),
+            absmax[:full].float(),
+            code.to(flat.device),
+            values[:split].view(full, block_size),
+        )
+    if split != numel:
+        values[split:] = _dequantize_codebook_reference(
+            flat[split:], absmax[split // block_size :], code, block_size
+        )
+    return result
 
 
 def _dequantize_codebook_reference(

@@ -30,9 +30,20 @@ def pack_signs(x: Tensor) -> Tensor:
         raise TypeError(f"pack_signs supports {_FLOAT_DTYPES}; got {x.dtype}")
     flat = x.reshape(-1)
     numel = flat.numel()
+    out = torch.empty(-(-numel // 8), dtype=torch.uint8, device=flat.device)
+    full = numel // 8
+    split = 0
+    if full >= 2 and _fastpath.use_fastpath(flat):
+        split = full
+        _fastpath.pack_signs_into(flat[: full * 8].view(full, 8), out[:full])
+    if split != out.numel():
+        out[split:] = _pack_signs_reference(flat[split * 8 :])
+    return out
+
+
+def _pack_signs_reference(flat: Tensor) -> Tensor:
+    numel = flat.numel()
     nbytes = -(-numel // 8)
-    if numel and _fastpath.use_fastpath(flat):
-        return _fastpath.pack_signs(flat)
     bits = (~(flat < 0)).to(torch.uint8)
     if nbytes * 8 != numel:
         bits = torch.cat([bits, bits.new_zeros(nbytes * 8 - numel)])
@@ -49,8 +60,17 @@ def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float
             f"{numel} signs need ceil({numel} / 8) = {-(-max(numel, 0) // 8)} bytes; "
             f"got {flat.numel()}"
         )
-    if numel and _fastpath.use_fastpath(flat):
-        return _fastpath.unpack_signs(flat, numel, dtype)
+    out = torch.empty(numel, dtype=dtype, device=flat.device)
+    full = numel // 8
+    split = 0
+    if full >= 2 and _fastpath.use_fastpath(out):
+        split = full
+        _fastpath.unpack_signs_into(flat[:full], out[: full * 8].view(full, 8))
+    if split != flat.numel():
+        out[split * 8 :] = _unpack_signs_reference(flat[split:], dtype)[: numel - split * 8]
+    return out
+
+
+def _unpack_signs_reference(flat: Tensor, dtype: torch.dtype) -> Tensor:
     bits = (flat[:, None] & _bit_weights(flat.device)) != 0
-    signs = torch.where(bits, 1.0, -1.0).to(dtype)
-    return signs.view(-1)[:numel]
+    return torch.where(bits, 1.0, -1.0).to(dtype).view(-1)
