@@ -118,7 +118,7 @@ def optim8bit_step(**kwargs: Any) -> None:
 
 def adam8bit_step(**kwargs: Any) -> None:
     """Fused in-place 8-bit Adam/AdamW step; see `_optim8bit.optim8bit_step`."""
-    return _module("_optim8bit").optim8bit_step(algorithm="adam", **kwargs)
+    return _module("_optim8bit").optim8bit_step(kind="adam", **kwargs)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:

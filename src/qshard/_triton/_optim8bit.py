@@ -253,7 +253,7 @@ def optim8bit_step(
     `hp` the kind's hyperparameters in `step8`'s order; `flags` its FLAG_* bits. State 2 is
     given for Adam (second moment) and RMSprop with momentum (buffer).
     """
-    kind_id = KINDS[kind] if isinstance(kind, str) else int(kind)
+    kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
     if kind_id not in KINDS.values():
         raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
     if flags & ~_KNOWN_FLAGS:
