@@ -1,0 +1,199 @@
+"""Block-wise INT8/INT4: float-math reference, error bounds, formats, special blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qshard.quant import (
+    BlockQuantized,
+    dequantize_blocks,
+    dequantize_blockwise,
+    pack_int4,
+    quantize_blocks,
+    quantize_blockwise,
+    unpack_int4,
+)
+
+from ._helpers import FAST, float_tensors, ulp
+
+BLOCK_SIZES = st.sampled_from([2, 8, 64, 256])
+BITS = st.sampled_from([8, 4])
+
+
+def numpy_reference(x: torch.Tensor, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Independent fp32 numpy definition: scale = absmax/qmax, codes = rint(x/scale)."""
+    qmax = 2 ** (bits - 1) - 1
+    v = x.float().numpy().reshape(-1)
+    pad = (-v.size) % block_size
+    v = np.concatenate([v, np.zeros(pad, np.float32)]).reshape(-1, block_size)
+    absmax = np.abs(v).max(axis=1) if v.size else np.zeros(0, np.float32)
+    scales = (absmax / np.float32(qmax)).astype(np.float32)
+    usable = np.isfinite(scales) & (scales > 0)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        q = np.rint(v / np.where(usable, scales, np.float32(1))[:, None])
+    codes = np.where(usable[:, None], np.clip(q, -qmax, qmax), 0).astype(np.int8)
+    # A block holding NaN/Inf: NaN scale, zero codes (dequantizes to NaN).
+    return codes.reshape(-1), np.where(np.isfinite(scales), scales, np.float32(np.nan))
+
+
+@FAST
+@given(x=float_tensors(), bits=BITS, block_size=BLOCK_SIZES)
+def test_matches_float_reference_and_error_bound(x, bits, block_size):
+    q = quantize_blockwise(x, bits=bits, block_size=block_size)
+    codes, scales = numpy_reference(x, bits, block_size)
+    got = unpack_int4(q.codes) if bits == 4 else q.codes
+    np.testing.assert_array_equal(got.numpy(), codes)
+    np.testing.assert_array_equal(q.scales.numpy(), scales)  # NaN == NaN here
+    if not bool(x.isfinite().all()):
+        return  # fp16 overflowed to inf: the special-block test covers these
+
+    d = dequantize_blockwise(q)
+    assert d.shape == x.shape and d.dtype == x.dtype
+    if x.numel() == 0:
+        return
+    # Round-trip error: half a quantization step (plus fp32 rounding of the divide and
+    # multiply, and the final cast to the input dtype).
+    step = torch.from_numpy(scales).repeat_interleave(block_size)[: x.numel()]
+    err = (dequantize_blockwise(q, dtype=torch.float32) - x.float()).abs()
+    assert bool((err <= 0.5 * step * (1 + 2**-20) + 2 * ulp(x)).all())
+
+
+@FAST
+@given(x=float_tensors(), bits=BITS, block_size=BLOCK_SIZES)
+def test_already_quantized_values_round_trip_exactly(x, bits, block_size):
+    once = dequantize_blockwise(quantize_blockwise(x.float(), bits=bits, block_size=block_size))
+    q2 = quantize_blockwise(once, bits=bits, block_size=block_size)
+    assert torch.equal(dequantize_blockwise(q2), once)
+
+
+def test_absmax_round_trips_and_is_never_clipped():
+    # Both signs of the largest magnitude land on +-qmax (a /2**(b-1) scale would clip +absmax).
+    x = torch.tensor([-3.0, 1.0, 3.0, 0.5] * 4)
+    for bits in (8, 4):
+        d = dequantize_blockwise(quantize_blockwise(x, bits=bits, block_size=4))
+        assert torch.equal(d[0::4], x[0::4]) and torch.equal(d[2::4], x[2::4])
+    # Over all fp32 mantissas: exact wherever fp32 allows, otherwise within one ulp.
+    a = (torch.arange(0, 2**23, 97, dtype=torch.int32) | (127 << 23)).view(torch.float32)
+    blocks = torch.stack([a, -a / 3], dim=1)
+    for bits, exact_share in ((8, 0.99), (4, 0.88)):
+        codes, scales = quantize_blocks(blocks, bits=bits)
+        back = dequantize_blocks(codes, scales)[:, 0]
+        assert bool(((back - a).abs() <= ulp(a)).all())
+        assert (back == a).float().mean().item() > exact_share
+
+
+def test_special_blocks_nan_inf_zero():
+    x = torch.randn(4 * 64, generator=torch.Generator().manual_seed(0))
+    x[64:128] = 0.0
+    x[130] = float("nan")
+    x[200] = float("-inf")
+    x[240] = float("inf")  # in the last block, which is partial when numel is 250
+    for bits in (8, 4):
+        for numel in (256, 250):
+            q = quantize_blockwise(x[:numel], bits=bits, block_size=32)
+            d = dequantize_blockwise(q)
+            assert torch.equal(d[64:128], torch.zeros(64)), "zero blocks must stay zero"
+            assert bool(d[128:160].isnan().all()) and bool(d[192:224].isnan().all())
+            assert bool(d[224:numel].isnan().all()), "block holding +inf"
+            good = torch.cat([torch.arange(0, 64), torch.arange(160, 192)])
+            ref = dequantize_blockwise(quantize_blockwise(x[good], bits=bits, block_size=32))
+            assert torch.equal(d[good], ref), "a bad block must not disturb its neighbours"
+
+
+@FAST
+@given(
+    x=float_tensors(max_numel=2000, dtypes=(torch.float32,)),
+    bits=BITS,
+    block_size=BLOCK_SIZES,
+    data=st.data(),
+)
+def test_codes_do_not_depend_on_block_aligned_chunking(x, bits, block_size, data):
+    whole = quantize_blockwise(x, bits=bits, block_size=block_size)
+    n_blocks = whole.num_blocks
+    lo = data.draw(st.integers(0, n_blocks))
+    hi = data.draw(st.integers(lo, n_blocks))
+    part = quantize_blockwise(
+        x[lo * block_size : hi * block_size], bits=bits, block_size=block_size
+    )
+    per = block_size if bits == 8 else block_size // 2
+    assert torch.equal(part.codes[: (hi - lo) * per], whole.codes[lo * per : hi * per])
+    assert torch.equal(part.scales.nan_to_num(7), whole.scales[lo:hi].nan_to_num(7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(0,), (1,), (3, 5), (7, 1, 33), (256,), (2, 300)])
+def test_shapes_dtypes_and_out(shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    for bits in (8, 4):
+        q = quantize_blockwise(x, bits=bits, block_size=16)
+        assert q.codes.dtype == (torch.int8 if bits == 8 else torch.uint8)
+        assert q.codes.numel() == q.padded_numel * bits // 8
+        assert q.scales.dtype == torch.float32 and q.numel == x.numel()
+        d = dequantize_blockwise(q)
+        assert d.shape == x.shape and d.dtype == dtype
+        out = torch.full((x.numel() + 3,), 5.0, dtype=torch.float32)
+        res = dequantize_blockwise(q, out=out[: x.numel()])
+        assert torch.equal(res, dequantize_blockwise(q, dtype=torch.float32).reshape(-1))
+        assert torch.equal(out[x.numel() :], torch.full((3,), 5.0)), "out must not overflow"
+
+
+def test_padding_never_leaks_and_codes_of_padding_are_zero():
+    x = torch.full((10,), -2.0)
+    q = quantize_blockwise(x, bits=4, block_size=8)
+    assert q.padded_numel == 16 and dequantize_blockwise(q).numel() == 10
+    assert torch.equal(unpack_int4(q.codes)[10:], torch.zeros(6, dtype=torch.int8))
+
+
+def test_int4_nibble_layout_matches_deepspeed():
+    codes = torch.tensor([1, -1, -8, 7, 0, -3], dtype=torch.int8)
+    assert pack_int4(codes).tolist() == [0x1F, 0x87, 0x0D]
+    every = torch.arange(-8, 8, dtype=torch.int8)
+    pairs = torch.cartesian_prod(every, every).reshape(-1)
+    assert torch.equal(unpack_int4(pack_int4(pairs)), pairs)
+
+
+def test_stochastic_rounding_is_seeded_and_unbiased():
+    x = torch.linspace(-1, 1, 512).repeat(200)
+    g = torch.Generator().manual_seed(3)
+    a = quantize_blockwise(x, bits=4, block_size=512, rounding="stochastic", generator=g)
+    g.manual_seed(3)
+    b = quantize_blockwise(x, bits=4, block_size=512, rounding="stochastic", generator=g)
+    assert torch.equal(a.codes, b.codes)
+    near = dequantize_blockwise(quantize_blockwise(x, bits=4, block_size=512))
+    d = dequantize_blockwise(a)
+    step = 1 / 7
+    assert bool(((d - x).abs() < step * (1 + 1e-6)).all()), "only the two neighbouring codes"
+    mean = d.view(200, 512).mean(0)
+    # 200 draws per element: the mean's standard error is at most step / (2 * sqrt(200)).
+    assert (mean - x[:512]).abs().max().item() < 5 * step / (2 * 200**0.5)
+    assert (near - x).abs().mean() < (d - x).abs().mean()
+
+
+def test_validation_errors_name_the_fix():
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        quantize_blockwise(x, bits=3)
+    with pytest.raises(ValueError, match="block_size must be even"):
+        quantize_blockwise(x, bits=4, block_size=3)
+    with pytest.raises(ValueError, match="positive"):
+        quantize_blockwise(x, block_size=0)
+    with pytest.raises(TypeError):
+        quantize_blockwise(torch.arange(8))
+    with pytest.raises(ValueError, match="rounding"):
+        quantize_blockwise(x, rounding="up")
+    with pytest.raises(ValueError, match="conflicts"):
+        dequantize_blockwise(quantize_blockwise(x), dtype=torch.float16, out=torch.empty(8))
+    with pytest.raises(ValueError, match="contiguous tensor of 8"):
+        dequantize_blockwise(quantize_blockwise(x), out=torch.empty(9))
+
+
+def test_blockquantized_is_plain_tensors():
+    q = quantize_blockwise(torch.randn(1000), bits=8, block_size=128)
+    assert isinstance(q, BlockQuantized)
+    assert q.num_blocks == 8 and q.padded_numel == 1024 and q.nbytes() == 1024 + 8 * 4
+    with pytest.raises(AttributeError):
+        q.bits = 4  # frozen
