@@ -11,8 +11,8 @@ about numerics, not time.
 Variants (reference in brackets):
 - ZeRO++ (``zero3``, plain FSDP2 + AdamW): ``hpz``, ``qwz+hpz``, ``all`` (qwZ+hpZ+qgZ),
   ``all-qgz50`` (qgZ only for the first 50% of steps, the paper's interleaving),
-  ``qwz-1block`` (qwZ with one quantization block per rank's shard of each FSDP unit: the
-  paper's "basic quantization");
+  ``qwz-1block`` (qwZ with one quantization block per rank's shard of an FSDP unit: the
+  paper's "basic quantization", one scale per tensor shard rather than per 256 values);
 - 8-bit optimizers: ``adamw8bit`` (``zero3``: the same run as the ZeRO++ baseline),
   ``adamw+stable`` and ``adamw8bit+stable`` (StableEmbedding, untied head);
 - data-parallel compressed Adam (replicated model): ``onebit_adam`` and ``zero_one_adam``
@@ -23,10 +23,10 @@ mid-run): for those the script hands :func:`qshard.train.loop.train` its own ``d
 which calls the public :func:`qshard.zeropp.shard` and ``FSDPModule.set_custom_reduce_scatter``.
 
 Raw numbers go to ``--results`` (JSON, merged across runs so variants can be run separately);
-the table and the overlaid loss curves (PNG) are rebuilt from it. Example (about 40 minutes on 2
-quiet cores):
+the table and the overlaid loss curves (PNG) are rebuilt from it. Example (the default, 600 steps x 11
+variants; estimated 30-40 minutes on 2 quiet cores):
 
-    python benchmarks/convergence.py --steps 1000 --out-md docs/results/convergence.md
+    python benchmarks/convergence.py --steps 600 --out-md docs/results/convergence.md
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ VARIANTS: tuple[Variant, ...] = (
         reference="zero3",
         target_pct=None,
         zeropp="qwz",
-        zeropp_overrides={"weight_block_size": 1 << 24},
+        zeropp_overrides={"weight_block_size": "shard"},
     ),
     Variant(name="adamw8bit", group="8bit", reference="zero3", target_pct=0.5, optim="adamw8bit"),
     Variant(
@@ -121,7 +121,7 @@ GROUP_TITLES = {
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps per variant")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps per variant")
     p.add_argument("--variants", default=",".join(BY_NAME), help="comma separated")
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
@@ -187,6 +187,26 @@ class _SwitchingReduceScatter:
         return comm(output_tensor, input_tensor, group, op, async_op)
 
 
+def _shard_block_size(model, world: int) -> int:
+    """One qwZ block per rank's shard of the largest FSDP unit (a block, or the root's rest).
+
+    FSDP2 shards each parameter along dim 0 (padded to a multiple of the world), so a rank's
+    all-gather input is the sum of its padded per-parameter shards. Smaller units (the root)
+    get one block too, zero-padded up to this size (their bytes grow; their numerics are
+    those of one absmax scale over the whole shard, which is the point of this variant).
+    """
+    blocks = list(model.blocks)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    units = [list(b.parameters()) for b in blocks]
+    units.append([p for p in model.parameters() if id(p) not in in_blocks])
+
+    def shard_numel(params) -> int:
+        return sum(-(-p.shape[0] // world) * (p.numel() // max(1, p.shape[0])) for p in params)
+
+    largest = max(shard_numel(u) for u in units)
+    return -(-largest // 8) * 8  # ZeroPPConfig wants a multiple of 8
+
+
 def _custom_distribute(variant: Variant, steps: int):
     """A ``distribute`` for :func:`qshard.train.loop.train` with what TrainConfig cannot say."""
     from torch.distributed.fsdp import FSDPModule
@@ -200,11 +220,14 @@ def _custom_distribute(variant: Variant, steps: int):
 
     def distribute(model, config, *, topology, compute_dtype):
         features = parse_zeropp(variant.zeropp)
+        overrides = dict(variant.zeropp_overrides)
+        if overrides.get("weight_block_size") == "shard":
+            overrides["weight_block_size"] = _shard_block_size(model, topology.world_size)
         zcfg = ZeroPPConfig(
             qwz="qwz" in features,
             hpz="hpz" in features,
             qgz="qgz" in features,
-            **variant.zeropp_overrides,
+            **overrides,
         )
         shard(model, topology=topology, config=zcfg)
         desc = f"FSDP2 + ZeRO++ ({variant.zeropp}; {variant.zeropp_overrides or ''})"

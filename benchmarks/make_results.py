@@ -32,7 +32,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ),
     (
         "convergence.md",
-        "python benchmarks/convergence.py --steps 1000 --out-md docs/results/convergence.md",
+        "python benchmarks/convergence.py --steps 600 --out-md docs/results/convergence.md",
     ),
 )
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
