@@ -110,6 +110,29 @@ def _check_all_gather(topo: Topology, world: int) -> list[str]:
                             assert torch.equal(out, ref)
                         assert _all_equal_across(out)
             done.append(f"ag {dtype} n={n}")
+    # Per-parameter block layout: segments of very different scales never share a block, so
+    # each segment's error is bounded by its own blocks' absmax.
+    if not topo.is_intra_node(range(world)):
+        sizes = [5, 300, 3, 200]
+        n = sum(sizes)
+        scales = torch.cat([torch.full((k,), 10.0 ** (2 - i)) for i, k in enumerate(sizes)])
+        x = _data(11, rank, n, torch.float32) * scales
+        ref = torch.empty(world * n)
+        dist.all_gather_into_tensor(ref, x)
+        for seg in (sizes, lambda: sizes):
+            out = torch.empty_like(ref)
+            QuantizedAllGather(topology=topo, block_size=64, segment_sizes=seg)(out, x, group)
+            bounds = torch.cat(
+                [_block_absmax(part, 64) for part in ref.view(world, n).split(sizes, dim=1)],
+                dim=1,
+            ).reshape(-1)
+            assert bool(((out - ref).abs() <= bounds / 254 * (1 + 1e-5)).all())
+        # sizes that do not add up: one segment, still within the whole-buffer bound
+        out = torch.empty_like(ref)
+        QuantizedAllGather(topology=topo, block_size=64, segment_sizes=[1, 2])(out, x, group)
+        bound = _block_absmax(ref.view(world, n), 64).reshape(-1) / 254 * (1 + 1e-5)
+        assert bool(((out - ref).abs() <= bound).all())
+        done.append("ag segments")
     # A node-sized group is gathered unquantized (hpZ's backward gather).
     if topo.ranks_per_node > 1 and topo.num_nodes > 1:
         x = _data(7, rank, 300, torch.float32)

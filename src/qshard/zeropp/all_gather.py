@@ -8,7 +8,7 @@ concatenated, in ``param_dtype``; the output is the same for every rank, rank-ma
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,13 @@ class QuantizedAllGather(RecordingAllGather):
     ``absmax_block / (2 * qmax)`` (``qmax`` = 127 for INT8, 7 for INT4), plus the rounding
     of the result to the parameter dtype.
 
+    [Note: qwZ block layout] FSDP2's flat input concatenates the shards of all the unit's
+    parameters. Given ``segment_sizes`` (the per-parameter shard sizes, which
+    :func:`qshard.zeropp.shard` reads from FSDP2's parameter group), every parameter's shard
+    is padded to a whole number of blocks, so no block mixes two parameters: a LayerNorm
+    weight of ones never sets the scale of a block of 0.02-sized matrix entries. Without it
+    (or when the sizes do not add up to the input) the buffer is cut as one segment.
+
     A gather whose group lies inside one node (hpZ's backward gather, handed a node-sized
     group by FSDP2) is not quantized: it is the plain all-gather, in ``wire_dtype`` if set.
 
@@ -119,6 +126,8 @@ class QuantizedAllGather(RecordingAllGather):
         bits: 8 (the paper) or 4 (two codes per byte).
         block_size: elements per block (multiple of 8).
         wire_dtype: the 16-bit wire format of the unquantized (intra-node) gathers, or None.
+        segment_sizes: per-parameter shard sizes of the flat input, or a callable returning
+            them (read at call time), or None; see [Note: qwZ block layout].
     """
 
     def __init__(
@@ -128,6 +137,7 @@ class QuantizedAllGather(RecordingAllGather):
         bits: int = 8,
         block_size: int = 256,
         wire_dtype: torch.dtype | None = None,
+        segment_sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
     ) -> None:
         super().__init__(wire_dtype=wire_dtype)
         if bits not in (4, 8):
@@ -136,6 +146,24 @@ class QuantizedAllGather(RecordingAllGather):
             raise ValueError(f"block_size must be a positive multiple of 8; got {block_size}")
         self.topology = topology
         self.codec = RowCodec(bits=bits, block_size=block_size)
+        self._segment_sizes = segment_sizes
+        self._layouts: dict[tuple[int, ...], tuple[int, torch.Tensor | None]] = {}
+
+    def _layout(self, n: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+        """(padded length, positions of the input's elements in the padded row or None)."""
+        sizes = self._segment_sizes() if callable(self._segment_sizes) else self._segment_sizes
+        bs = self.codec.block_size
+        sizes = tuple(sizes) if sizes is not None and sum(sizes) == n else (n,)
+        if sizes not in self._layouts:
+            if len(sizes) <= 1:
+                self._layouts[sizes] = (-(-n // bs) * bs, None)
+            else:
+                starts, offset = [], 0
+                for size in sizes:
+                    starts.append(torch.arange(offset, offset + size))
+                    offset += -(-size // bs) * bs
+                self._layouts[sizes] = (offset, torch.cat(starts).to(device))
+        return self._layouts[sizes]
 
     def __call__(
         self,
@@ -158,10 +186,11 @@ class QuantizedAllGather(RecordingAllGather):
             return self._plain(output_tensor, input_tensor, group, ranks, async_op)
         world = len(ranks)
         n = input_tensor.numel()
-        bs = self.codec.block_size
-        padded = -(-n // bs) * bs
+        padded, positions = self._layout(n, input_tensor.device)
         x = input_tensor.reshape(1, n)
-        if padded != n:
+        if positions is not None:
+            x = x.new_zeros(1, padded).index_copy_(1, positions, x)
+        elif padded != n:
             x = torch.cat([x, x.new_zeros(1, padded - n)], dim=1)
         payload = self.codec.encode(x).view(-1)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
@@ -174,12 +203,11 @@ class QuantizedAllGather(RecordingAllGather):
         work = _all_gather(gathered, payload, group=group, async_op=async_op)
 
         def dequantize() -> None:
-            rows = gathered.view(world, -1)
-            if padded == n:
-                out = output_tensor.view(world, n)
-                out.copy_(self.codec.decode(rows, padded, dtype=output_tensor.dtype))
-            else:
-                values = self.codec.decode(rows, padded, dtype=output_tensor.dtype)
-                output_tensor.view(world, n).copy_(values[:, :n])
+            values = self.codec.decode(gathered.view(world, -1), padded, dtype=output_tensor.dtype)
+            if positions is not None:
+                values = values.index_select(1, positions)
+            elif padded != n:
+                values = values[:, :n]
+            output_tensor.view(world, n).copy_(values)
 
         return _finish(work, dequantize, async_op)

@@ -6,7 +6,7 @@ The one place qshard touches FSDP2 modules: every hook and comm it installs is s
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,27 @@ def find_blocks(
         if not isinstance(m, nn.Module) or id(m) not in owned:
             raise ValueError(f"blocks must be submodules of the model; got {type(m).__name__}")
     return mods
+
+
+def _shard_sizes(module: FSDPModule) -> Callable[[], list[int]] | None:
+    """A callable giving the padded per-parameter shard sizes of ``module``'s flat all-gather
+    input, in FSDP2's order (see [Note: qwZ block layout]); None if FSDP2's internals differ."""
+    try:
+        groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
+    except AttributeError:
+        return None
+    if len(groups) != 1:
+        return None
+    fsdp_params = groups[0].fsdp_params
+
+    def sizes() -> list[int]:
+        return [fp._sharded_param_data.numel() for fp in fsdp_params]
+
+    try:
+        sizes()
+    except AttributeError:
+        return None
+    return sizes
 
 
 def _device_type(model: nn.Module) -> str:
@@ -134,16 +155,19 @@ def shard(
     fully_shard(model, **fsdp_kwargs)
     root = model  # now an FSDPModule
 
-    all_gather = None
-    if config.qwz:
-        all_gather = QuantizedAllGather(
-            topology=topology,
-            bits=config.weight_bits,
-            block_size=config.weight_block_size,
-            wire_dtype=config.wire_dtype,
-        )
-    elif config.record or config.wire_dtype is not None:
-        all_gather = RecordingAllGather(wire_dtype=config.wire_dtype)
+    def make_all_gather(module: FSDPModule):
+        if config.qwz:
+            return QuantizedAllGather(
+                topology=topology,
+                bits=config.weight_bits,
+                block_size=config.weight_block_size,
+                wire_dtype=config.wire_dtype,
+                segment_sizes=_shard_sizes(module),
+            )
+        if config.record or config.wire_dtype is not None:
+            return RecordingAllGather(wire_dtype=config.wire_dtype)
+        return None
+
     reduce_scatter = None
     if config.qgz:
         reduce_scatter = HierarchicalQuantizedReduceScatter(
@@ -156,7 +180,7 @@ def shard(
         reduce_scatter = RecordingReduceScatter(wire_dtype=config.wire_dtype)
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
-        if all_gather is not None:
+        if (all_gather := make_all_gather(m)) is not None:
             m.set_custom_all_gather(all_gather)
         if reduce_scatter is not None:
             m.set_custom_reduce_scatter(reduce_scatter)
