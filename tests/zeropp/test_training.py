@@ -141,9 +141,11 @@ def _check(out: list[dict], nodes: int) -> None:
     assert r["hpz_bytes"][bwd][1] == 0  # hpZ: the backward gather stays in the node
     assert r["off_bytes"][bwd][1] > 0
     if nodes > 1:
-        # INT8 codes + scales vs fp32: a bit over 1/4 of the bytes across nodes
+        # INT8 codes + scales vs fp32 is 1/4 + 1/256; on this toy model (shards of 8 to 1024
+        # elements) padding every parameter's shard to whole 256-blocks adds ~60% (see
+        # [Note: qwZ block layout]); the collective tests check exact byte counts.
         ratio = r["qwz_bytes"][fwd][1] / r["off_bytes"][fwd][1]
-        assert 0.25 < ratio < 0.27, ratio
+        assert 0.25 < ratio < 0.45, ratio
         rs_off = r["off_bytes"][("grad_reduce_scatter", "reduce_scatter")][1]
         rs_q = r["qgz_bytes"][("grad_reduce_scatter", "all_to_all")][1]
         assert rs_q < rs_off / 4, (rs_q, rs_off)
