@@ -11,8 +11,8 @@ about numerics, not time.
 Variants (reference in brackets):
 - ZeRO++ (``zero3``, plain FSDP2 + AdamW): ``hpz``, ``qwz+hpz``, ``all`` (qwZ+hpZ+qgZ),
   ``all-qgz50`` (qgZ only for the first 50% of steps, the paper's interleaving),
-  ``qwz-1block`` (qwZ with one quantization block per rank's shard of an FSDP unit: the
-  paper's "basic quantization", one scale per tensor shard rather than per 256 values);
+  ``qwz-1block`` (qwZ with one quantization block per parameter shard: the paper's "basic
+  quantization", one scale per tensor shard rather than per 256 values);
 - 8-bit optimizers: ``adamw8bit`` (``zero3``: the same run as the ZeRO++ baseline),
   ``adamw+stable`` and ``adamw8bit+stable`` (StableEmbedding, untied head);
 - data-parallel compressed Adam (replicated model): ``onebit_adam`` and ``zero_one_adam``
@@ -188,22 +188,17 @@ class _SwitchingReduceScatter:
 
 
 def _shard_block_size(model, world: int) -> int:
-    """One qwZ block per rank's shard of the largest FSDP unit (a block, or the root's rest).
+    """A qwZ block size that gives every parameter's shard exactly one block (one scale).
 
-    FSDP2 shards each parameter along dim 0 (padded to a multiple of the world), so a rank's
-    all-gather input is the sum of its padded per-parameter shards. Smaller units (the root)
-    get one block too, zero-padded up to this size (their bytes grow; their numerics are
-    those of one absmax scale over the whole shard, which is the point of this variant).
+    FSDP2 shards each parameter along dim 0 (padded to a multiple of the world); qwZ pads every
+    parameter's shard to whole blocks so no block mixes two parameters (see [Note: qwZ block
+    layout] in qshard.zeropp.all_gather). A block as large as the largest shard therefore means
+    one absmax scale per tensor shard: the paper's "basic quantization". Smaller shards are
+    zero-padded to it, so this variant's wire bytes grow; only its numerics matter here.
     """
-    blocks = list(model.blocks)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    units = [list(b.parameters()) for b in blocks]
-    units.append([p for p in model.parameters() if id(p) not in in_blocks])
-
-    def shard_numel(params) -> int:
-        return sum(-(-p.shape[0] // world) * (p.numel() // max(1, p.shape[0])) for p in params)
-
-    largest = max(shard_numel(u) for u in units)
+    largest = max(
+        -(-p.shape[0] // world) * (p.numel() // max(1, p.shape[0])) for p in model.parameters()
+    )
     return -(-largest // 8) * 8  # ZeroPPConfig wants a multiple of 8
 
 
@@ -284,7 +279,8 @@ def _world(rank: int, world: int, settings: dict, names: list[str], run_root: st
         custom = v.zeropp_overrides or v.qgz_fraction is not None
         loop.distribute = _custom_distribute(v, cfg.steps) if custom else original
         t0 = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stdout if rank == 0 else open(os.devnull, "w")):
+        # The loop's own summary goes to the run folder's summary.txt; keep the console short.
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             res = loop.train(cfg)
         loop.distribute = original
         if rank == 0:
