@@ -35,7 +35,12 @@ from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, group_ranks, log_once
 from qshard.zeropp._wire import RowCodec
 
-__all__ = ["HierarchicalQuantizedReduceScatter", "RecordingReduceScatter", "op_scale"]
+__all__ = [
+    "HierarchicalQuantizedReduceScatter",
+    "RecordingReduceScatter",
+    "op_scale",
+    "reorder_slices",
+]
 
 TAG = "grad_reduce_scatter"
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None)
@@ -60,6 +65,28 @@ def _plain_reduce_scatter(output, input_tensor, group, op, async_op):
             output=output, input=input_tensor, group=group, op=op, async_op=async_op
         )
     return dist.reduce_scatter_tensor(output, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def reorder_slices(
+    x: torch.Tensor, nodes: int, per_node: int, stages: int, padded: int
+) -> torch.Tensor:
+    """``(world, S)`` partitions -> ``(K, D, N, padded // K)``: see [Note: qgZ slice order].
+
+    Each partition is zero-padded to ``padded`` elements (a multiple of ``stages``) and cut in
+    ``K = stages`` sub-slices; entry ``[k, j, n]`` is sub-slice ``k`` of partition
+    ``n * D + j``. With ``K = 1`` the flattened order puts partition ``p`` at slot
+    ``(p mod D) * N + p div D`` (paper eq. 2).
+    """
+    world, size = x.shape
+    if world != nodes * per_node or padded % stages or padded < size:
+        raise ValueError(
+            f"cannot lay out {tuple(x.shape)} as {nodes} nodes x {per_node} ranks, "
+            f"{stages} stages, {padded} padded elements"
+        )
+    if padded != size:
+        x = torch.nn.functional.pad(x, (0, padded - size))
+    # partition p = n*D + j -> (n, j); lay out (K, D, N, s).
+    return x.view(nodes, per_node, stages, padded // stages).permute(2, 1, 0, 3).contiguous()
 
 
 class RecordingReduceScatter(ReduceScatter):
@@ -216,11 +243,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         unit = stages * self.block_size
         padded = -(-size // unit) * unit
         sub = padded // stages
-        x = inp.reshape(world, size).float()
-        if padded != size:
-            x = torch.nn.functional.pad(x, (0, padded - size))
-        # [Note: qgZ slice order]: partition p = n*D + j -> (n, j); lay out (K, D, N, s).
-        x = x.view(nodes, per_node, stages, sub).permute(2, 1, 0, 3).contiguous()
+        x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
         intra_group = topo.intra_node_group if per_node > 1 else None
         inter_group = topo.inter_node_group if nodes > 1 else None
         intra_ranks = topo.node_ranks(topo.node)
