@@ -153,6 +153,30 @@ def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     return json.loads((Path(path) / _META).read_text())
 
 
+def _state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.dtype]:
+    return {
+        (id(p), k): v.dtype
+        for p, st in optimizer.state.items()
+        for k, v in st.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def _restore_state_dtypes(
+    optimizer: torch.optim.Optimizer, dtypes: dict[tuple[int, str], torch.dtype]
+) -> None:
+    # [Note: optimizer state dtypes] torch.optim.Optimizer.load_state_dict casts every
+    # floating-parameter state to the parameter's dtype, calling the base class's
+    # _process_value_according_to_param_policy by name, so a subclass cannot opt out: the
+    # uint8 codes of 8-bit optimizers come back as fp32. The cast is exact (codes are small
+    # integers), so casting back to the dtype the optimizer created restores them bit for bit.
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            want = dtypes.get((id(p), k))
+            if isinstance(v, torch.Tensor) and want is not None and v.dtype != want:
+                st[k] = v.to(want)
+
+
 def load_checkpoint(
     path: str | os.PathLike[str], *, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
@@ -163,16 +187,18 @@ def load_checkpoint(
     path = Path(path)
     if not (path / _META).is_file():
         raise CheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # also initializes the state layout
     state = {
         "model": model_sd,
         "optim": optim_sd,
         "train": {"step": torch.tensor(-1, dtype=torch.int64), "rng": _rng_state()},
     }
     dcp.load(state, checkpoint_id=path)
+    dtypes = _state_dtypes(optimizer)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
+    _restore_state_dtypes(optimizer, dtypes)
     rng = state["train"]["rng"]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

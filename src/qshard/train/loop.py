@@ -37,7 +37,7 @@ from qshard.train.data import _mix, batch_for_step, load_corpus
 from qshard.train.estimate import estimate_comm, estimate_memory
 from qshard.train.model import GPT, GPTConfig
 
-__all__ = ["TrainResult", "learning_rate", "train"]
+__all__ = ["TrainResult", "build", "gpt_config_of", "learning_rate", "train"]
 
 TrainResult = dict[str, Any]
 """What :func:`train` returns on every rank: ``losses`` (step -> train loss),
@@ -124,6 +124,38 @@ def _ledger_record(summary: Any) -> dict[str, dict[str, float]]:
     }
 
 
+def gpt_config_of(config: TrainConfig) -> GPTConfig:
+    """The model a run trains."""
+    return GPTConfig(
+        context=config.context,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        tie_head=not config.stable_embedding,
+        stable_embedding=config.stable_embedding,
+        seed=config.seed,
+    )
+
+
+def build(
+    config: TrainConfig, *, topology: Topology, device: torch.device | None = None
+) -> tuple[GPT, torch.optim.Optimizer, str]:
+    """The run's model (initialized from the seed, distributed as configured) and optimizer,
+    plus a one-line description of the layout. Collective (call on every rank)."""
+    device = device or _device()
+    model = GPT(gpt_config_of(config)).to(device)
+    layout = distribute(
+        model, config, topology=topology, compute_dtype=_compute_dtype(config, device)
+    )
+    return model, build_optimizer(model, config), layout
+
+
+def _largest_unit_params(model: GPT) -> int:
+    # FSDP units: each block, and the root (embeddings, final norm, head).
+    in_blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    return max(*in_blocks, model.num_params() - sum(in_blocks))
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config`` on this rank of the current job (initializes the process group from the
     torchrun environment if none exists) and return what it measured."""
@@ -167,23 +199,10 @@ def _train(config: TrainConfig) -> TrainResult:
             min_tokens=config.context + 1,
         )
 
-    gpt_config = GPTConfig(
-        context=config.context,
-        n_layer=config.n_layer,
-        n_head=config.n_head,
-        n_embd=config.n_embd,
-        tie_head=not config.stable_embedding,
-        stable_embedding=config.stable_embedding,
-        seed=config.seed,
-    )
-    model = GPT(gpt_config).to(device)
+    model, optimizer, layout = build(config, topology=topology, device=device)
+    gpt_config = model.config
     num_params = model.num_params()
-    unit_params = max(
-        max(sum(p.numel() for p in b.parameters()) for b in model.blocks),
-        num_params - sum(p.numel() for b in model.blocks for p in b.parameters()),
-    )
-    layout = distribute(model, config, topology=topology, compute_dtype=compute_dtype)
-    optimizer = build_optimizer(model, config)
+    unit_params = _largest_unit_params(model)
     replicated = config.optim in DATA_PARALLEL_OPTIMIZERS
     features = config.zeropp_features
 

@@ -1,0 +1,129 @@
+"""`qshard train` configuration: flags map to TrainConfig, bad combinations are refused with the
+fix named, and bad corpora fail in the launcher before any rank starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qshard.train.cli import build_parser, config_from_args, main
+from qshard.train.config import TrainConfig, parse_zeropp
+
+
+def test_every_config_field_is_a_flag_with_help():
+    parser = build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for field in dataclasses.fields(TrainConfig):
+        assert field.name in actions, field.name
+        assert actions[field.name].help, f"--{field.name} has no help text"
+        assert actions[field.name].default == field.default
+
+
+def test_flags_parse_into_config():
+    cfg = config_from_args(
+        [
+            "--nproc",
+            "2",
+            "--ranks-per-node",
+            "1",
+            "--zeropp",
+            "qwz,hpz",
+            "--optim",
+            "adamw",
+            "--steps",
+            "30",
+            "--batch-size",
+            "6",
+            "--no-export",
+            "--lr",
+            "1e-3",
+        ]
+    )
+    assert cfg.nproc == 2 and cfg.ranks_per_node == 1
+    assert cfg.zeropp_features == frozenset({"qwz", "hpz"})
+    assert cfg.optim == "adamw" and cfg.steps == 30 and cfg.batch_size == 6
+    assert cfg.export is False and cfg.lr == 1e-3
+
+
+def test_defaults_are_the_main_job():
+    cfg = TrainConfig()
+    assert cfg.nproc == 4 and cfg.local_ranks_per_node() == 2
+    assert cfg.zeropp_features == frozenset({"qwz", "hpz", "qgz"})
+    assert cfg.optim == "adamw8bit"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--zeropp", "qwz,fast"], "--zeropp 'qwz,fast' is not understood; use off, all"),
+        (["--optim", "zero_one_adam"], "pass --zeropp off"),
+        (["--optim", "onebit_adam", "--zeropp", "hpz"], "cannot run with ZeRO++ sharding"),
+        (["--nproc", "6", "--ranks-per-node", "4"], "e.g. --ranks-per-node 3"),
+        (["--nproc", "4", "--batch-size", "6"], "e.g. --batch-size 4"),
+        (["--n-embd", "100", "--n-head", "3"], "must be divisible by --n-head"),
+        (["--steps", "0"], "--steps must be an int >= 1"),
+        (["--warmup-steps", "50", "--steps", "50"], "--warmup-steps 50 must be below --steps 50"),
+        (["--min-lr", "1", "--lr", "0.1"], "must not exceed --lr"),
+        (["--val-fraction", "1.5"], "--val-fraction must be in (0, 1)"),
+    ],
+)
+def test_bad_combinations_are_refused_with_the_fix(argv, message, capsys):
+    with pytest.raises(ValueError, match=None) as info:
+        config_from_args(argv)
+    assert message in str(info.value)
+    # The command prints the same message and exits 2, before launching anything.
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_and_mistyped_flags_are_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--stepz", "3"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --stepz" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--optim", "sgd"])
+    assert "invalid choice: 'sgd'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--step", "3"])  # no silent prefix matching
+
+
+def test_parse_zeropp():
+    assert parse_zeropp("off") == frozenset()
+    assert parse_zeropp("ALL") == frozenset({"qwz", "hpz", "qgz"})
+    assert parse_zeropp(" qgz , qwz") == frozenset({"qgz", "qwz"})
+    with pytest.raises(ValueError, match="comma list"):
+        parse_zeropp("")
+
+
+def test_bad_data_paths_fail_before_launch(tmp_path, capsys):
+    base = ["--nproc", "2", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c")]
+    assert main([*base, "--data", str(tmp_path / "missing.txt")]) == 2
+    assert "does not exist; pass a text file or a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main([*base, "--data", str(tmp_path / "empty")]) == 2
+    assert "holds no (non-hidden) files" in capsys.readouterr().err
+    (tmp_path / "blank.txt").write_text("")
+    assert main([*base, "--data", str(tmp_path / "blank.txt")]) == 2
+    assert "is empty" in capsys.readouterr().err
+    (tmp_path / "short.txt").write_text("tiny")
+    assert main([*base, "--data", str(tmp_path / "short.txt")]) == 2
+    assert "shorter --context" in capsys.readouterr().err
+
+
+def test_resume_without_checkpoint_fails_before_launch(tmp_path, capsys):
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    argv = [
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--resume",
+        "--data",
+        str(tmp_path / "text.txt"),
+        "--cache-dir",
+        str(tmp_path / "c"),
+    ]
+    assert main(argv) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
