@@ -204,19 +204,22 @@ class Optimizer8bit(torch.optim.Optimizer):
                 init = self._initial_state_value(group, name)
                 state[name] = torch.full_like(p, init, dtype=torch.float32)
 
-    @staticmethod
-    def _process_value_according_to_param_policy(
-        param: Tensor,
-        value: Tensor,
-        param_id: int,
-        param_groups: list[dict[Any, Any]],
-        key: Any = None,
-    ) -> Tensor:
-        # torch.optim casts every loaded state to the parameter's dtype; codes must stay uint8
-        # and absmax/fp32 states fp32, so only the device follows the parameter.
-        if key == "step":
-            return value
-        return value.to(device=param.device)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype.
+
+        torch casts each loaded state tensor to its parameter's dtype (which would turn codes
+        into floats and, for bf16 parameters, round absmax and fp32 states); here only the
+        device follows the parameter, so a round trip is bit-exact.
+        """
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
+        super().load_state_dict(state_dict)
+        for p, st in originals.items():
+            for k, v in st.items():
+                if isinstance(v, Tensor) and k != "step":
+                    self.state[p][k] = v.to(device=p.device)
 
     # -- step -------------------------------------------------------------------------------
 

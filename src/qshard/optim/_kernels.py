@@ -231,8 +231,9 @@ int step8(int kind, float *p, const float *g,
         decode_block(code1, cc1, a1[b], n, s1);
         if (has2) decode_block(code2, cc2, a2[b], n, s2);
         switch (kind) {
-        case 0: { /* Adam / AdamW: hp = lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, decay */
-            const float b1w = 1.0f - hp[1], b2 = hp[2], b2w = 1.0f - hp[2], eps = hp[3];
+        case 0: { /* Adam / AdamW: lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, decay, 1-beta1,
+                   1-beta2 (the complements rounded from double, as torch does) */
+            const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
             const float wd = hp[4], step_size = hp[5], bc2s = hp[6], decay = hp[7];
             if (decay != 1.0f) {
                 for (int k = 0; k < n; k++) {
@@ -255,9 +256,9 @@ int step8(int kind, float *p, const float *g,
             }
             break;
         }
-        case 1: { /* Lion: hp = lr, beta1, beta2, wd, decay */
-            const float lr = hp[0], b1 = hp[1], b1w = 1.0f - hp[1], b2 = hp[2];
-            const float b2w = 1.0f - hp[2], decay = hp[4];
+        case 1: { /* Lion: hp = lr, beta1, beta2, wd, decay, 1-beta1, 1-beta2 */
+            const float lr = hp[0], b1 = hp[1], b1w = hp[5], b2 = hp[2];
+            const float b2w = hp[6], decay = hp[4];
             for (int k = 0; k < n; k++) {
                 const float gi = gg[k] + canon;
                 const float c = b1 * s1[k] + b1w * gi;
@@ -267,8 +268,8 @@ int step8(int kind, float *p, const float *g,
             }
             break;
         }
-        case 2: { /* SGD momentum: hp = lr, momentum, dampening, wd, nesterov */
-            const float lr = hp[0], mom = hp[1], damp = 1.0f - hp[2], wd = hp[3];
+        case 2: { /* SGD momentum: hp = lr, momentum, dampening, wd, nesterov, 1-dampening */
+            const float lr = hp[0], mom = hp[1], damp = hp[5], wd = hp[3];
             const int nesterov = hp[4] != 0.0f, first = (flags & 16) != 0;
             for (int k = 0; k < n; k++) {
                 const float pi = pp[k];
@@ -280,8 +281,8 @@ int step8(int kind, float *p, const float *g,
             }
             break;
         }
-        case 3: { /* RMSprop: hp = lr, alpha, eps, wd, momentum; state1 = v, state2 = buffer */
-            const float lr = hp[0], alpha = hp[1], aw = 1.0f - hp[1], eps = hp[2], wd = hp[3];
+        case 3: { /* RMSprop: lr, alpha, eps, wd, momentum, 1-alpha; state1 = v, state2 = buffer */
+            const float lr = hp[0], alpha = hp[1], aw = hp[5], eps = hp[2], wd = hp[3];
             const float mom = hp[4];
             for (int k = 0; k < n; k++) {
                 const float pi = pp[k];

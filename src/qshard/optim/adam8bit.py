@@ -105,6 +105,8 @@ class Adam8bit(Optimizer8bit):
             step_size,
             bc2_sqrt,
             decay,
+            1.0 - b1,
+            1.0 - b2,
         ]
 
 

@@ -66,4 +66,4 @@ class Lion8bit(Optimizer8bit):
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
         b1, b2 = group["betas"]
         lr, wd = group["lr"], group["weight_decay"]
-        return [lr, b1, b2, wd, 1.0 - lr * wd]
+        return [lr, b1, b2, wd, 1.0 - lr * wd, 1.0 - b1, 1.0 - b2]

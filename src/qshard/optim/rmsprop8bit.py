@@ -79,4 +79,11 @@ class RMSprop8bit(Optimizer8bit):
         )
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
-        return [group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]]
+        return [
+            group["lr"],
+            group["alpha"],
+            group["eps"],
+            group["weight_decay"],
+            group["momentum"],
+            1.0 - group["alpha"],
+        ]

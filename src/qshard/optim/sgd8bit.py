@@ -79,4 +79,5 @@ class SGD8bit(Optimizer8bit):
             group["dampening"],
             group["weight_decay"],
             1.0 if group["nesterov"] else 0.0,
+            1.0 - group["dampening"],
         ]

@@ -1,0 +1,161 @@
+"""The fused 8-bit kernel against its references: its encoder against
+``qshard.quant.dynamic.quantize_codebook`` (value for value), and one fused optimizer step
+against the fp32 update of ``torch.optim``-ordered pure functions from the same dequantized state.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qshard import optim as qoptim
+from qshard.optim import _functional, _kernels, _qstate
+from qshard.quant.dynamic import quantize_codebook
+
+pytestmark = pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    row_numel=st.integers(1, 700),
+    block=st.sampled_from([64, 256, 2048]),
+    signed=st.booleans(),
+    power=st.integers(1, 7),
+    scale=st.floats(1e-30, 1e30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_encoder_equals_quantize_codebook(
+    rows, row_numel, block, signed, power, scale, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, row_numel, generator=gen).pow(power) * scale  # heavy tails
+    if not signed:
+        x = x.abs()
+    x[0, : min(3, row_numel)] = 0.0
+    q = _qstate.qmap(signed)
+    codes, absmax = _qstate.kernel_quantize_rows(
+        x, q, block, _qstate.Rounding(floor_unsigned=False)
+    )
+    # The reference quantizer on each row zero-padded to whole blocks.
+    ref_codes, ref_absmax = _qstate.quantize_rows(
+        x, q, block, _qstate.Rounding(floor_unsigned=False)
+    )
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(absmax, ref_absmax)
+    if row_numel % block == 0:  # then the layout is the flat one: compare directly
+        flat_codes, flat_absmax = quantize_codebook(x, q.code, block_size=block)
+        assert torch.equal(codes.reshape(-1), flat_codes)
+        assert torch.equal(absmax.reshape(-1), flat_absmax)
+
+
+def test_kernel_encoder_ties_and_edges():
+    q = _qstate.qmap(True)
+    # Every midpoint exactly (ties go to the lower code), the codes themselves, and +-1.
+    x = torch.cat([q.mid, q.code, torch.tensor([1.0, -1.0, -0.0, 1e-38, -1e-38])])
+    x = x.reshape(1, -1)
+    codes, absmax = _qstate.kernel_quantize_rows(x, q, 4096, _qstate.Rounding())
+    assert absmax.item() == 1.0
+    expected = torch.bucketize(x.reshape(-1), q.mid).to(torch.uint8)
+    assert torch.equal(codes.reshape(-1), expected)
+    assert torch.equal(codes[0, 255 : 255 + 256], torch.arange(256, dtype=torch.uint8))
+
+
+def _warm(opt_cls, kwargs, shape, steps=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    opt = opt_cls([p], **kwargs)
+    for _ in range(steps):
+        p.grad = torch.randn(shape, generator=gen) * 0.3
+        opt.step()
+    p.grad = torch.randn(shape, generator=gen) * 0.3
+    return p, opt
+
+
+_ONE_STEP = [
+    (qoptim.Adam8bit, dict(lr=1e-2, weight_decay=0.1)),
+    (qoptim.AdamW8bit, dict(lr=1e-2, weight_decay=0.1)),
+    (qoptim.Lion8bit, dict(lr=1e-3, weight_decay=0.1)),
+    (qoptim.SGD8bit, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2, nesterov=True)),
+    (qoptim.SGD8bit, dict(lr=1e-2, momentum=0.9, dampening=0.1)),
+    (qoptim.RMSprop8bit, dict(lr=1e-3, weight_decay=1e-2)),
+    (qoptim.RMSprop8bit, dict(lr=1e-3, momentum=0.9)),
+    (qoptim.Adagrad8bit, dict(lr=1e-2, lr_decay=0.01, weight_decay=1e-2)),
+]
+
+
+def _reference(opt, p, states, step):
+    group = opt.param_groups[0]
+    opt._reference_update(p, p.grad.clone(), states, group, step)
+
+
+@pytest.mark.parametrize("block", [256, 2048])
+@pytest.mark.parametrize("case", range(len(_ONE_STEP)))
+def test_one_fused_step_equals_fp32_reference(case, block):
+    cls, kw = _ONE_STEP[case]
+    p, opt = _warm(cls, {**kw, "block_size": block}, (48, 300))
+    specs = opt._state_specs(opt.param_groups[0])
+    st_ = opt.state[p]
+    maps = [_qstate.qmap(s) for _, s in specs]
+    before = [
+        _qstate.dequantize_rows(st_[f"{n}_codes"], st_[f"{n}_absmax"], q, block)
+        for (n, _), q in zip(specs, maps)
+    ]
+    step = int(st_["step"]) + 1
+    ref_p = p.detach().clone()
+    ref_states = [s.clone() for s in before]
+    ref_p.grad = p.grad
+    _reference(opt, ref_p, ref_states, step)
+    opt.step()
+    # Parameters: the fp32 update from the same dequantized state, to float rounding.
+    torch.testing.assert_close(p.detach(), ref_p, rtol=2e-6, atol=1e-7)
+    # States: the stored code is the nearest to the fp32 state (within half a code gap).
+    for (n, _), q, ref in zip(specs, maps, ref_states):
+        absmax = st_[f"{n}_absmax"]
+        deq = _qstate.dequantize_rows(st_[f"{n}_codes"], absmax, q, block)
+        scale = absmax.repeat_interleave(block, dim=1)[:, : ref.shape[1]]
+        x = (ref / scale).clamp(-1, 1)
+        hi = torch.searchsorted(q.code, x.contiguous()).clamp(1, 255)
+        half_gap = (q.code[hi] - q.code[hi - 1]) / 2 * scale
+        err = (deq - ref).abs()
+        # slack: the fp32 states of the two paths may differ in the last bits
+        slack = 1e-6 * ref.abs() + 1e-30
+        assert bool((err <= half_gap * (1 + 1e-5) + slack).all()), (
+            n,
+            float((err - half_gap).max()),
+        )
+
+
+def test_kernel_and_torch_paths_agree(monkeypatch):
+    """The fused kernel and the torch reference path (used without a compiler and for non-fp32
+    parameters) run the same update: parameters to float rounding, codes equal except where the
+    fp32 state lies within rounding of a midpoint."""
+    for cls, kw in _ONE_STEP:
+        p1, o1 = _warm(cls, kw, (40, 500))
+        p2 = torch.nn.Parameter(p1.detach().clone())
+        p2.grad = p1.grad.clone()
+        o2 = cls([p2], **kw)
+        o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+        o1.step()
+        monkeypatch.setattr(_kernels, "library", lambda: None)
+        o2.step()
+        monkeypatch.undo()
+        torch.testing.assert_close(p1.detach(), p2.detach(), rtol=2e-6, atol=1e-7)
+        for k, v in o1.state[p1].items():
+            if k.endswith("_codes"):
+                diff = (v.int() - o2.state[p2][k].int()).abs()
+                assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3, (cls, k)
+            elif k.endswith("_absmax"):
+                torch.testing.assert_close(v, o2.state[p2][k], rtol=1e-6, atol=0)
+
+
+def test_bad_block_size_is_rejected_by_kernel():
+    q = _qstate.qmap(True)
+    with pytest.raises(ValueError, match="block_size"):
+        _qstate.kernel_quantize_rows(torch.ones(2, 8), q, 8192, _qstate.Rounding())
+    assert math.isfinite(float(_functional.math.sqrt(2.0)))
