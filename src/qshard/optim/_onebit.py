@@ -1,0 +1,301 @@
+"""Shared machinery of the data-parallel 1-bit optimizers (:class:`OneBitAdam`,
+:class:`ZeroOneAdam`): argument and parameter validation, the replication check, the two ways to
+average (fp32 all-reduce, 1-bit compressed all-reduce with per-parameter error buffers),
+structural-zero masks, and a state_dict that keeps everything needed to resume bit for bit.
+
+[Note: per-rank state] The error buffers are per rank (each rank's own compression residue), and
+so are the momentum, parameters and sync anchor of 0/1 Adam between two syncs. Every rank saves
+and loads its own ``state_dict()``. Loading a state saved by another rank, or at another world
+size, keeps everything replicated and resets the error buffers to zero (with a warning): they
+cannot be re-split meaningfully, and error feedback restarts from zero exactly as at the start
+of compression (the lost residue is at most one step's compression error).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from qshard.comm.compressed import (
+    _all_gather_single,
+    compressed_all_reduce,
+    padded_numel,
+    server_error_numel,
+)
+from qshard.comm.ledger import active_ledger
+
+__all__: list[str] = []
+
+_EXTRA_KEY = "qshard"
+_ERROR_KEYS = ("worker_error", "server_error")
+
+
+def _validate_hparams(lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0; got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two floats in [0, 1); got {betas}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0; got {eps}")
+    if not wd >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0; got {wd}")
+
+
+class _DataParallelOneBitOptimizer(Optimizer):
+    """Base class: owns the process group, the per-parameter error buffers and the extra
+    (non per-parameter) state. Subclasses implement :meth:`step` with the helpers below."""
+
+    _algorithm: str = ""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        process_group: dist.ProcessGroup | None,
+        amsgrad: bool,
+        bias_correction: bool,
+        extra_state: dict[str, Any],
+    ) -> None:
+        name = type(self).__name__
+        self.bias_correction = bool(bias_correction)
+        if amsgrad:
+            raise ValueError(
+                f"{name} does not support amsgrad: its variance is frozen (and agreed on by all "
+                "ranks) for most of training, which AMSGrad's running max would contradict"
+            )
+        _validate_hparams(
+            defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"]
+        )
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{name} averages over a process group: initialise torch.distributed first "
+                "(init_process_group; a single process can use world_size=1)"
+            )
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        if self.rank < 0:
+            raise ValueError(
+                f"{name}: global rank {dist.get_rank()} is not a member of process_group; "
+                "build the optimizer only on the ranks of its data-parallel group"
+            )
+        self.world_size = dist.get_world_size(self.process_group)
+        self._group_ranks = dist.get_process_group_ranks(self.process_group)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            _validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                self._check_param(p)
+        self._extra: dict[str, Any] = dict(extra_state)
+        self._replication_checked = False
+
+    # ----------------------------------------------------------------------- parameters
+    def _check_param(self, p: torch.Tensor) -> None:
+        name = type(self).__name__
+        # No DTensor can exist unless its module was imported; importing it costs seconds.
+        dtensor_module = sys.modules.get("torch.distributed.tensor")
+        if dtensor_module is not None and isinstance(p, dtensor_module.DTensor):
+            raise TypeError(
+                f"{name} needs replicated parameters (plain tensors, identical on every rank); "
+                f"got a DTensor with placements {p.placements}. Sharded (FSDP2/TP) parameters "
+                "are not supported: use AdamW on sharded parameters, or replicate the model"
+            )
+        if p.dtype != torch.float32:
+            raise TypeError(
+                f"{name} keeps fp32 state and updates fp32 parameters; got a {p.dtype} "
+                "parameter. Keep fp32 master weights (cast the model with .float())"
+            )
+        if p.is_sparse:
+            raise TypeError(f"{name} does not support sparse parameters")
+
+    def _denominator(self, group: dict[str, Any], p: torch.Tensor, variance_updates: int):
+        """``sqrt(v) + eps``; with ``bias_correction``, ``v`` is divided by
+        ``1 - beta2 ** variance_updates`` (the number of times ``v`` was updated, which under a
+        sparse variance schedule is far smaller than the step count)."""
+        v = self.state[p]["exp_avg_sq"]
+        if self.bias_correction and variance_updates > 0:
+            v = v / (1 - group["betas"][1] ** variance_updates)
+        return v.sqrt().add_(group["eps"])
+
+    def _trainable(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor:
+        # [Note: missing gradients] Every trainable parameter takes part in every step, so all
+        # ranks issue identical collectives. A parameter with no gradient on this rank (unused
+        # on its data) counts as a zero gradient, which is the correct data-parallel average.
+        if p.grad is None:
+            return torch.zeros_like(p)
+        if p.grad.is_sparse:
+            raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+        return p.grad
+
+    def set_zero_mask(self, param: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Declare the elements of ``param`` whose gradient is structurally zero
+        (``mask == False``), e.g. padding rows of an embedding.
+
+        1-bit compression cannot send 0: without a mask, these elements would receive
+        ``+-scale`` updates. Masked elements are excluded from compression scales and error
+        buffers and their averaged gradient / momentum is exactly 0. Must be the same on every
+        rank; kept in ``state_dict()``. ``None`` removes the mask.
+        """
+        if not any(param is p for _, p in self._trainable()):
+            raise ValueError("set_zero_mask: param is not a trainable parameter of this optimizer")
+        state = self.state[param]
+        if mask is None:
+            state.pop("zero_mask", None)
+            return
+        if mask.shape != param.shape:
+            raise ValueError(
+                f"zero mask shape {tuple(mask.shape)} must equal the parameter shape "
+                f"{tuple(param.shape)}"
+            )
+        state["zero_mask"] = mask.detach().to(device=param.device, dtype=torch.bool).clone()
+
+    def _mask(self, p: torch.Tensor) -> torch.Tensor | None:
+        mask = self.state[p].get("zero_mask")
+        # load_state_dict casts floating state to the param dtype; a mask is stored as bool.
+        return None if mask is None else mask.to(torch.bool)
+
+    # ----------------------------------------------------------------------- communication
+    def _record(self, op: str, tensor_bytes: int, tag: str) -> None:
+        ledger = active_ledger()
+        if ledger is not None:
+            ledger.record(op, group_ranks=self._group_ranks, tensor_bytes=tensor_bytes, tag=tag)
+
+    def _check_replicated(self, params: list[torch.Tensor], *, values_agree: bool = True) -> None:
+        """Once, on the first step: every rank must hold the same parameter layout and, when
+        ``values_agree`` (not resuming mid local interval), the same values, over the same
+        group; otherwise replicas silently drift apart."""
+        if self._replication_checked:
+            return
+        self._replication_checked = True
+        layout = 0
+        for p in params:
+            for d in (*p.shape, -1):
+                layout = (layout * 1_000_003 + d + 7) % (2**31 - 1)
+        ranks_hash = 0
+        for r in self._group_ranks:
+            ranks_hash = (ranks_hash * 1_000_003 + r + 1) % (2**31 - 1)
+        with torch.no_grad():
+            values = sum((p.double().sum() for p in params), torch.zeros((), dtype=torch.float64))
+            squares = sum(
+                (p.double().square().sum() for p in params), torch.zeros((), dtype=torch.float64)
+            )
+        mine = torch.tensor(
+            [len(params), layout, self.world_size, ranks_hash, float(values), float(squares)],
+            dtype=torch.float64,
+        )
+        gathered = torch.empty(self.world_size, mine.numel(), dtype=torch.float64)
+        self._record("all_gather", gathered.numel() * 8, f"{self._algorithm}/replication_check")
+        _all_gather_single(gathered, mine, self.process_group)
+        name = type(self).__name__
+        if not bool((gathered[:, :4] == mine[:4]).all()):
+            raise RuntimeError(
+                f"{name}: ranks disagree on the parameters or the process group "
+                f"(per rank [num params, layout hash, group size, group hash]: "
+                f"{gathered[:, :4].tolist()}); build the same model and pass the same "
+                "process_group on every rank"
+            )
+        if values_agree and not bool((gathered[:, 4:] == mine[4:]).all()):
+            raise RuntimeError(
+                f"{name}: initial parameters differ across ranks (sums {gathered[:, 4].tolist()})"
+                "; broadcast them from one rank before training, e.g. "
+                "`for p in model.parameters(): dist.broadcast(p.data, src=0)`"
+            )
+
+    def _all_reduce_mean(self, tensors: list[torch.Tensor], tag: str) -> list[torch.Tensor]:
+        """Full-precision (fp32) average: one flat all-reduce for all tensors."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self._record("all_reduce", flat.numel() * flat.element_size(), tag)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
+        flat.div_(self.world_size)
+        return [
+            chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)
+        ]
+
+    def _error_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self.state[p]
+        if "worker_error" not in state:
+            numel = p.numel()
+            state["worker_error"] = torch.zeros(padded_numel(numel, self.world_size))
+            state["server_error"] = torch.zeros(server_error_numel(numel, self.world_size))
+        return state["worker_error"], state["server_error"]
+
+    def _compressed_mean(
+        self, params: list[torch.Tensor], tensors: list[torch.Tensor], tag: str
+    ) -> list[torch.Tensor]:
+        """1-bit average with this optimizer's per-parameter error buffers (two collectives)."""
+        errors = [self._error_buffers(p) for p in params]
+        return compressed_all_reduce(
+            tensors,
+            [e[0] for e in errors],
+            [e[1] for e in errors],
+            masks=[self._mask(p) for p in params],
+            group=self.process_group,
+            tag=tag,
+        )
+
+    def _reset_error_buffers(self) -> None:
+        for state in self.state.values():
+            for key in _ERROR_KEYS:
+                if key in state:
+                    state[key].zero_()
+
+    # ----------------------------------------------------------------------- state
+    @property
+    def comm_stats(self) -> dict[str, int]:
+        """Steps so far by kind of communication: ``full_precision``, ``compressed`` and
+        ``local`` (no communication at all); kept in the state_dict."""
+        return {k: self._extra[k] for k in ("full_precision", "compressed", "local")}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The torch state (per-parameter tensors, including error buffers, masks and 0/1
+        Adam's sync anchor) plus the algorithm's counters and schedule positions, the group
+        size and this rank. Per rank: see [Note: per-rank state]."""
+        sd = super().state_dict()
+        sd[_EXTRA_KEY] = {
+            "algorithm": self._algorithm,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            **self._extra,
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`. At the same world size and rank the run continues bit for
+        bit; otherwise the error buffers restart from zero (see [Note: per-rank state])."""
+        name = type(self).__name__
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(_EXTRA_KEY, None)
+        if extra is None:
+            raise ValueError(
+                f"{name}.load_state_dict: this state_dict has no {_EXTRA_KEY!r} entry; it was "
+                f"not saved by {name} (a torch.optim state cannot restore the error buffers "
+                "and schedules)"
+            )
+        extra = dict(extra)
+        if extra.pop("algorithm") != self._algorithm:
+            raise ValueError(f"{name}.load_state_dict: state_dict was saved by another optimizer")
+        saved_world, saved_rank = extra.pop("world_size"), extra.pop("rank")
+        missing = set(self._extra) - set(extra)
+        if missing:
+            raise ValueError(f"{name}.load_state_dict: state_dict lacks {sorted(missing)}")
+        super().load_state_dict(state_dict)
+        self._extra = {k: extra[k] for k in self._extra}
+        if saved_world != self.world_size or saved_rank != self.rank:
+            warnings.warn(
+                f"{name}: state saved by rank {saved_rank} of {saved_world} loaded on rank "
+                f"{self.rank} of {self.world_size}: error buffers restart from zero "
+                "(everything else is kept)",
+                stacklevel=2,
+            )
+            for state in self.state.values():
+                for key in _ERROR_KEYS:
+                    state.pop(key, None)

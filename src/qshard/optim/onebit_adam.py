@@ -1,0 +1,129 @@
+"""1-bit Adam (Tang et al., 2021): data-parallel Adam whose momentum is averaged with the 1-bit
+compressed all-reduce after a full-precision warm-up.
+
+The model is replicated on every rank of ``process_group``; each rank runs ``backward()`` on its
+own data (no DDP) and calls :meth:`OneBitAdam.step`, which does all the communication:
+
+* steps ``1..freeze_step``: the gradients are averaged with an fp32 all-reduce and Adam updates
+  momentum and variance;
+* afterwards the variance is frozen; each rank folds its *local* gradient into the momentum and
+  the momentum is averaged with :func:`qshard.comm.compressed.compressed_all_reduce` (1 bit per
+  element, with worker and server error feedback).
+
+Update rule of both papers' code (no bias correction; decoupled weight decay scaled by lr):
+``x -= lr * (m / (sqrt(v) + eps) + weight_decay * x)``. Every rank holds bit-identical
+parameters after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qshard.optim._onebit import _DataParallelOneBitOptimizer
+
+__all__ = ["OneBitAdam"]
+
+
+class OneBitAdam(_DataParallelOneBitOptimizer):
+    """1-bit Adam over ``process_group`` (default: the world).
+
+    Args:
+        params: parameters or parameter groups (fp32, replicated, not DTensor).
+        lr, betas, eps, weight_decay: as in Adam (per group); see the module docstring for the
+            exact update.
+        freeze_step: number of full-precision warm-up steps (>= 1) after which the variance is
+            frozen and momentum is compressed to 1 bit.
+        process_group: the data-parallel group.
+        amsgrad: not supported (raises if True).
+        bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
+            updates so far (default False, as both papers' code). The momentum is not corrected.
+
+    Use :meth:`set_zero_mask` for structurally zero gradient elements; :attr:`comm_stats`
+    counts the steps by kind of communication.
+    """
+
+    _algorithm = "onebit_adam"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100_000,
+        process_group: dist.ProcessGroup | None = None,
+        amsgrad: bool = False,
+        bias_correction: bool = False,
+    ) -> None:
+        if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be an int >= 1 (the variance needs at least one "
+                f"full-precision step); got {freeze_step!r}"
+            )
+        self.freeze_step = freeze_step
+        super().__init__(
+            params,
+            {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay},
+            process_group=process_group,
+            amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            extra_state={"step": 0, "full_precision": 0, "compressed": 0, "local": 0},
+        )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step: average (fp32 or 1-bit) and update every trainable parameter."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = self._trainable()
+        params = [p for _, p in pairs]
+        if not params:
+            return loss
+        self._check_replicated(params)
+        extra = self._extra
+        extra["step"] += 1
+        for _, p in pairs:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+        if extra["step"] <= self.freeze_step:
+            grads = self._all_reduce_mean(
+                [self._grad(p).float() for p in params], f"{self._algorithm}/gradient"
+            )
+            for (group, p), g in zip(pairs, grads):
+                mask = self._mask(p)
+                if mask is not None:
+                    g = g * mask
+                beta1, beta2 = group["betas"]
+                state = self.state[p]
+                state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            extra["full_precision"] += 1
+        else:
+            for group, p in pairs:
+                beta1, _ = group["betas"]
+                self.state[p]["exp_avg"].mul_(beta1).add_(self._grad(p), alpha=1 - beta1)
+            momenta = [self.state[p]["exp_avg"] for p in params]
+            averaged = self._compressed_mean(params, momenta, f"{self._algorithm}/momentum")
+            for m, avg in zip(momenta, averaged):
+                m.copy_(avg)
+            extra["compressed"] += 1
+
+        for group, p in pairs:
+            state = self.state[p]
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            denom = self._denominator(group, p, min(extra["step"], self.freeze_step))
+            p.addcdiv_(state["exp_avg"], denom, value=-lr)
+        return loss

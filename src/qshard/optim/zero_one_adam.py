@@ -1,0 +1,246 @@
+"""0/1 Adam (Lu et al., 2022): data-parallel Adam with adaptively frozen variance, 1-bit
+compressed averaging and local steps.
+
+The model is replicated on every rank of ``process_group``; each rank runs ``backward()`` on its
+own data (no DDP) and calls :meth:`ZeroOneAdam.step`, which does all the communication.
+
+* Phase A (``step <= var_freeze_step``). On a variance step (schedule T_v, see
+  :func:`variance_update_steps`) the gradient is averaged in fp32 and both momentum and variance
+  are updated; on every other step the gradient is averaged with the 1-bit compressed
+  all-reduce and only the momentum is updated.
+* Phase B (``step > var_freeze_step``). The variance is frozen. Every step is local: momentum
+  and parameters are updated from the local gradient, with no communication. On a sync step
+  (schedule T_u, see :func:`sync_steps`) the ranks average their drift since the last sync,
+  scaled by ``sqrt(v) + eps``, with the 1-bit all-reduce; the averaged drift becomes the new
+  parameters (from the last synchronised point) and, divided by the sum of the learning rates
+  over the interval, the new momentum.
+
+[Note: sync anchor] The algorithm keeps the drift ``u`` and rolls back with ``x -= u``; in
+floating point ``(x - d1 - d2 ...) + (d1 + d2 ...)`` differs from rank to rank in the last bit,
+so replicas would slowly drift apart. Instead each parameter keeps its value at the last sync
+(the anchor, same memory as ``u``): the drift is ``x - anchor`` and the new parameter is
+``anchor + averaged drift / (sqrt(v) + eps)``, bit-identical on every rank.
+
+The first ``step()`` is a real update (a variance step). Update rule as in both papers' code:
+``x -= lr * (m / (sqrt(v) + eps) + weight_decay * x)`` without bias correction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qshard.optim._onebit import _DataParallelOneBitOptimizer
+from qshard.optim._schedules import (
+    next_sync_step,
+    next_variance_step,
+    sync_interval,
+    sync_steps,
+    variance_update_steps,
+)
+
+__all__ = [
+    "ZeroOneAdam",
+    "next_sync_step",
+    "next_variance_step",
+    "sync_interval",
+    "sync_steps",
+    "variance_update_steps",
+]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    return value
+
+
+class ZeroOneAdam(_DataParallelOneBitOptimizer):
+    """0/1 Adam over ``process_group`` (default: the world).
+
+    Args:
+        params: parameters or parameter groups (fp32, replicated, not DTensor).
+        lr, betas, eps, weight_decay: as in Adam (per group); see the module docstring.
+        var_freeze_step: last step of phase A (>= 1); afterwards variance is frozen and local
+            steps begin.
+        var_update_scaler: kappa of the T_v schedule: the gap between variance updates doubles
+            after every ``kappa`` updates (paper: 16).
+        local_step_scaler: alpha of the T_u schedule: the sync gap doubles every ``alpha``
+            phase-B steps (DeepSpeed default 32678; choose it from the lr schedule: roughly the
+            number of steps in which the lr halves).
+        local_step_clipper: H, the largest sync gap (paper: 16).
+        process_group: the data-parallel group.
+        amsgrad: not supported (raises if True).
+        bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
+            updates so far (default False, as both papers' code). The momentum is not corrected.
+            Recommended when ``var_freeze_step`` is short: T_v updates the variance rarely, so
+            without it ``sqrt(v)`` stays far below the gradient scale and steps are too large.
+
+    After the last step of training, call :meth:`synchronize` if the last step was local, so
+    that every rank holds the same parameters.
+    """
+
+    _algorithm = "zero_one_adam"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int = 100_000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        process_group: dist.ProcessGroup | None = None,
+        amsgrad: bool = False,
+        bias_correction: bool = False,
+    ) -> None:
+        self.var_freeze_step = _positive_int("var_freeze_step", var_freeze_step)
+        self.var_update_scaler = _positive_int("var_update_scaler", var_update_scaler)
+        self.local_step_scaler = _positive_int("local_step_scaler", local_step_scaler)
+        self.local_step_clipper = _positive_int("local_step_clipper", local_step_clipper)
+        super().__init__(
+            params,
+            {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay},
+            process_group=process_group,
+            amsgrad=amsgrad,
+            bias_correction=bias_correction,
+            extra_state={
+                "step": 0,
+                "next_variance_step": 1,
+                "variance_updates": 0,
+                "next_sync_step": self._next_sync(var_freeze_step),
+                "phase_b_started": False,
+                "full_precision": 0,
+                "compressed": 0,
+                "local": 0,
+            },
+        )
+
+    def _next_sync(self, last: int) -> int:
+        return next_sync_step(
+            last,
+            var_freeze_step=self.var_freeze_step,
+            local_step_scaler=self.local_step_scaler,
+            local_step_clipper=self.local_step_clipper,
+        )
+
+    @property
+    def in_sync(self) -> bool:
+        """True when every rank holds the same parameters (always in phase A; in phase B right
+        after a sync step)."""
+        return all("lr_sum" not in s or s["lr_sum"] == 0.0 for s in self.state.values())
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimizer step (see the module docstring for what communicates when)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = self._trainable()
+        params = [p for _, p in pairs]
+        if not params:
+            return loss
+        self._check_replicated(params, values_agree=self.in_sync)
+        extra = self._extra
+        extra["step"] += 1
+        step = extra["step"]
+        for _, p in pairs:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if step <= self.var_freeze_step:
+            self._phase_a_step(pairs, step)
+        else:
+            self._phase_b_step(pairs, step)
+        return loss
+
+    def _phase_a_step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]], step: int) -> None:
+        extra = self._extra
+        params = [p for _, p in pairs]
+        grads = [self._grad(p).float() for p in params]
+        variance_step = step == extra["next_variance_step"]
+        if variance_step:
+            grads = self._all_reduce_mean(grads, f"{self._algorithm}/variance_gradient")
+            extra["variance_updates"] += 1
+            extra["next_variance_step"] = next_variance_step(
+                step, extra["variance_updates"], kappa=self.var_update_scaler
+            )
+            extra["full_precision"] += 1
+        else:
+            grads = self._compressed_mean(params, grads, f"{self._algorithm}/gradient")
+            extra["compressed"] += 1
+        for (group, p), g in zip(pairs, grads):
+            state = self.state[p]
+            beta1, beta2 = group["betas"]
+            if variance_step:
+                mask = self._mask(p)
+                if mask is not None:
+                    g = g * mask
+                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+            self._apply_update(group, p)
+
+    def _apply_update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        state = self.state[p]
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        p.addcdiv_(state["exp_avg"], self._denom(group, p), value=-lr)
+
+    def _denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        return self._denominator(group, p, self._extra["variance_updates"])
+
+    def _phase_b_step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]], step: int) -> None:
+        extra = self._extra
+        if not extra["phase_b_started"]:
+            # The error buffers held gradient residue; from now on they compress the drift.
+            self._reset_error_buffers()
+            for _, p in pairs:
+                self.state[p]["sync_anchor"] = p.detach().clone()
+                self.state[p]["lr_sum"] = 0.0
+            extra["phase_b_started"] = True
+        for group, p in pairs:
+            state = self.state[p]
+            beta1, _ = group["betas"]
+            state["exp_avg"].mul_(beta1).add_(self._grad(p), alpha=1 - beta1)
+            self._apply_update(group, p)
+            state["lr_sum"] += group["lr"]
+        if step == extra["next_sync_step"]:
+            self._sync(pairs)
+            extra["next_sync_step"] = self._next_sync(step)
+            extra["compressed"] += 1
+        else:
+            extra["local"] += 1
+
+    def _sync(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        """Average the drift since the last sync; see [Note: sync anchor]."""
+        params = [p for _, p in pairs]
+        denoms = [self._denom(g, p) for g, p in pairs]
+        drifts = [(p - self.state[p]["sync_anchor"]).mul_(d) for p, d in zip(params, denoms)]
+        averaged = self._compressed_mean(params, drifts, f"{self._algorithm}/drift")
+        for p, d, u in zip(params, denoms, averaged):
+            state = self.state[p]
+            if state["lr_sum"] > 0:
+                state["exp_avg"].copy_(u).div_(-state["lr_sum"])
+            p.copy_(state["sync_anchor"].addcdiv_(u, d))
+            state["lr_sum"] = 0.0
+
+    @torch.no_grad()
+    def synchronize(self) -> bool:
+        """Sync now if any local step happened since the last sync (phase B), e.g. before
+        evaluating or saving a replicated checkpoint. Collective: call it on every rank.
+        Returns whether it communicated. Does not move the sync schedule."""
+        if not self._extra["phase_b_started"] or self.in_sync:
+            return False
+        self._sync(self._trainable())
+        self._extra["compressed"] += 1
+        return True
