@@ -1,0 +1,505 @@
+"""Every GPU claim of qshard in one prepared run on a CUDA machine (issue 8).
+
+Measured side by side in one process, so the reference and the kernels share the device state:
+
+1. on-device correctness: each Triton kernel vs the torch reference path on CUDA tensors
+   (bit for bit), so the numbers below are for kernels that compute the right thing;
+2. per kernel: GB/s of bytes actually read + written, and the fraction of a same-run
+   device-to-device copy (the achievable memory bandwidth). Target (H200): >= 0.70;
+3. qgZ's middle hop (dequantize K peers, sum, requantize) vs a plain dequantize of the same
+   codes, and vs the unfused torch path. Target: fused <= 1.3x plain dequantize;
+4. one 8-bit AdamW step (Triton) vs torch.optim.AdamW(fused=True) on 100M+ parameters.
+   Target: <= 1.0x;
+5. a single-GPU training step of qshard's GPT with the quantized paths on (AdamW8bit, and each
+   weight INT8 quantize/dequantize + each gradient INT4 qgZ encode/decode as a rank does them)
+   vs the plain fp32-AdamW step.
+
+    python benchmarks/gpu/run_all.py [--quick] [--out-md docs/results/gpu.md]
+
+Without CUDA it exits at once with status 2 and says so (`--smoke` instead runs every section
+on CPU under Triton's interpreter at toy sizes, to check the script, not to measure). Sections are independent: one that
+fails prints its error and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import Report, add_report_args, time_call
+
+
+def _require_cuda() -> None:
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run_all.py measures GPU kernels; unset TRITON_INTERPRET (it is 1)")
+    if not torch.cuda.is_available():
+        sys.stderr.write(
+            "run_all.py needs a CUDA GPU (torch.cuda.is_available() is False). The kernels are "
+            "verified on CPU by `pytest tests/gpu` under Triton's interpreter; this script only "
+            "measures speed.\n"
+        )
+        sys.exit(2)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        sys.exit("run_all.py needs triton: pip install 'qshard[gpu]'")
+
+
+def _ms(fn, repeat: int) -> float:
+    return time_call(fn, repeat=repeat, warmup=2).median * 1e3
+
+
+def _gbs(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def _optimizer_dispatches_to_triton() -> bool:
+    """AdamW8bit steps CUDA parameters through the Triton kernel (not the CPU C kernel)."""
+    import inspect
+
+    from qshard.optim import _base8bit
+
+    return "_triton" in inspect.getsource(_base8bit)
+
+
+def _section(report: Report, name: str, fn, *args) -> None:
+    try:
+        fn(report, *args)
+    except Exception:  # one broken section must not lose the others' numbers
+        report.note(f"**{name} failed:**\n```\n{traceback.format_exc()[-3000:]}```")
+
+
+def correctness(report: Report, args) -> None:
+    import torch
+
+    from qshard import _triton
+    from qshard.quant import blockwise, signs
+
+    dev = DEVICE
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(4096, 256, device=dev, generator=g) * 3
+    x[1] = 0
+    x[2, 5] = float("nan")
+    rows = []
+    for bits in (8, 4):
+        want = blockwise._quantize_blocks_reference(
+            x, blockwise.qmax_for_bits(bits), "nearest", None
+        )
+        got = _triton.quantize_blocks(x, bits=bits)
+        same = torch.equal(got[0], want[0]) and torch.equal(
+            got[1].nan_to_num(-1), want[1].nan_to_num(-1)
+        )
+        deq = _triton.dequantize_blocks(*got, dtype=torch.bfloat16)
+        ref_deq = (want[0].float() * want[1][:, None]).bfloat16()
+        rows.append((f"INT{bits} quantize", same))
+        rows.append(
+            (f"INT{bits} dequantize -> bf16", torch.equal(deq.nan_to_num(0), ref_deq.nan_to_num(0)))
+        )
+    packed, _ = _triton.quantize_blocks(x, bits=4, pack=True)
+    rows.append(("INT4 fused pack", torch.equal(packed.view(-1), blockwise.pack_int4(want[0]))))
+    v = torch.randn(1_000_003, device=dev, generator=g)
+    rows.append(("pack_signs", torch.equal(_triton.pack_signs(v), signs.pack_signs(v))))
+    report.table(
+        "On-device correctness (Triton vs torch reference on CUDA, bit for bit)",
+        ["kernel", "equal"],
+        rows,
+    )
+
+
+def kernels(report: Report, args) -> None:
+    import torch
+
+    from qshard import _triton
+    from qshard.quant import blockwise
+
+    n = args.numel
+    bs = 256
+    rep = args.repeat
+    src = torch.randn(n, device=DEVICE)
+    dst = torch.empty_like(src)
+    copy_ms = _ms(lambda: dst.copy_(src), rep)
+    copy_gbs = _gbs(8 * n, copy_ms)
+    nb = n // bs
+    x_bf16 = src.bfloat16()
+    c8, s8 = _triton.quantize_flat(src, block_size=bs, bits=8)
+    c4, s4 = _triton.quantize_flat(src, block_size=bs, bits=4, pack=True)
+    out32 = torch.empty(n, device=DEVICE)
+    out16 = torch.empty(n, device=DEVICE, dtype=torch.bfloat16)
+    signs = _triton.pack_signs(src)
+    cases = [
+        ("copy fp32 (reference)", lambda: dst.copy_(src), 8 * n),
+        (
+            "INT8 quantize fp32",
+            lambda: _triton.quantize_flat(src, block_size=bs, bits=8),
+            4 * n + n + 4 * nb,
+        ),
+        (
+            "INT8 quantize bf16",
+            lambda: _triton.quantize_flat(x_bf16, block_size=bs, bits=8),
+            2 * n + n + 4 * nb,
+        ),
+        (
+            "INT4 quantize+pack fp32",
+            lambda: _triton.quantize_flat(src, block_size=bs, bits=4, pack=True),
+            4 * n + n // 2 + 4 * nb,
+        ),
+        (
+            "INT8 dequantize -> fp32",
+            lambda: _triton.dequantize_blocks(c8, s8, out=out32, numel=n),
+            n + 4 * nb + 4 * n,
+        ),
+        (
+            "INT8 dequantize -> bf16",
+            lambda: _triton.dequantize_blocks(c8, s8, out=out16, numel=n),
+            n + 4 * nb + 2 * n,
+        ),
+        (
+            "INT4 dequantize -> fp32",
+            lambda: _triton.dequantize_blocks(c4, s4, block_size=bs, out=out32, numel=n),
+            n // 2 + 4 * nb + 4 * n,
+        ),
+        ("pack_signs fp32", lambda: _triton.pack_signs(src), 4 * n + n // 8),
+        ("unpack_signs -> fp32", lambda: _triton.unpack_signs(signs, n), n // 8 + 4 * n),
+        (
+            "torch reference INT8 quantize fp32",
+            lambda: blockwise._quantize_blocks_reference(src.view(nb, bs), 127, "nearest", None),
+            4 * n + n + 4 * nb,
+        ),
+    ]
+    # qgZ's first step: 2 nodes x 4 ranks, 2 pipeline stages, INT4, fused reorder.
+    nodes, per_node = 2, 4
+    size = n // (nodes * per_node)
+    off, lens, slot = _triton.qgz_slots(
+        nodes=nodes, ranks_per_node=per_node, stages=2, size=size, block_size=bs
+    )
+    off, lens = off.to(DEVICE), lens.to(DEVICE)
+    cases.append(
+        (
+            "qgZ reorder+INT4 quantize (2x4)",
+            lambda: _triton.reorder_quantize(
+                src, off, lengths=lens, slot_numel=slot, block_size=bs
+            ),
+            4 * n + n // 2 + 4 * nb,
+        )
+    )
+    rows = []
+    for name, fn, nbytes in cases:
+        ms = _ms(fn, rep)
+        gbs = _gbs(nbytes, ms)
+        rows.append((name, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.2f}"))
+    report.table(
+        f"Kernel bandwidth, {n / 1e6:.0f}M elements, block 256 (copy: {copy_gbs:.0f} GB/s; target >= 0.70)",
+        ["kernel", "ms", "GB/s", "x copy"],
+        rows,
+    )
+
+
+def _middle_hop_row(peers: int, args) -> tuple:
+    import torch
+
+    from qshard import _triton
+    from qshard.quant import blockwise
+
+    bs, rep = 256, args.repeat
+    m = args.numel // peers // bs  # blocks per peer: K * m * bs == numel codes in total
+    x = torch.randn(peers * m, bs, device=DEVICE)
+    codes, scales = _triton.quantize_blocks(x, bits=4, pack=True)
+    codes, scales = codes.view(peers, m, bs // 2), scales.view(peers, m)
+    out32 = torch.empty(peers * m * bs, device=DEVICE)
+
+    def fused():
+        return _triton.dequant_reduce_requant(codes, scales, block_size=bs, bits=4)
+
+    def plain_dequantize():
+        return _triton.dequantize_blocks(
+            codes.view(peers * m, -1),
+            scales.view(-1),
+            block_size=bs,
+            out=out32,
+            numel=out32.numel(),
+        )
+
+    def unfused_torch():
+        flat = blockwise.unpack_int4(codes.reshape(-1)).view(-1, bs)
+        deq = (flat.float() * scales.reshape(-1)[:, None]).view(peers, m, bs)
+        c, s = blockwise._quantize_blocks_reference(deq.sum(0), 7, "nearest", None)
+        return blockwise.pack_int4(c), s
+
+    t_fused, t_plain, t_torch = _ms(fused, rep), _ms(plain_dequantize, rep), _ms(unfused_torch, rep)
+    nbytes = peers * m * (bs // 2 + 4) + m * (bs // 2 + 4)
+    return (
+        peers,
+        f"{t_fused:.3f}",
+        f"{t_plain:.3f}",
+        f"{t_fused / t_plain:.2f}",
+        f"{t_torch:.3f}",
+        f"{t_torch / t_fused:.1f}",
+        f"{_gbs(nbytes, t_fused):.0f}",
+    )
+
+
+def qgz_middle_hop(report: Report, args) -> None:
+
+    rows = [_middle_hop_row(peers, args) for peers in (4, 8)]
+    report.table(
+        "qgZ middle hop: fused dequantize+reduce+requantize (INT4) vs a plain dequantize of the same codes (target <= 1.3x)",
+        [
+            "peers",
+            "fused ms",
+            "dequantize ms",
+            "fused/dequantize",
+            "torch unfused ms",
+            "speed-up vs torch",
+            "fused GB/s",
+        ],
+        rows,
+    )
+
+
+def adamw8bit(report: Report, args) -> None:
+    import math
+
+    import torch
+
+    from qshard import _triton
+    from qshard.quant.dynamic import dynamic_map
+
+    n, rep = args.params, args.repeat
+    bs = 256
+    p32 = torch.randn(n, device=DEVICE)
+    grad = torch.randn(n, device=DEVICE) * 1e-2
+    rows_ = []
+    # torch fused fp32 AdamW (the target's baseline).
+    p_ref = torch.nn.Parameter(p32.clone())
+    p_ref.grad = grad.clone()
+    opt = torch.optim.AdamW([p_ref], lr=1e-3, weight_decay=0.01, fused=True)
+    t_fused = _ms(opt.step, rep)
+    rows_.append(
+        (
+            "torch AdamW(fused=True) fp32",
+            f"{t_fused:.3f}",
+            "1.00",
+            f"{_gbs(28 * n, t_fused):.0f}",
+            "8",
+        )
+    )
+    p_f = torch.nn.Parameter(p32.clone())
+    p_f.grad = grad.clone()
+    opt_f = torch.optim.AdamW([p_f], lr=1e-3, weight_decay=0.01, foreach=True)
+    t_foreach = _ms(opt_f.step, rep)
+    rows_.append(
+        (
+            "torch AdamW(foreach=True) fp32",
+            f"{t_foreach:.3f}",
+            f"{t_foreach / t_fused:.2f}",
+            f"{_gbs(28 * n, t_foreach):.0f}",
+            "8",
+        )
+    )
+    del opt, opt_f, p_ref, p_f
+    code1, code2 = dynamic_map(signed=True).to(DEVICE), dynamic_map(signed=False).to(DEVICE)
+    mid1, mid2 = (code1[:-1] + code1[1:]) / 2, (code2[:-1] + code2[1:]) / 2
+    z1, z2 = int((code1 == 0).nonzero()[0]), int((code2 == 0).nonzero()[0])
+    p = p32.clone()
+    rows, row_numel = n // 4096, 4096
+    c1 = torch.full((n,), z1, dtype=torch.uint8, device=DEVICE)
+    c2 = torch.full((n,), z2, dtype=torch.uint8, device=DEVICE)
+    a1 = torch.zeros(rows * (row_numel // bs), device=DEVICE)
+    a2 = torch.zeros_like(a1)
+    step = [0]
+
+    def step8() -> None:
+        step[0] += 1
+        k = step[0]
+        _triton.adam8bit_step(
+            param=p,
+            grad=grad,
+            codes1=c1,
+            absmax1=a1,
+            code1=code1,
+            mid1=mid1,
+            zero1=z1,
+            signed1=True,
+            codes2=c2,
+            absmax2=a2,
+            code2=code2,
+            mid2=mid2,
+            zero2=z2,
+            signed2=False,
+            rows=rows,
+            row_numel=row_numel,
+            block_size=bs,
+            hp=[
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                1e-3 / (1 - 0.9**k),
+                math.sqrt(1 - 0.999**k),
+                1 - 1e-5,
+            ],
+            flags=3,
+        )
+
+    t8 = _ms(step8, rep)
+    rows_.append(
+        (
+            "qshard Triton AdamW8bit step",
+            f"{t8:.3f}",
+            f"{t8 / t_fused:.2f}",
+            f"{_gbs(16 * n + 8 * (n // bs), t8):.0f}",
+            "2.03",
+        )
+    )
+    try:
+        from qshard.optim import AdamW8bit
+
+        if not _optimizer_dispatches_to_triton():
+            raise RuntimeError("qshard.optim has no CUDA dispatch")
+        pq = torch.nn.Parameter(p32.clone().view(rows, row_numel))
+        pq.grad = grad.view(rows, row_numel).clone()
+        optq = AdamW8bit([pq], lr=1e-3, weight_decay=0.01)
+        t_opt = _ms(optq.step, rep)
+        rows_.append(
+            (
+                "qshard.optim.AdamW8bit.step() (whole optimizer)",
+                f"{t_opt:.3f}",
+                f"{t_opt / t_fused:.2f}",
+                "",
+                "2.03",
+            )
+        )
+    except Exception as e:  # the optimizer's CUDA dispatch may not exist yet
+        rows_.append((f"qshard.optim.AdamW8bit.step(): {type(e).__name__}", "", "", "", ""))
+    report.table(
+        f"AdamW step on {n / 1e6:.0f}M fp32 parameters (target: 8-bit <= 1.0x fused fp32)",
+        ["optimizer", "ms", "x fused fp32", "GB/s moved", "state bytes/param"],
+        rows_,
+    )
+
+
+def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
+    import torch
+
+    from qshard import _triton
+    from qshard.train.model import GPT
+
+    model = GPT(cfg).to(DEVICE)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name.startswith("fp32"):
+        opt = torch.optim.AdamW(params, lr=3e-4, fused=True)
+    else:
+        from qshard.optim import AdamW8bit
+
+        opt = AdamW8bit(params, lr=3e-4)
+    codecs = "codecs" in name
+    offset0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+
+    def step() -> None:
+        if codecs:
+            # What one rank runs for qwZ (quantize its weights, dequantize the gathered ones)
+            # and for qgZ (encode its gradients, decode the reduced ones), without the
+            # network: the kernels' cost inside a real training step.
+            with torch.no_grad():
+                for p in params:
+                    c, s = _triton.quantize_flat(p.data.view(-1), block_size=256, bits=8)
+                    _triton.dequantize_blocks(c, s, numel=p.numel(), out=p.data.view(-1))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            _, loss = model(data[:, :-1], data[:, 1:])
+        loss.backward()
+        if codecs:
+            with torch.no_grad():
+                for p in params:
+                    flat = p.grad.view(-1)
+                    c, s = _triton.reorder_quantize(
+                        flat, offset0, slot_numel=flat.numel(), block_size=256
+                    )
+                    _triton.dequant_reduce(c.unsqueeze(0), s.unsqueeze(0), block_size=256, out=flat)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return _ms(step, repeat)
+
+
+def gpt_step(report: Report, args) -> None:
+    import torch
+
+    from qshard.train.model import GPT, GPTConfig
+
+    cfg = GPTConfig(
+        vocab_size=256, context=args.context, n_layer=args.layers, n_head=12, n_embd=args.embd
+    )
+    batch = args.batch
+    rows = []
+    data = torch.randint(0, 256, (batch, cfg.context + 1), device=DEVICE)
+    base_ms = None
+    for name in ("fp32 AdamW(fused)", "AdamW8bit", "AdamW8bit + qwZ INT8 + qgZ INT4 codecs"):
+        if name != "fp32 AdamW(fused)" and not _optimizer_dispatches_to_triton():
+            rows.append((name, "skipped: qshard.optim has no CUDA dispatch", "", ""))
+            continue
+        ms = _gpt_step_ms(name, cfg, data, max(3, args.repeat // 2))
+        base_ms = base_ms or ms
+        tokens = batch * cfg.context
+        rows.append((name, f"{ms:.1f}", f"{ms / base_ms:.2f}", f"{tokens / (ms * 1e-3):,.0f}"))
+        torch.cuda.empty_cache()
+    n_params = GPT(cfg).num_params()
+    report.table(
+        f"Single-GPU GPT training step ({n_params / 1e6:.0f}M params, {cfg.n_layer}x{cfg.n_embd}, "
+        f"batch {batch}x{cfg.context}, bf16 autocast)",
+        ["configuration", "ms/step", "x fp32 AdamW", "tokens/s"],
+        rows,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a short GPU run)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check the script itself on CPU under TRITON_INTERPRET=1 with tiny sizes "
+        "(its numbers mean nothing)",
+    )
+    add_report_args(parser)
+    args = parser.parse_args()
+    global DEVICE
+    if args.smoke:
+        # Must precede the first kernel import: Triton picks interpreter vs compiler then.
+        os.environ["TRITON_INTERPRET"] = "1"
+        DEVICE = "cpu"
+    else:
+        _require_cuda()
+    import torch
+
+    if args.smoke:
+        args.numel, args.params, args.repeat = 1 << 13, 4 * 4096, 1
+        args.layers, args.embd, args.context, args.batch = 1, 48, 16, 2
+    else:
+        args.numel = 1 << (24 if args.quick else 28)  # 16M or 256M elements (1 GiB of fp32)
+        args.params = 16 * 4096 * 256 if args.quick else 128 * 1024 * 1024  # 128M parameters
+        args.repeat = 5 if args.quick else 20
+        args.layers, args.embd = (2, 768) if args.quick else (12, 768)
+        args.context, args.batch = 1024, 8
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter smoke run)"
+    report = Report(f"GPU kernels on {name}")
+    for name, fn in (
+        ("correctness", correctness),
+        ("kernels", kernels),
+        ("qgz_middle_hop", qgz_middle_hop),
+        ("adamw8bit", adamw8bit),
+        ("gpt_step", gpt_step),
+    ):
+        _section(report, name, fn, args)
+        torch.cuda.empty_cache()
+    report.write(args.out_md)
+
+
+if __name__ == "__main__":
+    main()
