@@ -1,0 +1,338 @@
+"""8-bit optimizers against torch.optim trajectories, the three numerical pitfalls of the
+reference kernels (with ``bnb_compat`` reproducing them), state_dict round trips, 32-bit
+overrides, StableEmbedding, option validation and state size."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from qshard import optim as qoptim
+from qshard.nn import StableEmbedding
+from qshard.optim import _qstate
+
+# ------------------------------------------------------------------------------------------
+# Trajectories vs torch.optim.
+
+
+def _lion_fp32(params, grads, exp_avgs, *, lr, betas, weight_decay):
+    """Lion (Chen et al. 2023, Algorithm 2) in fp32, written from the paper."""
+    b1, b2 = betas
+    for p, g, m in zip(params, grads, exp_avgs):
+        c = b1 * m + (1 - b1) * g
+        p.mul_(1 - lr * weight_decay).add_(torch.sign(c), alpha=-lr)
+        m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+# (8-bit class, torch reference or None for Lion, kwargs, bound). The bound is on
+# max |p_8bit - p_fp32| / (steps * s), s = the largest per-step change of any weight in the
+# fp32 run (the bound is a fraction of the longest possible path).
+# Why these bounds: each step's state carries at most half a code gap of error, ~0.7% of the
+# block absmax for large entries and more for entries far below it; the errors are mostly
+# unbiased and partly cancel over steps. Lion only drifts where sign(c) flips (2 lr each).
+# Observed (seeded): Adam 0.017, AdamW 0.014, SGD 0.012, RMSprop 0.0025 / 0.014 (momentum),
+# Adagrad 0.0027, Lion 0.14: each bound is about twice the observation.
+_TRAJ = [
+    (qoptim.Adam8bit, torch.optim.Adam, dict(lr=1e-3, weight_decay=1e-2), 0.04),
+    (qoptim.AdamW8bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-1), 0.03),
+    (qoptim.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2), 0.025),
+    (qoptim.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True), 0.025),
+    (qoptim.RMSprop8bit, torch.optim.RMSprop, dict(lr=1e-3, weight_decay=1e-2), 0.006),
+    (qoptim.RMSprop8bit, torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9), 0.03),
+    (qoptim.Adagrad8bit, torch.optim.Adagrad, dict(lr=1e-2, weight_decay=1e-2), 0.006),
+    (qoptim.Lion8bit, None, dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1), 0.25),
+]
+# Partial blocks per row, whole blocks, a tensor below min_8bit_size, a 1-D tensor above it.
+_SHAPES = [(64, 300), (128, 256), (40, 50), (5000,)]
+_STEPS = 40
+
+
+@pytest.mark.parametrize("case", range(len(_TRAJ)), ids=lambda i: _TRAJ[i][0].__name__ + str(i))
+def test_trajectory_vs_fp32_reference(case):
+    cls8, cls32, kw, bound = _TRAJ[case]
+    gen = torch.Generator().manual_seed(case)
+    ps = [nn.Parameter(torch.randn(s, generator=gen)) for s in _SHAPES]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    o8 = cls8(ps, **kw)
+    if cls32 is not None:
+        o32 = cls32(qs, **kw)
+    else:
+        m32 = [torch.zeros_like(q) for q in qs]
+    step_size = 0.0
+    for _ in range(_STEPS):
+        before = [q.detach().clone() for q in qs]
+        for p, q in zip(ps, qs):
+            g = torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = g, g.clone()
+        o8.step()
+        with torch.no_grad():
+            if cls32 is not None:
+                o32.step()
+            else:
+                _lion_fp32(qs, [q.grad for q in qs], m32, **kw)
+        step_size = max(step_size, *((q - b).abs().max().item() for q, b in zip(qs, before)))
+    scale = _STEPS * step_size
+    for p, q, shape in zip(ps, qs, _SHAPES):
+        drift = (p - q).abs().max().item()
+        if len(shape) == 1 or p.numel() < 4096:
+            # fp32 state: the same arithmetic as torch.optim, bit for bit.
+            assert drift == 0.0, (shape, drift)
+        else:
+            assert drift <= bound * scale, (shape, drift / scale, bound)
+            assert drift > 0.0  # the state really is quantized
+
+
+# ------------------------------------------------------------------------------------------
+# Pitfall 1: a positive second moment must not round to zero while the first moment survives.
+
+
+def _heavy_tail_jump(bnb_compat: bool) -> float:
+    lr = 1e-3
+    p = nn.Parameter(torch.zeros(1, 256))
+    opt = qoptim.Adam8bit([p], lr=lr, min_8bit_size=0, bnb_compat=bnb_compat)
+    g = torch.ones(1, 256)
+    g[0, 0] = 1e4  # one outlier per block: v_small / v_max = 1e-8, m_small / m_max = 1e-4
+    p.grad = g
+    opt.step()
+    before = p.detach().clone()
+    g = torch.zeros(1, 256)
+    g[0, 0] = 1e4  # the small entries now get no gradient: their v is all that remains
+    p.grad = g
+    opt.step()
+    return (p.detach() - before)[0, 1:].abs().max().item() / lr
+
+
+def test_pitfall1_second_moment_floor():
+    # Fixed: v is floored at the smallest non-zero code, so the step stays ~lr-sized.
+    assert _heavy_tail_jump(bnb_compat=False) < 1.0
+    # bitsandbytes rounding: v -> 0 under a surviving m, so the step is m / eps: millions of lr.
+    assert _heavy_tail_jump(bnb_compat=True) > 1e6
+
+
+def test_pitfall1_floor_at_encoder_level():
+    q = _qstate.qmap(False)
+    x = torch.tensor([[1.0, 1e-9, 0.0]])
+    codes, _ = _qstate.quantize_rows(x, q, 256, _qstate.Rounding())
+    assert codes.tolist() == [[255, q.zero_idx + 1, q.zero_idx]]
+    codes, _ = _qstate.quantize_rows(
+        x, q, 256, _qstate.Rounding.make(bnb_compat=True, stochastic=False)
+    )
+    assert codes.tolist() == [[255, q.zero_idx, q.zero_idx]]
+
+
+# ------------------------------------------------------------------------------------------
+# Pitfall 2: -0.0 gradients on never-updated elements must not create drift.
+
+
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (qoptim.AdamW8bit, dict(lr=1e-2, weight_decay=0.0)),
+        (qoptim.SGD8bit, dict(lr=1e-2, momentum=0.9)),
+        (qoptim.Lion8bit, dict(lr=1e-3)),
+        (qoptim.RMSprop8bit, dict(lr=1e-3, momentum=0.9)),
+    ],
+)
+def test_pitfall2_negative_zero_gradients_do_not_move_weights(cls, kw):
+    p = nn.Parameter(torch.randn(4, 256))
+    before = p.detach().clone()
+    opt = cls([p], min_8bit_size=0, **kw)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        g = torch.randn(4, 256, generator=gen)
+        g[:, :16] = -0.0
+        p.grad = g
+        opt.step()
+    assert torch.equal(p.detach()[:, :16], before[:, :16])  # bit for bit
+    for name, signed in opt._state_specs(opt.param_groups[0]):
+        if signed:
+            codes = opt.state[p][f"{name}_codes"][:, :16]
+            assert bool((codes == _qstate.qmap(True).zero_idx).all())
+    assert not torch.equal(p.detach()[:, 16:], before[:, 16:])
+
+
+def test_pitfall2_sign_nudge_only_in_compat():
+    q = _qstate.qmap(True)
+    x = torch.tensor([[1.0, -0.0, -1e-9, 1e-9]])
+    codes, _ = _qstate.quantize_rows(x, q, 256, _qstate.Rounding())
+    assert codes[0, 1:].tolist() == [q.zero_idx] * 3  # exact nearest, -0.0 is zero
+    compat = _qstate.Rounding.make(bnb_compat=True, stochastic=False)
+    codes, _ = _qstate.quantize_rows(x, q, 256, compat)
+    # bitsandbytes: a code whose sign bit differs moves one step; -0.0 becomes negative.
+    assert codes[0, 1:].tolist() == [q.zero_idx - 1, q.zero_idx - 1, q.zero_idx]
+    kc, _ = _qstate.kernel_quantize_rows(x, q, 256, compat)
+    assert torch.equal(kc, codes)
+
+
+# ------------------------------------------------------------------------------------------
+# Pitfall 3: decaying states must not freeze (stochastic rounding).
+
+
+def _decayed_momentum(stochastic: bool) -> float:
+    p = nn.Parameter(torch.zeros(1, 256))
+    opt = qoptim.SGD8bit(
+        [p], lr=0.0, momentum=0.99, min_8bit_size=0, stochastic_rounding=stochastic
+    )
+    p.grad = torch.ones(1, 256)
+    opt.step()  # buffer = 1 everywhere
+    for _ in range(200):
+        g = torch.zeros(1, 256)
+        g[0, 0] = 0.01  # keeps buffer[0] == 1, so the block absmax stays 1
+        p.grad = g
+        opt.step()
+    st = opt.state[p]
+    buf = _qstate.dequantize_rows(
+        st["momentum_buffer_codes"], st["momentum_buffer_absmax"], _qstate.qmap(True), 256
+    )
+    return buf[0, 1:].mean().item()
+
+
+def test_pitfall3_stochastic_rounding_lets_states_decay():
+    exact = 0.99**200  # 0.134
+    # Nearest rounding: a 1% decay is below half a code gap once the value is < ~0.7: frozen.
+    assert _decayed_momentum(stochastic=False) > 0.5
+    # Stochastic rounding is unbiased: the mean follows the exact decay.
+    assert abs(_decayed_momentum(stochastic=True) - exact) < 0.03
+
+
+# ------------------------------------------------------------------------------------------
+# State handling.
+
+
+def _trained(cls=qoptim.AdamW8bit, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 40))
+    opt = cls(model.parameters(), min_8bit_size=1024, **kw)
+    for _ in range(3):
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    "cls,kw",
+    [(qoptim.AdamW8bit, {}), (qoptim.Lion8bit, {}), (qoptim.RMSprop8bit, dict(momentum=0.5))],
+)
+def test_state_dict_round_trip_is_bit_exact(cls, kw):
+    model, opt = _trained(cls, **kw)
+    sd = copy.deepcopy(opt.state_dict())
+    model2 = copy.deepcopy(model)
+    opt2 = cls(model2.parameters(), min_8bit_size=1024, **kw)
+    opt2.load_state_dict(sd)
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        s, s2 = opt.state[p], opt2.state[p2]
+        assert sorted(s) == sorted(s2)
+        for k in s:
+            assert s[k].dtype == s2[k].dtype and torch.equal(s[k], s2[k]), k
+    x = torch.randn(8, 64)
+    for m, o in ((model, opt), (model2, opt2)):
+        m(x).square().mean().backward()
+        o.step()
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, p2)
+
+
+def test_state_format_per_tensor_and_group_override():
+    big, small, vec = (nn.Parameter(torch.randn(s)) for s in [(64, 128), (10, 10), (8192,)])
+    forced = nn.Parameter(torch.randn(64, 128))
+    opt = qoptim.AdamW8bit([{"params": [big, small, vec]}, {"params": [forced], "optim_bits": 32}])
+    for p in (big, small, vec, forced):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert sorted(opt.state[big]) == [
+        "exp_avg_absmax",
+        "exp_avg_codes",
+        "exp_avg_sq_absmax",
+        "exp_avg_sq_codes",
+        "step",
+    ]
+    assert opt.state[big]["exp_avg_codes"].dtype == torch.uint8
+    assert opt.state[big]["exp_avg_absmax"].shape == (64, 1)
+    for p in (small, vec, forced):
+        assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq", "step"]
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+    # The override is a param-group option, so it is in the state dict and survives a reload.
+    assert opt.state_dict()["param_groups"][1]["optim_bits"] == 32
+
+
+def test_stable_embedding():
+    torch.manual_seed(0)
+    emb = StableEmbedding(1000, 64)
+    bound = (6 / (1000 + 64)) ** 0.5  # Xavier-uniform
+    assert emb.weight.abs().max() <= bound and emb.weight.abs().max() > 0.9 * bound
+    out = emb(torch.tensor([[1, 2, 3]]))
+    torch.testing.assert_close(out.mean(-1), torch.zeros(1, 3), atol=1e-5, rtol=0)
+    # bf16 weight: the LayerNorm still runs in fp32 and the output has the weight's dtype.
+    emb_bf16 = StableEmbedding(10, 8, dtype=torch.bfloat16)
+    assert emb_bf16(torch.tensor([1])).dtype == torch.bfloat16
+    assert emb_bf16.norm.weight.dtype == torch.float32
+    # 32-bit state automatically, also for a deep copy (no identity-keyed registry).
+    for model in (nn.Sequential(emb, nn.Linear(64, 64)), copy.deepcopy(nn.Sequential(emb))):
+        opt = qoptim.Adam8bit(model.parameters(), min_8bit_size=0)
+        model(torch.tensor([[1, 2]])).sum().backward()
+        opt.step()
+        assert "exp_avg" in opt.state[model[0].weight]
+        if len(model) > 1:
+            assert "exp_avg_codes" in opt.state[model[1].weight]
+
+
+def test_bf16_parameters_use_fp32_math_and_keep_state_dtypes():
+    p = nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
+    ref = nn.Parameter(p.detach().float())
+    opt = qoptim.AdamW8bit([p], min_8bit_size=0)
+    opt_ref = qoptim.AdamW8bit([ref], min_8bit_size=0)
+    g = torch.randn(64, 128)
+    p.grad, ref.grad = g.bfloat16(), g.bfloat16().float()
+    opt.step()
+    opt_ref.step()
+    assert p.dtype == torch.bfloat16
+    assert opt.state[p]["exp_avg_absmax"].dtype == torch.float32
+    torch.testing.assert_close(p.detach().float(), ref.detach(), atol=1e-2, rtol=1e-2)
+
+
+def test_state_bytes_per_param():
+    p = nn.Parameter(torch.randn(1024, 1024))
+    opt = qoptim.AdamW8bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    bpp = qoptim.state_bytes_per_param(opt)
+    assert 2.0 < bpp <= 2.04  # 2 codes + 2 * 4 / 256 absmax + the step scalar
+    assert qoptim.optimizer_state_bytes(opt) == 2 * 1024 * 1024 + 2 * 4 * 4096 + 4
+    opt32 = qoptim.AdamW8bit([p], optim_bits=32)
+    opt32.step()
+    assert qoptim.state_bytes_per_param(opt32) == pytest.approx(8.0, abs=1e-5)
+
+
+def test_options_are_validated():
+    p = [nn.Parameter(torch.randn(4, 4))]
+    with pytest.raises(ValueError, match="unknown param-group option"):
+        qoptim.AdamW8bit([{"params": p, "optim_bit": 32}])
+    with pytest.raises(ValueError, match="block_size"):
+        qoptim.AdamW8bit(p, block_size=8192)
+    with pytest.raises(ValueError, match="optim_bits"):
+        qoptim.Lion8bit(p, optim_bits=16)
+    with pytest.raises(ValueError, match="amsgrad"):
+        qoptim.Adam8bit(p, amsgrad=True)
+    with pytest.raises(ValueError, match="centered"):
+        qoptim.RMSprop8bit(p, centered=True)
+    with pytest.raises(ValueError, match="Nesterov"):
+        qoptim.SGD8bit(p, nesterov=True)
+    with pytest.raises(TypeError):
+        qoptim.AdamW8bit(p, percentile_clipping=5)
+
+
+def test_adagrad_initial_accumulator_value_matches_torch():
+    a = nn.Parameter(torch.randn(64, 128))
+    b = nn.Parameter(a.detach().clone())
+    o8 = qoptim.Adagrad8bit([a], lr=0.1, initial_accumulator_value=0.5, min_8bit_size=0)
+    o32 = torch.optim.Adagrad([b], lr=0.1, initial_accumulator_value=0.5)
+    g = torch.randn(64, 128) * 0.01
+    a.grad, b.grad = g, g.clone()
+    o8.step()
+    o32.step()
+    # The constant initial sum is exact in 8 bits (code 1.0 times the value).
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
