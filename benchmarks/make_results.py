@@ -76,7 +76,7 @@ def build(results_dir: Path, out: Path) -> str:
         body = _relink(path.read_text(), path.parent, out.parent)
         parts.append(_demote(body).rstrip() + "\n")
         if name in regen:
-            parts.append(f"Regenerate: `{regen[name]}`\n")
+            parts.append(f"Regenerate at full length: `{regen[name]}`\n")
     if missing:
         parts.append(
             "## Not yet measured\n\n"

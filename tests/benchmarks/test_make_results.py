@@ -39,7 +39,7 @@ def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected
     assert "![web](https://x.org/a.png)" in text
     # What was not measured is listed with the command that measures it.
     assert "docs/results/netsim_check.md" in text.split("## Not yet measured")[1]
-    assert "Regenerate: `python benchmarks/throughput.py --rates 100,200,400" in text
+    assert "Regenerate at full length: `python benchmarks/throughput.py --rates 100,200,400" in text
     assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 0
     (results / "zz_extra.md").write_text("## Extra, changed\n")
     assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 1

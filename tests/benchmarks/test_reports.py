@@ -1,0 +1,114 @@
+"""The benchmark reports' arithmetic (speed-ups, ledger vs link, convergence verdicts) on
+synthetic numbers, without a cluster: what the tables claim must follow from the raw data."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+MiB = 2**20
+
+
+def _tp_run(times, node_tx, by_tag):
+    return {
+        "times": times,
+        "node_tx": node_tx,
+        "node_rx": node_tx,
+        "ledger_inter": sum(t[2] for t in by_tag),
+        "ledger_intra": 0.0,
+        "ledger_by_tag": by_tag,
+        "loss_first": 5.0,
+        "loss_last": 4.0,
+    }
+
+
+def test_throughput_report_speedups_and_ledger_ratios(tmp_path):
+    tp = _load("throughput")
+    args = tp._args(["--rates", "100", "--out-md", str(tmp_path / "t.md")])
+    m = 9 * MiB
+    data = {
+        "n_params": 3_000_000,
+        "skipped": {"qgz": "not built"},
+        "results": {
+            "100": {
+                # gloo's reduce-scatter moves 2x the ledger's ring price: link = 4m, ledger = 3m.
+                "zero3": _tp_run(
+                    [4.0, 5.0, 6.0],
+                    [4 * m, 4 * m],
+                    [
+                        ["fwd_all_gather", "all_gather", m, m],
+                        ["bwd_all_gather", "all_gather", m, m],
+                        ["grad_reduce_scatter", "reduce_scatter", m, m],
+                    ],
+                ),
+                "all": _tp_run(
+                    [2.0, 2.5, 1.0],
+                    [m, m],
+                    [["fwd_all_gather", "all_gather", m / 2, 0], ["g", "all_to_all", m / 2, 0]],
+                ),
+            }
+        },
+    }
+    tp.report(args, data, wall_s=10.0)
+    text = (tmp_path / "t.md").read_text()
+    # median 5.0 / 2.0 = 2.50x; min 4.0 / 1.0 = 4.00x
+    assert "| 100    | all     | 2.000    | 1.000 | 2.50x (4.00x)" in text
+    assert "ZeRO++ (all) at 100 Mbit/s: 2.50x ZeRO-3 (target >= 2x: met)" in text
+    # zero3: ledger 27 MiB vs link 36 MiB = 0.75; re-priced reduce-scatter: 36/36 = 1.000
+    assert "ledger/link at 100 Mbit/s, zero3: 0.750 (NOT within 10%)" in text
+    assert "as gloo ran them: 1.000 (within 10%)" in text
+    assert "qgz not run: not built" in text
+
+
+def test_throughput_rejects_unknown_variants():
+    tp = _load("throughput")
+    with pytest.raises(SystemExit):
+        tp._args(["--variants", "zero3,turbo"])
+
+
+def test_convergence_verdicts_against_their_references(tmp_path):
+    cv = _load("convergence")
+    args = cv._args(
+        ["--steps", "10", "--results", str(tmp_path / "r.json"), "--out-md", str(tmp_path / "c.md")]
+    )
+
+    def run(val):
+        return {
+            "losses": [5.0] * 9 + [val],
+            "val_losses": {"4": 4.0, "9": val},
+            "inter_node_bytes_per_step": MiB,
+            "num_params": 1000,
+            "train_time_s": 1.0,
+        }
+
+    data = {
+        "settings": cv._settings(args),
+        "runs": {
+            "zero3": run(2.0),
+            "hpz": run(2.0),  # must be identical
+            "all": run(2.03),  # +1.5%: misses the 1% target
+            "adamw8bit": run(2.005),  # +0.25%: within 0.5%
+        },
+    }
+    cv.report(args, data)
+    text = (tmp_path / "c.md").read_text()
+    rows = {line.split("|")[2].strip(): line for line in text.splitlines() if line.count("|") > 8}
+    assert "+0.00%" in rows["hpz"] and "met (<= 0.0%)" in rows["hpz"]
+    assert "+1.50%" in rows["all"] and "NOT met (<= 1.0%)" in rows["all"]
+    assert "+0.25%" in rows["adamw8bit"] and "met (<= 0.5%)" in rows["adamw8bit"]
+    assert (tmp_path / "convergence_zeropp.png").exists()
