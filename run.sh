@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")"
 . scripts/setup-venv.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec python benchmarks/quant_throughput.py "$@"
+exec qshard train "$@"

@@ -85,7 +85,7 @@ class TrainConfig:
     # --- schedule
     steps: int = 200
     """Optimizer steps (total, counting resumed ones)."""
-    batch_size: int = 16
+    batch_size: int = 8
     """Global batch in sequences; split evenly over the ranks."""
     lr: float = 3e-3
     """Peak learning rate."""
