@@ -57,6 +57,15 @@ FLAG_BNB_SIGN_NUDGE = 4
 FLAG_STOCHASTIC = 8
 FLAG_FIRST_STEP = 16
 _KNOWN_FLAGS = 31
+# Where step8's hp carries w1 / w2 for each kind (None: unused by the kind).
+_COMPLEMENTS = {0: (8, 9), 1: (5, 6), 2: (None, 5), 3: (5, None), 4: (None, None)}
+
+
+def _complement(hp: Sequence[float], i: int) -> float:
+    """1 - hp[i] in double, rounded to fp32 (hp lists without the complements)."""
+    return float(np.float32(1.0 - float(hp[i]))) if len(hp) > i else 0.0
+
+
 _MAX_BLOCK = 4096
 
 
@@ -165,8 +174,8 @@ def _step8_kernel(
         old2 = tl.load(a2_ptr + b, mask=b_ok, other=0.0)
         s2 = tl.load(code2_ptr + c2) * old2[:, None]
 
-    # w1 = 1 - hp1 and w2 = 1 - hp2, rounded to fp32 on the host (see [Note: fp32 scalars]).
-    if KIND == 0:  # Adam / AdamW: hp = lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, decay
+    # w1, w2: the kind's complements (1 - beta...), see [Note: fp32 scalars] and _COMPLEMENTS.
+    if KIND == 0:  # Adam / AdamW: lr, b1, b2, eps, wd, step_size, bc2_sqrt, decay, (1-b1, 1-b2)
         decoupled = hp7 != 1.0
         pi = tl.where(decoupled, pi * hp7, pi)
         gi = tl.where(~decoupled & (hp4 != 0.0), gi + hp4 * pi, gi)
@@ -174,12 +183,12 @@ def _step8_kernel(
         s2 = s2 * hp2 + w2 * gi * gi
         denom = tl.math.div_rn(tl.math.sqrt_rn(s2), tl.full(s2.shape, hp6, tl.float32)) + hp3
         pi = pi - hp5 * tl.math.div_rn(s1, denom)
-    elif KIND == 1:  # Lion: hp = lr, beta1, beta2, wd, decay
+    elif KIND == 1:  # Lion: hp = lr, beta1, beta2, wd, decay, (1 - beta1, 1 - beta2)
         c = hp1 * s1 + w1 * gi
         sg = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
         pi = pi * hp4 - hp0 * sg
         s1 = hp2 * s1 + w2 * gi
-    elif KIND == 2:  # SGD momentum: hp = lr, momentum, dampening, wd, nesterov
+    elif KIND == 2:  # SGD momentum: hp = lr, momentum, dampening, wd, nesterov, (1 - dampening)
         gi = tl.where(hp3 != 0.0, gi + hp3 * pi, gi)
         if FLAGS & 16:
             s1 = gi
@@ -187,7 +196,7 @@ def _step8_kernel(
             s1 = s1 * hp1 + w2 * gi
         d = tl.where(hp4 != 0.0, gi + hp1 * s1, s1)
         pi = pi - hp0 * d
-    elif KIND == 3:  # RMSprop: hp = lr, alpha, eps, wd, momentum; state1 = v, state2 = buffer
+    elif KIND == 3:  # RMSprop: lr, alpha, eps, wd, momentum, (1 - alpha); state1 v, state2 buffer
         gi = tl.where(hp3 != 0.0, gi + hp3 * pi, gi)
         s1 = s1 * hp1 + w1 * gi * gi
         avg = tl.math.sqrt_rn(s1) + hp2
@@ -288,15 +297,16 @@ def optim8bit_step(
         if codes2.numel() != numel or absmax2.numel() != n_blocks:
             raise ValueError("codes2/absmax2 must match codes1/absmax1 in size")
         _check_map("state 2", code2, mid2)
-    if len(hp) > 8:
-        raise ValueError(f"hp takes at most 8 values; got {len(hp)}")
-    # [Note: fp32 scalars] The C kernel reads hp as fp32 and forms 1 - beta in fp32. Rounding
-    # here, and forming w1 = 1 - hp[1], w2 = 1 - hp[2] in fp32 on the host, gives the kernel
-    # the same constants on CUDA (fp32 arguments) and in the interpreter (which would otherwise
-    # evaluate `1.0 - hp` on Python doubles).
-    hps = [float(np.float32(v)) for v in hp] + [0.0] * (8 - len(hp))
-    w1 = float(np.float32(1.0) - np.float32(hps[1]))
-    w2 = float(np.float32(1.0) - np.float32(hps[2]))
+    if len(hp) > 10:
+        raise ValueError(f"hp takes at most 10 values; got {len(hp)}")
+    # [Note: fp32 scalars] step8 reads hp as fp32; the complements (1 - beta1, 1 - beta2,
+    # 1 - dampening, 1 - alpha) ride in hp too, computed in double and rounded once, as torch
+    # rounds its Python-float constants. They are passed as fp32-exact values, so CUDA (fp32
+    # arguments) and the interpreter (Python floats) evaluate the same fp32 expressions.
+    hps = [float(np.float32(v)) for v in hp] + [0.0] * (10 - len(hp))
+    w1_at, w2_at = _COMPLEMENTS[kind_id]
+    w1 = hps[w1_at] if w1_at is not None and len(hp) > w1_at else _complement(hp, 1)
+    w2 = hps[w2_at] if w2_at is not None and len(hp) > w2_at else _complement(hp, 2)
     if n_blocks == 0:
         return
     block_n = next_pow2(block_size)
@@ -319,7 +329,7 @@ def optim8bit_step(
         n_blocks,
         nbr,
         row_numel,
-        *hps,
+        *hps[:8],
         w1,
         w2,
         KIND=kind_id,
