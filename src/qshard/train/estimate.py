@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CommEstimate", "estimate_comm", "estimate_memory", "optimizer_state_bytes_per_param"]
+__all__ = [
+    "CommEstimate",
+    "ddp_allreduce_bytes",
+    "estimate_comm",
+    "estimate_memory",
+    "optimizer_state_bytes_per_param",
+]
 
 _OPTIM_STATE_BYTES = {
     # exp_avg + exp_avg_sq in fp32
@@ -133,3 +139,13 @@ def estimate_comm(
     else:
         grad = ring * grad_wire
     return CommEstimate(fwd_all_gather=fwd, bwd_all_gather=bwd, grad_reduce_scatter=grad)
+
+
+def ddp_allreduce_bytes(
+    *, num_params: int, world_size: int, ranks_per_node: int, wire_bytes: float = 4.0
+) -> float:
+    """Cross-node bytes per step (per node) of a data-parallel gradient all-reduce (ring):
+    the baseline of the data-parallel 1-bit optimizers."""
+    if world_size // ranks_per_node <= 1:
+        return 0.0
+    return 2 * (world_size - 1) / world_size * num_params * wire_bytes
