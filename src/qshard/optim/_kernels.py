@@ -63,27 +63,31 @@ _SOURCE = r"""
 typedef struct {
     const float *code;    /* 256 sorted values */
     const float *mid;     /* 255 midpoints between consecutive codes */
-    const uint8_t *lut;   /* 16384 (+4 padding): a lower bound of the midpoints below any x of a bucket */
+    const uint32_t *lut;  /* 8192 entries, see nearest() */
     int zero_idx;         /* index of the 0.0 code */
     int is_signed;
 } qmap_t;
 
-/* Search-table index of x: sign, then |x|'s exponent clamped to [2^-31, 2^0] and its top 8
- * mantissa bits (13 bits). Normalised states are in [-1, 1] and the maps have no midpoint
- * below 2^-22 in magnitude, so the clamp never merges two midpoints into one bucket. */
-static inline int lut_index(float x) {
-    uint32_t b; memcpy(&b, &x, 4);
-    int t = (int)((b & 0x7FFFFFFFu) >> 15) - (96 << 8);
-    t = t < 0 ? 0 : (t > 8191 ? 8191 : t);
-    return (int)((b >> 31) << 13) | t;
+/* Exact nearest code without a search. The table is indexed by x's sign and the top 15 bits of
+ * |x| (8 exponent bits clamped to [2^-31, 2^0], 7 mantissa bits). Each bucket holds at most one
+ * midpoint of the code (checked when the table is built); an entry packs the number of
+ * midpoints certainly below the bucket (bits 0-7), whether the bucket holds one (bit 8) and
+ * that midpoint's low 16 bits (bits 16-31). A midpoint inside the bucket shares x's high bits,
+ * so `x > mid` is a compare of the low 16 bits (reversed for negative x). Normalised states lie
+ * in [-1, 1] and the maps have no midpoint below 2^-22 in magnitude, so the clamp is safe. */
+static inline int lut_index(uint32_t b) {
+    int t = (int)((b & 0x7FFFFFFFu) >> 16) - (96 << 7);
+    t = t < 0 ? 0 : (t > 4095 ? 4095 : t);
+    return (int)((b >> 31) << 12) | t;
 }
 
-/* Number of midpoints strictly below x: exact nearest code, ties to the lower code. Every
- * table bucket holds at most one midpoint (checked when the table is built), so one
- * branchless compare finishes the search; mid[255] is +inf. */
+/* Number of midpoints strictly below x: the nearest code, ties to the lower code. */
 static inline int nearest(const qmap_t *q, float x) {
-    int i = q->lut[lut_index(x)];
-    return i + (x > q->mid[i]);
+    uint32_t b; memcpy(&b, &x, 4);
+    const uint32_t e = q->lut[lut_index(b)];
+    const uint32_t ml = e >> 16, xl = b & 0xFFFFu;
+    const int gt = (b >> 31) ? (xl < ml) : (xl > ml);
+    return (int)(e & 0xFFu) + (gt & (int)((e >> 8) & 1u));
 }
 
 static inline uint64_t mix64(uint64_t z) {
@@ -148,26 +152,28 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
     }
     const int floor0 = (!q->is_signed && (flags & 2)) ? 1 : 0;
     const int zero = q->zero_idx;
-    const uint8_t *restrict lut = q->lut;
-    const float *restrict mid = q->mid;
     uint8_t *restrict out = c;
     int k = 0;
 #ifdef __AVX2__
-    /* The same search, 8 lanes at a time: table index from the float bits, gather the table
-     * (4-byte reads at byte offsets; the table is padded), gather the midpoint, compare. */
-    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), bias = _mm256_set1_epi32(96 << 8);
-    const __m256i zero_v = _mm256_setzero_si256(), top = _mm256_set1_epi32(8191);
-    const __m256i byte = _mm256_set1_epi32(0xFF), zidx = _mm256_set1_epi32(zero);
+    /* nearest() on 8 lanes: one table gather, integer compares, pack to bytes. */
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF), bias = _mm256_set1_epi32(96 << 7);
+    const __m256i zero_v = _mm256_setzero_si256(), top = _mm256_set1_epi32(4095);
+    const __m256i byte = _mm256_set1_epi32(0xFF), low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i one = _mm256_set1_epi32(1), zidx = _mm256_set1_epi32(zero);
     const __m256i floor_v = _mm256_set1_epi32(floor0 ? -1 : 0);
     for (; k + 8 <= n; k += 8) {
         const __m256 x = _mm256_loadu_ps(s + k);
         const __m256i b = _mm256_castps_si256(x);
-        __m256i t = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(b, absmask), 15), bias);
+        __m256i t = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(b, absmask), 16), bias);
         t = _mm256_min_epi32(_mm256_max_epi32(t, zero_v), top);
-        const __m256i idx = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(b, 31), 13), t);
-        __m256i i = _mm256_and_si256(_mm256_i32gather_epi32((const int *)lut, idx, 1), byte);
-        const __m256 m = _mm256_i32gather_ps(mid, i, 4);
-        i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(x, m, _CMP_GT_OQ)));
+        const __m256i idx = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(b, 31), 12), t);
+        const __m256i e = _mm256_i32gather_epi32((const int *)q->lut, idx, 4);
+        const __m256i ml = _mm256_srli_epi32(e, 16), xl = _mm256_and_si256(b, low16);
+        const __m256i neg = _mm256_srai_epi32(b, 31);
+        const __m256i gt = _mm256_blendv_epi8(_mm256_cmpgt_epi32(xl, ml),
+                                              _mm256_cmpgt_epi32(ml, xl), neg);
+        const __m256i has = _mm256_and_si256(_mm256_srli_epi32(e, 8), one);
+        __m256i i = _mm256_add_epi32(_mm256_and_si256(e, byte), _mm256_and_si256(gt, has));
         const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
         i = _mm256_sub_epi32(
             i, _mm256_and_si256(floor_v, _mm256_and_si256(pos, _mm256_cmpeq_epi32(i, zidx))));
@@ -178,8 +184,7 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
 #endif
     for (; k < n; k++) {
         const float x = s[k];
-        int i = lut[lut_index(x)];
-        i += x > mid[i];
+        int i = nearest(q, x);
         i += floor0 & (x > 0.0f) & (i == zero);
         out[k] = (uint8_t)i;
     }
@@ -204,9 +209,9 @@ static inline void decode_block(const float *code, const uint8_t *c, float amax,
  * hp: kind-specific hyperparameters (see the optimizers' _kernel_hparams). c2/a2 may be NULL.
  */
 int step8(int kind, float *p, const float *g,
-          uint8_t *c1, float *a1, const float *code1, const float *mid1, const uint8_t *lut1,
+          uint8_t *c1, float *a1, const float *code1, const float *mid1, const uint32_t *lut1,
           int zero1, int signed1,
-          uint8_t *c2, float *a2, const float *code2, const float *mid2, const uint8_t *lut2,
+          uint8_t *c2, float *a2, const float *code2, const float *mid2, const uint32_t *lut2,
           int zero2, int signed2,
           int64_t rows, int64_t row_numel, int64_t block, const float *hp, int flags,
           uint64_t seed, int64_t global_offset, int nthreads) {
@@ -330,7 +335,7 @@ int step8(int kind, float *p, const float *g,
 /* Encode `rows` x `row_numel` floats with the row-block layout (used to initialise states and by
  * tests to check the kernel's encoder against the torch reference). */
 int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const float *mid,
-                  const uint8_t *lut, int zero, int is_signed, int64_t rows, int64_t row_numel,
+                  const uint32_t *lut, int zero, int is_signed, int64_t rows, int64_t row_numel,
                   int64_t block, int flags, uint64_t seed, int64_t global_offset, int nthreads) {
     if (block > 4096 || block <= 0) return -1;
     qmap_t q = {code, mid, lut, zero, is_signed};

@@ -41,31 +41,38 @@ class QMap:
     code: Tensor  # (256,) fp32, sorted
     mid: Tensor  # (255,) fp32 midpoints (ties go to the lower code)
     mid_padded: Tensor  # (256,) the midpoints and +inf, for the kernel's branchless search
-    lut: Tensor  # (16388,) uint8: the kernel's search table, see _build_lut
+    lut: Tensor  # (8192,) int32 (read as uint32): the kernel's search table, see _build_lut
     zero_idx: int
     signed: bool
 
 
+def _f32(bits: np.ndarray) -> Tensor:
+    return torch.from_numpy(bits.astype(np.uint32).view(np.float32).copy())
+
+
 def _build_lut(mid: Tensor) -> Tensor:
-    """The kernel's search table (see ``lut_index`` in ``_kernels.py``): for each sign and each
-    magnitude bucket (exponent clamped to [2^-31, 2^0], top 8 mantissa bits), the number of
-    midpoints certainly below any value of the bucket; the kernel adds one compare."""
-    t = np.arange(8192, dtype=np.int64)
-    lo_bits = ((t + (96 << 8)) << 15).astype(np.uint32)
-    hi_bits = ((t + 1 + (96 << 8)) << 15).astype(np.uint32)
-    lo = torch.from_numpy(lo_bits.view(np.float32).copy())
-    hi = torch.from_numpy(hi_bits.view(np.float32).copy())
+    """The kernel's search table (see ``nearest`` in ``_kernels.py``): for each sign and each
+    magnitude bucket (exponent clamped to [2^-31, 2^0], top 7 mantissa bits), the number of
+    midpoints certainly below the bucket, whether one midpoint lies inside it, and that
+    midpoint's low 16 bits."""
+    t = np.arange(4096, dtype=np.int64)
+    lo = _f32((t + (96 << 7)) << 16)
+    hi = _f32((t + 1 + (96 << 7)) << 16)
     lo[0] = 0.0  # bucket 0 also holds every smaller magnitude
-    pos = torch.bucketize(lo, mid)  # midpoints < lo
-    neg = torch.bucketize(-hi, mid, right=True)  # midpoints <= -hi
-    # Each bucket may hold at most one midpoint, or one compare would not finish the search.
-    if (
-        int((torch.bucketize(hi, mid) - pos).max()) > 1
-        or int((torch.bucketize(-lo, mid) - neg).max()) > 1
+    entries = []
+    for base, inside in (
+        (torch.bucketize(lo, mid), torch.bucketize(hi, mid)),  # x in [lo, hi)
+        (torch.bucketize(-hi, mid, right=True), torch.bucketize(-lo, mid, right=True)),
     ):
-        raise AssertionError("code map too dense for the kernel's search table")
-    # 4 bytes of padding: the AVX2 kernel gathers 32-bit words at byte offsets.
-    return torch.cat([pos, neg, torch.zeros(4, dtype=pos.dtype)]).to(torch.uint8).contiguous()
+        count = (inside - base).long()
+        # One compare must finish the search: at most one midpoint per bucket.
+        if int(count.max()) > 1 or int(count[0]) != 0:
+            raise AssertionError("code map too dense for the kernel's search table")
+        m = mid[base.clamp(max=mid.numel() - 1)].abs()
+        low = torch.from_numpy(m.numpy().view(np.uint32).astype(np.int64) & 0xFFFF)
+        entries.append(base.long() | (count << 8) | ((low * count) << 16))
+    table = torch.cat(entries).numpy().astype(np.uint32).view(np.int32)
+    return torch.from_numpy(table.copy())
 
 
 @functools.cache

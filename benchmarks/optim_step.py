@@ -1,0 +1,116 @@
+"""Time one optimizer step of 8-bit AdamW against fp32 AdamW, side by side in one run.
+
+For each size (default ~10M and ~50M parameters, as one (N/1024, 1024) fp32 matrix), each
+optimizer gets its own copy of the same parameter and gradient and is timed over ``--repeat``
+steps after a warm-up step (which creates the state); all run with the same number of threads.
+Columns: ns per parameter (median step), ratio to ``torch.optim.AdamW(fused=True)``, and
+optimizer-state bytes per parameter. bitsandbytes and torchao 8-bit AdamW are included when
+importable and skipped (with a note) otherwise.
+
+    python benchmarks/optim_step.py                       # 10M and 50M, all threads
+    python benchmarks/optim_step.py --sizes 1M --threads 2 --out-md results/optim_step.md
+
+Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import Report, add_report_args, machine_info, time_call
+from qshard.optim import AdamW8bit, optimizer_state_bytes
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+
+
+def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:
+    """(name, factory(params) -> optimizer) of everything available, and notes on skips."""
+    out: list[tuple[str, Callable]] = [
+        ("torch AdamW fused (fp32)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
+        ("torch AdamW foreach (fp32)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+        ("qshard AdamW8bit", lambda ps: AdamW8bit(ps, lr=1e-3)),
+    ]
+    notes = []
+    try:
+        import bitsandbytes as bnb
+
+        out.append(("bitsandbytes AdamW8bit", lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)))
+    except Exception as e:  # not installed, or no CPU backend
+        notes.append(f"bitsandbytes skipped ({type(e).__name__}: {e})")
+    try:
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+
+        out.append(("torchao AdamW8bit", lambda ps: AoAdamW8bit(ps, lr=1e-3)))
+    except Exception as e:
+        notes.append(f"torchao skipped ({type(e).__name__}: {e})")
+    return out, notes
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    # Counts every tensor in the state, including tensor subclasses (torchao) by storage size.
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                inner = [v] if type(v) is torch.Tensor else None
+                if inner is None and hasattr(v, "__tensor_flatten__"):
+                    names, _ = v.__tensor_flatten__()
+                    inner = [getattr(v, n) for n in names]
+                for t in inner or [v]:
+                    total += t.numel() * t.element_size()
+    return total if total else optimizer_state_bytes(opt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="10M,50M", help="comma-separated parameter counts")
+    ap.add_argument("--repeat", type=int, default=5, help="timed steps per optimizer")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    add_report_args(ap)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = Report("Optimizer step: 8-bit AdamW vs fp32 AdamW (CPU)")
+    report.note(f"machine: {machine_info()}")
+    candidates, notes = _candidates()
+    for n in notes:
+        report.note(n)
+    for size in (_parse_size(s) for s in args.sizes.split(",")):
+        cols = 1024
+        rows = max(size // cols, 1)
+        numel = rows * cols
+        gen = torch.Generator().manual_seed(0)
+        base = torch.randn(rows, cols, generator=gen)
+        grad = torch.randn(rows, cols, generator=gen) * 1e-2
+        results = []
+        for name, make in candidates:
+            p = torch.nn.Parameter(base.clone())
+            p.grad = grad.clone()
+            opt = make([p])
+            timing = time_call(opt.step, repeat=args.repeat, warmup=1)
+            results.append((name, timing.median / numel * 1e9, _state_bytes(opt) / numel))
+            del opt, p
+            gc.collect()
+        fused = results[0][1]
+        rows_out = [(n, ns, ns / fused, bpp) for n, ns, bpp in results]
+        report.table(
+            f"{numel / 1e6:.1f}M parameters, {torch.get_num_threads()} threads",
+            ["optimizer", "ns/param", "x fused fp32", "state bytes/param"],
+            rows_out,
+        )
+    report.write(args.out_md)
+
+
+if __name__ == "__main__":
+    main()
