@@ -6,17 +6,21 @@ from qshard.optim._overrides import register_full_precision_state
 from qshard.optim.adagrad8bit import Adagrad8bit
 from qshard.optim.adam8bit import Adam8bit, AdamW8bit
 from qshard.optim.lion8bit import Lion8bit
+from qshard.optim.onebit_adam import OneBitAdam
 from qshard.optim.rmsprop8bit import RMSprop8bit
 from qshard.optim.sgd8bit import SGD8bit
+from qshard.optim.zero_one_adam import ZeroOneAdam
 
 __all__ = [
     "Adagrad8bit",
     "Adam8bit",
     "AdamW8bit",
     "Lion8bit",
+    "OneBitAdam",
     "Optimizer8bit",
     "RMSprop8bit",
     "SGD8bit",
+    "ZeroOneAdam",
     "optimizer_state_bytes",
     "register_full_precision_state",
     "state_bytes_per_param",
