@@ -11,7 +11,11 @@ from hypothesis import strategies as st
 FAST = settings(
     max_examples=40,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -22,13 +22,15 @@ tensors (unit tests, multi-rank tests) never pay a compile.
 default). Compilation is lazy and every compiled call holds one process-wide lock, so gloo's
 async threads can call in concurrently without racing Dynamo; the kernels themselves are
 OpenMP-parallel, so serialising Python threads costs little. Dim 0 (the number of blocks)
-is marked dynamic, so new tensor sizes do not recompile; dtype and block size do (once each).
+is marked dynamic, so new tensor sizes do not recompile; each new dtype or block size compiles
+once more (see [Note: one code object per specialisation]).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import types
 from collections.abc import Callable
 
 import torch
@@ -159,30 +161,43 @@ _BODIES: dict[str, Callable[..., None]] = {
 }
 
 _lock = threading.RLock()
-_compiled: dict[str, Callable[..., None]] = {}
+_compiled: dict[tuple[object, ...], Callable[..., None]] = {}
 # Tests flip this to run the kernel bodies eagerly: that checks their math (LUT, packing)
 # against the reference without paying a compile per kernel.
 _compile_kernels = True
 
 
 def _run(name: str, dynamic: tuple[Tensor, ...], *args: object) -> None:
-    """Call kernel ``name`` compiled (lazily, once), with dim 0 of ``dynamic`` marked dynamic."""
-    for t in dynamic:
-        torch._dynamo.mark_dynamic(t, 0)
+    """Call kernel ``name`` compiled (lazily, once per specialisation), with dim 0 of
+    ``dynamic`` marked dynamic."""
     if not _compile_kernels:
         _BODIES[name](*args)
         return
+    for t in dynamic:
+        torch._dynamo.mark_dynamic(t, 0)
+    # [Note: one code object per specialisation] Dynamo caches compiled graphs on the code
+    # object and gives up after `recompile_limit` (8) variants, falling back to eager. Dtypes
+    # x block sizes x kernels exceed that, so each specialisation gets its own copy of the
+    # kernel's code object, hence its own cache holding exactly one graph.
+    key = (
+        name,
+        tuple((a.dtype, tuple(a.shape[1:])) if isinstance(a, Tensor) else a for a in args),
+    )
     with _lock:
-        fn = _compiled.get(name)
+        fn = _compiled.get(key)
         if fn is None:
-            fn = torch.compile(_BODIES[name], dynamic=False, fullgraph=True)
-            _compiled[name] = fn
+            body = _BODIES[name]
+            clone = types.FunctionType(
+                body.__code__.replace(), body.__globals__, body.__name__, body.__defaults__
+            )
+            fn = torch.compile(clone, dynamic=False, fullgraph=True)
+            _compiled[key] = fn
         fn(*args)
 
 
 def compiled_kernels() -> list[str]:
     """Names of the kernels compiled so far in this process (for benchmarks and tests)."""
-    return sorted(_compiled)
+    return sorted({key[0] for key in _compiled})
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""Throughput of the qshard.quant CPU kernels, each as a ratio to a same-run ``copy_``.
+
+Every kernel is timed interleaved with ``dst.copy_(src)`` of the same fp32 buffer (copy,
+kernel, copy, kernel, ...; best of ``--repeat``), so machine noise hits both sides alike.
+GB/s counts the fp32 bytes of the tensor being (de)quantized (``numel * 4``), for copy too.
+The first call of each kernel (which compiles it, or loads it from inductor's cache) is
+reported separately. bitsandbytes' CPU ``quantize_blockwise`` is measured when importable.
+
+    python benchmarks/quant_throughput.py                 # 64M elements
+    python benchmarks/quant_throughput.py --numel 4000000 --out-md docs/results/quant_throughput.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+
+import qshard.quant as Q
+from _common import Report, add_report_args
+from qshard.quant import _fastpath
+
+
+def interleaved(fn, baseline, repeat: int) -> tuple[float, float]:
+    """Best-of-``repeat`` seconds of ``fn`` and of ``baseline``, timed alternately."""
+    best_fn = best_base = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        baseline()
+        t1 = time.perf_counter()
+        fn()
+        t2 = time.perf_counter()
+        best_base = min(best_base, t1 - t0)
+        best_fn = min(best_fn, t2 - t1)
+    return best_fn, best_base
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=64 * 2**20, help="elements (fp32)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed calls per kernel")
+    parser.add_argument("--block-size", type=int, default=Q.DEFAULT_BLOCK_SIZE)
+    parser.add_argument(
+        "--reference", action="store_true", help="also time the plain reference path"
+    )
+    parser.add_argument("--no-bnb", action="store_true", help="skip bitsandbytes")
+    add_report_args(parser)
+    args = parser.parse_args()
+
+    n, bs = args.numel, args.block_size
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen)
+    dst = torch.empty_like(x)
+    gb = n * 4 / 1e9
+    code = Q.dynamic_map(signed=True)
+
+    q8 = Q.quantize_blockwise(x, bits=8, block_size=bs)  # also warms up the fast path
+    q4 = Q.quantize_blockwise(x, bits=4, block_size=bs)
+    cb = Q.quantize_codebook(x, code, block_size=bs)
+    signs = Q.pack_signs(x)
+    out = torch.empty_like(x)
+    kernels = {
+        "INT8 quantize": lambda: Q.quantize_blockwise(x, bits=8, block_size=bs),
+        "INT8 dequantize": lambda: Q.dequantize_blockwise(q8, out=out),
+        "INT4 quantize": lambda: Q.quantize_blockwise(x, bits=4, block_size=bs),
+        "INT4 dequantize": lambda: Q.dequantize_blockwise(q4, out=out),
+        "dynamic-map quantize": lambda: Q.quantize_codebook(x, code, block_size=bs),
+        "dynamic-map dequantize": lambda: Q.dequantize_codebook(*cb, code, block_size=bs, out=out),
+        "sign pack": lambda: Q.pack_signs(x),
+        "sign unpack": lambda: Q.unpack_signs(signs, n, dtype=torch.float32),
+    }
+    copy = lambda: dst.copy_(x)  # noqa: E731
+
+    report = Report(title="qshard.quant CPU throughput")
+    report.note(
+        f"{n:,} fp32 elements ({gb:.3f} GB), block size {bs}, {torch.get_num_threads()} threads, "
+        f"fast path {'on' if Q.fastpath_enabled() else 'off'}; ratio = kernel GB/s / copy_ GB/s"
+    )
+
+    first_call: dict[str, float] = {}
+    rows = []
+    paths = [("fast", True)] + ([("reference", False)] if args.reference else [])
+    for path, enabled in paths:
+        Q.set_fastpath(enabled and Q.fastpath_enabled())
+        for name, fn in kernels.items():
+            if path == "fast":
+                t0 = time.perf_counter()
+                fn()
+                first_call[name] = time.perf_counter() - t0
+            t_fn, t_copy = interleaved(fn, copy, args.repeat if path == "fast" else 2)
+            rows.append([name, path, gb / t_fn, gb / t_copy, t_copy / t_fn])
+        Q.set_fastpath(True)
+
+    bnb_q = None
+    if not args.no_bnb:
+        try:
+            import bitsandbytes.functional as bnbf
+
+            bnb_code = bnbf.create_dynamic_map(signed=True)
+            bnbf.quantize_blockwise(x, code=bnb_code, blocksize=bs)
+            t_fn, t_copy = interleaved(
+                lambda: bnbf.quantize_blockwise(x, code=bnb_code, blocksize=bs), copy, 2
+            )
+            bnb_q = gb / t_fn
+            rows.append(
+                ["bitsandbytes quantize_blockwise", "bnb CPU", bnb_q, gb / t_copy, t_copy / t_fn]
+            )
+        except Exception as e:  # absent or unsupported: skip cleanly
+            report.note(f"bitsandbytes skipped: {type(e).__name__}: {e}")
+
+    report.table(
+        "Throughput (GB/s of fp32 input)", ["kernel", "path", "GB/s", "copy_ GB/s", "x copy_"], rows
+    )
+    report.table(
+        "First call (compile or cache load + one run)",
+        ["kernel", "seconds"],
+        [[k, v] for k, v in first_call.items()],
+    )
+    if bnb_q is not None:
+        ours = {r[0]: r[2] for r in rows if r[1] == "fast"}
+        report.table(
+            "vs bitsandbytes CPU quantize_blockwise (dynamic map)",
+            ["kernel", "speed-up"],
+            [
+                ["dynamic-map quantize", ours["dynamic-map quantize"] / bnb_q],
+                ["INT8 quantize", ours["INT8 quantize"] / bnb_q],
+            ],
+        )
+    report.note(f"compiled kernels: {', '.join(_fastpath.compiled_kernels()) or 'none'}")
+    report.write(args.out_md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The fast CPU kernels give the same bits as the reference path.
+
+Default suite: the kernel bodies run eagerly (checks their math: exponent lookup table,
+fused packing, block splitting) plus one compiled kernel pair; the whole compiled matrix and
+the thread test are ``slow`` (each kernel compiles for ~10-30 s on 2 cores with a cold cache).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import qshard.quant as Q
+from qshard.quant import _fastpath
+
+from ._helpers import FAST, float_tensors
+
+
+@pytest.fixture
+def fast_mode():
+    """Yield a function that switches between 'ref', 'eager' (kernel bodies) and 'compiled'."""
+    saved = (_fastpath._enabled, _fastpath._min_numel, _fastpath._compile_kernels)
+
+    def set_mode(mode: str) -> None:
+        _fastpath._compile_kernels = mode == "compiled"
+        Q.set_fastpath(mode != "ref", min_numel=0)
+
+    yield set_mode
+    _fastpath._enabled, _fastpath._min_numel, _fastpath._compile_kernels = saved
+
+
+def same(a, b) -> bool:
+    if isinstance(a, Q.BlockQuantized):
+        return same(a.codes, b.codes) and same(a.scales, b.scales)
+    if isinstance(a, tuple):
+        return all(same(x, y) for x, y in zip(a, b))
+    if a.is_floating_point():
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+    return torch.equal(a, b)
+
+
+def all_ops(x: torch.Tensor, block_size: int):
+    """Every public kernel on ``x``; returns the list of results."""
+    results = []
+    for bits in (8, 4):
+        q = Q.quantize_blockwise(x, bits=bits, block_size=block_size)
+        results += [q, Q.dequantize_blockwise(q), Q.dequantize_blockwise(q, dtype=torch.float32)]
+    n_rows = x.numel() // block_size
+    if n_rows:
+        rows = x.reshape(-1)[: n_rows * block_size].view(n_rows, block_size)
+        codes, scales = Q.quantize_blocks(rows, bits=8)
+        results += [codes, scales, Q.dequantize_blocks(codes, scales, dtype=x.dtype)]
+    for code in (Q.dynamic_map(signed=True), Q.linear_map(signed=True)):
+        codes, absmax = Q.quantize_codebook(x, code, block_size=block_size)
+        results += [codes, absmax]
+        results.append(Q.dequantize_codebook(codes, absmax, code, block_size=block_size))
+    unsigned = Q.dynamic_map(signed=False)
+    codes, absmax = Q.quantize_codebook(x.abs(), unsigned, block_size=block_size)
+    results += [
+        codes,
+        absmax,
+        Q.dequantize_codebook(codes, absmax, unsigned, block_size=block_size),
+    ]
+    packed = Q.pack_signs(x)
+    results += [packed, Q.unpack_signs(packed, x.numel(), dtype=x.dtype)]
+    return results
+
+
+def with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
+    x = x.clone()
+    if x.numel() > 40:
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, x.numel(), (3,), generator=g)
+        x[idx[0]] = float("nan")
+        x[idx[1]] = float("inf")
+        x[idx[2] : idx[2] + 16] = 0.0
+    return x
+
+
+@FAST
+@given(
+    x=float_tensors(max_numel=3000),
+    block_size=st.sampled_from([2, 8, 64, 256]),
+    specials=st.booleans(),
+)
+def test_kernel_bodies_match_reference(fast_mode, x, block_size, specials):
+    if specials:
+        x = with_specials(x, x.numel())
+    fast_mode("ref")
+    ref = all_ops(x, block_size)
+    fast_mode("eager")
+    got = all_ops(x, block_size)
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert same(a, b), f"result {i} differs"
+
+
+def test_lookup_table_is_exact_for_all_shipped_maps_and_refused_otherwise(fast_mode):
+    maps = [Q.linear_map(signed=s, total_bits=b) for s in (True, False) for b in range(2, 9)]
+    maps += [
+        Q.dynamic_map(signed=s, total_bits=b, max_exponent_bits=b - 1)
+        for s in (True, False)
+        for b in range(2, 9)
+    ]
+    for code in maps:
+        assert _fastpath.codebook_table(code) is not None
+    # Two midpoints inside one lookup interval: the trick is refused, bucketize runs instead.
+    crowded = torch.tensor([0.0, 0.5, 0.5000001, 0.5000002, 1.0])
+    assert _fastpath.codebook_table(crowded) is None
+    x = torch.linspace(0, 1, 4096)
+    fast_mode("ref")
+    ref = Q.quantize_codebook(x, crowded, block_size=512)
+    fast_mode("eager")
+    assert same(Q.quantize_codebook(x, crowded, block_size=512), ref)
+
+
+def test_every_normalised_float_takes_the_exact_code(fast_mode):
+    # Exhaustive over fp32 bit patterns in [-1, 1], strided: the lookup + one comparison
+    # equals bucketize on the midpoints.
+    bits = torch.arange(0, 0x3F800001, 4099, dtype=torch.int32)
+    v = bits.view(torch.float32)
+    v = torch.cat([v, -v, torch.tensor([1.0, -1.0])])
+    for code in (Q.dynamic_map(signed=True), Q.linear_map(signed=True)):
+        table = _fastpath.codebook_table(code)
+        key = (v.view(torch.int32) >> 15) & 0x1FFFF
+        base = table.lut[key.long()].long()
+        fast = base + (v > table.mids[base]).long()
+        assert torch.equal(fast, torch.bucketize(v, (code[:-1] + code[1:]) / 2))
+
+
+def test_switch_and_threshold(fast_mode):
+    fast_mode("ref")
+    assert not Q.fastpath_enabled()
+    Q.set_fastpath(True, min_numel=10**9)
+    assert Q.fastpath_enabled() and not _fastpath.use_fastpath(torch.empty(10))
+    assert not _fastpath.use_fastpath(torch.empty(10**6, device="meta"))
+    with pytest.raises(ValueError):
+        Q.set_fastpath(True, min_numel=-1)
+
+
+def test_compiled_int8_matches_reference(fast_mode):
+    x = with_specials(torch.randn(64 * 256 + 77), 0)
+    fast_mode("ref")
+    ref = Q.quantize_blockwise(x)
+    ref_d = Q.dequantize_blockwise(ref)
+    fast_mode("compiled")
+    got = Q.quantize_blockwise(x)
+    assert same(got, ref) and same(Q.dequantize_blockwise(got), ref_d)
+    assert {"quant_int8", "dequant_int8"} <= set(_fastpath.compiled_kernels())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "block_size"),
+    [(torch.float32, 256), (torch.float32, 2048), (torch.bfloat16, 256), (torch.float16, 256)],
+)
+def test_compiled_matrix_matches_reference(fast_mode, dtype, block_size):
+    # Each (dtype, block size) compiles every kernel once: ~10 kernels x 10-30 s.
+    g = torch.Generator().manual_seed(1)
+    for numel in (100_003, 70_000 // block_size * block_size):
+        x = with_specials((torch.randn(numel, generator=g) * 3).to(dtype), numel)
+        fast_mode("ref")
+        ref = all_ops(x, block_size)
+        fast_mode("compiled")
+        got = all_ops(x, block_size)
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert same(a, b), f"result {i} differs ({numel}, {block_size})"
+
+
+@pytest.mark.slow
+def test_compiled_kernels_from_many_threads(fast_mode):
+    fast_mode("compiled")
+    xs = [torch.randn(50_000 + 256 * i) for i in range(8)]
+    expect = [Q.quantize_blockwise(x, bits=4) for x in xs]
+    failures = []
+
+    def work(i: int) -> None:
+        for _ in range(5):
+            if not same(Q.quantize_blockwise(xs[i], bits=4), expect[i]):
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not failures and not any(t.is_alive() for t in threads)
