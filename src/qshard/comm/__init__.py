@@ -1,6 +1,7 @@
 """qshard.comm: where ranks sit (:class:`Topology`) and what every collective costs
 (:class:`CommLedger`), split into intra-node and inter-node bytes."""
 
+from qshard.comm.compressed import compressed_all_reduce
 from qshard.comm.ledger import (
     OPS,
     CommLedger,
@@ -19,6 +20,7 @@ __all__ = [
     "LedgerSummary",
     "Topology",
     "active_ledger",
+    "compressed_all_reduce",
     "record",
     "recording",
 ]
