@@ -242,6 +242,7 @@ def quantize_flat(
         STOCHASTIC=rounding == "stochastic",
         BF16=bf16,
         num_warps=warps,
+        enable_fp_fusion=False,
     )
     return codes, scales
 
@@ -319,6 +320,7 @@ def dequantize_blocks(
         ROWS=rows,
         PACK=pack,
         num_warps=warps,
+        enable_fp_fusion=False,
     )
     return out
 
@@ -334,7 +336,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n_bytes,), dtype=torch.uint8, device=codes.device)
     if n_bytes:
         _pack_int4_kernel[(triton.cdiv(n_bytes, _ELEMWISE_BLOCK),)](
-            codes, out, n_bytes, numel, BLOCK=_ELEMWISE_BLOCK, num_warps=4
+            codes, out, n_bytes, numel, BLOCK=_ELEMWISE_BLOCK, num_warps=4, enable_fp_fusion=False
         )
     return out
 
@@ -349,6 +351,6 @@ def unpack_int4(packed: torch.Tensor, numel: int | None = None) -> torch.Tensor:
     out = torch.empty((numel,), dtype=torch.int8, device=packed.device)
     if numel:
         _unpack_int4_kernel[(triton.cdiv(-(-numel // 2), _ELEMWISE_BLOCK),)](
-            packed, out, numel, BLOCK=_ELEMWISE_BLOCK, num_warps=4
+            packed, out, numel, BLOCK=_ELEMWISE_BLOCK, num_warps=4, enable_fp_fusion=False
         )
     return out

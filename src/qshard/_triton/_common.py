@@ -17,6 +17,10 @@ import triton.language as tl
 # without fast-math flags, and there is no multiply before them to contract into an FMA.
 _RINT_MAGIC = 12582912.0
 
+# [Note: no FMA] Every launch passes enable_fp_fusion=False: a contracted a * b + c rounds once
+# where the torch reference (and the interpreter) rounds twice, e.g. qgZ's `acc + code * scale`.
+# The kernels are memory-bound, so the lost FMAs cost nothing measurable.
+
 # Elements one program handles; enough for wide vector loads and latency hiding on
 # Hopper-class GPUs without spilling registers. Block sizes above it get one row per program.
 _TILE_ELEMENTS = 4096

@@ -242,6 +242,7 @@ def reorder_quantize(
         STOCHASTIC=rounding == "stochastic",
         BF16=bf16,
         num_warps=warps,
+        enable_fp_fusion=False,
     )
     return codes, scales
 
@@ -313,6 +314,7 @@ def dequant_reduce_requant(
         PACK_OUT=pack_out,
         STOCHASTIC=rounding == "stochastic",
         num_warps=warps,
+        enable_fp_fusion=False,
     )
     return out_codes, out_scales
 
@@ -360,5 +362,6 @@ def dequant_reduce(
         WIDTH=codes.shape[2],
         DIVIDE=divisor is not None,
         num_warps=warps,
+        enable_fp_fusion=False,
     )
     return out

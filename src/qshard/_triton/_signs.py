@@ -52,7 +52,14 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
     if n_bytes:
         xk, bf16 = kernel_view(x)
         _pack_signs_kernel[(triton.cdiv(n_bytes, _BYTES_PER_PROGRAM),)](
-            xk, out, numel, n_bytes, BYTES=_BYTES_PER_PROGRAM, BF16=bf16, num_warps=4
+            xk,
+            out,
+            numel,
+            n_bytes,
+            BYTES=_BYTES_PER_PROGRAM,
+            BF16=bf16,
+            num_warps=4,
+            enable_fp_fusion=False,
         )
     return out
 
@@ -67,6 +74,6 @@ def unpack_signs(
     out = torch.empty((numel,), dtype=dtype, device=packed.device)
     if numel:
         _unpack_signs_kernel[(triton.cdiv(packed.numel(), _BYTES_PER_PROGRAM),)](
-            packed, out, numel, BYTES=_BYTES_PER_PROGRAM, num_warps=4
+            packed, out, numel, BYTES=_BYTES_PER_PROGRAM, num_warps=4, enable_fp_fusion=False
         )
     return out
