@@ -1,0 +1,227 @@
+"""ZeroOneAdam on a 3-rank gloo world: what communicates on which step (vs the pure schedule
+functions, read off the comm ledger), replicas identical after every sync, convergence vs
+torch.optim.Adam with all-reduced gradients, bit-exact resume (also mid local interval), loading
+on a different world size, misuse errors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from qshard.comm.ledger import CommLedger, recording
+from qshard.comm.topology import Topology
+from qshard.optim.onebit_adam import OneBitAdam
+from qshard.optim.zero_one_adam import ZeroOneAdam, sync_steps, variance_update_steps
+from qshard.testing import run_world
+from tests.optim.test_onebit_adam import (
+    assert_replicated,
+    full_loss,
+    gather_params,
+    local_backward,
+    make_model,
+    minibatch,
+    rank_data,
+    train_reference_adam,
+)
+
+
+def schedule_in_practice(rank: int, world: int) -> None:
+    freeze, kappa, alpha, cap, steps = 40, 4, 5, 4, 90
+    model = make_model()
+    opt = ZeroOneAdam(
+        model.parameters(),
+        lr=5e-3,
+        var_freeze_step=freeze,
+        var_update_scaler=kappa,
+        local_step_scaler=alpha,
+        local_step_clipper=cap,
+    )
+    ledger = CommLedger(Topology(world_size=world, ranks_per_node=1))
+    var_steps = set(variance_update_steps(freeze, kappa=kappa))
+    syncs = set(
+        sync_steps(steps, var_freeze_step=freeze, local_step_scaler=alpha, local_step_clipper=cap)
+    )
+    x, y = rank_data(rank)
+    start = [p.detach().clone() for p in model.parameters()]
+    with recording(ledger):
+        for step in range(1, steps + 1):
+            v_before = (
+                [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+                if (step > 1)
+                else None
+            )
+            local_backward(model, x, y)
+            opt.step()
+            ops = {e.op for e in ledger.step().entries if not e.tag.endswith("replication_check")}
+            if step == 1:  # the first step is a real update
+                assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
+            if step in var_steps:
+                assert ops == {"all_reduce"}, (step, ops)
+            elif step <= freeze or step in syncs:
+                assert ops == {"all_to_all", "all_gather"}, (step, ops)
+            else:
+                assert ops == set(), (step, ops)
+            if v_before is not None:
+                changed = any(
+                    not torch.equal(vb, opt.state[p]["exp_avg_sq"])
+                    for vb, p in zip(v_before, model.parameters())
+                )
+                assert changed == (step in var_steps), step
+            if step <= freeze or step in syncs:
+                assert_replicated(model)
+                assert opt.in_sync
+            else:
+                assert not opt.in_sync
+                views = gather_params(model)
+                assert not torch.equal(views[0], views[1]), "local steps should diverge"
+    phase_b = steps - freeze
+    assert opt.comm_stats == {
+        "full_precision": len(var_steps),
+        "compressed": freeze - len(var_steps) + len(syncs),
+        "local": phase_b - len(syncs),
+    }
+    assert len(syncs) < phase_b
+    assert opt.synchronize() == (steps not in syncs)
+    assert_replicated(model)
+    assert opt.synchronize() is False
+
+
+def converges_like_adam(rank: int, world: int) -> dict[str, float]:
+    steps, lr, freeze = 200, 1e-2, 100
+    model = make_model()
+    opt = ZeroOneAdam(
+        model.parameters(),
+        lr=lr,
+        var_freeze_step=freeze,
+        var_update_scaler=8,
+        local_step_scaler=30,
+        local_step_clipper=8,
+        bias_correction=True,
+    )
+    for step in range(steps):
+        local_backward(model, *minibatch(rank, world, step))
+        opt.step()
+    opt.synchronize()
+    assert_replicated(model)
+    ours = full_loss(model, world)
+    adam = train_reference_adam(rank, world, steps, lr)
+    start = full_loss(make_model(), world)
+    # Stated bound for this 145-parameter model (tensors of 1 to 128 elements, where one
+    # scale per tensor is coarse): within 25% of Adam's final loss (measured: 18%), with
+    # 30 fp32 rounds instead of 200 and no communication on ~half of the phase-B steps.
+    # The benchmark's 21k-parameter MLP ends within 1% of Adam.
+    assert ours <= 1.25 * adam, (ours, adam)
+    assert ours < 0.7 * start
+    stats = opt.comm_stats
+    assert stats["full_precision"] == 30 and stats["local"] > 0.4 * (steps - freeze)
+    return {"zero_one": ours, "adam": adam, **{k: float(v) for k, v in stats.items()}}
+
+
+def _run(model, opt, rank, steps):
+    x, y = rank_data(rank, seed=2)
+    for _ in range(steps):
+        local_backward(model, x, y)
+        opt.step()
+
+
+# A short phase A: the variance is updated only a few times before it freezes, so it is
+# bias-corrected (without, sqrt(v) stays far below the gradient scale and the steps blow up).
+ZO_KW = {
+    "lr": 5e-3,
+    "bias_correction": True,
+    "weight_decay": 0.01,
+    "var_freeze_step": 8,
+    "var_update_scaler": 2,
+    "local_step_scaler": 3,
+    "local_step_clipper": 4,
+}
+
+
+def resume_is_bit_exact(rank: int, world: int) -> None:
+    # Checkpoints in phase A (step 5), right after a sync (9), and mid local interval (16).
+    for split in (5, 9, 16):
+        model = make_model()
+        opt = ZeroOneAdam(model.parameters(), **ZO_KW)
+        _run(model, opt, rank, split)
+        saved_model = copy.deepcopy(model.state_dict())
+        saved_opt = copy.deepcopy(opt.state_dict())
+        _run(model, opt, rank, 30 - split)
+
+        model2 = make_model(seed=9)
+        model2.load_state_dict(saved_model)
+        opt2 = ZeroOneAdam(model2.parameters(), **ZO_KW)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # same world and rank: no reset, no warning
+            opt2.load_state_dict(saved_opt)
+        _run(model2, opt2, rank, 30 - split)
+        for a, b in zip(model.parameters(), model2.parameters()):
+            assert torch.equal(a, b), split
+        for p, q in zip(model.parameters(), model2.parameters()):
+            for key, value in opt.state[p].items():
+                other = opt2.state[q][key]
+                assert (
+                    torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+                ), key
+        assert opt.state_dict()["qshard"] == opt2.state_dict()["qshard"]
+
+
+def loads_on_a_smaller_world(rank: int, world: int) -> None:
+    """Save on 3 ranks mid phase B, resume on 2 (a subgroup): replicated state is kept, error
+    buffers restart from zero with a warning, and training goes on in sync."""
+    model = make_model()
+    opt = ZeroOneAdam(model.parameters(), **ZO_KW)
+    _run(model, opt, rank, 14)
+    opt.synchronize()
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    pair = dist.new_group([0, 1])
+    if rank == 2:
+        return
+    model2 = make_model(seed=4)
+    model2.load_state_dict(saved_model)
+    opt2 = ZeroOneAdam(model2.parameters(), process_group=pair, **ZO_KW)
+    with pytest.warns(UserWarning, match="error buffers restart from zero"):
+        opt2.load_state_dict(saved_opt)
+    p0 = next(iter(model2.parameters()))
+    assert "worker_error" not in opt2.state[p0]
+    assert torch.equal(
+        opt2.state[p0]["exp_avg_sq"], opt.state[next(iter(model.parameters()))]["exp_avg_sq"]
+    )
+    before = full_loss(model2, 2, seed=2)
+    _run(model2, opt2, rank, 20)
+    opt2.synchronize()
+    assert_replicated(model2, group=pair)
+    assert opt2.state[p0]["worker_error"].numel() == opt2.state[p0]["server_error"].numel() * 2
+    assert full_loss(model2, 2, seed=2) < 2 * before  # finite and not blown up
+    assert opt2.comm_stats["local"] > opt.comm_stats["local"]
+
+
+def errors_raised(rank: int, world: int) -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match="var_freeze_step"):
+        ZeroOneAdam(model.parameters(), var_freeze_step=0)
+    with pytest.raises(ValueError, match="local_step_clipper"):
+        ZeroOneAdam(model.parameters(), local_step_clipper=0)
+    with pytest.raises(ValueError, match="amsgrad"):
+        ZeroOneAdam(model.parameters(), amsgrad=True)
+    with pytest.raises(TypeError):
+        ZeroOneAdam(model.parameters(), freeze_step=3)  # a OneBitAdam option
+    onebit = OneBitAdam(model.parameters())
+    with pytest.raises(ValueError, match="another optimizer"):
+        ZeroOneAdam(model.parameters()).load_state_dict(onebit.state_dict())
+
+
+def zero_one_world(rank: int, world: int) -> dict[str, float]:
+    errors_raised(rank, world)
+    schedule_in_practice(rank, world)
+    resume_is_bit_exact(rank, world)
+    loads_on_a_smaller_world(rank, world)
+    return converges_like_adam(rank, world)
+
+
+def test_zero_one_adam_world_of_3():
+    results = run_world(zero_one_world, 3, timeout_s=300)
+    assert results[0] == results[1] == results[2]
