@@ -114,6 +114,16 @@ def _two_rank_world(rank, world, tmp):
         )
     dist.barrier()
     out["continued"] = train(four.replace(resume=True))["losses"]
+    # (3) the data-parallel 0/1 Adam (per-rank error buffers and schedules) resumes exactly too.
+    dp = cfg.replace(optim="zero_one_adam", zeropp="off", export=False, eval_interval=0)
+    dp_full = train(dp.replace(out=str(tmp / "dp_full")))
+    if rank == 0:
+        shutil.copytree(
+            tmp / "dp_full/checkpoints/step_00000003", tmp / "dp_resumed/checkpoints/step_00000003"
+        )
+    dist.barrier()
+    dp_resumed = train(dp.replace(out=str(tmp / "dp_resumed"), resume=True))
+    out["dp_full"], out["dp_resumed"] = dp_full["losses"], dp_resumed["losses"]
     return out
 
 
@@ -121,8 +131,8 @@ def _two_rank_world(rank, world, tmp):
 def worlds(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train_e2e")
     _corpus_file(tmp)
-    four = run_world(_four_rank_world, 4, args=(str(tmp),), timeout_s=240)
-    two = run_world(_two_rank_world, 2, args=(str(tmp),), timeout_s=240)
+    four = run_world(_four_rank_world, 4, args=(str(tmp),), timeout_s=420)
+    two = run_world(_two_rank_world, 2, args=(str(tmp),), timeout_s=420)
     return tmp, four[0], two[0]
 
 
@@ -144,6 +154,13 @@ def test_resume_reproduces_uninterrupted_losses(worlds):
         for line in (tmp / "resumed/metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [3, 4, 5]
+
+
+def test_zero_one_adam_resume_is_exact(worlds):
+    _, _, two = worlds
+    assert sorted(two["dp_resumed"]) == [3, 4, 5]
+    for step, loss in two["dp_resumed"].items():
+        assert loss == two["dp_full"][step], step
 
 
 def test_loss_falls(worlds):

@@ -142,11 +142,11 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     if config.optim == "adamw8bit":
         return cls(groups, lr=config.lr, betas=betas, eps=1e-8)
     # The papers' schedules are sized for 10^5-step runs; scale them to this run: 1-bit Adam
-    # warms up in full precision for 1/8 of the steps; 0/1 Adam updates the variance (at
+    # warms up in full precision for 1/4 of the steps; 0/1 Adam updates the variance (at
     # growing intervals) for the first quarter and starts growing its local-step interval after
     # the first eighth.
     if config.optim == "onebit_adam":
-        freeze = max(1, config.steps // 8)
+        freeze = max(1, config.steps // 4)
         return cls(groups, lr=config.lr, betas=betas, eps=1e-8, freeze_step=freeze)
     return cls(
         groups,

@@ -16,6 +16,13 @@ The state holds the model and optimizer (through ``torch.distributed.checkpoint.
 so FSDP2-sharded tensors are saved by their global layout and load on any number of ranks),
 the step (which is also the data position: batches are a pure function of the step, see
 :mod:`qshard.train.data`) and rank 0's RNG states.
+
+[Note: per-rank checkpoints] The data-parallel 1-bit optimizers keep per-rank state (error
+buffers; 0/1 Adam's momentum and parameters between syncs) and a non-tensor entry that
+``get_state_dict`` would drop. Their checkpoints are one ``torch.save`` file per rank
+(``rank_00000.pt``...; model, ``optimizer.state_dict()``, step, RNG) inside the same atomic
+folder protocol. At the same world size every rank continues bit for bit; at another world
+size every rank loads rank 0's file.
 """
 
 from __future__ import annotations
@@ -93,11 +100,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any] | None = None,
     keep: int = 2,
+    per_rank: bool = False,
 ) -> Path:
     """Save a complete checkpoint of ``step`` under ``root`` atomically (collective).
 
     ``meta`` (JSON-able, e.g. the run config) goes into ``qshard.json``. Keeps the ``keep``
-    newest checkpoints. Returns the final folder.
+    newest checkpoints. ``per_rank`` writes one ``torch.save`` file per rank instead of DCP
+    (for the data-parallel optimizers, see [Note: per-rank checkpoints]). Returns the final
+    folder.
     """
     root = Path(root)
     final = root / f"step_{step:08d}"
@@ -108,16 +118,25 @@ def save_checkpoint(
             shutil.rmtree(partial)
         partial.mkdir()
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {
-        "model": model_sd,
-        "optim": optim_sd,
-        "train": {"step": torch.tensor(step, dtype=torch.int64), "rng": _rng_state()},
-    }
-    dcp.save(state, checkpoint_id=partial)
+    train_state = {"step": torch.tensor(step, dtype=torch.int64), "rng": _rng_state()}
+    if per_rank:
+        # [Note: per-rank checkpoints] see the module docstring.
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "train": train_state}
+        path = partial / f"rank_{_rank():05d}.pt"
+        torch.save(state, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "train": train_state}
+        dcp.save(state, checkpoint_id=partial)
     _barrier()  # every shard is on disk before the folder may look complete
     if _rank() == 0:
-        info = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        info = {
+            "step": step,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "format": "per_rank" if per_rank else "dcp",
+        }
         info.update(meta or {})
         _write_json_atomic(partial / _META, info)
         _fsync_dir(partial)
@@ -137,7 +156,8 @@ def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     found = []
     for child in root.iterdir():
         m = _STEP_DIR.match(child.name)
-        if m and (child / _META).is_file() and (child / ".metadata").is_file():
+        # qshard.json is written after every rank finished (see [Note: atomic checkpoints]).
+        if m and (child / _META).is_file():
             found.append((int(m.group(1)), child))
     return sorted(found)
 
@@ -187,6 +207,9 @@ def load_checkpoint(
     path = Path(path)
     if not (path / _META).is_file():
         raise CheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
+    info = checkpoint_info(path)
+    if info.get("format") == "per_rank":
+        return _load_per_rank(path, info, model=model, optimizer=optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also initializes the state layout
     state = {
         "model": model_sd,
@@ -203,6 +226,20 @@ def load_checkpoint(
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
+    return int(state["train"]["step"])
+
+
+def _load_per_rank(
+    path: Path, info: dict[str, Any], *, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    # Same world: each rank its own file. Otherwise every rank takes rank 0's, so the replicas
+    # start identical (the optimizer then restarts its error feedback, with a warning).
+    source = _rank() if info["world_size"] == world else 0
+    state = torch.load(path / f"rank_{source:05d}.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optim"])
+    torch.set_rng_state(state["train"]["rng"]["cpu"])
     return int(state["train"]["step"])
 
 

@@ -338,6 +338,7 @@ def _train(config: TrainConfig) -> TrainResult:
                     optimizer=optimizer,
                     meta={"config": config.to_dict()},
                     keep=config.keep_checkpoints,
+                    per_rank=replicated,
                 )
     train_time = time.perf_counter() - t_train
     if bar is not None:
