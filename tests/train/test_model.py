@@ -93,3 +93,18 @@ def test_a_few_steps_reduce_loss():
         loss.backward()
         opt.step()
     assert loss.item() < first - 0.5
+
+
+def test_stable_embedding_option():
+    from qshard.nn import StableEmbedding
+
+    a = GPT(GPTConfig(**TINY, stable_embedding=True, tie_head=False, seed=5))
+    b = GPT(GPTConfig(**TINY, stable_embedding=True, tie_head=False, seed=5))
+    assert isinstance(a.tok_emb, StableEmbedding)
+    assert torch.equal(a.tok_emb.weight, b.tok_emb.weight)
+    bound = math.sqrt(6.0 / (64 + 32))  # Xavier uniform over (vocab, width)
+    assert a.tok_emb.weight.abs().max() <= bound
+    assert a.tok_emb.weight.std() > 0.5 * bound / math.sqrt(3)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits, loss = a(idx, idx)
+    assert logits.shape == (2, 16, 64) and torch.isfinite(loss)

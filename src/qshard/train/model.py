@@ -163,7 +163,8 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Initialize every weight from ``config.seed`` (GPT-2 scheme), leaving the global RNG
         untouched: N(0, 0.02) for linear and embedding weights, residual projections scaled by
-        1/sqrt(2 * n_layer), zeros for biases, ones/zeros for LayerNorm."""
+        1/sqrt(2 * n_layer), zeros for biases, ones/zeros for LayerNorm; a StableEmbedding
+        keeps its Xavier-uniform scheme."""
         gen = torch.Generator(device="cpu").manual_seed(self.config.seed)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         seen: set[int] = set()
@@ -175,6 +176,11 @@ class GPT(nn.Module):
                 param.zero_()
             elif ".ln_" in name or name.startswith("ln_") or param.dim() == 1:
                 param.fill_(1.0)
+            elif name == "tok_emb.weight" and self.config.stable_embedding:
+                # StableEmbedding's own scheme (Xavier uniform), drawn from the seeded generator.
+                value = torch.empty(param.shape, dtype=torch.float32)
+                nn.init.xavier_uniform_(value, generator=gen)
+                param.copy_(value.to(device=param.device, dtype=param.dtype))
             else:
                 std = resid_std if name.endswith("proj.weight") else 0.02
                 value = torch.empty(param.shape, dtype=torch.float32).normal_(
