@@ -319,6 +319,12 @@ def report(args: argparse.Namespace, data: dict) -> None:
         f"{s['nproc'] // s['ranks_per_node']} emulated nodes of {s['ranks_per_node']} (gloo, "
         "unshaped); qshard.train's loop. Validation loss: mean over "
         f"{s['eval_batches']} fixed global batches. Train loss: mean of the last 10% of steps."
+        + (
+            f" Host load average {data['load'][0]:.1f} at the start, {data['load'][1]:.1f} at "
+            "the end (times only; the losses do not depend on it)."
+            if "load" in data
+            else ""
+        )
     )
     rows = []
     for v in VARIANTS:
@@ -439,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory(prefix="qshard-convergence-") as run_root:
             t0 = time.perf_counter()
+            load_start = os.getloadavg()[0]
             out = run_world(
                 _world,
                 args.nproc,
@@ -447,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout,
             )
             print(f"[convergence] world finished in {time.perf_counter() - t0:.0f} s")
+        data["load"] = [load_start, os.getloadavg()[0]]
         data["runs"].update(out[0])
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps(data, indent=1))

@@ -283,6 +283,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
     rc = subprocess.run(cmd, env=env).returncode
     if rc != 0:
         print(f"throughput: the emulated cluster run failed with status {rc}", file=sys.stderr)
@@ -290,6 +291,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     with open(result_json) as f:
         data = json.load(f)
     os.unlink(result_json)
+    data["load"] = [load_start, os.getloadavg()[0]]
     report(args, data, time.perf_counter() - t0)
     return 0
 
@@ -302,8 +304,14 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         f"{args.n_embd}, context {args.context}), fp32 compute and master weights, "
         f"{args.batch_per_rank} sequences per rank; {args.nodes} nodes x {args.ranks_per_node} "
         f"ranks (netns + tbf, intra-node over loopback); torch AdamW; {args.steps} timed steps "
-        f"after {args.warmup} warm-up steps per variant and rate; whole run {wall_s:.0f} s. "
-        "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
+        f"after {args.warmup} warm-up steps per variant and rate; whole run {wall_s:.0f} s"
+        + (
+            f" (host load average {data['load'][0]:.1f} at the start, {data['load'][1]:.1f} at the "
+            "end: step times are noisy when the machine is shared; bytes are not). "
+            if "load" in data
+            else ". "
+        )
+        + "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
         "Link MiB/step: the busiest node's eth0 tx bytes over the timed steps; ledger: "
         "CommLedger's inter-node bytes of the busiest node. The ledger prices every reduce-scatter "
         "as a ring; gloo runs its reduce-scatter as an all-reduce that keeps a slice (twice the "
