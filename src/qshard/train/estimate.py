@@ -64,12 +64,14 @@ def estimate_memory(
     param_bytes: int = 4,
     compute_bytes: int = 4,
     sharded: bool = True,
+    fp32_state_params: int = 0,
 ) -> dict[str, float]:
     """Per-rank memory by component, in bytes.
 
     ``largest_unit_params`` is the largest FSDP unit (one transformer block, or the root's
     embeddings and head): FSDP holds at most about two units unsharded at a time (the current
-    one and the prefetched next one).
+    one and the prefetched next one). ``fp32_state_params`` counts the parameters an 8-bit
+    optimizer keeps in 32-bit state (small tensors, biases and norms, StableEmbedding).
     """
     if not sharded:
         share = 1.0
@@ -86,9 +88,13 @@ def estimate_memory(
         if "hpz" in features:
             rows["hpZ secondary shard"] = num_params * compute_bytes / ranks_per_node
         rows["unsharded units (2 in flight)"] = 2 * largest_unit_params * compute_bytes
-    rows[f"optimizer state ({optim})"] = (
-        num_params * optimizer_state_bytes_per_param(optim, world_size=world_size) * share
-    )
+    per_param = optimizer_state_bytes_per_param(optim, world_size=world_size)
+    if optim == "adamw8bit":
+        eight = num_params - fp32_state_params
+        state = eight * per_param + fp32_state_params * _OPTIM_STATE_BYTES["adamw"]
+    else:
+        state = num_params * per_param
+    rows[f"optimizer state ({optim})"] = state * share
     rows["total (tensors only)"] = sum(rows.values())
     return rows
 

@@ -87,8 +87,15 @@ def _global_grad_norm(model: nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
+def _comm_device() -> torch.device:
+    # NCCL reduces only CUDA tensors; gloo takes CPU ones.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).clone()
+    value = value.detach().float().reshape(1).to(_comm_device(), copy=True)
     dist.all_reduce(value)
     return float(value) / dist.get_world_size()
 
@@ -154,6 +161,15 @@ def _largest_unit_params(model: GPT) -> int:
     # FSDP units: each block, and the root (embeddings, final norm, head).
     in_blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     return max(*in_blocks, model.num_params() - sum(in_blocks))
+
+
+def _fp32_state_params(model: GPT, config: TrainConfig) -> int:
+    # What an 8-bit optimizer keeps in 32 bits: 1-D tensors, tensors under its min_8bit_size
+    # (4096 elements, the default) and the StableEmbedding weight.
+    stable = model.tok_emb.weight if config.stable_embedding else None
+    return sum(
+        p.numel() for p in model.parameters() if p.dim() < 2 or p.numel() < 4096 or p is stable
+    )
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -225,6 +241,7 @@ def _train(config: TrainConfig) -> TrainResult:
         optim=config.optim,
         compute_bytes=torch.finfo(compute_dtype).bits // 8,
         sharded=not replicated,
+        fp32_state_params=_fp32_state_params(model, config),
     )
     comm_kwargs = dict(
         num_params=num_params, world_size=world, ranks_per_node=topology.ranks_per_node
@@ -390,7 +407,7 @@ def _gpt_dict(cfg: GPTConfig) -> dict[str, Any]:
 
 
 def _max_over_ranks(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
