@@ -157,3 +157,15 @@ def test_rejects_bad_arguments(device):
         )
     with pytest.raises(ValueError, match="contiguous"):
         _triton.quantize_flat(torch.zeros(8, 8, device=device).t(), block_size=8, bits=8)
+
+
+def test_quantize_into_preallocated_out(device):
+    x = torch.randn(3, 64, device=device)
+    codes = torch.empty(3 * 32, dtype=torch.uint8, device=device)
+    scales = torch.empty(3, device=device)
+    got = _triton.quantize_blocks(x, bits=4, pack=True, out=(codes, scales))
+    assert got[0] is codes and got[1] is scales
+    want_codes, want_scales = _reference(x.cpu(), 4)
+    assert _same(codes, ref.pack_int4(want_codes)) and _same(scales, want_scales)
+    with pytest.raises(ValueError, match="out codes"):
+        _triton.quantize_blocks(x, bits=8, out=(codes, scales))

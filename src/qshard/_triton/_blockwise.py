@@ -204,11 +204,13 @@ def quantize_flat(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     pack: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize the flattened `x` (any numel; the last block is zero-padded internally).
 
     Returns codes int8 (n_blocks, block_size), or uint8 (n_blocks, block_size // 2) when `pack`
-    (INT4 only, even block_size), and fp32 scales (n_blocks,).
+    (INT4 only, even block_size), and fp32 scales (n_blocks,); written into `out` = (codes,
+    scales) when given (contiguous, right dtype and numel, any shape).
     """
     qmax = _qmax(bits)
     if block_size < 1:
@@ -219,10 +221,19 @@ def quantize_flat(
     numel = x.numel()
     n_blocks = -(-numel // block_size)
     width = block_size // 2 if pack else block_size
-    codes = torch.empty(
-        (n_blocks, width), dtype=torch.uint8 if pack else torch.int8, device=x.device
-    )
-    scales = torch.empty((n_blocks,), dtype=torch.float32, device=x.device)
+    code_dtype = torch.uint8 if pack else torch.int8
+    if out is None:
+        codes = torch.empty((n_blocks, width), dtype=code_dtype, device=x.device)
+        scales = torch.empty((n_blocks,), dtype=torch.float32, device=x.device)
+    else:
+        codes, scales = out
+        for name, t, dtype, count in (
+            ("codes", codes, code_dtype, n_blocks * width),
+            ("scales", scales, torch.float32, n_blocks),
+        ):
+            if t.dtype != dtype or t.numel() != count or not t.is_contiguous():
+                raise ValueError(f"out {name} must be contiguous {dtype} of {count} elements")
+        check_device(x, codes, scales)
     if n_blocks == 0:
         return codes, scales
     block_n, rows, warps = _geometry(block_size)
@@ -254,6 +265,7 @@ def quantize_blocks(
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     pack: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of `x2d` (n_blocks, block_size) as one block. See quantize_flat."""
     if x2d.dim() != 2:
@@ -265,6 +277,7 @@ def quantize_blocks(
         rounding=rounding,
         generator=generator,
         pack=pack,
+        out=out,
     )
 
 
