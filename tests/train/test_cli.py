@@ -4,6 +4,7 @@ fix named, and bad corpora fail in the launcher before any rank starts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -127,3 +128,25 @@ def test_resume_without_checkpoint_fails_before_launch(tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_resume_with_other_model_options_is_refused(tmp_path, capsys):
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": {"n_embd": 64}}))
+    argv = [
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path / "run"),
+        "--resume",
+        "--n-embd",
+        "32",
+        "--data",
+        str(tmp_path / "text.txt"),
+        "--cache-dir",
+        str(tmp_path / "c"),
+    ]
+    assert main(argv) == 2
+    assert "was written with --n-embd 64 (now 32); pass the same options" in capsys.readouterr().err

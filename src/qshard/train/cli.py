@@ -29,6 +29,8 @@ from qshard.train.config import DTYPES, OPTIMIZERS, TrainConfig
 __all__ = ["build_parser", "config_from_args", "launch", "main"]
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+# What the state in a checkpoint depends on: resuming with other values cannot load it.
+_RESUME_MUST_MATCH = ("n_layer", "n_head", "n_embd", "context", "stable_embedding", "optim")
 
 
 def _field_docs() -> dict[str, str]:
@@ -114,7 +116,7 @@ def preflight(config: TrainConfig) -> None:
     """Everything that can be refused before a rank starts: unavailable options, a bad corpus,
     ``--resume`` without a checkpoint. Builds the corpus cache as a side effect."""
     from qshard.train._parallel import missing_features
-    from qshard.train.checkpoint import latest_checkpoint
+    from qshard.train.checkpoint import checkpoint_info, latest_checkpoint
     from qshard.train.data import load_corpus
 
     problems = missing_features(config)
@@ -126,11 +128,24 @@ def preflight(config: TrainConfig) -> None:
         val_fraction=config.val_fraction,
         min_tokens=config.context + 1,
     )
-    if config.resume and latest_checkpoint(os.path.join(config.out, "checkpoints")) is None:
-        raise ValueError(
-            f"--resume: no complete checkpoint under {config.out}/checkpoints; "
-            "run without --resume to start fresh"
-        )
+    if config.resume:
+        latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
+        if latest is None:
+            raise ValueError(
+                f"--resume: no complete checkpoint under {config.out}/checkpoints; "
+                "run without --resume to start fresh"
+            )
+        saved = checkpoint_info(latest).get("config", {})
+        changed = [
+            f"--{name.replace('_', '-')} {saved[name]} (now {getattr(config, name)})"
+            for name in _RESUME_MUST_MATCH
+            if name in saved and saved[name] != getattr(config, name)
+        ]
+        if changed:
+            raise ValueError(
+                f"--resume: {latest} was written with {', '.join(changed)}; pass the same "
+                "options to resume it, or a new --out to start fresh"
+            )
 
 
 def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:
