@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
