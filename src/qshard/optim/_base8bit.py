@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from qshard import _triton
 from qshard.optim import _kernels, _qstate
 from qshard.optim._overrides import is_full_precision_param
 
@@ -271,6 +272,39 @@ class Optimizer8bit(torch.optim.Optimizer):
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
         maps = [_qstate.qmap(signed) for _, signed in specs]
         offset = _global_row_offset(p) * _qstate.row_view(p_l.shape)[1]
+        if _triton.serves(p_l) and p_l.is_contiguous() and not rounding.stochastic:
+            # The Triton twin of step8: same arguments, same numerics (docs/gpu.md).
+            two = (
+                {}
+                if len(specs) == 1
+                else dict(
+                    codes2=codes[1],
+                    absmax2=absmax[1],
+                    code2=maps[1].code,
+                    mid2=maps[1].mid,
+                    zero2=maps[1].zero_idx,
+                    signed2=maps[1].signed,
+                )
+            )
+            rows, row_numel = _qstate.row_view(p_l.shape)
+            _triton.optim8bit_step(
+                kind=self._kind,
+                param=p_l,
+                grad=g_l.contiguous(),
+                codes1=codes[0],
+                absmax1=absmax[0],
+                code1=maps[0].code,
+                mid1=maps[0].mid,
+                zero1=maps[0].zero_idx,
+                signed1=maps[0].signed,
+                rows=rows,
+                row_numel=row_numel,
+                block_size=bs,
+                hp=self._kernel_hparams(group, step),
+                flags=rounding.flags() | (_kernels.FLAG_FIRST_STEP if step == 1 else 0),
+                **two,
+            )
+            return
         lib = _kernels.library()
         if lib is not None and p_l.dtype == torch.float32 and p_l.is_contiguous():
             g = g_l.float().contiguous()
