@@ -1,8 +1,8 @@
 """The GPU path: Triton kernels for qshard's quantizers, qgZ's fused steps, the 8-bit optimizer
 update and 1-bit sign packing, behind one small dispatch layer.
 
-Public functions of `qshard.quant`, `qshard.zeropp` and `qshard.optim` call into here for CUDA
-tensors (`if x.is_cuda and _triton.available(): ...`); their torch code stays the reference these
+Public functions of `qshard.quant` and `qshard.optim` call into here for CUDA tensors
+(`if _triton.serves(x): ...`); their torch code stays the reference these
 kernels are tested against. The kernel modules import `triton` and are loaded lazily on first
 use, so importing qshard never needs triton, and tests can set `TRITON_INTERPRET=1` (which Triton
 reads when a kernel is defined) before any kernel exists, to run every kernel on CPU tensors.
@@ -34,6 +34,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_flat",
     "reorder_quantize",
+    "serves",
     "unpack_int4",
     "unpack_signs",
 ]
@@ -51,6 +52,13 @@ def available() -> bool:
     kernels only accept under `TRITON_INTERPRET=1` (see `interpreter()`).
     """
     return os.environ.get("QSHARD_DISABLE_TRITON", "0") != "1" and _triton_importable()
+
+
+def serves(t: torch.Tensor) -> bool:
+    """Whether a public qshard function should hand `t` to its Triton kernel: a CUDA tensor and
+    `available()`. The one predicate every dispatch hook uses, so tests can route CPU tensors
+    through the kernels under TRITON_INTERPRET=1 by patching it."""
+    return t.is_cuda and available()
 
 
 def interpreter() -> bool:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from qshard import _triton
 from qshard.quant import _fastpath
 
 __all__ = [
@@ -185,6 +186,18 @@ def _quantize_into(
     scales_out: Tensor,
 ) -> None:
     """Quantize rows of ``x2d`` into ``codes_out`` (int8 unpacked, or uint8 packed INT4)."""
+    if _triton.serves(x2d):  # fused Triton kernel, same codes (docs/gpu.md)
+        pack = codes_out.dtype == torch.uint8
+        bits = 8 if qmax == 127 else 4
+        _triton.quantize_blocks(
+            x2d,
+            bits=bits,
+            rounding=rounding,
+            generator=generator,
+            pack=pack,
+            out=(codes_out, scales_out),
+        )
+        return
     if (
         rounding == "nearest"
         and x2d.shape[0] >= 2
@@ -234,6 +247,10 @@ def dequantize_blocks(
 
 def _dequantize_into(codes2d: Tensor, scales: Tensor, out2d: Tensor) -> None:
     """``out2d = codes * scale`` per row; ``codes2d`` int8, or uint8 packed INT4 (half width)."""
+    if _triton.serves(codes2d) and out2d.is_contiguous():  # docs/gpu.md
+        c, s = codes2d.contiguous(), scales.float().contiguous()
+        _triton.dequantize_blocks(c, s, block_size=out2d.shape[1], out=out2d)
+        return
     if codes2d.shape[0] >= 2 and codes2d.is_contiguous() and _fastpath.use_fastpath(out2d):
         _fastpath.dequantize_int_into(codes2d, scales.float(), out2d)
         return
@@ -261,6 +278,8 @@ def pack_int4(codes: Tensor) -> Tensor:
         raise ValueError(f"pack_int4 needs an even number of codes; got {flat.numel()}")
     if flat.dtype != torch.int8:
         raise TypeError(f"pack_int4 expects int8 codes; got {flat.dtype}")
+    if _triton.serves(flat):  # docs/gpu.md
+        return _triton.pack_int4(flat.contiguous())
     pairs = flat.view(torch.uint8).view(-1, 2)
     return (pairs[:, 0] << 4) | (pairs[:, 1] & 0x0F)
 
@@ -269,6 +288,8 @@ def unpack_int4(packed: Tensor) -> Tensor:
     """Inverse of :func:`pack_int4`: uint8 ``(n,)`` -> int8 codes ``(2n,)`` in ``[-8, 7]``."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_int4 expects uint8; got {packed.dtype}")
+    if _triton.serves(packed):  # docs/gpu.md
+        return _triton.unpack_int4(packed.reshape(-1).contiguous())
     b = packed.reshape(-1).view(torch.int8)
     out = torch.empty(b.numel(), 2, dtype=torch.int8, device=b.device)
     out[:, 0] = b >> 4  # arithmetic shift sign-extends the high nibble

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qshard import _triton
 from qshard.quant import _fastpath
 
 __all__ = ["pack_signs", "unpack_signs"]
@@ -29,6 +30,8 @@ def pack_signs(x: Tensor) -> Tensor:
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"pack_signs supports {_FLOAT_DTYPES}; got {x.dtype}")
     flat = x.reshape(-1)
+    if _triton.serves(flat) and flat.dtype != torch.float64:  # docs/gpu.md
+        return _triton.pack_signs(flat.contiguous())
     numel = flat.numel()
     out = torch.empty(-(-numel // 8), dtype=torch.uint8, device=flat.device)
     full = numel // 8
@@ -60,6 +63,8 @@ def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float
             f"{numel} signs need ceil({numel} / 8) = {-(-max(numel, 0) // 8)} bytes; "
             f"got {flat.numel()}"
         )
+    if _triton.serves(flat):  # docs/gpu.md
+        return _triton.unpack_signs(flat.contiguous(), numel, dtype=dtype)
     out = torch.empty(numel, dtype=dtype, device=flat.device)
     full = numel // 8
     split = 0

@@ -1,0 +1,146 @@
+"""The dispatch hooks in qshard's public functions route to the kernels and change nothing.
+
+Hooks call `qshard._triton.serves(t)`; patching it to accept CPU tensors sends the public
+functions through the Triton kernels (in the interpreter here), which must give exactly what
+the CPU path gives: quant.blockwise (INT8/INT4, partial blocks, `out=`), zeropp's wire codec,
+quant.signs and the 8-bit optimizers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
+
+from qshard import _triton
+from tests.gpu.conftest import DEVICE
+
+pytestmark = pytest.mark.skipif(
+    DEVICE.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="routes CPU tensors through the kernels under the interpreter",
+)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        self.calls += 1
+        return True
+
+
+def _both(monkeypatch, fn):
+    """fn() on the CPU path, then with every hook routed to the kernels."""
+    want = fn()
+    counter = Counter()
+    monkeypatch.setattr(_triton, "serves", counter)
+    got = fn()
+    monkeypatch.undo()
+    return want, got, counter.calls
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return (
+            torch.equal(torch.nan_to_num(a.float(), 1e30), torch.nan_to_num(b.float(), 1e30))
+            and a.dtype == b.dtype
+        )
+    return a == b
+
+
+def test_available_and_serves():
+    assert _triton.available()
+    assert not _triton.serves(torch.zeros(1))  # CPU tensors never take the GPU path
+    os.environ["QSHARD_DISABLE_TRITON"] = "1"
+    try:
+        assert not _triton.available()
+    finally:
+        del os.environ["QSHARD_DISABLE_TRITON"]
+
+
+@pytest.mark.parametrize(
+    ("bits", "numel", "dtype"), [(8, 1000, torch.float32), (4, 777, torch.bfloat16)]
+)
+def test_blockwise_public_api(monkeypatch, bits, numel, dtype):
+    from qshard.quant import blockwise
+
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(bits)) * 3).to(dtype)
+    x[5] = float("nan")
+
+    def run():
+        q = blockwise.quantize_blockwise(x, bits=bits, block_size=128)
+        y = blockwise.dequantize_blockwise(q, dtype=torch.float32)
+        codes, scales = blockwise.quantize_blocks(x[:768].view(6, 128), bits=bits)
+        z = blockwise.dequantize_blocks(codes, scales, dtype=torch.bfloat16)
+        return (
+            q.codes,
+            q.scales,
+            y,
+            codes,
+            scales,
+            z,
+            blockwise.unpack_int4(blockwise.pack_int4(codes)),
+        )
+
+    want, got, calls = _both(monkeypatch, run)
+    assert calls >= 5
+    assert _equal(want, got)
+
+
+def test_zeropp_wire_codec(monkeypatch):
+    from qshard.zeropp._wire import RowCodec
+
+    codec = RowCodec(bits=4, block_size=64)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    want, got, calls = _both(
+        monkeypatch, lambda: (codec.encode(x), codec.decode(codec.encode(x), 256))
+    )
+    assert calls >= 4
+    assert _equal(want, got)
+
+
+def test_signs(monkeypatch):
+    from qshard.quant import signs
+
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(0))
+    x[:3] = torch.tensor([0.0, -0.0, float("nan")])
+    want, got, calls = _both(
+        monkeypatch, lambda: (signs.pack_signs(x), signs.unpack_signs(signs.pack_signs(x), 1001))
+    )
+    assert calls >= 2
+    assert _equal(want, got)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "SGD8bit"])
+def test_optimizer_steps(monkeypatch, name):
+    """Three steps (incl. SGD's first-step buffer) through the hook equal the CPU kernel path."""
+    from qshard import optim
+    from qshard.optim import _kernels
+
+    if not _kernels.available():
+        pytest.skip("qshard.optim's C kernel is not built here")
+
+    def run():
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8, 300, generator=gen))
+        kwargs = (
+            dict(lr=1e-2, weight_decay=0.01) if name == "AdamW8bit" else dict(lr=0.1, momentum=0.9)
+        )
+        opt = getattr(optim, name)([p], block_size=256, min_8bit_size=1024, **kwargs)
+        for _ in range(3):
+            p.grad = torch.randn(8, 300, generator=gen) * 0.1
+            opt.step()
+        st = opt.state[p]
+        return [p.detach().clone()] + [
+            st[k].clone() for k in sorted(st) if k.endswith(("_codes", "_absmax"))
+        ]
+
+    want, got, calls = _both(monkeypatch, run)
+    assert calls >= 3
+    assert _equal(want, got)
