@@ -57,6 +57,9 @@ def main() -> int:
     nodes = world // rpn
     rate = int(os.environ.get("NETSIM_RATE_MBIT", "0"))  # as launched
     node_group, _ = dist.new_subgroups(group_size=rpn)  # node-major: ranks n*rpn .. n*rpn+rpn-1
+    dist.barrier()
+    if rank == 0:  # every rank is up: a timeout after this line is a hang, not a slow start
+        print("NETSIM_CHECK_READY", flush=True)
 
     numel = int(args.mib_per_rank * 2**20) // 4
     numel -= numel % world
