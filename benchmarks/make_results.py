@@ -31,6 +31,11 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "--out-md docs/results/throughput.md",
     ),
     (
+        "throughput_200mbit.md",
+        "python benchmarks/throughput.py --rates 200 --steps 10 --variants "
+        "fsdp2,zero3,zero3-bf16,qwz,hpz,qgz,all --out-md docs/results/throughput_200mbit.md",
+    ),
+    (
         "convergence.md",
         "python benchmarks/convergence.py --steps 600 --out-md docs/results/convergence.md",
     ),
