@@ -78,7 +78,7 @@ def _unsharded_views_identical(model) -> bool:
     return ok
 
 
-def _run(rank: int, world: int, rpn: int) -> dict:
+def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
     topo = Topology(world_size=world, ranks_per_node=rpn)
     mesh = init_device_mesh("cpu", (world,))
     results: dict = {}
@@ -98,7 +98,8 @@ def _run(rank: int, world: int, rpn: int) -> dict:
         "all": ZeroPPConfig(qwz=True, hpz=True, qgz=True, pipeline_stages=2),
         "all_int4": ZeroPPConfig(qwz=True, hpz=True, qgz=True, weight_bits=4),
     }
-    for name, cfg in configs.items():
+    for name in names:
+        cfg = configs[name]
         model = shard(GPT(CFG), topology=topo, config=cfg)
         ledger = CommLedger(topo)
         losses, steps = _train(model, rank, ledger)
@@ -120,27 +121,33 @@ def _run(rank: int, world: int, rpn: int) -> dict:
     return results
 
 
-def _check(out: list[dict], nodes: int) -> None:
+def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
     for rank, r in enumerate(out):
         assert r["off"] == r["plain"], f"rank {rank}: features off must be plain FSDP2"
-        assert r["hpz"] == r["plain"], f"rank {rank}: hpZ must be bit-identical"
-        assert r["off_params_equal_plain"] and r["hpz_params_equal_plain"]
+        assert r["off_params_equal_plain"]
+        if "hpz" in names:
+            assert r["hpz"] == r["plain"], f"rank {rank}: hpZ must be bit-identical"
+            assert r["hpz_params_equal_plain"]
         # tolerance: |loss - baseline loss| per step, relative to the initial loss
         for name, tol in (("qwz", 0.01), ("qgz", 0.03), ("all", 0.03), ("all_int4", 0.1)):
+            if name not in names:
+                continue
             diffs = [abs(a - b) / r["plain"][0] for a, b in zip(r[name], r["plain"])]
             assert max(diffs) < tol, (name, rank, max(diffs))
         # training trains
         assert r["plain"][-1] < 0.8 * r["plain"][0]
-        assert r["all"][-1] < 0.8 * r["all"][0]
-        for name in ("off", "hpz", "qwz", "qgz", "all", "all_int4"):
+        for name in names:
+            assert r[name][-1] < 0.8 * r[name][0], name
+        for name in names:
             assert r[f"{name}_params_agree"], name
             assert r[f"{name}_unsharded_agree"], name
     r = out[0]
     fwd = ("fwd_all_gather", "all_gather")
     bwd = ("bwd_all_gather", "all_gather")
-    assert r["hpz_bytes"][bwd][1] == 0  # hpZ: the backward gather stays in the node
-    assert r["off_bytes"][bwd][1] > 0
-    if nodes > 1:
+    if "hpz" in names:
+        assert r["hpz_bytes"][bwd][1] == 0  # hpZ: the backward gather stays in the node
+    if nodes > 1 and "qwz" in names and "qgz" in names:
+        assert r["off_bytes"][bwd][1] > 0
         # INT8 codes + scales vs fp32 is 1/4 + 1/256; on this toy model (shards of 8 to 1024
         # elements) padding every parameter's shard to whole 256-blocks adds ~60% (see
         # [Note: qwZ block layout]); the collective tests check exact byte counts.
@@ -151,10 +158,20 @@ def _check(out: list[dict], nodes: int) -> None:
         assert rs_q < rs_off / 4, (rs_q, rs_off)
 
 
+DEFAULT = ("off", "hpz", "qwz", "qgz", "all")
+EVERYTHING = (*DEFAULT, "all_int4")
+
+
 def test_training_2x2():
-    _check(run_world(_run, 4, args=(2,), timeout_s=290), nodes=2)
+    _check(run_world(_run, 4, args=(2, DEFAULT), timeout_s=600), nodes=2, names=DEFAULT)
+
+
+@pytest.mark.slow
+def test_training_2x2_int4_weights():
+    names = ("off", "all_int4")
+    _check(run_world(_run, 4, args=(2, names), timeout_s=600), nodes=2, names=names)
 
 
 @pytest.mark.slow
 def test_training_1x2_single_node():
-    _check(run_world(_run, 2, args=(2,), timeout_s=300), nodes=1)
+    _check(run_world(_run, 2, args=(2, EVERYTHING), timeout_s=600), nodes=1, names=EVERYTHING)
