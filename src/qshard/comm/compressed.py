@@ -71,7 +71,8 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, list[int]]:
 
 
 def _segment_sums(values: torch.Tensor, segment_ids: torch.Tensor, num_segments: int):
-    return torch.zeros(num_segments, dtype=values.dtype).index_add_(0, segment_ids, values)
+    out = torch.zeros(num_segments, dtype=values.dtype, device=values.device)
+    return out.index_add_(0, segment_ids, values)
 
 
 def compressed_all_reduce(
@@ -130,14 +131,17 @@ def compressed_all_reduce(
                 f"server_error_numel for this group's size)"
             )
     width = sum(chunks)  # elements per destination rank; a multiple of 8
-    seg_ids = torch.repeat_interleave(torch.arange(num), torch.tensor(chunks))
+    device = tensors[0].device  # every buffer lives where the data is (CPU/gloo, GPU/NCCL)
+    seg_ids = torch.repeat_interleave(
+        torch.arange(num, device=device), torch.tensor(chunks, device=device)
+    )
 
     # Worker side, laid out destination-major: row r holds chunk r of every tensor.
-    x = torch.empty(n, width, dtype=torch.float32)
-    valid = torch.empty(n, width, dtype=torch.float32)
+    x = torch.empty(n, width, dtype=torch.float32, device=device)
+    valid = torch.empty(n, width, dtype=torch.float32, device=device)
     offset = 0
     for t, ew, mask, k, c in zip(tensors, worker_errors, masks, numels, chunks):
-        vp = torch.zeros(n * c, dtype=torch.float32)
+        vp = torch.zeros(n * c, dtype=torch.float32, device=device)
         if mask is None:
             vp[:k] = 1.0
         else:
@@ -163,7 +167,7 @@ def compressed_all_reduce(
         offset += c
 
     sign_bytes = width // 8
-    send = torch.empty(n, sign_bytes + 4 * num, dtype=torch.uint8)
+    send = torch.empty(n, sign_bytes + 4 * num, dtype=torch.uint8, device=device)
     send[:, :sign_bytes] = pack_signs(signs.reshape(-1)).view(n, sign_bytes)
     send[:, sign_bytes:] = worker_scales.view(torch.uint8)
     recv = torch.empty_like(send)
@@ -186,10 +190,10 @@ def compressed_all_reduce(
         es.copy_(new_server_error[offset : offset + c])
         offset += c
 
-    payload = torch.empty(sign_bytes + 4 * num, dtype=torch.uint8)
+    payload = torch.empty(sign_bytes + 4 * num, dtype=torch.uint8, device=device)
     payload[:sign_bytes] = pack_signs(server_signs)
     payload[sign_bytes:] = server_scales.view(torch.uint8)
-    gathered = torch.empty(n, payload.numel(), dtype=torch.uint8)
+    gathered = torch.empty(n, payload.numel(), dtype=torch.uint8, device=device)
     _record("all_gather", group_ranks, gathered.numel(), tag)
     _all_gather_single(gathered, payload, group)
 

@@ -191,8 +191,11 @@ class _DataParallelOneBitOptimizer(Optimizer):
         mine = torch.tensor(
             [len(params), layout, self.world_size, ranks_hash, float(values), float(squares)],
             dtype=torch.float64,
+            device=params[0].device,
         )
-        gathered = torch.empty(self.world_size, mine.numel(), dtype=torch.float64)
+        gathered = torch.empty(
+            self.world_size, mine.numel(), dtype=torch.float64, device=mine.device
+        )
         self._record("all_gather", gathered.numel() * 8, f"{self._algorithm}/replication_check")
         _all_gather_single(gathered, mine, self.process_group)
         name = type(self).__name__
@@ -224,8 +227,9 @@ class _DataParallelOneBitOptimizer(Optimizer):
         state = self.state[p]
         if "worker_error" not in state:
             numel = p.numel()
-            state["worker_error"] = torch.zeros(padded_numel(numel, self.world_size))
-            state["server_error"] = torch.zeros(server_error_numel(numel, self.world_size))
+            n = self.world_size
+            state["worker_error"] = torch.zeros(padded_numel(numel, n), device=p.device)
+            state["server_error"] = torch.zeros(server_error_numel(numel, n), device=p.device)
         return state["worker_error"], state["server_error"]
 
     def _compressed_mean(
