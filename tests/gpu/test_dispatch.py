@@ -119,7 +119,7 @@ def test_signs(monkeypatch):
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "SGD8bit"])
 def test_optimizer_steps(monkeypatch, name):
-    """Three steps (incl. SGD's first-step buffer) through the hook equal the CPU kernel path."""
+    """Two steps (incl. SGD's first-step buffer) through the hook equal the CPU kernel path."""
     from qshard import optim
     from qshard.optim import _kernels
 
@@ -133,7 +133,7 @@ def test_optimizer_steps(monkeypatch, name):
             dict(lr=1e-2, weight_decay=0.01) if name == "AdamW8bit" else dict(lr=0.1, momentum=0.9)
         )
         opt = getattr(optim, name)([p], block_size=256, min_8bit_size=1024, **kwargs)
-        for _ in range(3):
+        for _ in range(2):
             p.grad = torch.randn(8, 300, generator=gen) * 0.1
             opt.step()
         st = opt.state[p]
@@ -142,5 +142,5 @@ def test_optimizer_steps(monkeypatch, name):
         ]
 
     want, got, calls = _both(monkeypatch, run)
-    assert calls >= 3
+    assert calls >= 2
     assert _equal(want, got)
