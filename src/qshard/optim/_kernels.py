@@ -139,18 +139,18 @@ static inline float block_absmax(const float *s, int n) {
     return m;
 }
 
-/* Encode a block in place of its fp32 buffer `s` (overwritten with s / amax). */
+/* Encode a block from its fp32 buffer `s` (clobbered). */
 static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *c, int flags,
                          uint64_t seed, int64_t gidx0) {
+    float d = amax; /* the normalisation divides (as quantize_codebook does), in the loops */
     if (amax == 0.0f) {
         /* an all-zero block: zero code, except -0.0 under the bitsandbytes sign nudge */
         for (int k = 0; k < n; k++) s[k] = s[k] * 0.0f;
         flags &= ~8;
-    } else {
-        for (int k = 0; k < n; k++) s[k] = s[k] / amax;
+        d = 1.0f;
     }
     if (flags & (4 | 8)) {
-        for (int k = 0; k < n; k++) c[k] = (uint8_t)encode(q, s[k], flags, seed, gidx0 + k);
+        for (int k = 0; k < n; k++) c[k] = (uint8_t)encode(q, s[k] / d, flags, seed, gidx0 + k);
         return;
     }
     const int floor0 = (!q->is_signed && (flags & 2)) ? 1 : 0;
@@ -164,8 +164,9 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
     const __m256i byte = _mm256_set1_epi32(0xFF), low16 = _mm256_set1_epi32(0xFFFF);
     const __m256i one = _mm256_set1_epi32(1), zidx = _mm256_set1_epi32(zero);
     const __m256i floor_v = _mm256_set1_epi32(floor0 ? -1 : 0);
+    const __m256 dv = _mm256_set1_ps(d);
     for (; k + 8 <= n; k += 8) {
-        const __m256 x = _mm256_loadu_ps(s + k);
+        const __m256 x = _mm256_div_ps(_mm256_loadu_ps(s + k), dv);
         const __m256i b = _mm256_castps_si256(x);
         __m256i t = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(b, absmask), 16), bias);
         t = _mm256_min_epi32(_mm256_max_epi32(t, zero_v), top);
@@ -186,7 +187,7 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
     }
 #endif
     for (; k < n; k++) {
-        const float x = s[k];
+        const float x = s[k] / d;
         int i = nearest(q, x);
         i += floor0 & (x > 0.0f) & (i == zero);
         out[k] = (uint8_t)i;
