@@ -193,8 +193,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             for name, signed in specs:
                 q = _qstate.qmap(signed)
                 init = self._initial_state_value(group, name)
-                codes = torch.full(local.shape, q.zero_idx, dtype=torch.uint8)
-                absmax = torch.zeros(rows, nbr, dtype=torch.float32)
+                codes = torch.full(local.shape, q.zero_idx, dtype=torch.uint8, device=local.device)
+                absmax = torch.zeros(rows, nbr, dtype=torch.float32, device=local.device)
                 if init != 0.0:  # a constant encodes exactly as code 1.0 times |init|
                     codes.fill_(int((q.code == math.copysign(1.0, init)).nonzero()[0, 0]))
                     absmax.fill_(abs(init))
@@ -306,7 +306,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             )
             return
         lib = _kernels.library()
-        if lib is not None and p_l.dtype == torch.float32 and p_l.is_contiguous():
+        on_cpu = p_l.device.type == "cpu"
+        if lib is not None and on_cpu and p_l.dtype == torch.float32 and p_l.is_contiguous():
             g = g_l.float().contiguous()
             hp = torch.tensor(self._kernel_hparams(group, step) + [0.0] * 8, dtype=torch.float32)
             flags = rounding.flags() | (_kernels.FLAG_FIRST_STEP if step == 1 else 0)
@@ -353,7 +354,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             p_l.copy_(p32)
         gen = None
         if rounding.stochastic:
-            gen = torch.Generator().manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
+            gen = torch.Generator(device=p_l.device).manual_seed(seed & 0x7FFFFFFFFFFFFFFF)
         for s, c, a, q in zip(states, codes, absmax, maps):
             nc, na = _qstate.quantize_rows(s, q, bs, rounding, gen)
             c.copy_(nc)

@@ -169,7 +169,7 @@ def quantize_rows(
     absmax = absmax.view(rows, nbr)
     if q.signed and rounding.bnb_sign_nudge:
         sign_x = torch.signbit(x2)
-        wrong = torch.signbit(q.code[codes.long()]) != sign_x
+        wrong = torch.signbit(q.code.to(codes.device)[codes.long()]) != sign_x
         step = torch.where(x2 > 0, 1, -1).to(torch.int16)
         codes = torch.where(wrong, (codes.to(torch.int16) + step).to(torch.uint8), codes)
     if not q.signed and rounding.floor_unsigned:
@@ -181,7 +181,7 @@ def dequantize_rows(codes: Tensor, absmax: Tensor, q: QMap, block_size: int) -> 
     """fp32 values of a state encoded with :func:`quantize_rows` (same shape as ``codes``)."""
     rows, row_numel = row_view(codes.shape)
     nbr = blocks_per_row(row_numel, block_size)
-    vals = q.code[codes.reshape(rows, row_numel).long()]
+    vals = q.code.to(codes.device)[codes.reshape(rows, row_numel).long()]
     scale = absmax.reshape(rows, nbr).repeat_interleave(block_size, dim=1)[:, :row_numel]
     return (vals * scale).reshape(codes.shape)
 
