@@ -421,7 +421,9 @@ def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
                     c, s = _triton.reorder_quantize(
                         flat, offset0, slot_numel=flat.numel(), block_size=256
                     )
-                    _triton.dequant_reduce(c.unsqueeze(0), s.unsqueeze(0), block_size=256, out=flat)
+                    _triton.dequant_reduce(
+                        c.unsqueeze(0), s.unsqueeze(0), block_size=256, numel=flat.numel(), out=flat
+                    )
         opt.step()
         opt.zero_grad(set_to_none=False)
 
