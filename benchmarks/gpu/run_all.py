@@ -75,6 +75,16 @@ def _section(report: Report, name: str, fn, *args) -> None:
         report.note(f"**{name} failed:**\n```\n{traceback.format_exc()[-3000:]}```")
 
 
+class _TorchPath:
+    """References must not dispatch to the kernels they check: force qshard's torch path."""
+
+    def __enter__(self) -> None:
+        os.environ["QSHARD_DISABLE_TRITON"] = "1"
+
+    def __exit__(self, *exc: object) -> None:
+        os.environ.pop("QSHARD_DISABLE_TRITON", None)
+
+
 def correctness(report: Report, args) -> None:
     import torch
 
@@ -102,9 +112,13 @@ def correctness(report: Report, args) -> None:
             (f"INT{bits} dequantize -> bf16", torch.equal(deq.nan_to_num(0), ref_deq.nan_to_num(0)))
         )
     packed, _ = _triton.quantize_blocks(x, bits=4, pack=True)
-    rows.append(("INT4 fused pack", torch.equal(packed.view(-1), blockwise.pack_int4(want[0]))))
+    with _TorchPath():
+        ref_packed = blockwise.pack_int4(want[0])
+    rows.append(("INT4 fused pack", torch.equal(packed.view(-1), ref_packed)))
     v = torch.randn(1_000_003, device=dev, generator=g)
-    rows.append(("pack_signs", torch.equal(_triton.pack_signs(v), signs.pack_signs(v))))
+    with _TorchPath():
+        ref_signs = signs.pack_signs(v)
+    rows.append(("pack_signs", torch.equal(_triton.pack_signs(v), ref_signs)))
     report.table(
         "On-device correctness (Triton vs torch reference on CUDA, bit for bit)",
         ["kernel", "equal"],
@@ -226,10 +240,11 @@ def _middle_hop_row(peers: int, args) -> tuple:
         )
 
     def unfused_torch():
-        flat = blockwise.unpack_int4(codes.reshape(-1)).view(-1, bs)
-        deq = (flat.float() * scales.reshape(-1)[:, None]).view(peers, m, bs)
-        c, s = blockwise._quantize_blocks_reference(deq.sum(0), 7, "nearest", None)
-        return blockwise.pack_int4(c), s
+        with _TorchPath():
+            flat = blockwise.unpack_int4(codes.reshape(-1)).view(-1, bs)
+            deq = (flat.float() * scales.reshape(-1)[:, None]).view(peers, m, bs)
+            c, s = blockwise._quantize_blocks_reference(deq.sum(0), 7, "nearest", None)
+            return blockwise.pack_int4(c), s
 
     t_fused, t_plain, t_torch = _ms(fused, rep), _ms(plain_dequantize, rep), _ms(unfused_torch, rep)
     nbytes = peers * m * (bs // 2 + 4) + m * (bs // 2 + 4)
