@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> None:
         m = 2 * params  # model size in bf16 bytes
         base16 = sum(v[0] for k, v in res["ZeRO-3 (16-bit wire)"].items() if k != "events")
         base32 = sum(v[0] for k, v in res["ZeRO-3 (fp32 wire)"].items() if k != "events")
+        # The paper's baseline priced as bandwidth-optimal rings: three collectives of the
+        # 16-bit model, (P-1)/P of it across each node boundary. Our measured 16-bit baseline
+        # sends more (its reduce-scatter is an all-to-all), so the targets use this, stricter,
+        # denominator.
+        p = nodes * rpn
+        ring16 = 3 * (p - 1) / p * m
         rows = []
         for name, per in res.items():
             inter = [per[tag][0] / m for tag, _ in COLLECTIVES]
@@ -140,10 +146,13 @@ def main(argv: list[str] | None = None) -> None:
                     "/".join(f"{v:g}" for v in paper) + f" = {sum(paper):g}" if paper else "-",
                     round(base32 / (total * m), 2),
                     round(base16 / (total * m), 2),
+                    round(ring16 / (total * m), 2),
                 ]
             )
             if name.startswith("ZeRO++"):
-                summary_rows.append([topo, name, round(base16 / (total * m), 2)])
+                summary_rows.append(
+                    [topo, name, round(ring16 / (total * m), 2), round(base16 / (total * m), 2)]
+                )
         report.table(
             f"{topo} ({nodes} nodes x {rpn} ranks), GPT of {params:,} parameters, "
             f"M = {m:,} bytes (bf16); cross-node bytes per node per step, in M",
@@ -155,19 +164,23 @@ def main(argv: list[str] | None = None) -> None:
                 "total",
                 "paper (Table 1 terms)",
                 "reduction vs fp32-wire ZeRO-3",
-                "reduction vs 16-bit ZeRO-3",
+                "reduction vs 16-bit ZeRO-3 (measured)",
+                "reduction vs 16-bit ZeRO-3 (ring model)",
             ],
             rows,
         )
     report.table(
         "Targets: >= 4x vs 16-bit-wire ZeRO-3 (ZeRO++), >= 6x with INT4 weights",
-        ["topology", "config", "reduction vs 16-bit ZeRO-3"],
+        ["topology", "config", "vs 16-bit ZeRO-3, ring model", "vs 16-bit ZeRO-3, measured"],
         summary_rows,
     )
     report.note(
         "Ring all-gather / reduce-scatter over P ranks send (P-1)/P of the tensor across each "
         "node boundary, so ZeRO-3's per-collective volume is (P-1)/P M, not M; qgZ's inter-node "
-        "hop is a direct all-to-all among N nodes, (N-1)/N of the node's quantized partials."
+        "hop is a direct all-to-all among N nodes, (N-1)/N of the node's quantized partials. "
+        "The ledger records each collective as the backend runs it: the 16-bit-wire baseline's "
+        "reduce-scatter is an all-to-all (more bytes than a ring), so the targets are checked "
+        "against the ring-model baseline, the stricter denominator."
     )
     report.write(args.out_md)
 

@@ -313,10 +313,9 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         )
         + "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
         "Link MiB/step: the busiest node's eth0 tx bytes over the timed steps; ledger: "
-        "CommLedger's inter-node bytes of the busiest node. The ledger prices every reduce-scatter "
-        "as a ring; gloo runs its reduce-scatter as an all-reduce that keeps a slice (twice the "
-        "bytes, measured by benchmarks/netsim/check.py), and the 16-bit wire reduce-scatter is an "
-        "all-to-all; the last ratio re-prices the ledger's reduce-scatter entries as they ran. "
+        "CommLedger's inter-node bytes of the busiest node (it records each collective as the "
+        "backend runs it: gloo's reduce-scatter is an all-reduce that keeps a slice, the 16-bit "
+        "wire reduce-scatter an all-to-all). "
         "fsdp2 is plain fully_shard without explicit prefetch; zero3 is "
         "qshard.zeropp.shard with every feature off (prefetch on, as in every qshard variant)."
     )
@@ -331,20 +330,6 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             speed_min = min(base["times"]) / mn if base else float("nan")
             ledger = r["ledger_inter"]
             ratio = ledger / link if link else float("nan")
-            # [gloo reduce-scatter] The ledger prices every reduce-scatter as a ring. gloo has
-            # none: its reduce_scatter_tensor all-reduces and keeps a slice (2x the ring's bytes,
-            # benchmarks/netsim/check.py measures it), and the 16-bit wire path is an all-to-all
-            # (each rank sends (P-R)/P of its buffer off-node). This column re-prices the
-            # ledger's reduce-scatter entries as they really ran, to show the rest is exact.
-            p, rpn = args.nodes * args.ranks_per_node, args.ranks_per_node
-            rs_factor = (
-                rpn * (p - rpn) / (p - 1) if "wire_dtype" in FEATURES.get(variant, {}) else 2.0
-            )
-            gloo = sum(
-                i * (rs_factor if op == "reduce_scatter" else 1)
-                for _, op, i, _ in r["ledger_by_tag"]
-            )
-            gloo_ratio = gloo / link if link else float("nan")
             rows.append(
                 [
                     rate,
@@ -355,7 +340,6 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{link / 2**20:.2f}",
                     f"{ledger / 2**20:.2f}" if ledger else "-",
                     f"{ratio:.3f}" if ledger else "-",
-                    f"{gloo_ratio:.3f}" if ledger else "-",
                     f"{r['loss_last']:.3f}",
                 ]
             )
@@ -367,9 +351,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             if ledger:
                 targets.append(
                     f"ledger/link at {rate} Mbit/s, {variant}: {ratio:.3f} "
-                    f"({'within' if abs(ratio - 1) <= 0.10 else 'NOT within'} 10%); counting "
-                    f"its reduce-scatters as gloo ran them: {gloo_ratio:.3f} "
-                    f"({'within' if abs(gloo_ratio - 1) <= 0.10 else 'NOT within'} 10%)"
+                    f"({'within' if abs(ratio - 1) <= 0.10 else 'NOT within'} 10%)"
                 )
     rep.table(
         "Step time and link bytes per step",
@@ -382,7 +364,6 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             "link MiB/step",
             "ledger MiB/step",
             "ledger/link",
-            "ledger, RS as gloo ran it / link",
             "last loss",
         ],
         rows,

@@ -81,16 +81,16 @@ def test_gloo_bytes_across_the_link_match_the_ring_model():
         pytest.skip(reason)
     prefix = f"qstc{os.getpid() % 10000}-"
     res = _run(
-        "-p", prefix, "-n", "2", "-r", "2", "-b", "400", "-t", "50", "run", "--",
+        "-p", prefix, "-n", "2", "-r", "2", "-b", "400", "-t", "150", "run", "--",
         sys.executable, str(CHECK), "--mib-per-rank", "1", "--reps", "2", "--json",
-        timeout=60,
+        timeout=170,
     )  # fmt: skip
     if res.returncode == EXIT_UNAVAILABLE:
         pytest.skip(res.stderr.strip())
     if res.returncode == 124 and "NETSIM_CHECK_READY" not in res.stdout:
         # Four processes importing torch did not all start within the budget (a host loaded by
         # other jobs). A hang after start-up is a failure; this is not a verdict on netsim.
-        pytest.skip("the 4 ranks did not start within 50 s on this loaded host")
+        pytest.skip("the 4 ranks did not start within 150 s on this loaded host")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     line = next(x for x in res.stdout.splitlines() if x.startswith("NETSIM_CHECK "))
     ops = json.loads(line.removeprefix("NETSIM_CHECK "))["rates"]["400"]
