@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import re
 import socket
 import sys
 import uuid
@@ -48,8 +49,16 @@ def _field_docs() -> dict[str, str]:
                     and isinstance(nxt.value, ast.Constant)
                     and isinstance(nxt.value.value, str)
                 ):
-                    docs[stmt.target.id] = " ".join(nxt.value.value.split())
+                    docs[stmt.target.id] = _plain_text(" ".join(nxt.value.value.split()))
     return docs
+
+
+def _plain_text(doc: str) -> str:
+    """Docstring markup -> terminal text: ``:data:`NAME``` becomes the tuple's values."""
+    doc = re.sub(
+        r":data:`(\w+)`", lambda m: "{" + ", ".join(getattr(config_module, m.group(1))) + "}", doc
+    )
+    return doc.replace("``", "")
 
 
 def _under_torchrun() -> bool:
