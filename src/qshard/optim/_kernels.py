@@ -6,9 +6,9 @@ Why a C kernel: done with eager torch ops, one 8-bit AdamW step is ~25 passes ov
 fp32 AdamW step. Here every block of ``block_size`` elements is handled while it sits in L1:
 the states are decoded, updated, their new absmax found and re-encoded before moving on.
 
-The source is a string in this module (nothing to package), built with ``cc -O3 -fopenmp`` into
-a per-user cache keyed by the hash of source and flags, and called through :mod:`ctypes` with raw
-pointers (no torch headers, so the build takes about a second). Without a compiler the
+The source is a string in this module (nothing to package), built with ``cc -O3 -fopenmp`` by
+:mod:`qshard._native` into a per-user cache keyed by the hash of source and flags, and called
+through :mod:`ctypes` with raw pointers (no torch headers, so the build takes about a second). Without a compiler the
 optimizers use the torch reference path in :mod:`qshard.optim._qstate`, logged once.
 
 Encoding is exact nearest over the sorted 256-entry code: the index is the number of code
@@ -22,22 +22,12 @@ code is one table load and an integer compare (8 lanes at a time with AVX2). Thi
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import threading
 
 import torch
 
-__all__: list[str] = []  # private module
+from qshard._native import NativeLibrary
 
-log = logging.getLogger(__name__)
+__all__: list[str] = []  # private module
 
 # Update kinds understood by the kernel (mirrors the switch in _SOURCE).
 KIND_ADAM = 0
@@ -360,102 +350,30 @@ int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const
 }
 """
 
-_FLAGS = [
-    "-O3",
-    "-Werror=implicit-function-declaration",
-    "-march=native",
-    "-fopenmp",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-fPIC",
-]
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_load_failed: str | None = None
-
-
-def _cache_dir() -> str:
-    root = os.environ.get("QSHARD_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qshard", "kernels"
-    )
-    os.makedirs(root, exist_ok=True)
-    return root
-
-
-def _cpu_identity() -> str:
-    ident = platform.machine() + platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    ident += line
-                if line.startswith("flags"):
-                    break
-    except OSError:
-        pass
-    return ident
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    cc = cc.split()[0]
-    if shutil.which(cc) is None:
-        cc = shutil.which("cc") or shutil.which("gcc") or ""
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC)")
-    # -march=native: the build is only valid on this kind of CPU, so the CPU is in the key.
-    digest = hashlib.sha256(
-        (_SOURCE + " ".join(_FLAGS) + cc + _cpu_identity()).encode()
-    ).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"optim8bit_{digest}.so")
-    if not os.path.exists(path):
-        # Build into a private temp file and rename: concurrent ranks never see a partial .so.
-        with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
-            src = os.path.join(tmp, "optim8bit.c")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            out = os.path.join(tmp, "optim8bit.so")
-            proc = subprocess.run(
-                [cc, *_FLAGS, "-shared", src, "-o", out, "-lm"],
-                capture_output=True,
-                text=True,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed:\n{proc.stderr[-2000:]}")
-            os.replace(out, path)
-    lib = ctypes.CDLL(path)
+def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
     lib.step8.restype = i32
     lib.step8.argtypes = [i32, p, p, p, p, p, p, p, i32, i32, p, p, p, p, p, i32, i32]
     lib.step8.argtypes += [i64, i64, i64, p, i32, u64, i64, i32]
     lib.quantize_rows.restype = i32
     lib.quantize_rows.argtypes = [p, p, p, p, p, p, i32, i32, i64, i64, i64, i32, u64, i64, i32]
-    return lib
+
+
+# Built and cached by qshard._native (source + flags + compiler + CPU in the file name).
+_LIBRARY = NativeLibrary(
+    "optim8bit",
+    _SOURCE,
+    declare=_declare,
+    what="qshard.optim: fused 8-bit kernel",
+    fallback="slower torch reference path",
+    disable_env="QSHARD_NO_KERNELS",
+)
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be built (reason logged once)."""
-    global _lib, _load_failed
-    if _lib is not None or _load_failed is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _load_failed is None:
-            if os.environ.get("QSHARD_NO_KERNELS"):
-                _load_failed = "disabled by QSHARD_NO_KERNELS"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as e:  # any build problem -> reference path, said once
-                    _load_failed = str(e)
-            if _load_failed is not None:
-                log.warning(
-                    "qshard.optim: fused 8-bit kernel unavailable (%s); using the slower torch "
-                    "reference path",
-                    _load_failed,
-                )
-                print(f"qshard.optim: fused kernel unavailable: {_load_failed}", file=sys.stderr)
-    return _lib
+    return _LIBRARY.get()
 
 
 def available() -> bool:

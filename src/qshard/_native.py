@@ -1,0 +1,164 @@
+"""Build a C source string into a cached shared library and load it with :mod:`ctypes`.
+
+Shared by the fused CPU kernels (``qshard.optim._kernels``, ``qshard.quant._native_kernels``).
+Why C through ctypes: no torch headers and no build step at install time; ``cc -O3
+-march=native -fopenmp`` on a few hundred lines takes about a second, once per machine.
+
+* The library lives in a per-user cache (``$QSHARD_KERNEL_CACHE``, else
+  ``$XDG_CACHE_HOME/qshard/kernels``, else ``~/.cache/qshard/kernels``), named by a hash of the
+  source, the flags, the compiler and the CPU (``-march=native`` builds are only valid on this
+  kind of CPU), so an edit or a new machine rebuilds and nothing stale is ever loaded.
+* It is built into a private temporary directory and renamed into place, so concurrent
+  processes (the ranks of one job) never load a partial file; the worst case is two builds.
+* :class:`NativeLibrary` loads lazily under a lock (thread-safe) and, when the build fails (no
+  compiler, or disabled), answers ``None`` forever and says why once (log + stderr), so callers
+  fall back to their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+
+__all__ = ["DEFAULT_FLAGS", "NativeLibrary", "build_library", "cache_dir"]
+
+log = logging.getLogger(__name__)
+
+#: ``-ffp-contract=off``: no fused multiply-add, so results match torch's separate rounding
+#: steps bit for bit. ``-fno-math-errno`` lets ``sqrtf``/``rintf`` compile to one instruction.
+DEFAULT_FLAGS: tuple[str, ...] = (
+    "-O3",
+    "-Werror=implicit-function-declaration",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fPIC",
+)
+
+
+def cache_dir() -> str:
+    """The per-user directory holding built libraries (created if missing)."""
+    root = os.environ.get("QSHARD_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qshard", "kernels"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _cpu_identity() -> str:
+    ident = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    ident += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    return ident
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    cc = cc.split()[0]
+    if shutil.which(cc) is None:
+        cc = shutil.which("cc") or shutil.which("gcc") or ""
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC)")
+    return cc
+
+
+def build_library(name: str, source: str, flags: Sequence[str] = DEFAULT_FLAGS) -> ctypes.CDLL:
+    """Compile ``source`` (or reuse the cached build) and load it. Raises on failure."""
+    cc = _compiler()
+    digest = hashlib.sha256((source + " ".join(flags) + cc + _cpu_identity()).encode()).hexdigest()[
+        :16
+    ]
+    path = os.path.join(cache_dir(), f"{name}_{digest}.so")
+    if not os.path.exists(path):
+        # Build into a private temp file and rename: concurrent ranks never see a partial .so.
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            src = os.path.join(tmp, f"{name}.c")
+            with open(src, "w") as f:
+                f.write(source)
+            out = os.path.join(tmp, f"{name}.so")
+            proc = subprocess.run(
+                [cc, *flags, "-shared", src, "-o", out, "-lm"], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed:\n{proc.stderr[-2000:]}")
+            os.replace(out, path)
+    return ctypes.CDLL(path)
+
+
+class NativeLibrary:
+    """A lazily built library: :meth:`get` returns the loaded :class:`ctypes.CDLL` or ``None``.
+
+    Args:
+        name: file-name stem of the build (also used in messages).
+        source: the C source.
+        declare: sets ``restype``/``argtypes`` of the exported functions after loading.
+        what: how the failure message names the feature ("qshard.optim: fused 8-bit kernel").
+        fallback: what the message says is used instead.
+        disable_env: environment variable that, when set non-empty, disables the build.
+        flags: compiler flags.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        *,
+        declare: Callable[[ctypes.CDLL], None],
+        what: str,
+        fallback: str,
+        disable_env: str | None = None,
+        flags: Sequence[str] = DEFAULT_FLAGS,
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.flags = tuple(flags)
+        self._declare = declare
+        self._what = what
+        self._fallback = fallback
+        self._disable_env = disable_env
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self.failure: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        """The library, building it on first use; ``None`` when unavailable (said once)."""
+        if self._lib is not None or self.failure is not None:
+            return self._lib
+        with self._lock:
+            if self._lib is None and self.failure is None:
+                if self._disable_env and os.environ.get(self._disable_env):
+                    self.failure = f"disabled by {self._disable_env}"
+                else:
+                    try:
+                        lib = build_library(self.name, self.source, self.flags)
+                        self._declare(lib)
+                        self._lib = lib
+                    except Exception as e:  # any build problem -> the caller's torch path
+                        self.failure = str(e)
+                if self.failure is not None:
+                    log.warning(
+                        "%s unavailable (%s); using the %s",
+                        self._what,
+                        self.failure,
+                        self._fallback,
+                    )
+                    print(f"{self._what} unavailable: {self.failure}", file=sys.stderr)
+        return self._lib
