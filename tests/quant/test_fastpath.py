@@ -1,6 +1,7 @@
 """The fast CPU kernels give the same bits as the reference path.
 
-Default suite: the kernel bodies run eagerly (checks their math: exponent lookup table,
+Default suite: the C kernels (the preferred CPU path) on hypothesis-drawn sizes, block sizes
+and special blocks; the torch.compile kernel bodies run eagerly (checks their math: exponent lookup table,
 fused packing, block splitting) plus one compiled kernel pair; the whole compiled matrix and
 the thread test are ``slow`` (each kernel compiles for ~10-30 s on 2 cores with a cold cache).
 """
@@ -15,22 +16,34 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qshard.quant as Q
-from qshard.quant import _fastpath
+from qshard.quant import _fastpath, _native_kernels
 
 from ._helpers import FAST, float_tensors
 
 
 @pytest.fixture
 def fast_mode():
-    """Yield a function that switches between 'ref', 'eager' (kernel bodies) and 'compiled'."""
-    saved = (_fastpath._enabled, _fastpath._min_numel, _fastpath._compile_kernels)
+    """Yield a function that switches between 'ref', 'native' (C kernels), 'eager'
+    (torch.compile kernel bodies run eagerly) and 'compiled'."""
+    saved = (
+        _fastpath._enabled,
+        _fastpath._min_numel,
+        _fastpath._compile_kernels,
+        _fastpath._native_enabled,
+    )
 
     def set_mode(mode: str) -> None:
         _fastpath._compile_kernels = mode == "compiled"
+        _fastpath._native_enabled = mode == "native"
         Q.set_fastpath(mode != "ref", min_numel=0)
 
     yield set_mode
-    _fastpath._enabled, _fastpath._min_numel, _fastpath._compile_kernels = saved
+    (
+        _fastpath._enabled,
+        _fastpath._min_numel,
+        _fastpath._compile_kernels,
+        _fastpath._native_enabled,
+    ) = saved
 
 
 def same(a, b) -> bool:
@@ -189,3 +202,147 @@ def test_compiled_kernels_from_many_threads(fast_mode):
     for t in threads:
         t.join(timeout=300)
     assert not failures and not any(t.is_alive() for t in threads)
+
+
+# ---------------------------------------------------------------------------------------
+# C kernels (qshard.quant._native_kernels): bit-exact with the reference on fp32 input.
+# ---------------------------------------------------------------------------------------
+
+needs_cc = pytest.mark.skipif(not _native_kernels.available(), reason="no C compiler")
+
+
+def native_ops(x: torch.Tensor, block_size: int):
+    """all_ops plus every output dtype of the dequantizers."""
+    results = all_ops(x, block_size)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bits in (8, 4):
+            q = Q.quantize_blockwise(x, bits=bits, block_size=block_size)
+            results.append(Q.dequantize_blockwise(q, dtype=dtype))
+            out = torch.empty(x.numel(), dtype=dtype)
+            results.append(Q.dequantize_blockwise(q, out=out))
+        for code in (
+            Q.dynamic_map(signed=True),
+            Q.dynamic_map(signed=False, total_bits=4, max_exponent_bits=3),
+        ):
+            xs = x if bool(code[0] < 0) else x.abs()
+            codes, absmax = Q.quantize_codebook(xs, code, block_size=block_size)
+            results += [codes, absmax]
+            results.append(
+                Q.dequantize_codebook(codes, absmax, code, block_size=block_size, dtype=dtype)
+            )
+        results.append(Q.unpack_signs(Q.pack_signs(x), x.numel(), dtype=dtype))
+    return results
+
+
+def check_native(fast_mode, x: torch.Tensor, block_size: int) -> None:
+    fast_mode("ref")
+    ref = native_ops(x, block_size)
+    fast_mode("native")
+    got = native_ops(x, block_size)
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"result {i}: {a.dtype} vs {b.dtype}"
+        assert same(a, b), f"result {i} differs (numel {x.numel()}, block {block_size})"
+
+
+@needs_cc
+@FAST
+@given(
+    x=float_tensors(max_numel=5000, dtypes=(torch.float32,)),
+    block_size=st.sampled_from([2, 6, 8, 64, 256, 2048]),
+    specials=st.booleans(),
+)
+def test_native_kernels_match_reference(fast_mode, x, block_size, specials):
+    # Sizes 0..5000: empty, tiny, single partial block, partial last block, many blocks.
+    if specials:
+        x = with_specials(x, x.numel())
+    check_native(fast_mode, x, block_size)
+
+
+def special_blocks(block_size: int) -> torch.Tensor:
+    """One block per case: ties, NaN, +-Inf, zeros, -0.0, subnormals, huge, then a partial one."""
+    tiny = torch.finfo(torch.float32).tiny
+    b = block_size
+    blocks = []
+
+    def block(values) -> None:
+        v = torch.zeros(b)
+        vals = torch.as_tensor(values, dtype=torch.float32)[:b]
+        v[: vals.numel()] = vals
+        blocks.append(v)
+
+    # Exact .5 ties after scaling: absmax 127 (INT8 scale 1.0) and 7 (INT4 scale 1.0).
+    block([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    block([7.0, 0.5, 1.5, 2.5, 3.5, -0.5, -2.5, -3.5, 6.5, -6.5])
+    # Codebook ties: x / absmax exactly on a midpoint of the dynamic map.
+    code = Q.dynamic_map(signed=True)
+    mids = (code[:-1] + code[1:]) / 2
+    block(torch.cat([torch.ones(1), mids[torch.randperm(255)]]))
+    block([1.0, float("nan"), 2.0])
+    block([float("inf"), 1.0])
+    block([-float("inf"), 1.0])
+    block([0.0])  # all zeros
+    block([-0.0, 0.0, -0.0])
+    block([tiny * 0.5, -tiny * 0.25, tiny * 2**-20])  # all subnormal: scale underflows to 0
+    block([tiny * 100, tiny * 0.5, -tiny * 3])  # subnormal scale
+    block([3e38, -3.4028234e38, 1.0])
+    block([-1.0, 1e-30, -1e-30, 5.5e-7, -5.5e-7])
+    tail = torch.tensor([1.0, -2.0, 0.5, float("nan")])[: b - 1]  # partial last block
+    return torch.cat([*blocks, tail])
+
+
+@needs_cc
+@pytest.mark.parametrize("block_size", [2, 8, 64, 256, 2048])
+def test_native_special_blocks(fast_mode, block_size):
+    x = special_blocks(block_size)
+    check_native(fast_mode, x, block_size)
+    # Partial last block without the NaN, and the 2-D quantize_blocks entry point.
+    check_native(fast_mode, x[: x.numel() - 1], block_size)
+    rows = x[: (x.numel() // block_size) * block_size].view(-1, block_size)
+    fast_mode("ref")
+    ref = [Q.quantize_blocks(rows, bits=b) for b in (8, 4)]
+    fast_mode("native")
+    assert all(same(Q.quantize_blocks(rows, bits=b), r) for b, r in zip((8, 4), ref))
+
+
+@needs_cc
+def test_native_kernels_are_used_and_switch_off(fast_mode, monkeypatch):
+    # Guard against a vacuous comparison: the C entry points must actually run in 'native'
+    # mode, and QSHARD_QUANT_FASTPATH=0 (set_fastpath(False)) must keep them out.
+    calls: list[str] = []
+    names = [
+        "quantize_int",
+        "dequantize_int",
+        "quantize_codebook",
+        "dequantize_codebook",
+        "pack_signs",
+        "unpack_signs",
+    ]
+    for name in names:
+        real = getattr(_native_kernels, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(_native_kernels, name, spy)
+    x = torch.randn(1000)
+    code = Q.dynamic_map(signed=True)
+
+    def run() -> None:
+        Q.dequantize_blockwise(Q.quantize_blockwise(x, bits=4))
+        Q.dequantize_codebook(*Q.quantize_codebook(x, code), code)
+        Q.unpack_signs(Q.pack_signs(x), x.numel())
+
+    fast_mode("native")
+    run()
+    assert sorted(set(calls)) == sorted(names)
+    calls.clear()
+    fast_mode("ref")
+    run()
+    assert calls == []
+    # Non-fp32 input and stochastic rounding stay on the torch paths.
+    fast_mode("native")
+    Q.quantize_blockwise(x.bfloat16())
+    Q.quantize_blockwise(x, rounding="stochastic")
+    assert "quantize_int" not in calls

@@ -1,5 +1,11 @@
 """Fast CPU kernels of qshard.quant, and the switch that picks them over the reference path.
 
+Order of preference on CPU: the C kernels of :mod:`qshard.quant._native_kernels` for
+contiguous fp32 input (and fp32/bf16/fp16 output), then the ``torch.compile`` kernels below
+(other input dtypes, or no C compiler), then the plain reference path. All three give the
+same bits. The torch.compile path stays because bf16/fp16 inputs and machines without a
+compiler still need a fused kernel.
+
 Why torch.compile: an eager chain of torch ops makes one memory pass per op (absmax, divide,
 round, clamp, cast, pack), ~0.05-0.2 GB/s on 2 threads; inductor fuses each kernel below into
 a single vectorised C++/OpenMP loop that reads the input once (see docs/quant.md for the
@@ -36,6 +42,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from qshard.quant import _native_kernels
+
 __all__ = ["fastpath_enabled", "set_fastpath", "use_fastpath"]
 
 
@@ -66,6 +74,22 @@ def fastpath_enabled() -> bool:
 def use_fastpath(t: Tensor) -> bool:
     """Fast kernels exist for CPU tensors only; CUDA goes through the torch reference path."""
     return _enabled and t.device.type == "cpu" and t.numel() >= _min_numel
+
+
+# Tests switch this off to reach the torch.compile kernels below the C ones.
+_native_enabled = True
+
+
+def use_native(x: Tensor) -> bool:
+    """Whether the C kernels (:mod:`._native_kernels`) quantize ``x``: contiguous CPU fp32,
+    fast path on, compiler present. No size threshold: there is nothing to compile per call
+    (the library is built once per machine and cached on disk)."""
+    return _enabled and _native_enabled and _native_kernels.serves_input(x)
+
+
+def use_native_out(out: Tensor) -> bool:
+    """Whether the C kernels write ``out``: contiguous CPU fp32/bf16/fp16."""
+    return _enabled and _native_enabled and _native_kernels.serves_output(out)
 
 
 # ---------------------------------------------------------------------------------------

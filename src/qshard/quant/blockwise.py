@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from qshard import _triton
-from qshard.quant import _fastpath
+from qshard.quant import _fastpath, _native_kernels
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -198,6 +198,9 @@ def _quantize_into(
             out=(codes_out, scales_out),
         )
         return
+    if rounding == "nearest" and x2d.numel() and _fastpath.use_native(x2d):
+        _native_kernels.quantize_int(x2d, x2d.numel(), x2d.shape[1], qmax, codes_out, scales_out)
+        return
     if (
         rounding == "nearest"
         and x2d.shape[0] >= 2
@@ -250,6 +253,15 @@ def _dequantize_into(codes2d: Tensor, scales: Tensor, out2d: Tensor) -> None:
     if _triton.serves(codes2d) and out2d.is_contiguous():  # docs/gpu.md
         c, s = codes2d.contiguous(), scales.float().contiguous()
         _triton.dequantize_blocks(c, s, block_size=out2d.shape[1], out=out2d)
+        return
+    if (
+        out2d.numel()
+        and codes2d.is_contiguous()
+        and codes2d.device.type == "cpu"
+        and _fastpath.use_native_out(out2d)
+    ):
+        scales = scales.float().contiguous()
+        _native_kernels.dequantize_int(codes2d, scales, out2d.numel(), out2d.shape[1], out2d)
         return
     if codes2d.shape[0] >= 2 and codes2d.is_contiguous() and _fastpath.use_fastpath(out2d):
         _fastpath.dequantize_int_into(codes2d, scales.float(), out2d)
@@ -324,6 +336,10 @@ def quantize_blockwise(
         num_blocks * per_block, dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device
     )
     scales = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    if rounding == "nearest" and _fastpath.use_native(flat):
+        # One call for every block, the partial last one included (padding codes are 0).
+        _native_kernels.quantize_int(flat, numel, block_size, qmax, codes, scales)
+        full = num_blocks = 0
     if full:
         _quantize_into(
             flat[: full * block_size].view(full, block_size),
@@ -333,7 +349,7 @@ def quantize_blockwise(
             codes[: full * per_block].view(full, per_block),
             scales[:full],
         )
-    if full != num_blocks:
+    if full != num_blocks:  # the torch paths take whole blocks only
         # The partial last block, zero-padded: zeros cannot raise its absmax, so padding
         # never changes the codes of real elements.
         tail = flat.new_zeros(1, block_size)
@@ -374,6 +390,15 @@ def dequantize_blockwise(
     bs = q.block_size
     per_block = bs if q.bits == 8 else bs // 2
     full = q.numel // bs
+    if (
+        q.codes.is_contiguous()
+        and q.codes.device.type == "cpu"
+        and q.codes.dtype == (torch.int8 if q.bits == 8 else torch.uint8)
+        and _fastpath.use_native_out(flat)
+    ):
+        scales = q.scales.float().contiguous()
+        _native_kernels.dequantize_int(q.codes, scales, q.numel, bs, flat)
+        return result
     if full:
         _dequantize_into(
             q.codes[: full * per_block].view(full, per_block),

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qshard.quant import _fastpath
+from qshard.quant import _fastpath, _native_kernels
 
 __all__ = [
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
@@ -198,6 +198,13 @@ def quantize_codebook(
     absmax = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
     full = numel // block_size
     table = None
+    if rounding == "nearest" and numel and _fastpath.use_native(flat):
+        table = _fastpath.codebook_table(code)
+        if table is not None:
+            _native_kernels.quantize_codebook(
+                flat, block_size, table.lut, table.mids, codes, absmax
+            )
+            return codes, absmax
     if rounding == "nearest" and full >= 2 and _fastpath.use_fastpath(flat):
         table = _fastpath.codebook_table(code)
     if table is None:
@@ -284,6 +291,18 @@ def dequantize_codebook(
     values = result.view(-1)
     full = numel // block_size
     split = 0
+    if (
+        numel
+        and flat.is_contiguous()
+        and flat.device.type == "cpu"
+        and code.device.type == "cpu"
+        and absmax.device.type == "cpu"
+        and _fastpath.use_native_out(values)
+    ):
+        _native_kernels.dequantize_codebook(
+            flat, absmax.float().contiguous(), code.contiguous(), block_size, values
+        )
+        return result
     if full >= 2 and _fastpath.use_fastpath(flat):
         split = full * block_size
         _fastpath.dequantize_codebook_into(

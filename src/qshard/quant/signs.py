@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from qshard import _triton
-from qshard.quant import _fastpath
+from qshard.quant import _fastpath, _native_kernels
 
 __all__ = ["pack_signs", "unpack_signs"]
 
@@ -34,6 +34,9 @@ def pack_signs(x: Tensor) -> Tensor:
         return _triton.pack_signs(flat.contiguous())
     numel = flat.numel()
     out = torch.empty(-(-numel // 8), dtype=torch.uint8, device=flat.device)
+    if numel and _fastpath.use_native(flat):
+        _native_kernels.pack_signs(flat, out)
+        return out
     full = numel // 8
     split = 0
     if full >= 2 and _fastpath.use_fastpath(flat):
@@ -66,6 +69,9 @@ def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float
     if _triton.serves(flat):  # docs/gpu.md
         return _triton.unpack_signs(flat.contiguous(), numel, dtype=dtype)
     out = torch.empty(numel, dtype=dtype, device=flat.device)
+    if numel and flat.is_contiguous() and _fastpath.use_native_out(out):
+        _native_kernels.unpack_signs(flat, out)
+        return out
     full = numel // 8
     split = 0
     if full >= 2 and _fastpath.use_fastpath(out):

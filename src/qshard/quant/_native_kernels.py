@@ -1,0 +1,431 @@
+"""C kernels of qshard.quant for contiguous CPU fp32 tensors: the preferred CPU fast path.
+
+Why C: under ``torch.compile`` the quantizers reach only 0.1-0.4x of ``copy_`` (inductor
+splits the block reduction and the per-element pass into separate loops over memory, and the
+code-map lookup becomes a generic gather). Here each block of ``block_size`` elements is read
+once into cache, its absmax found, and its codes written while it is still in L1; OpenMP
+splits the blocks across threads; every inner loop is written so that gcc vectorises it.
+Built and cached by :mod:`qshard._native` (about a second, once per machine).
+
+Bit-exactness with the reference path (tests/quant/test_fastpath.py checks every kernel):
+
+* absmax is the maximum of ``bits(x) & 0x7FFFFFFF`` taken as unsigned integers: for
+  non-negative floats that order equals the float order, and any NaN or Inf is >= the bit
+  pattern of +Inf, so one integer maximum gives both the absmax and the "non-finite" test
+  (a float ``max`` would skip NaNs).
+* ``scale = absmax / qmax`` and ``x / scale`` are IEEE fp32 divisions (compiled with
+  ``-ffp-contract=off``, no reciprocal tricks), ``rintf`` rounds half to even under the
+  default rounding mode (the reference's ``torch.round``), then the clamp; a non-finite block
+  gets a NaN scale and zero codes, a block whose scale is 0 gets zero codes.
+* The code-map quantizer uses the verified exponent table of :mod:`qshard.quant._fastpath`
+  (``codebook_table``): the fp32 bits of ``x / absmax`` shifted right by 15 index the code at
+  the bottom of that float interval, and one compare with the next midpoint finishes the
+  exact nearest search (ties to the lower code, as ``bucketize`` on the midpoints).
+* Dequantization multiplies in fp32 and, for bf16/fp16 outputs, rounds to nearest even as
+  ``Tensor.copy_`` does (NaN stays NaN).
+* Sign packing tests ``!(x < 0)``, so -0.0 and NaN pack as +1 like the reference.
+
+The last block may be partial: INT8/INT4 codes of the padding are written as 0 (the padded
+reference quantizes zeros), codebook codes and outputs stop at ``numel``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from qshard._native import NativeLibrary
+
+__all__: list[str] = []  # private module
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Max of |x| as bit patterns: >= 0x7F800000 means the block holds NaN or Inf. */
+static inline uint32_t absmax_bits(const float *restrict x, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t k = 0; k < n; k++) {
+        uint32_t u = f2u(x[k]) & 0x7FFFFFFFu;
+        m = u > m ? u : m;
+    }
+    return m;
+}
+
+static inline int8_t q1(float x, float scale, float qmax) {
+    float r = rintf(x / scale);
+    r = r < -qmax ? -qmax : (r > qmax ? qmax : r);
+    return (int8_t)r;
+}
+
+/* out_kind 0: fp32, 1: bf16, 2: fp16 (round to nearest even, as torch's copy_). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store(void *out, int kind, int64_t i, float v) {
+    if (kind == 0) ((float *)out)[i] = v;
+    else if (kind == 1) ((uint16_t *)out)[i] = to_bf16(v);
+    else ((_Float16 *)out)[i] = (_Float16)v;
+}
+
+/* Store n values of buf at out + off in the requested dtype (a loop per dtype: vectorised). */
+static inline void store_row(void *out, int kind, int64_t off, const float *restrict buf,
+                             int64_t n) {
+    if (kind == 0) {
+        float *restrict o = (float *)out + off;
+        for (int64_t k = 0; k < n; k++) o[k] = buf[k];
+    } else if (kind == 1) {
+        uint16_t *restrict o = (uint16_t *)out + off;
+        for (int64_t k = 0; k < n; k++) {
+            uint32_t u = f2u(buf[k]);
+            uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            o[k] = (buf[k] != buf[k]) ? (uint16_t)0x7FC0 : r;
+        }
+    } else {
+        _Float16 *restrict o = (_Float16 *)out + off;
+        for (int64_t k = 0; k < n; k++) o[k] = (_Float16)buf[k];
+    }
+}
+
+#define CHUNK 1024
+
+/* Block INT8 (pack4 = 0, int8 codes, block per block) or packed INT4 (pack4 = 1, block/2
+ * bytes per block, element 2k in the high nibble). codes are padded to whole blocks. */
+int quant_int(const float *x, int64_t numel, int64_t block, int qmax_i, int pack4,
+              uint8_t *codes, float *scales, int nthreads) {
+    if (block <= 0 || (pack4 && (block & 1))) return -1;
+    const int64_t nb = (numel + block - 1) / block;
+    const int64_t per = pack4 ? block / 2 : block;
+    const float qmax = (float)qmax_i;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t off = b * block;
+        const int64_t n = (numel - off) < block ? (numel - off) : block;
+        const float *restrict xb = x + off;
+        uint8_t *restrict cb = codes + b * per;
+        const uint32_t m = absmax_bits(xb, n);
+        if (m >= 0x7F800000u) {
+            scales[b] = u2f(0x7FC00000u);
+            memset(cb, 0, (size_t)per);
+            continue;
+        }
+        const float scale = u2f(m) / qmax;
+        scales[b] = scale;
+        if (!(scale > 0.0f)) {
+            memset(cb, 0, (size_t)per);
+            continue;
+        }
+        if (!pack4) {
+            int8_t *restrict c = (int8_t *)cb;
+            for (int64_t k = 0; k < n; k++) c[k] = q1(xb[k], scale, qmax);
+            if (n < block) memset(c + n, 0, (size_t)(block - n));
+        } else {
+            const int64_t pairs = n / 2;
+            for (int64_t k = 0; k < pairs; k++) {
+                const uint8_t hi = (uint8_t)q1(xb[2 * k], scale, qmax);
+                const uint8_t lo = (uint8_t)q1(xb[2 * k + 1], scale, qmax);
+                cb[k] = (uint8_t)((hi << 4) | (lo & 0x0F));
+            }
+            int64_t k = pairs;
+            if (n & 1) {
+                cb[k] = (uint8_t)(((uint8_t)q1(xb[n - 1], scale, qmax)) << 4);
+                k++;
+            }
+            if (k < per) memset(cb + k, 0, (size_t)(per - k));
+        }
+    }
+    return 0;
+}
+
+/* out[i] = code_i * scale[block], numel outputs (the padding of the last block is skipped). */
+int dequant_int(const uint8_t *codes, const float *scales, int64_t numel, int64_t block,
+                int pack4, void *out, int kind, int nthreads) {
+    if (block <= 0 || (pack4 && (block & 1))) return -1;
+    const int64_t per = pack4 ? block / 2 : block;
+    const int64_t nb = (numel + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        float buf[CHUNK];
+        const float s = scales[b];
+        const int64_t off = b * block;
+        const int64_t n = (numel - off) < block ? (numel - off) : block;
+        for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+            const int64_t m = (n - c0) < CHUNK ? (n - c0) : CHUNK;
+            if (!pack4) {
+                const int8_t *restrict c = (const int8_t *)(codes + b * per + c0);
+                if (kind == 0) {
+                    float *restrict o = (float *)out + off + c0;
+                    for (int64_t k = 0; k < m; k++) o[k] = (float)c[k] * s;
+                    continue;
+                }
+                for (int64_t k = 0; k < m; k++) buf[k] = (float)c[k] * s;
+            } else {
+                /* c0 and CHUNK are even, so a chunk starts on a byte boundary */
+                const int8_t *restrict c = (const int8_t *)(codes + b * per + c0 / 2);
+                const int64_t mp = (m + 1) / 2;
+                for (int64_t k = 0; k < mp; k++) {
+                    const int8_t v = c[k];
+                    buf[2 * k] = (float)(int8_t)(v >> 4) * s;
+                    buf[2 * k + 1] = (float)(int8_t)((int8_t)(v << 4) >> 4) * s;
+                }
+            }
+            store_row(out, kind, off + c0, buf, m);
+        }
+    }
+    return 0;
+}
+
+/* Exact nearest code of x / absmax per block via the exponent table (see _fastpath). */
+int quant_codebook(const float *x, int64_t numel, int64_t block, const uint8_t *lut,
+                   const float *mids, uint8_t *codes, float *absmax, int nthreads) {
+    if (block <= 0) return -1;
+    const int64_t nb = (numel + block - 1) / block;
+    const uint8_t zb = lut[0];
+    const uint8_t zero_code = (uint8_t)(zb + (0.0f > mids[zb]));
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t off = b * block;
+        const int64_t n = (numel - off) < block ? (numel - off) : block;
+        const float *restrict xb = x + off;
+        uint8_t *restrict cb = codes + off;
+        const uint32_t m = absmax_bits(xb, n);
+        const float a = u2f(m);
+        if (m >= 0x7F800000u || !(a > 0.0f)) {
+            absmax[b] = m >= 0x7F800000u ? u2f(0x7FC00000u) : a;
+            memset(cb, zero_code, (size_t)n);
+            continue;
+        }
+        absmax[b] = a;
+        for (int64_t k = 0; k < n; k++) {
+            const float v = xb[k] / a;
+            const uint32_t base = lut[f2u(v) >> 15];
+            cb[k] = (uint8_t)(base + (v > mids[base]));
+        }
+    }
+    return 0;
+}
+
+int dequant_codebook(const uint8_t *codes, const float *absmax, const float *code,
+                     int64_t numel, int64_t block, void *out, int kind, int nthreads) {
+    if (block <= 0) return -1;
+    const int64_t nb = (numel + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        float buf[CHUNK];
+        const float a = absmax[b];
+        const int64_t off = b * block;
+        const int64_t n = (numel - off) < block ? (numel - off) : block;
+        for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+            const int64_t m = (n - c0) < CHUNK ? (n - c0) : CHUNK;
+            const uint8_t *restrict c = codes + off + c0;
+            if (kind == 0) {
+                float *restrict o = (float *)out + off + c0;
+                for (int64_t k = 0; k < m; k++) o[k] = code[c[k]] * a;
+                continue;
+            }
+            for (int64_t k = 0; k < m; k++) buf[k] = code[c[k]] * a;
+            store_row(out, kind, off + c0, buf, m);
+        }
+    }
+    return 0;
+}
+
+/* Bit 7 - (i % 8) of byte i / 8 is !(x[i] < 0); the unused low bits of the last byte are 0. */
+int pack_signs(const float *x, int64_t numel, uint8_t *out, int nthreads) {
+    const int64_t full = numel / 8;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < full; i++) {
+        const float *restrict p = x + 8 * i;
+        uint8_t v = 0;
+        for (int j = 0; j < 8; j++) v |= (uint8_t)(!(p[j] < 0.0f)) << (7 - j);
+        out[i] = v;
+    }
+    if (full * 8 != numel) {
+        uint8_t v = 0;
+        for (int64_t j = 0; j < numel - full * 8; j++)
+            v |= (uint8_t)(!(x[full * 8 + j] < 0.0f)) << (7 - j);
+        out[full] = v;
+    }
+    return 0;
+}
+
+/* One output byte expands to 8 floats: a broadcast, an AND with the 8 bit masks and a select
+ * per lane, which gcc vectorises as one 8-lane step per byte. */
+static inline void unpack8(uint8_t v, float *restrict o) {
+    static const uint8_t mask[8] = {128, 64, 32, 16, 8, 4, 2, 1};
+    for (int j = 0; j < 8; j++) o[j] = (v & mask[j]) ? 1.0f : -1.0f;
+}
+
+int unpack_signs(const uint8_t *packed, int64_t numel, void *out, int kind, int nthreads) {
+    const int64_t nb = (numel + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        float buf[CHUNK];
+        const int64_t off = b * CHUNK;
+        const int64_t n = (numel - off) < CHUNK ? (numel - off) : CHUNK;
+        const uint8_t *restrict p = packed + off / 8;
+        float *restrict o = kind == 0 ? (float *)out + off : buf;
+        const int64_t full = n / 8;
+        for (int64_t i = 0; i < full; i++) unpack8(p[i], o + 8 * i);
+        if (full * 8 != n) {
+            float last[8];
+            unpack8(p[full], last);
+            for (int64_t k = full * 8; k < n; k++) o[k] = last[k - full * 8];
+        }
+        if (kind != 0) store_row(out, kind, off, buf, n);
+    }
+    return 0;
+}
+"""
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.quant_int.restype = i32
+    lib.quant_int.argtypes = [p, i64, i64, i32, i32, p, p, i32]
+    lib.dequant_int.restype = i32
+    lib.dequant_int.argtypes = [p, p, i64, i64, i32, p, i32, i32]
+    lib.quant_codebook.restype = i32
+    lib.quant_codebook.argtypes = [p, i64, i64, p, p, p, p, i32]
+    lib.dequant_codebook.restype = i32
+    lib.dequant_codebook.argtypes = [p, p, p, i64, i64, p, i32, i32]
+    lib.pack_signs.restype = i32
+    lib.pack_signs.argtypes = [p, i64, p, i32]
+    lib.unpack_signs.restype = i32
+    lib.unpack_signs.argtypes = [p, i64, p, i32, i32]
+
+
+_LIBRARY = NativeLibrary(
+    "quant",
+    _SOURCE,
+    declare=_declare,
+    what="qshard.quant: C kernels",
+    fallback="torch.compile / reference path",
+    disable_env="QSHARD_NO_KERNELS",
+)
+
+# Output dtypes the kernels can write (``kind`` argument of the C functions).
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library, or ``None`` when it cannot be built (reason logged once)."""
+    return _LIBRARY.get()
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def serves_input(x: Tensor) -> bool:
+    """Whether the C kernels take ``x`` as quantizer input: contiguous CPU fp32."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and library() is not None
+    )
+
+
+def serves_output(out: Tensor) -> bool:
+    """Whether the C kernels can write ``out``: contiguous CPU fp32/bf16/fp16."""
+    return (
+        out.device.type == "cpu"
+        and out.dtype in _OUT_KIND
+        and out.is_contiguous()
+        and library() is not None
+    )
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _ok(rc: int, name: str) -> None:
+    if rc != 0:  # only reachable through a bad argument that the Python side should catch
+        raise RuntimeError(f"qshard.quant C kernel {name} rejected its arguments (rc={rc})")
+
+
+def quantize_int(x: Tensor, numel: int, block: int, qmax: int, codes: Tensor, scales: Tensor):
+    """Quantize the first ``numel`` elements of contiguous fp32 ``x``; ``codes`` int8 (INT8)
+    or uint8 packed (INT4, ``qmax == 7``), padded to whole blocks; ``scales`` fp32."""
+    pack4 = int(codes.dtype == torch.uint8)
+    assert codes.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float32
+    rc = library().quant_int(
+        x.data_ptr(), numel, block, qmax, pack4, codes.data_ptr(), scales.data_ptr(), _threads()
+    )
+    _ok(rc, "quant_int")
+
+
+def dequantize_int(codes: Tensor, scales: Tensor, numel: int, block: int, out: Tensor) -> None:
+    """``out[:numel] = code * scale``; ``codes`` int8 or uint8 packed INT4, ``scales`` fp32."""
+    pack4 = int(codes.dtype == torch.uint8)
+    assert codes.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float32
+    rc = library().dequant_int(
+        codes.data_ptr(),
+        scales.data_ptr(),
+        numel,
+        block,
+        pack4,
+        out.data_ptr(),
+        _OUT_KIND[out.dtype],
+        _threads(),
+    )
+    _ok(rc, "dequant_int")
+
+
+def quantize_codebook(
+    x: Tensor, block: int, lut: Tensor, mids: Tensor, codes: Tensor, absmax: Tensor
+) -> None:
+    """Codes (uint8, ``x.numel()``) and absmax (fp32 per block) of contiguous fp32 ``x``."""
+    assert lut.dtype == torch.uint8 and lut.numel() == 1 << 17 and mids.dtype == torch.float32
+    rc = library().quant_codebook(
+        x.data_ptr(),
+        x.numel(),
+        block,
+        lut.data_ptr(),
+        mids.data_ptr(),
+        codes.data_ptr(),
+        absmax.data_ptr(),
+        _threads(),
+    )
+    _ok(rc, "quant_codebook")
+
+
+def dequantize_codebook(
+    codes: Tensor, absmax: Tensor, code: Tensor, block: int, out: Tensor
+) -> None:
+    """``out = code[codes] * absmax[block]`` for contiguous uint8 ``codes`` (``out.numel()``)."""
+    assert absmax.dtype == torch.float32 and code.dtype == torch.float32
+    rc = library().dequant_codebook(
+        codes.data_ptr(),
+        absmax.data_ptr(),
+        code.data_ptr(),
+        out.numel(),
+        block,
+        out.data_ptr(),
+        _OUT_KIND[out.dtype],
+        _threads(),
+    )
+    _ok(rc, "dequant_codebook")
+
+
+def pack_signs(x: Tensor, out: Tensor) -> None:
+    rc = library().pack_signs(x.data_ptr(), x.numel(), out.data_ptr(), _threads())
+    _ok(rc, "pack_signs")
+
+
+def unpack_signs(packed: Tensor, out: Tensor) -> None:
+    rc = library().unpack_signs(
+        packed.data_ptr(), out.numel(), out.data_ptr(), _OUT_KIND[out.dtype], _threads()
+    )
+    _ok(rc, "unpack_signs")
