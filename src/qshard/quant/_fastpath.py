@@ -278,7 +278,13 @@ def codebook_table(code: Tensor) -> _CodebookTable | None:
     table = None
     if exact and code.numel() <= 256:
         table = _CodebookTable(
-            lut=torch.where(in_range, low, 0).to(torch.uint8),
+            # + 4 bytes of padding: the C kernel gathers 4-byte words at byte offsets.
+            lut=torch.cat(
+                [
+                    torch.where(in_range, low, 0).to(torch.uint8),
+                    code.new_zeros(4, dtype=torch.uint8),
+                ]
+            ),
             mids=torch.cat([mids, mids.new_full((1,), float("inf"))]),
         )
     with _lock:
