@@ -3,8 +3,9 @@
 Every kernel is timed interleaved with ``dst.copy_(src)`` of the same fp32 buffer (copy,
 kernel, copy, kernel, ...; best of ``--repeat``), so machine noise hits both sides alike.
 GB/s counts the fp32 bytes of the tensor being (de)quantized (``numel * 4``), for copy too.
-The first call of each kernel (which compiles it, or loads it from inductor's cache) is
-reported separately. bitsandbytes' CPU ``quantize_blockwise`` is measured when importable.
+The first call of each kernel (which builds or loads the C kernel library, or compiles the
+torch.compile kernel / loads it from inductor's cache) is reported separately; the fast path
+is the C kernels for fp32 input (qshard.quant._native_kernels) when a C compiler exists. bitsandbytes' CPU ``quantize_blockwise`` is measured when importable.
 
     python benchmarks/quant_throughput.py                 # 64M elements
     python benchmarks/quant_throughput.py --numel 4000000 --out-md docs/results/quant_throughput.md
@@ -23,7 +24,7 @@ import torch
 
 import qshard.quant as Q
 from _common import Report, add_report_args
-from qshard.quant import _fastpath
+from qshard.quant import _fastpath, _native_kernels
 
 
 def interleaved(fn, baseline, repeat: int) -> tuple[float, float]:
@@ -137,7 +138,10 @@ def main() -> None:
                 ["INT8 quantize", ours["INT8 quantize"] / bnb_q],
             ],
         )
-    report.note(f"compiled kernels: {', '.join(_fastpath.compiled_kernels()) or 'none'}")
+    report.note(
+        f"C kernels: {'used' if _native_kernels.available() else 'unavailable'}; "
+        f"torch.compile kernels compiled: {', '.join(_fastpath.compiled_kernels()) or 'none'}"
+    )
     report.write(args.out_md)
 
 

@@ -67,19 +67,8 @@ static inline int8_t q1(float x, float scale, float qmax) {
     return (int8_t)r;
 }
 
-/* out_kind 0: fp32, 1: bf16, 2: fp16 (round to nearest even, as torch's copy_). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u = f2u(f);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline void store(void *out, int kind, int64_t i, float v) {
-    if (kind == 0) ((float *)out)[i] = v;
-    else if (kind == 1) ((uint16_t *)out)[i] = to_bf16(v);
-    else ((_Float16 *)out)[i] = (_Float16)v;
-}
-
+/* out kind 0: fp32, 1: bf16, 2: fp16, each rounded to nearest even as torch's copy_ does
+ * (bf16: the carry trick of c10::BFloat16, NaN -> quiet NaN; fp16: vcvtps2ph via _Float16). */
 /* Store n values of buf at out + off in the requested dtype (a loop per dtype: vectorised). */
 static inline void store_row(void *out, int kind, int64_t off, const float *restrict buf,
                              int64_t n) {

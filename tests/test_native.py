@@ -1,0 +1,74 @@
+"""qshard._native: build once into the cache, load, fall back to None with one message."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import pytest
+
+from qshard import _native
+
+SOURCE = "int add3(int a) { return a + 3; }\n"
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    lib.add3.restype = ctypes.c_int
+    lib.add3.argtypes = [ctypes.c_int]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QSHARD_KERNEL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def sos(path) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(".so"))
+
+
+def test_builds_once_per_source_and_loads_from_cache(cache):
+    try:
+        _native._compiler()
+    except RuntimeError:
+        pytest.skip("no C compiler")
+    lib = _native.NativeLibrary("t", SOURCE, declare=declare, what="t", fallback="x")
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(lib.get())) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(got) == 6 and all(g is got[0] for g in got) and got[0] is not None
+    assert got[0].add3(4) == 7
+    (built,) = sos(cache)
+    mtime = os.path.getmtime(cache / built)
+    # A second process (a fresh NativeLibrary) reuses the file; a new source gets a new one.
+    again = _native.NativeLibrary("t", SOURCE, declare=declare, what="t", fallback="x").get()
+    assert again.add3(1) == 4 and sos(cache) == [built]
+    assert os.path.getmtime(cache / built) == mtime
+    _native.build_library("t", SOURCE + "int one(void) { return 1; }\n")
+    assert len(sos(cache)) == 2
+    assert not [f for f in os.listdir(cache) if not f.endswith(".so")]  # no temp leftovers
+
+
+def test_failures_give_none_and_say_why_once(cache, capsys, monkeypatch):
+    broken = _native.NativeLibrary(
+        "bad", "int f( {", declare=declare, what="demo kernel", fallback="torch path"
+    )
+    assert broken.get() is None and broken.get() is None
+    err = capsys.readouterr().err
+    assert err.count("demo kernel unavailable") == 1 and broken.failure
+
+    monkeypatch.setenv("QSHARD_TEST_OFF", "1")
+    off = _native.NativeLibrary(
+        "t", SOURCE, declare=declare, what="t", fallback="x", disable_env="QSHARD_TEST_OFF"
+    )
+    assert off.get() is None and off.failure == "disabled by QSHARD_TEST_OFF"
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(_native.shutil, "which", lambda name: None)
+    none = _native.NativeLibrary("t", SOURCE, declare=declare, what="t", fallback="x")
+    assert none.get() is None and "no C compiler" in none.failure
+    assert sos(cache) == []
