@@ -82,7 +82,7 @@ def main() -> None:
         "dynamic-map quantize": lambda: Q.quantize_codebook(x, code, block_size=bs),
         "dynamic-map dequantize": lambda: Q.dequantize_codebook(*cb, code, block_size=bs, out=out),
         "sign pack": lambda: Q.pack_signs(x),
-        "sign unpack": lambda: Q.unpack_signs(signs, n, dtype=torch.float32),
+        "sign unpack": lambda: Q.unpack_signs(signs, n, out=out),
     }
     copy = lambda: dst.copy_(x)  # noqa: E731
 

@@ -230,7 +230,11 @@ def native_ops(x: torch.Tensor, block_size: int):
             results.append(
                 Q.dequantize_codebook(codes, absmax, code, block_size=block_size, dtype=dtype)
             )
-        results.append(Q.unpack_signs(Q.pack_signs(x), x.numel(), dtype=dtype))
+        packed = Q.pack_signs(x)
+        results.append(Q.unpack_signs(packed, x.numel(), dtype=dtype))
+        out = torch.full((x.numel(),), 7.0, dtype=dtype)
+        assert Q.unpack_signs(packed, x.numel(), out=out) is out
+        results.append(out)
     return results
 
 

@@ -56,8 +56,16 @@ def _pack_signs_reference(flat: Tensor) -> Tensor:
     return (bits.view(nbytes, 8) * _bit_weights(flat.device)).sum(dim=1, dtype=torch.uint8)
 
 
-def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Inverse of :func:`pack_signs`: ``numel`` values of ``+1`` / ``-1`` in ``dtype``."""
+def unpack_signs(
+    packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float32, out: Tensor | None = None
+) -> Tensor:
+    """Inverse of :func:`pack_signs`: ``numel`` values of ``+1`` / ``-1`` in ``dtype``.
+
+    With ``out`` (a contiguous tensor of ``numel`` elements on ``packed``'s device, any shape)
+    the values are written there and ``out`` is returned (``dtype`` is then ignored in favour
+    of ``out.dtype``); this saves the allocation, which for large tensors costs as much as
+    the unpacking itself.
+    """
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_signs expects uint8; got {packed.dtype}")
     flat = packed.reshape(-1)
@@ -66,12 +74,27 @@ def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float
             f"{numel} signs need ceil({numel} / 8) = {-(-max(numel, 0) // 8)} bytes; "
             f"got {flat.numel()}"
         )
+    result = None
+    if out is not None:
+        if out.numel() != numel or not out.is_contiguous() or out.device != flat.device:
+            raise ValueError(
+                f"out must be a contiguous tensor of {numel} elements on {flat.device}; got "
+                f"shape {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+            )
+        result = out
+        out = out.view(-1)
+        dtype = out.dtype
     if _triton.serves(flat):  # docs/gpu.md
-        return _triton.unpack_signs(flat.contiguous(), numel, dtype=dtype)
-    out = torch.empty(numel, dtype=dtype, device=flat.device)
+        values = _triton.unpack_signs(flat.contiguous(), numel, dtype=dtype)
+        if result is None:
+            return values
+        out.copy_(values)
+        return result
+    if result is None:
+        out = result = torch.empty(numel, dtype=dtype, device=flat.device)
     if numel and flat.is_contiguous() and _fastpath.use_native_out(out):
         _native_kernels.unpack_signs(flat, out)
-        return out
+        return result
     full = numel // 8
     split = 0
     if full >= 2 and _fastpath.use_fastpath(out):
@@ -79,7 +102,7 @@ def unpack_signs(packed: Tensor, numel: int, *, dtype: torch.dtype = torch.float
         _fastpath.unpack_signs_into(flat[:full], out[: full * 8].view(full, 8))
     if split != flat.numel():
         out[split * 8 :] = _unpack_signs_reference(flat[split:], dtype)[: numel - split * 8]
-    return out
+    return result
 
 
 def _unpack_signs_reference(flat: Tensor, dtype: torch.dtype) -> Tensor:
