@@ -198,7 +198,13 @@ def _quantize_into(
             out=(codes_out, scales_out),
         )
         return
-    if rounding == "nearest" and x2d.numel() and _fastpath.use_native(x2d):
+    if (
+        rounding == "nearest"
+        and x2d.numel()
+        and codes_out.is_contiguous()
+        and scales_out.is_contiguous()
+        and _fastpath.use_native(x2d)
+    ):
         _native_kernels.quantize_int(x2d, x2d.numel(), x2d.shape[1], qmax, codes_out, scales_out)
         return
     if (
@@ -394,6 +400,9 @@ def dequantize_blockwise(
         q.codes.is_contiguous()
         and q.codes.device.type == "cpu"
         and q.codes.dtype == (torch.int8 if q.bits == 8 else torch.uint8)
+        # the C kernel trusts these sizes: a hand-built BlockQuantized must not read past them
+        and q.codes.numel() == q.num_blocks * per_block
+        and q.num_blocks == -(-q.numel // bs)
         and _fastpath.use_native_out(flat)
     ):
         scales = q.scales.float().contiguous()
