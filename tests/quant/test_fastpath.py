@@ -350,3 +350,27 @@ def test_native_kernels_are_used_and_switch_off(fast_mode, monkeypatch):
     Q.quantize_blockwise(x.bfloat16())
     Q.quantize_blockwise(x, rounding="stochastic")
     assert "quantize_int" not in calls
+
+
+@needs_cc
+def test_native_kernels_from_many_threads(fast_mode):
+    # gloo's async threads quantize concurrently; ctypes drops the GIL, so the OpenMP regions
+    # of several calls overlap. Results must not change.
+    fast_mode("native")
+    code = Q.dynamic_map(signed=True)
+    xs = [torch.randn(70_000 + 256 * i) for i in range(6)]
+    expect = [(Q.quantize_blockwise(x, bits=4), Q.quantize_codebook(x, code)) for x in xs]
+    failures: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(4):
+            q, cb = Q.quantize_blockwise(xs[i], bits=4), Q.quantize_codebook(xs[i], code)
+            if not (same(q, expect[i][0]) and same(cb, expect[i][1])):
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures and not any(t.is_alive() for t in threads)
