@@ -374,3 +374,24 @@ def test_native_kernels_from_many_threads(fast_mode):
     for t in threads:
         t.join(timeout=120)
     assert not failures and not any(t.is_alive() for t in threads)
+
+
+@needs_cc
+def test_native_codebook_encoder_on_strided_bit_patterns(fast_mode):
+    # Every 4099th fp32 bit pattern in [-1, 1] (both signs, and +-1 so the absmax is 1 and
+    # x / absmax == x) through the C encoder equals bucketize on the midpoints.
+    bits = torch.arange(0, 0x3F800001, 4099, dtype=torch.int32)
+    v = bits.view(torch.float32)
+    x = torch.cat([torch.tensor([1.0, -1.0, -0.0]), v, -v])
+    fast_mode("native")
+    for code in (
+        Q.dynamic_map(signed=True),
+        Q.dynamic_map(signed=False),
+        Q.linear_map(signed=True),
+        Q.linear_map(signed=True, total_bits=2),
+    ):
+        xs = x if bool(code[0] < 0) else x.abs()
+        codes, absmax = Q.quantize_codebook(xs, code, block_size=xs.numel())
+        assert absmax.tolist() == [1.0]
+        expect = torch.bucketize(xs, (code[:-1] + code[1:]) / 2)
+        assert torch.equal(codes.long(), expect)
