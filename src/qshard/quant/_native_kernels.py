@@ -83,9 +83,21 @@ static inline void store_row(void *out, int kind, int64_t off, const float *rest
             o[k] = (buf[k] != buf[k]) ? (uint16_t)0x7FC0 : r;
         }
     } else {
+#ifdef __FLT16_MAX__
         _Float16 *restrict o = (_Float16 *)out + off;
         for (int64_t k = 0; k < n; k++) o[k] = (_Float16)buf[k];
+#endif
     }
+}
+
+/* Compilers without _Float16 (gcc < 12 on x86) still build the rest; Python then keeps fp16
+ * outputs on the torch path. */
+int has_fp16(void) {
+#ifdef __FLT16_MAX__
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 #define CHUNK 1024
@@ -313,6 +325,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pack_signs.argtypes = [p, i64, p, i32]
     lib.unpack_signs.restype = i32
     lib.unpack_signs.argtypes = [p, i64, p, i32, i32]
+    lib.has_fp16.restype = i32
+    lib.has_fp16.argtypes = []
 
 
 _LIBRARY = NativeLibrary(
@@ -349,11 +363,13 @@ def serves_input(x: Tensor) -> bool:
 
 def serves_output(out: Tensor) -> bool:
     """Whether the C kernels can write ``out``: contiguous CPU fp32/bf16/fp16."""
+    lib = library()
     return (
         out.device.type == "cpu"
         and out.dtype in _OUT_KIND
         and out.is_contiguous()
-        and library() is not None
+        and lib is not None
+        and (out.dtype != torch.float16 or bool(lib.has_fp16()))
     )
 
 
