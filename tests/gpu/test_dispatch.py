@@ -34,10 +34,18 @@ class Counter:
 
 
 def _both(monkeypatch, fn):
-    """fn() on the CPU path, then with every hook routed to the kernels."""
+    """fn() on the CPU path, then with every hook routed to the kernels.
+
+    The CPU-only C kernels (qshard.quant._native_kernels) run before some hooks and never see a
+    CUDA tensor, so the routed run switches them off, as a CUDA tensor would.
+    """
+    from qshard.quant import _fastpath
+
     want = fn()
     counter = Counter()
     monkeypatch.setattr(_triton, "serves", counter)
+    monkeypatch.setattr(_fastpath, "use_native", lambda t: False)
+    monkeypatch.setattr(_fastpath, "use_native_out", lambda t: False)
     got = fn()
     monkeypatch.undo()
     return want, got, counter.calls
