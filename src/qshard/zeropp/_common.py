@@ -1,4 +1,5 @@
-"""Pieces shared by qshard's FSDP2 comms: the deferred work handle, the phase tag, logging once."""
+"""Pieces shared by qshard's FSDP2 comms: the wire-dtype base, the deferred work handle, the phase
+tag, logging once."""
 
 from __future__ import annotations
 
@@ -8,10 +9,28 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeferredWork", "group_ranks", "log_once", "phase_tag"]
+__all__ = ["WIRE_DTYPES", "DeferredWork", "WireComm", "group_ranks", "log_once", "phase_tag"]
 
 logger = logging.getLogger("qshard.zeropp")
 _LOGGED: set[str] = set()
+
+#: The 16-bit wire formats of the paper's ZeRO-3 baseline (compute stays in the param dtype).
+WIRE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class WireComm:
+    """Base of qshard's FSDP2 comms: the validated optional 16-bit ``wire_dtype`` and FSDP2's
+    plain buffer allocation (one temporary tensor per call)."""
+
+    def __init__(self, *, wire_dtype: torch.dtype | None = None) -> None:
+        if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
+        self.wire_dtype = wire_dtype
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 def log_once(key: str, message: str) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
-from qshard.zeropp._common import DeferredWork, group_ranks, log_once, phase_tag
+from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, phase_tag
 from qshard.zeropp._wire import RowCodec
 
 __all__ = ["QuantizedAllGather", "RecordingAllGather"]
@@ -25,7 +25,7 @@ _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class RecordingAllGather(AllGather):
+class RecordingAllGather(WireComm, AllGather):
     """FSDP2's plain all-gather, recorded in the active ledger (tags ``fwd_all_gather`` /
     ``bwd_all_gather``).
 
@@ -34,16 +34,6 @@ class RecordingAllGather(AllGather):
             ``torch.bfloat16`` / ``torch.float16`` casts a wider float input to 16 bits for
             the wire and back to the input dtype after (the paper's 16-bit ZeRO-3 baseline).
     """
-
-    def __init__(self, *, wire_dtype: torch.dtype | None = None) -> None:
-        if wire_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
-        self.wire_dtype = wire_dtype
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _plain(
         self,

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ZeroPPConfig"]
+from qshard.zeropp._common import WIRE_DTYPES
 
-_WIRE_DTYPES = (torch.bfloat16, torch.float16)
+__all__ = ["ZeroPPConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +72,7 @@ class ZeroPPConfig:
                 )
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be an int >= 1; got {self.pipeline_stages!r}")
-        if self.wire_dtype is not None and self.wire_dtype not in _WIRE_DTYPES:
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(
                 f"wire_dtype must be None, torch.bfloat16 or torch.float16; got {self.wire_dtype}"
             )

@@ -23,8 +23,6 @@ groups, so gloo/NCCL progress them concurrently).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
@@ -32,7 +30,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
-from qshard.zeropp._common import DeferredWork, group_ranks, log_once
+from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once
 from qshard.zeropp._wire import RowCodec
 
 __all__ = [
@@ -95,7 +93,7 @@ def reorder_slices(
     return x.view(nodes, per_node, stages, padded // stages).permute(2, 1, 0, 3).contiguous()
 
 
-class RecordingReduceScatter(ReduceScatter):
+class RecordingReduceScatter(WireComm, ReduceScatter):
     """FSDP2's plain reduce-scatter, recorded in the active ledger (tag
     ``grad_reduce_scatter``).
 
@@ -112,16 +110,6 @@ class RecordingReduceScatter(ReduceScatter):
     Other backends (NCCL) run a ring reduce-scatter and are recorded as one. The paper's
     analytic ring baseline is printed beside the ledger by ``benchmarks/comm_volume.py``.
     """
-
-    def __init__(self, *, wire_dtype: torch.dtype | None = None) -> None:
-        if wire_dtype not in (None, torch.bfloat16, torch.float16):
-            raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
-        self.wire_dtype = wire_dtype
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _plain(self, output_tensor, input_tensor, group, op, ranks, async_op):
         wire = self.wire_dtype
