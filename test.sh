@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
 marker=(-m "not slow")
 args=()
 for a in "$@"; do
-    if [ "$a" = "--slow" ]; then marker=(); else args+=("$a"); fi
+    if [ "$a" = "--slow" ]; then marker=(-m ""); else args+=("$a"); fi
 done
 
 echo "[test] ruff check"
