@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qshard.quant import _fastpath, _native_kernels
+from qshard.quant import _codetable, _fastpath, _native_kernels
 
 __all__ = [
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
@@ -128,6 +128,23 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
 
 
+def _check_out(
+    out: tuple[Tensor, Tensor], numel: int, num_blocks: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    codes, absmax = out
+    for t, name, dtype, n in (
+        (codes, "codes", torch.uint8, numel),
+        (absmax, "absmax", torch.float32, num_blocks),
+    ):
+        if t.dtype != dtype or t.numel() != n or not t.is_contiguous() or t.device != device:
+            raise ValueError(
+                f"out {name} must be a contiguous {dtype} tensor of {n} elements on {device}; "
+                f"got {t.dtype}, {t.numel()} elements, contiguous={t.is_contiguous()}, "
+                f"{t.device}"
+            )
+    return codes.view(-1), absmax.view(-1)
+
+
 def _normalize(flat: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     """Pad to whole blocks, return (x / absmax per block, absmax); see the module docstring."""
     numel = flat.numel()
@@ -171,6 +188,7 @@ def quantize_codebook(
     block_size: int = DEFAULT_CODEBOOK_BLOCK_SIZE,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Block-wise absmax normalisation, then the index of the nearest value of ``code``.
 
@@ -181,9 +199,15 @@ def quantize_codebook(
         rounding: ``"nearest"`` (exact, ties to the lower code) or ``"stochastic"`` (one of
             the two neighbouring codes, with probability linear in the distance).
         generator: random source for stochastic rounding.
+        out: optional preallocated ``(codes, absmax)`` to write into (as optimizer state
+            is updated in place): contiguous uint8 of ``x.numel()`` elements and fp32 of
+            ``num_blocks`` elements on ``x``'s device. Allocating 1 byte per element costs
+            as much as the C encoder itself on large tensors (page faults), so hot loops
+            should pass buffers.
 
     Returns:
-        ``(codes, absmax)``: uint8 ``(x.numel(),)`` and fp32 ``(num_blocks,)``.
+        ``(codes, absmax)``: uint8 ``(x.numel(),)`` and fp32 ``(num_blocks,)`` (``out``'s
+        tensors, flat views of them, when given).
     """
     _check_code(code)
     _check_block_size(block_size)
@@ -194,14 +218,21 @@ def quantize_codebook(
     flat = x.reshape(-1)
     numel = flat.numel()
     num_blocks = -(-numel // block_size)
-    codes = torch.empty(numel, dtype=torch.uint8, device=x.device)
-    absmax = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    if out is None:
+        codes = torch.empty(numel, dtype=torch.uint8, device=x.device)
+        absmax = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    else:
+        codes, absmax = _check_out(out, numel, num_blocks, x.device)
     full = numel // block_size
     table = None
     if rounding == "nearest" and numel and _fastpath.use_native(flat):
+        lut = _codetable.search_table(code)
+        if lut is not None:
+            _native_kernels.quantize_codebook(flat, block_size, lut, codes, absmax)
+            return codes, absmax
         table = _fastpath.codebook_table(code)
         if table is not None:
-            _native_kernels.quantize_codebook(
+            _native_kernels.quantize_codebook_bytes(
                 flat, block_size, table.lut, table.mids, codes, absmax
             )
             return codes, absmax
