@@ -196,3 +196,70 @@ def test_rejects_bad_slots(device):
             torch.zeros(2, 4, device=device),
             block_size=BS,
         )
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_row_kernels_write_and_read_row_codec_rows(device, bits):
+    """The `*_rows` kernels zeropp dispatches read and write RowCodec's [scales | codes] rows
+    in place, byte for byte what encode / decode / sum / encode give (2 nodes x 3 ranks, 2
+    stages, padding in the last stage)."""
+    nodes, per_node, stages, size = 2, 3, 2, 50
+    world = nodes * per_node
+    codec = RowCodec(bits=bits, block_size=BS)
+    x = torch.randn(world * size, generator=torch.Generator().manual_seed(bits)) * 3
+    offsets, lengths, slot = _triton.qgz_slots(
+        nodes=nodes, ranks_per_node=per_node, stages=stages, size=size, block_size=BS
+    )
+    layout = _layout(x, nodes, per_node, stages, size)  # (K, D, N, slot)
+    per_stage = per_node * nodes
+    for k in range(stages):
+        sl = slice(k * per_stage, (k + 1) * per_stage)
+        send = torch.full((per_node, codec.row_bytes(nodes * slot)), 0xAB, dtype=torch.uint8)
+        got = _triton.reorder_quantize_rows(
+            x.to(device),
+            offsets[sl].to(device),
+            lengths[sl].to(device),
+            slot_numel=slot,
+            block_size=BS,
+            bits=bits,
+            out=send.to(device),
+        )
+        assert torch.equal(got.cpu(), codec.encode(layout[k].view(per_node, nodes * slot))), k
+    # Middle hop: D peers' rows of N slots each -> N rows of one slot.
+    peers = torch.randn(per_node, nodes * slot, generator=torch.Generator().manual_seed(1))
+    recv = codec.encode(peers)
+    out = torch.empty((nodes, codec.row_bytes(slot)), dtype=torch.uint8)
+    got = _triton.dequant_reduce_requant_rows(
+        recv.to(device), block_size=BS, bits=bits, out=out.to(device)
+    )
+    summed = codec.decode(recv, nodes * slot).sum(dim=0)
+    assert torch.equal(got.cpu(), codec.encode(summed.view(nodes, slot)))
+    # Last hop: N rows of one slot, times the op's factor, into a shorter bf16 output.
+    rows = got.cpu()
+    keep = slot - 5
+    for scale in (None, 1 / 3):
+        dst = torch.empty(keep, dtype=torch.bfloat16)
+        res = _triton.dequant_reduce_rows(
+            rows.to(device), block_size=BS, bits=bits, out=dst.to(device), scale=scale
+        )
+        total = codec.decode(rows, slot).sum(dim=0)
+        if scale is not None:
+            total = total * scale
+        assert torch.equal(res.cpu(), total[:keep].to(torch.bfloat16)), scale
+
+
+def test_row_kernels_reject_bad_rows(device):
+    rows = torch.zeros(2, 4 * (4 + BS // 2) + 1, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        _triton.dequant_reduce_rows(rows, block_size=BS, bits=4, out=torch.empty(4, device=device))
+    good = torch.zeros(2, 4 * (4 + BS // 2), dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match="do not fill"):
+        _triton.dequant_reduce_requant_rows(
+            good, block_size=BS, bits=4, out=torch.zeros_like(good[:1, : good.shape[1] // 2])
+        )
+    with pytest.raises(ValueError, match="more than"):
+        _triton.dequant_reduce_rows(
+            good, block_size=BS, bits=4, out=torch.empty(4 * BS + 1, device=device)
+        )
+    with pytest.raises(ValueError, match="multiple of 4"):
+        _triton.dequant_reduce_rows(good, block_size=4, bits=4, out=torch.empty(1, device=device))

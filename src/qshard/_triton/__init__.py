@@ -25,6 +25,8 @@ __all__ = [
     "available",
     "dequant_reduce",
     "dequant_reduce_requant",
+    "dequant_reduce_requant_rows",
+    "dequant_reduce_rows",
     "dequantize_blocks",
     "interpreter",
     "optim8bit_step",
@@ -34,6 +36,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_flat",
     "reorder_quantize",
+    "reorder_quantize_rows",
     "serves",
     "unpack_int4",
     "unpack_signs",
@@ -104,6 +107,13 @@ def reorder_quantize(x: torch.Tensor, offsets: torch.Tensor, **kwargs: Any) -> A
     return _module("_qgz").reorder_quantize(x, offsets, **kwargs)
 
 
+def reorder_quantize_rows(
+    x: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """qgZ's first hop: `reorder_quantize` written straight into the all-to-all's wire rows."""
+    return _module("_qgz").reorder_quantize_rows(x, offsets, lengths, **kwargs)
+
+
 def qgz_slots(**kwargs: Any) -> Any:
     """(offsets, lengths, slot_numel) of qgZ's send slots (eq. 2 order, pipelined, padded)."""
     return _module("_qgz").qgz_slots(**kwargs)
@@ -114,9 +124,19 @@ def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, **kwargs: 
     return _module("_qgz").dequant_reduce_requant(codes, scales, **kwargs)
 
 
+def dequant_reduce_requant_rows(recv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """qgZ's middle hop on wire rows: received rows in, the next hop's send rows out."""
+    return _module("_qgz").dequant_reduce_requant_rows(recv, **kwargs)
+
+
 def dequant_reduce(codes: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """qgZ's last hop: dequantize K peers' blocks and sum them in fp32 into the output dtype."""
     return _module("_qgz").dequant_reduce(codes, scales, **kwargs)
+
+
+def dequant_reduce_rows(recv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """qgZ's last hop on wire rows: received rows summed (times a scale) into the output."""
+    return _module("_qgz").dequant_reduce_rows(recv, **kwargs)
 
 
 def optim8bit_step(**kwargs: Any) -> None:

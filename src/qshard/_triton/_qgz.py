@@ -19,6 +19,8 @@ straddles two destinations.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +35,34 @@ from qshard._triton._blockwise import (
 )
 from qshard._triton._common import check_contiguous, check_device, kernel_view, load_f32, store_as
 
-__all__ = ["dequant_reduce", "dequant_reduce_requant", "qgz_slots", "reorder_quantize"]
+__all__ = [
+    "dequant_reduce",
+    "dequant_reduce_requant",
+    "dequant_reduce_requant_rows",
+    "dequant_reduce_rows",
+    "qgz_slots",
+    "reorder_quantize",
+    "reorder_quantize_rows",
+    "wire_row_bytes",
+]
+
+
+@triton.jit
+def _block_addresses(rows, blocks_per_row, scale_stride, code_stride, WIDTH: tl.constexpr):
+    """Where blocks `rows` live in a row layout: (scale index, code shift).
+
+    [Note: qgZ row layout] Block r sits in row r // blocks_per_row at position
+    r % blocks_per_row; a row's scales start `scale_stride` fp32 words after the previous
+    row's, its codes `code_stride` code elements after. RowCodec's wire rows are
+    [fp32 scales | codes] of row_bytes each, so both strides come from row_bytes; two separate
+    tensors are the layout with one row (strides 0). The code shift is what to add to the
+    codes pointer so that `_store_codes` / `_load_codes` of `_blockwise` (which address block
+    r at r * WIDTH) land on the row layout: those helpers stay shared with the plain kernels.
+    """
+    r = rows.to(tl.int64)
+    row = r // blocks_per_row
+    local = r - row * blocks_per_row
+    return row * scale_stride + local, row * code_stride + local * WIDTH - r * WIDTH
 
 
 @triton.jit
@@ -44,6 +73,9 @@ def _reorder_quantize_kernel(
     codes_ptr,
     scales_ptr,
     blocks_per_slot,
+    blocks_per_row,
+    scale_stride,
+    code_stride,
     seed,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,13 +100,21 @@ def _reorder_quantize_kernel(
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
     in_block = row_ok[:, None] & (cols[None, :] < BS)
     q, scale = _quantize_tile(x, in_block, QMAX, STOCHASTIC, seed, idx)
-    _store_codes(codes_ptr, q, rows, cols, row_ok, BS, PACK)
-    tl.store(scales_ptr + rows, scale, mask=row_ok)
+    WIDTH: tl.constexpr = BS // 2 if PACK else BS
+    s_idx, c_shift = _block_addresses(rows, blocks_per_row, scale_stride, code_stride, WIDTH)
+    _store_codes(codes_ptr + c_shift[:, None], q, rows, cols, row_ok, BS, PACK)
+    tl.store(scales_ptr + s_idx, scale, mask=row_ok)
 
 
 @triton.jit
-def _dequant_sum(codes_ptr, scales_ptr, rows, row_ok, n_peers, n_blocks, BS, BLOCK_N, PACK, WIDTH):
-    """fp32 sum over peers k = 0..K-1 (in that order) of code * scale for a tile of blocks."""
+def _dequant_sum(
+    codes_ptr, scales_ptr, rows, row_ok, n_peers, scale_stride, code_stride, BS, BLOCK_N, PACK
+):
+    """fp32 sum over peers k = 0..K-1 (in that order) of code * scale for a tile of blocks.
+
+    Peer k's block r: scale at scales_ptr[k * scale_stride + r], codes at
+    codes_ptr[k * code_stride + r * width] (one peer per row of the layout).
+    """
     acc = tl.zeros((rows.shape[0], BLOCK_N), tl.float32)
     peer_codes = codes_ptr
     peer_scales = scales_ptr
@@ -84,9 +124,9 @@ def _dequant_sum(codes_ptr, scales_ptr, rows, row_ok, n_peers, n_blocks, BS, BLO
         term = q.to(tl.float32) * scale[:, None]
         # ((t0 + t1) + t2) + ...: the reference's order, so the fp32 sum is bit-identical.
         acc = tl.where(k == 0, term, acc + term)
-        # Advancing the 64-bit pointers avoids an int32 k * n_blocks * WIDTH overflow.
-        peer_codes += n_blocks * WIDTH
-        peer_scales += n_blocks
+        # Advancing the 64-bit pointers avoids an int32 k * stride overflow.
+        peer_codes += code_stride
+        peer_scales += scale_stride
     return acc
 
 
@@ -98,12 +138,16 @@ def _dequant_reduce_requant_kernel(
     out_scales_ptr,
     n_peers,
     n_blocks,
+    in_scale_stride,
+    in_code_stride,
+    out_blocks_per_row,
+    out_scale_stride,
+    out_code_stride,
     seed,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     PACK_IN: tl.constexpr,
-    WIDTH_IN: tl.constexpr,
     QMAX: tl.constexpr,
     PACK_OUT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -112,13 +156,26 @@ def _dequant_reduce_requant_kernel(
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_blocks
     acc = _dequant_sum(
-        codes_ptr, scales_ptr, rows, row_ok, n_peers, n_blocks, BS, BLOCK_N, PACK_IN, WIDTH_IN
+        codes_ptr,
+        scales_ptr,
+        rows,
+        row_ok,
+        n_peers,
+        in_scale_stride,
+        in_code_stride,
+        BS,
+        BLOCK_N,
+        PACK_IN,
     )
     valid = row_ok[:, None] & (cols[None, :] < BS)
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
     q, scale = _quantize_tile(acc, valid, QMAX, STOCHASTIC, seed, idx)
-    _store_codes(out_codes_ptr, q, rows, cols, row_ok, BS, PACK_OUT)
-    tl.store(out_scales_ptr + rows, scale, mask=row_ok)
+    WIDTH_OUT: tl.constexpr = BS // 2 if PACK_OUT else BS
+    s_idx, c_shift = _block_addresses(
+        rows, out_blocks_per_row, out_scale_stride, out_code_stride, WIDTH_OUT
+    )
+    _store_codes(out_codes_ptr + c_shift[:, None], q, rows, cols, row_ok, BS, PACK_OUT)
+    tl.store(out_scales_ptr + s_idx, scale, mask=row_ok)
 
 
 @triton.jit
@@ -129,25 +186,94 @@ def _dequant_reduce_kernel(
     n_peers,
     n_blocks,
     numel,
-    divisor,
+    in_scale_stride,
+    in_code_stride,
+    factor,
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     PACK: tl.constexpr,
-    WIDTH: tl.constexpr,
     DIVIDE: tl.constexpr,
+    MULTIPLY: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_blocks
     acc = _dequant_sum(
-        codes_ptr, scales_ptr, rows, row_ok, n_peers, n_blocks, BS, BLOCK_N, PACK, WIDTH
+        codes_ptr,
+        scales_ptr,
+        rows,
+        row_ok,
+        n_peers,
+        in_scale_stride,
+        in_code_stride,
+        BS,
+        BLOCK_N,
+        PACK,
     )
     if DIVIDE:
-        acc = tl.math.div_rn(acc, tl.full(acc.shape, divisor, tl.float32))
+        acc = tl.math.div_rn(acc, tl.full(acc.shape, factor, tl.float32))
+    if MULTIPLY:
+        # The torch path's `sum * scale` (ReduceOp.AVG / PREMUL_SUM): one fp32 rounding.
+        acc = acc * factor
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
     valid = row_ok[:, None] & (cols[None, :] < BS) & (idx < numel)
     store_as(out_ptr + idx, acc, valid)
+
+
+class _Blocks(NamedTuple):
+    """Where a kernel finds blocks: see [Note: qgZ row layout]."""
+
+    codes: torch.Tensor  # int8, or packed INT4 uint8; block 0's codes first
+    scales: torch.Tensor  # fp32; block 0's scale first
+    per_row: int
+    scale_stride: int
+    code_stride: int
+
+
+def _separate(codes: torch.Tensor, scales: torch.Tensor, n_blocks: int) -> _Blocks:
+    """Codes (n_blocks, width) and scales (n_blocks,) as two tensors: a one-row layout."""
+    return _Blocks(codes, scales, max(n_blocks, 1), 0, 0)
+
+
+def _wire_width(block_size: int, bits: int) -> int:
+    width = block_size * bits // 8
+    if block_size * bits % 8 or width % 4:
+        raise ValueError(
+            f"wire rows need block_size * bits / 8 to be a multiple of 4 (fp32 scales stay "
+            f"aligned); got block_size {block_size}, bits {bits}"
+        )
+    return width
+
+
+def wire_row_bytes(blocks: int, *, block_size: int, bits: int) -> int:
+    """Bytes of one wire row of `blocks` blocks: fp32 scales, then the codes (RowCodec)."""
+    return blocks * (4 + _wire_width(block_size, bits))
+
+
+def _wire_rows(buf: torch.Tensor, name: str, block_size: int, bits: int) -> _Blocks:
+    """The blocks of RowCodec rows `buf` (rows, row_bytes) uint8: each row is its blocks'
+    fp32 scales followed by their codes (INT4 packed, element 2k in the high nibble)."""
+    if buf.dtype != torch.uint8 or buf.dim() != 2:
+        raise ValueError(
+            f"{name} must be uint8 wire rows (rows, row_bytes); got {buf.dtype} {tuple(buf.shape)}"
+        )
+    check_contiguous(name, buf)
+    row_bytes = buf.shape[1]
+    per_row, rest = divmod(row_bytes, 4 + _wire_width(block_size, bits))
+    if rest:
+        raise ValueError(
+            f"{name} rows of {row_bytes} bytes are not whole blocks of {block_size} "
+            f"{bits}-bit codes plus an fp32 scale"
+        )
+    flat = buf.view(-1)
+    if buf.data_ptr() % 4:
+        raise ValueError(f"{name} must start 4-byte aligned (its fp32 scales are read in place)")
+    scales = flat[: flat.numel() // 4 * 4].view(torch.float32)
+    codes = flat[4 * per_row :] if per_row else flat
+    return _Blocks(
+        codes if bits == 4 else codes.view(torch.int8), scales, per_row, row_bytes // 4, row_bytes
+    )
 
 
 def qgz_slots(
@@ -178,6 +304,50 @@ def qgz_slots(
     )
 
 
+def _check_slots(x, offsets, lengths, slot_numel) -> None:
+    """Host-side validation (it synchronises with the device; trusted callers skip it)."""
+    if lengths.shape != offsets.shape:
+        raise ValueError(
+            f"lengths {tuple(lengths.shape)} must match offsets {tuple(offsets.shape)}"
+        )
+    if offsets.numel() and bool(((offsets < 0) | (lengths < 0) | (lengths > slot_numel)).any()):
+        raise ValueError(f"need offsets >= 0 and 0 <= lengths <= slot_numel={slot_numel}")
+    if offsets.numel() and int((offsets + lengths).max()) > x.numel():
+        raise ValueError(f"a slot reads past the end of x ({x.numel()} elements)")
+
+
+def _launch_reorder_quantize(
+    x, offsets, lengths, slot_numel, block_size, qmax, pack, rounding, generator, dst: _Blocks
+) -> None:
+    n_slots = offsets.numel()
+    blocks_per_slot = -(-slot_numel // block_size)
+    if n_slots * blocks_per_slot == 0:
+        return
+    block_n, rows, warps = _geometry(block_size)
+    xk, bf16 = kernel_view(x)
+    _reorder_quantize_kernel[(n_slots, triton.cdiv(blocks_per_slot, rows))](
+        xk,
+        offsets.to(torch.int64).contiguous(),
+        lengths.to(torch.int64).contiguous(),
+        dst.codes,
+        dst.scales,
+        blocks_per_slot,
+        dst.per_row,
+        dst.scale_stride,
+        dst.code_stride,
+        _seed(rounding, generator),
+        BS=block_size,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        QMAX=qmax,
+        PACK=pack,
+        STOCHASTIC=rounding == "stochastic",
+        BF16=bf16,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+
+
 def reorder_quantize(
     x: torch.Tensor,
     offsets: torch.Tensor,
@@ -203,48 +373,64 @@ def reorder_quantize(
         raise ValueError(f"pack needs bits=4 and an even block_size; got {bits}, {block_size}")
     check_contiguous("x", x)
     check_device(x, offsets)
-    n_slots = offsets.numel()
     if lengths is None:
         lengths = torch.full_like(offsets, slot_numel)
     check_device(x, lengths)
-    if lengths.shape != offsets.shape:
-        raise ValueError(
-            f"lengths {tuple(lengths.shape)} must match offsets {tuple(offsets.shape)}"
-        )
-    if n_slots and bool(((offsets < 0) | (lengths < 0) | (lengths > slot_numel)).any()):
-        raise ValueError(f"need offsets >= 0 and 0 <= lengths <= slot_numel={slot_numel}")
-    if n_slots and int((offsets + lengths).max()) > x.numel():
-        raise ValueError(f"a slot reads past the end of x ({x.numel()} elements)")
-    blocks_per_slot = -(-slot_numel // block_size)
-    n_blocks = n_slots * blocks_per_slot
+    _check_slots(x, offsets, lengths, slot_numel)
+    n_blocks = offsets.numel() * -(-slot_numel // block_size)
     width = block_size // 2 if pack else block_size
     codes = torch.empty(
         (n_blocks, width), dtype=torch.uint8 if pack else torch.int8, device=x.device
     )
     scales = torch.empty((n_blocks,), dtype=torch.float32, device=x.device)
-    if n_blocks == 0:
-        return codes, scales
-    block_n, rows, warps = _geometry(block_size)
-    xk, bf16 = kernel_view(x)
-    _reorder_quantize_kernel[(n_slots, triton.cdiv(blocks_per_slot, rows))](
-        xk,
-        offsets.to(torch.int64).contiguous(),
-        lengths.to(torch.int64).contiguous(),
-        codes,
-        scales,
-        blocks_per_slot,
-        _seed(rounding, generator),
-        BS=block_size,
-        BLOCK_N=block_n,
-        ROWS=rows,
-        QMAX=qmax,
-        PACK=pack,
-        STOCHASTIC=rounding == "stochastic",
-        BF16=bf16,
-        num_warps=warps,
-        enable_fp_fusion=False,
+    _launch_reorder_quantize(
+        x,
+        offsets,
+        lengths,
+        slot_numel,
+        block_size,
+        qmax,
+        pack,
+        rounding,
+        generator,
+        _separate(codes, scales, n_blocks),
     )
     return codes, scales
+
+
+def reorder_quantize_rows(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    slot_numel: int,
+    block_size: int,
+    bits: int,
+    out: torch.Tensor,
+    check: bool = True,
+) -> torch.Tensor:
+    """`reorder_quantize` written straight into wire rows `out` (rows, row_bytes) uint8.
+
+    The slots' blocks fill the rows in order (slot t's blocks, then slot t+1's, ...), each
+    row holding row_bytes / (4 + code bytes per block) blocks as RowCodec lays them out:
+    [fp32 scales | codes]. So qgZ's first hop writes the very buffer its all-to-all sends,
+    byte for byte what `RowCodec.encode` of zeropp's reordered (D, N * slot) rows would be.
+    `check=False` skips the host-side slot validation (a device sync) for trusted slots.
+    """
+    dst = _wire_rows(out, "out", block_size, bits)
+    check_contiguous("x", x)
+    check_device(x, offsets, lengths, out)
+    if check:
+        _check_slots(x, offsets, lengths, slot_numel)
+    n_blocks = offsets.numel() * -(-slot_numel // block_size)
+    if n_blocks != out.shape[0] * dst.per_row:
+        raise ValueError(
+            f"{n_blocks} blocks do not fill {out.shape[0]} rows of {dst.per_row} blocks"
+        )
+    _launch_reorder_quantize(
+        x, offsets, lengths, slot_numel, block_size, _qmax(bits), bits == 4, "nearest", None, dst
+    )
+    return out
 
 
 def _peer_layout(
@@ -267,6 +453,51 @@ def _peer_layout(
     return n_peers, n_blocks, pack
 
 
+def _peers(codes: torch.Tensor, scales: torch.Tensor, block_size: int):
+    """(n_peers, n_blocks, pack, layout) of K peers' separate (codes, scales) tensors."""
+    n_peers, n_blocks, pack = _peer_layout(codes, scales, block_size)
+    src = _Blocks(codes, scales.contiguous(), n_blocks, n_blocks, n_blocks * codes.shape[2])
+    return n_peers, n_blocks, pack, src
+
+
+def _launch_dequant_reduce_requant(
+    src: _Blocks,
+    n_peers,
+    n_blocks,
+    block_size,
+    pack_in,
+    qmax,
+    pack_out,
+    rounding,
+    generator,
+    dst: _Blocks,
+) -> None:
+    block_n, rows, warps = _geometry(block_size)
+    _dequant_reduce_requant_kernel[(triton.cdiv(n_blocks, rows),)](
+        src.codes,
+        src.scales,
+        dst.codes,
+        dst.scales,
+        n_peers,
+        n_blocks,
+        src.scale_stride,
+        src.code_stride,
+        dst.per_row,
+        dst.scale_stride,
+        dst.code_stride,
+        _seed(rounding, generator),
+        BS=block_size,
+        BLOCK_N=block_n,
+        ROWS=rows,
+        PACK_IN=pack_in,
+        QMAX=qmax,
+        PACK_OUT=pack_out,
+        STOCHASTIC=rounding == "stochastic",
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+
+
 def dequant_reduce_requant(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -286,7 +517,7 @@ def dequant_reduce_requant(
     pack_out = bits == 4 if pack is None else pack
     if pack_out and (bits != 4 or block_size % 2):
         raise ValueError(f"pack needs bits=4 and an even block_size; got {bits}, {block_size}")
-    n_peers, n_blocks, pack_in = _peer_layout(codes, scales, block_size)
+    n_peers, n_blocks, pack_in, src = _peers(codes, scales, block_size)
     width = block_size // 2 if pack_out else block_size
     out_codes = torch.empty(
         (n_blocks, width), dtype=torch.uint8 if pack_out else torch.int8, device=codes.device
@@ -296,27 +527,83 @@ def dequant_reduce_requant(
         out_codes.zero_()
         out_scales.zero_()
         return out_codes, out_scales
-    block_n, rows, warps = _geometry(block_size)
-    _dequant_reduce_requant_kernel[(triton.cdiv(n_blocks, rows),)](
-        codes,
-        scales.contiguous(),
-        out_codes,
-        out_scales,
+    _launch_dequant_reduce_requant(
+        src,
         n_peers,
         n_blocks,
-        _seed(rounding, generator),
+        block_size,
+        pack_in,
+        qmax,
+        pack_out,
+        rounding,
+        generator,
+        _separate(out_codes, out_scales, n_blocks),
+    )
+    return out_codes, out_scales
+
+
+def dequant_reduce_requant_rows(
+    recv: torch.Tensor, *, block_size: int, bits: int, out: torch.Tensor
+) -> torch.Tensor:
+    """qgZ's middle hop on wire rows: K received rows (K, row_bytes) of M blocks each, one per
+    peer, are dequantized, summed in fp32 in peer order and requantized into the wire rows
+    `out` (R, row_bytes'), which take the M blocks in order (M / R per row): the send buffer
+    of the next all-to-all. Byte for byte `RowCodec.encode(RowCodec.decode(recv).sum(0))`
+    cut in R rows."""
+    src = _wire_rows(recv, "recv", block_size, bits)
+    dst = _wire_rows(out, "out", block_size, bits)
+    check_device(recv, out)
+    n_peers, n_blocks = recv.shape[0], src.per_row
+    if n_blocks != out.shape[0] * dst.per_row:
+        raise ValueError(
+            f"{n_blocks} received blocks per peer do not fill {out.shape[0]} rows of "
+            f"{dst.per_row} blocks"
+        )
+    if n_blocks == 0:
+        return out
+    if n_peers == 0:
+        return out.zero_()
+    pack = bits == 4
+    _launch_dequant_reduce_requant(
+        src, n_peers, n_blocks, block_size, pack, _qmax(bits), pack, "nearest", None, dst
+    )
+    return out
+
+
+def _launch_dequant_reduce(
+    src: _Blocks, n_peers, n_blocks, block_size, pack, out, total, divisor, scale
+) -> None:
+    block_n, rows, warps = _geometry(block_size)
+    if divisor is not None and scale is not None:
+        raise ValueError("give divisor or scale, not both")
+    factor = divisor if divisor is not None else scale
+    _dequant_reduce_kernel[(triton.cdiv(n_blocks, rows),)](
+        src.codes,
+        src.scales,
+        out,
+        n_peers,
+        n_blocks,
+        total,
+        src.scale_stride,
+        src.code_stride,
+        1.0 if factor is None else float(factor),
         BS=block_size,
         BLOCK_N=block_n,
         ROWS=rows,
-        PACK_IN=pack_in,
-        WIDTH_IN=codes.shape[2],
-        QMAX=qmax,
-        PACK_OUT=pack_out,
-        STOCHASTIC=rounding == "stochastic",
+        PACK=pack,
+        DIVIDE=divisor is not None,
+        MULTIPLY=scale is not None,
         num_warps=warps,
         enable_fp_fusion=False,
     )
-    return out_codes, out_scales
+
+
+def _reduce_out(out, total, dtype, device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((total,), dtype=dtype, device=device)
+    if out.numel() != total or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of {total} elements (its dtype wins)")
+    return out
 
 
 def dequant_reduce(
@@ -328,40 +615,48 @@ def dequant_reduce(
     numel: int | None = None,
     out: torch.Tensor | None = None,
     divisor: float | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Sum K peers' quantized blocks in fp32 (peer order), optionally `/ divisor`, cast.
+    """Sum K peers' quantized blocks in fp32 (peer order), optionally `/ divisor` or
+    `* scale` (fp32, one rounding), cast.
 
     Returns flat (numel,) (default M * block_size; `numel` drops the padding of the last
     block), written into `out` when given (its dtype wins).
     """
-    n_peers, n_blocks, pack = _peer_layout(codes, scales, block_size)
+    n_peers, n_blocks, pack, src = _peers(codes, scales, block_size)
     total = n_blocks * block_size if numel is None else numel
     if total > n_blocks * block_size:
         raise ValueError(f"numel={total} exceeds the {n_blocks * block_size} quantized elements")
-    if out is None:
-        out = torch.empty((total,), dtype=dtype, device=codes.device)
-    elif out.numel() != total or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of {total} elements (its dtype wins)")
+    out = _reduce_out(out, total, dtype, codes.device)
     if n_peers == 0:
         return out.zero_()
     if total == 0:
         return out
-    block_n, rows, warps = _geometry(block_size)
-    _dequant_reduce_kernel[(triton.cdiv(n_blocks, rows),)](
-        codes,
-        scales.contiguous(),
-        out,
-        n_peers,
-        n_blocks,
-        total,
-        1.0 if divisor is None else float(divisor),
-        BS=block_size,
-        BLOCK_N=block_n,
-        ROWS=rows,
-        PACK=pack,
-        WIDTH=codes.shape[2],
-        DIVIDE=divisor is not None,
-        num_warps=warps,
-        enable_fp_fusion=False,
-    )
+    _launch_dequant_reduce(src, n_peers, n_blocks, block_size, pack, out, total, divisor, scale)
+    return out
+
+
+def dequant_reduce_rows(
+    recv: torch.Tensor,
+    *,
+    block_size: int,
+    bits: int,
+    out: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """qgZ's last hop on wire rows: K received rows (K, row_bytes) of M blocks, summed in fp32
+    in peer order, times `scale` when given (fp32), cast into flat contiguous `out`, which
+    keeps the first out.numel() <= M * block_size elements (the rest is padding)."""
+    src = _wire_rows(recv, "recv", block_size, bits)
+    check_device(recv, out)
+    n_peers, n_blocks = recv.shape[0], src.per_row
+    total = out.numel()
+    if total > n_blocks * block_size:
+        raise ValueError(f"out has {total} elements, more than the {n_blocks * block_size} sent")
+    _reduce_out(out, total, out.dtype, out.device)
+    if n_peers == 0:
+        return out.zero_()
+    if total == 0:
+        return out
+    _launch_dequant_reduce(src, n_peers, n_blocks, block_size, bits == 4, out, total, None, scale)
     return out

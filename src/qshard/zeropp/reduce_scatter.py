@@ -19,15 +19,30 @@ stages (the paper's Algorithm 2), every partition is cut into ``K`` sub-slices a
 buffer is laid out ``(K, D, N, s)``, so stage ``k`` is one contiguous block and its
 inter-node hop runs while stage ``k+1``'s intra-node hop is in flight (different process
 groups, so gloo/NCCL progress them concurrently).
+
+[Note: fused qgZ] For CUDA tensors (``qshard._triton.serves``) with quantization on, the three
+steps run on qgZ's fused Triton kernels (ZeRO++ §4.2), which read and write the wire rows of
+``RowCodec`` in place: hop 1's send rows are quantized straight from the unpermuted gradients
+(the slot order and padding are load addresses, ``reorder_quantize_rows``); the middle hop
+dequantizes the D received rows, sums them in fp32 and requantizes into hop 2's send rows in
+one pass (``dequant_reduce_requant_rows``); the last hop sums the N received rows, applies the
+op's factor and casts into FSDP2's output (``dequant_reduce_rows``). Nothing else is written:
+no permuted copy, no fp32 partial sums, no padded result. The kernels compute what the torch
+path computes, in the same order and roundings, so the wire bytes and the output are
+identical, and a mixed world (some ranks on either path) agrees byte for byte
+(tests/gpu/test_qgz_dispatch.py).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from qshard import _triton
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once
@@ -235,6 +250,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             log_once("qgz-one-rank", "qgZ with one rank per node: the intra-node hop is local")
             if ledger is not None:
                 ledger.count("qgz_single_rank_nodes")
+        if self.bits is not None and world > 1 and output.numel() and _triton.serves(inp):
+            self._reduce_fused(output, inp, scale)
+            return
         stages = self.pipeline_stages
         size = output.numel()
         unit = stages * self.block_size
@@ -295,3 +313,97 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         if scale != 1.0:
             out = out * scale
         output.copy_(out.view(output.shape))
+
+    def _reduce_fused(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
+        """``_reduce`` on qgZ's fused Triton kernels (CUDA tensors): see [Note: fused qgZ]."""
+        topo = self.topology
+        nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
+        stages, bs, bits = self.pipeline_stages, self.block_size, self.bits
+        size = output.numel()
+        flat = inp.reshape(-1)
+        if flat.numel() != world * size:
+            raise ValueError(f"qgZ input has {flat.numel()} elements; need {world} x {size}")
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        offsets, lengths, sub = _slots(nodes, per_node, stages, size, bs, inp.device)
+        direct = output.is_contiguous()
+        out = (
+            output.view(-1) if direct else torch.empty(size, dtype=output.dtype, device=inp.device)
+        )
+        row_bytes = self.codec.row_bytes
+        intra_group = topo.intra_node_group if per_node > 1 else None
+        inter_group = topo.inter_node_group if nodes > 1 else None
+        intra_ranks = topo.node_ranks(topo.node)
+        inter_ranks = topo.peer_ranks(topo.local_rank)
+        per_stage = per_node * nodes  # send slots of one stage, (D, N) row-major
+        kw = {"block_size": bs, "bits": bits}
+        factor = None if scale == 1.0 else scale
+
+        def quantize_slots(k: int, rows: int) -> torch.Tensor:
+            # Hop 1's send rows (one per local destination d: its N slots), or with one rank
+            # per node, hop 2's (one per node), straight from the unpermuted gradients.
+            send = torch.empty(
+                (rows, row_bytes(per_stage // rows * sub)), dtype=torch.uint8, device=inp.device
+            )
+            sl = slice(k * per_stage, (k + 1) * per_stage)
+            return _triton.reorder_quantize_rows(
+                flat, offsets[sl], lengths[sl], slot_numel=sub, out=send, check=False, **kw
+            )
+
+        def output_slice(k: int) -> torch.Tensor:
+            return out[k * sub : min((k + 1) * sub, size)]  # empty for an all-padding stage
+
+        def all_to_all(send: torch.Tensor, group, ranks):
+            recv = torch.empty_like(send)
+            record("all_to_all", group_ranks=ranks, tensor_bytes=send.numel(), tag=TAG)
+            return dist.all_to_all_single(recv, send, group=group, async_op=True), recv
+
+        def last_hop(k: int, work, recv: torch.Tensor) -> None:
+            work.wait()
+            dst = output_slice(k)
+            if dst.numel():
+                _triton.dequant_reduce_rows(recv, out=dst, scale=factor, **kw)
+
+        def start_intra(k: int):
+            if intra_group is None:
+                return None, None
+            return all_to_all(quantize_slots(k, per_node), intra_group, intra_ranks)
+
+        def finish_intra(k: int, work, recv):
+            """The send rows of stage k's inter-node hop (None: the output is written)."""
+            if work is None:
+                return quantize_slots(k, nodes)
+            if inter_group is None:
+                last_hop(k, work, recv)
+                return None
+            work.wait()
+            send = torch.empty((nodes, row_bytes(sub)), dtype=torch.uint8, device=inp.device)
+            return _triton.dequant_reduce_requant_rows(recv, out=send, **kw)
+
+        pending_intra = start_intra(0)
+        pending_inter: list[tuple[int, object, torch.Tensor]] = []
+        for k in range(stages):
+            nxt = start_intra(k + 1) if k + 1 < stages else None
+            send = finish_intra(k, *pending_intra)
+            if send is not None:
+                pending_inter.append((k, *all_to_all(send, inter_group, inter_ranks)))
+            # Drain finished inter hops, keeping one in flight while the next stage proceeds.
+            while len(pending_inter) > 1:
+                last_hop(*pending_inter.pop(0))
+            pending_intra = nxt
+        for pending in pending_inter:
+            last_hop(*pending)
+        if not direct:
+            output.copy_(out.view(output.shape))
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(
+    nodes: int, per_node: int, stages: int, size: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """qgZ's send slots on ``device`` (``_triton.qgz_slots``), built and copied once per
+    gradient size: FSDP2 reduces the same few unit sizes every step."""
+    offsets, lengths, sub = _triton.qgz_slots(
+        nodes=nodes, ranks_per_node=per_node, stages=stages, size=size, block_size=block_size
+    )
+    return offsets.to(device), lengths.to(device), sub
