@@ -1,0 +1,561 @@
+"""DeepSpeed ZeRO-3 on CPU as a second throughput baseline next to ``benchmarks/throughput.py``,
+and what DeepSpeed's own ZeRO++ options (qwZ, hpZ, qgZ) do on a CPU-only machine.
+
+The same GPT (``qshard.train.model``, fp32 compute and master weights), sizes, batches, seed,
+optimizer (torch AdamW, lr 1e-3, no weight decay) and emulated cluster (``netsim.sh``: 2 nodes x
+2 ranks, tbf-shaped node links) as ``throughput.py``, but sharded by ``deepspeed.initialize``
+with ``zero_optimization.stage = 3`` over gloo instead of by FSDP2 / ``qshard.zeropp``. One
+launch runs every variant at every rate:
+
+- ``ds-zero3``: ZeRO stage 3, every parameter partitioned (``stage3_param_persistence_threshold``
+  0, as FSDP2 shards everything; DeepSpeed's default keeps parameters under 1e5 elements whole);
+- ``ds-qwz``: + ``zero_quantized_weights``; ``ds-hpz``: + ``zero_hpz_partition_size`` = ranks per
+  node; ``ds-qgz``: + ``zero_quantized_gradients``; ``ds-all``: all three.
+
+A variant that fails (DeepSpeed's quantizer kernels exist for CUDA only: on the CPU accelerator
+its op builder raises ``This op had not been implemented on CPU backend``) is recorded with the
+phase and exact error instead of numbers. Step time is the slowest rank's time from a barrier to
+the end of ``engine.step()``; median and min over ``--steps`` timed steps after ``--warmup``
+untimed ones. Link MiB/step is the busiest node's ``eth0`` tx counter over the timed steps.
+
+DeepSpeed is not a qshard dependency. Set it up in a separate venv (torch pinned, so pip keeps
+the CPU build), from the repository root:
+
+    python -m venv /tmp/dsvenv
+    /tmp/dsvenv/bin/pip install torch==2.13.0
+    DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install deepspeed==0.19.8 torch==2.13.0
+    /tmp/dsvenv/bin/pip install --no-deps -e .
+
+and run it as root (network namespaces) with that venv's Python, e.g.
+
+    /tmp/dsvenv/bin/python benchmarks/deepspeed_zero3.py --rates 100 --steps 10 \\
+        --out-md docs/results/deepspeed_zero3.md
+
+``DS_ACCELERATOR=cpu`` and ``TORCH_EXTENSIONS_DIR`` (a scratch folder for DeepSpeed's JIT-built
+ops) are set by the script unless given. ``--optimizer ds-cpu-adam`` uses DeepSpeed's CPU Adam
+instead of torch AdamW: its C++ op is compiled once by the launcher before the ranks start
+(minutes on 2 cores, cached in ``TORCH_EXTENSIONS_DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import Report, add_report_args  # noqa: E402
+
+NETSIM = HERE / "netsim" / "netsim.sh"
+ALL_VARIANTS = ("ds-zero3", "ds-qwz", "ds-hpz", "ds-qgz", "ds-all")
+OPTIMIZERS = ("torch-adamw", "ds-cpu-adam")
+BASELINE = "ds-zero3"
+SETUP_HINT = (
+    "set up DeepSpeed in its own venv (see this script's docstring): python -m venv /tmp/dsvenv; "
+    "/tmp/dsvenv/bin/pip install torch==2.13.0; "
+    "DS_BUILD_OPS=0 /tmp/dsvenv/bin/pip install deepspeed==0.19.8 torch==2.13.0; "
+    "/tmp/dsvenv/bin/pip install --no-deps -e . ; then run /tmp/dsvenv/bin/python "
+    "benchmarks/deepspeed_zero3.py"
+)
+# The lr and weight decay throughput.py gives torch AdamW.
+LR = 1e-3
+WEIGHT_DECAY = 0.0
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rates", default="100,200,400", help="link rates in Mbit/s, comma separated")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma separated")
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant and rate")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="torch-adamw",
+        help="torch-adamw (as throughput.py) or DeepSpeed's JIT-compiled CPU Adam (AdamW mode)",
+    )
+    p.add_argument(
+        "--persistence-threshold",
+        type=int,
+        default=0,
+        help="stage3_param_persistence_threshold: parameters with fewer elements stay whole on "
+        "every rank (0: all partitioned, like FSDP2; DeepSpeed's default is 100000)",
+    )
+    p.add_argument("--rank-timeout", type=int, default=3000, help="seconds, per rank")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-json", help=argparse.SUPPRESS)
+    add_report_args(p)
+    args = p.parse_args(argv)
+    try:
+        args.rate_list = [int(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        p.error(f"--rates must list whole Mbit/s values, e.g. 100,200,400; got {args.rates!r}")
+    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variant_list if v not in ALL_VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(ALL_VARIANTS)}")
+    if not args.variant_list:
+        p.error(f"--variants is empty; choose from {', '.join(ALL_VARIANTS)}")
+    if not args.rate_list or any(r < 1 for r in args.rate_list):
+        p.error("--rates must list positive Mbit/s values, e.g. 100,200,400")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.nodes < 1 or args.ranks_per_node < 1 or args.batch_per_rank < 1:
+        p.error("--nodes, --ranks-per-node and --batch-per-rank must be >= 1")
+    if args.persistence_threshold < 0:
+        p.error("--persistence-threshold must be >= 0")
+    return args
+
+
+def zeropp_options(variant: str, ranks_per_node: int) -> dict[str, object]:
+    """The ``zero_optimization`` keys that turn DeepSpeed's ZeRO++ features on for ``variant``."""
+    qwz = {"zero_quantized_weights": True}
+    hpz = {"zero_hpz_partition_size": ranks_per_node}
+    qgz = {"zero_quantized_gradients": True}
+    table: dict[str, dict[str, object]] = {
+        "ds-zero3": {},
+        "ds-qwz": qwz,
+        "ds-hpz": hpz,
+        "ds-qgz": qgz,
+        "ds-all": {**qwz, **hpz, **qgz},
+    }
+    if variant not in table:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
+    return dict(table[variant])
+
+
+def ds_config(args: argparse.Namespace, variant: str, world_size: int) -> dict[str, object]:
+    """The DeepSpeed config of one variant: ZeRO-3, fp32 (no fp16/bf16 section), one micro-batch
+    of ``batch_per_rank`` sequences per rank and step, no gradient clipping (as throughput.py)."""
+    zero: dict[str, object] = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": args.persistence_threshold,
+        **zeropp_options(variant, args.ranks_per_node),
+    }
+    return {
+        "train_micro_batch_size_per_gpu": args.batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": args.batch_per_rank * world_size,
+        "zero_optimization": zero,
+        # A client optimizer (torch AdamW) under ZeRO needs this; DeepSpeed's CPU Adam does not.
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker: one process per rank, inside the emulated cluster.
+
+
+def _make_optimizer(name: str, params):
+    import torch
+
+    if name == "ds-cpu-adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def _measure(variant, args, corpus, rank, world):
+    """Build, warm up and time one variant; raises with ``.phase`` set where it failed."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from netsim.link import NodeLinkMeter
+    from qshard.train.data import batch_for_step
+    from qshard.train.model import GPT, GPTConfig
+
+    phase = "deepspeed.initialize"
+    try:
+        torch.manual_seed(args.seed)
+        model = GPT(
+            GPTConfig(
+                n_layer=args.n_layer,
+                n_embd=args.n_embd,
+                n_head=args.n_head,
+                context=args.context,
+                seed=args.seed,
+            )
+        )
+        opt = _make_optimizer(args.optimizer, model.parameters())
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=opt, config=ds_config(args, variant, world)
+        )
+        meter = NodeLinkMeter()
+
+        def step(i: int) -> float:
+            x, y = batch_for_step(
+                corpus.train,
+                step=i,
+                seed=args.seed,
+                global_batch=args.batch_per_rank * world,
+                context=args.context,
+                rank=rank,
+                world_size=world,
+            )
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+
+        phase = "first training step"
+        losses = [step(0)]
+        phase = "training steps"
+        losses += [step(i) for i in range(1, args.warmup)]
+        times = []
+        meter.start()
+        for i in range(args.warmup, args.warmup + args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(step(i))
+            times.append(time.perf_counter() - t0)
+        per_node = meter.stop()
+    except Exception as exc:
+        exc.phase = phase  # type: ignore[attr-defined]
+        raise
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    engine.destroy()
+    return {
+        "times": t.tolist(),
+        "node_tx": [b.tx / args.steps for b in per_node],
+        "node_rx": [b.rx / args.steps for b in per_node],
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def worker(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    from netsim.link import set_link_rate
+    from qshard.train.data import load_corpus
+    from qshard.train.model import GPT, GPTConfig
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.rank_timeout))
+    deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group made above
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        load_corpus(min_tokens=args.context + 1)  # build the cache once, before the others read it
+    dist.barrier()
+    corpus = load_corpus(min_tokens=args.context + 1)
+    n_params = GPT(
+        GPTConfig(
+            n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, context=args.context
+        )
+    ).num_params()
+    data: dict[str, object] = {
+        "results": {},
+        "failed": {},
+        "n_params": n_params,
+        "versions": {
+            "deepspeed": deepspeed.__version__,
+            "torch": torch.__version__,
+            "accelerator": get_accelerator().device_name(),
+            "backend": dist.get_backend(),
+        },
+        "configs": {v: ds_config(args, v, world) for v in args.variant_list},
+        "done": False,
+    }
+
+    def save() -> None:
+        # Written after every variant, so a hang or crash later still leaves the numbers so far.
+        if rank == 0 and args.result_json:
+            with open(args.result_json, "w") as f:
+                json.dump(data, f)
+
+    for rate in args.rate_list:
+        set_link_rate(rate)
+        data["results"][str(rate)] = {}
+        for variant in args.variant_list:
+            if variant in data["failed"]:
+                continue  # a failure of DeepSpeed's own setup does not depend on the link rate
+            t0 = time.perf_counter()
+            try:
+                res = _measure(variant, args, corpus, rank, world)
+            except Exception as exc:
+                why = {"phase": getattr(exc, "phase", "?"), "error": _first_line(exc), "rate": rate}
+                if rank == 0:
+                    print(
+                        f"[deepspeed_zero3] {rate} Mbit/s {variant}: failed in {why['phase']}: "
+                        f"{why['error']}",
+                        flush=True,
+                    )
+                    traceback.print_exc(limit=-4)
+                errors: list[object] = [None] * world
+                dist.all_gather_object(errors, why)  # every rank's failure, and back in step
+                data["failed"][variant] = why
+                data["failed"][variant]["ranks_failed"] = sum(e is not None for e in errors)
+                gc.collect()
+                save()
+                continue
+            gc.collect()  # the previous variant's engine goes before the next is built
+            data["results"][str(rate)][variant] = res
+            save()
+            if rank == 0:
+                print(
+                    f"[deepspeed_zero3] {rate} Mbit/s {variant:>8}: median "
+                    f"{statistics.median(res['times']):.3f} s/step, link "
+                    f"{max(res['node_tx']) / 2**20:.2f} MiB/step "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+    data["done"] = True
+    save()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Launcher: checks DeepSpeed, starts the emulated cluster, turns the workers' numbers into tables.
+
+
+def deepspeed_problem() -> str | None:
+    """None if DeepSpeed imports in this Python, else a message naming the fix."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        return (
+            f"DeepSpeed is not importable with {sys.executable} ({_first_line(exc)}); {SETUP_HINT}"
+        )
+    return None
+
+
+def prebuild_ops(optimizer: str) -> tuple[float, str | None]:
+    """JIT-compile the DeepSpeed ops the ranks will load, once, before they start (four ranks
+    compiling at once on 2 cores would wait on each other's lock for minutes): the shared-memory
+    comm op every ``deepspeed.init_distributed`` on the CPU accelerator builds, and the CPU Adam
+    op for ``--optimizer ds-cpu-adam``. Returns (seconds spent, None or what failed)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    t0 = time.perf_counter()
+    names = ["ShareMemCommBuilder"] + (["CPUAdamBuilder"] if optimizer == "ds-cpu-adam" else [])
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or (
+            name == "ShareMemCommBuilder"
+            and not deepspeed.ops.__compatible_ops__.get(builder.NAME, False)
+        ):
+            if name == "CPUAdamBuilder":
+                return time.perf_counter() - t0, (
+                    "DeepSpeed has no CPU Adam op for this accelerator; use --optimizer torch-adamw"
+                )
+            continue  # DeepSpeed itself skips the shm op where it is not compatible
+        try:
+            builder.load()
+        except Exception as exc:
+            return time.perf_counter() - t0, (
+                f"DeepSpeed's {name} op does not build here ({_first_line(exc)})"
+                + ("; use --optimizer torch-adamw" if name == "CPUAdamBuilder" else "")
+            )
+    return time.perf_counter() - t0, None
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "qshard-deepspeed-ext")
+    )
+    problem = deepspeed_problem()
+    if problem:
+        print(f"deepspeed_zero3: {problem}", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0:
+        print(
+            "deepspeed_zero3: needs root to build the emulated cluster (network namespaces, tc); "
+            "run as root",
+            file=sys.stderr,
+        )
+        return 77
+    build_s, problem = prebuild_ops(args.optimizer)
+    if problem:
+        print(f"deepspeed_zero3: {problem}", file=sys.stderr)
+        return 2
+    print(f"deepspeed_zero3: DeepSpeed ops ready ({build_s:.0f} s)", flush=True)
+    fd, result_json = tempfile.mkstemp(prefix="qshard-deepspeed-", suffix=".json")
+    os.close(fd)
+    cmd = [
+        "bash", str(NETSIM),
+        "-p", f"qds{os.getpid() % 100000}-",
+        "-n", str(args.nodes), "-r", str(args.ranks_per_node),
+        "-b", str(args.rate_list[0]), "-t", str(args.rank_timeout),
+        "run", "--",
+        sys.executable, str(Path(__file__).resolve()), *argv,
+        "--worker", "--result-json", result_json,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    rc = subprocess.run(cmd, env=env).returncode
+    try:
+        with open(result_json) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = None
+    finally:
+        if os.path.exists(result_json):
+            os.unlink(result_json)
+    if data is None:
+        print(
+            f"deepspeed_zero3: the emulated cluster run failed with status {rc} before any "
+            "variant finished (the rank logs above say why)",
+            file=sys.stderr,
+        )
+        return rc or 1
+    data["load"] = [load_start, os.getloadavg()[0]]
+    data["rc"] = rc
+    data["build_s"] = build_s
+    report(args, data, time.perf_counter() - t0)
+    if rc != 0:
+        print(f"deepspeed_zero3: the run stopped early with status {rc}", file=sys.stderr)
+    return rc
+
+
+def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
+    """The tables of one run (``data`` as the workers wrote it); printed, and written to
+    ``--out-md`` when given."""
+    results, failed = data["results"], data["failed"]
+    v = data.get("versions", {})
+    opt = (
+        "torch AdamW"
+        if args.optimizer == "torch-adamw"
+        else "DeepSpeed CPU Adam (JIT-compiled op, AdamW mode)"
+    )
+    rep = Report("Throughput: DeepSpeed ZeRO-3 on CPU on an emulated slow network")
+    load = data.get("load")
+    rep.note(
+        f"DeepSpeed {v.get('deepspeed', '?')} (accelerator {v.get('accelerator', '?')}, backend "
+        f"{v.get('backend', '?')}), torch {v.get('torch', '?')}. GPT of "
+        f"{data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width {args.n_embd}, "
+        f"context {args.context}), fp32 compute and master weights, {args.batch_per_rank} "
+        f"sequences per rank; {args.nodes} nodes x {args.ranks_per_node} ranks (netns + tbf, "
+        f"intra-node over loopback); {opt}, lr {LR:g}; ZeRO stage 3 with "
+        f"stage3_param_persistence_threshold {args.persistence_threshold}, other settings "
+        f"DeepSpeed's defaults; {args.steps} timed steps after {args.warmup} warm-up steps per "
+        f"variant and rate; whole run {wall_s:.0f} s"
+        + (f" after {data['build_s']:.0f} s of DeepSpeed op builds" if "build_s" in data else "")
+        + (
+            f" (host load average {load[0]:.1f} at the start, {load[1]:.1f} at the end: step "
+            "times are noisy when the machine is shared; bytes are not). "
+            if load
+            else ". "
+        )
+        + "Link MiB/step: the busiest node's eth0 tx bytes over the timed steps. Compare with "
+        "benchmarks/throughput.py's fsdp2/zero3 rows from the same machine and load."
+    )
+    rows = []
+    for rate, by_variant in results.items():
+        base = by_variant.get(BASELINE)
+        for variant, r in by_variant.items():
+            med, mn = statistics.median(r["times"]), min(r["times"])
+            speed = statistics.median(base["times"]) / med if base else float("nan")
+            speed_min = min(base["times"]) / mn if base else float("nan")
+            rows.append(
+                [
+                    rate,
+                    variant,
+                    f"{med:.3f}",
+                    f"{mn:.3f}",
+                    f"{speed:.2f}x ({speed_min:.2f}x)",
+                    f"{max(r['node_tx']) / 2**20:.2f}",
+                    f"{r['loss_last']:.3f}",
+                ]
+            )
+    if rows:
+        rep.table(
+            "Step time and link bytes per step",
+            [
+                "Mbit/s",
+                "variant",
+                "median s",
+                "min s",
+                f"speed-up vs {BASELINE}",
+                "link MiB/step",
+                "last loss",
+            ],
+            rows,
+        )
+    option_rows = []
+    for variant in args.variant_list:
+        keys = {
+            k: val
+            for k, val in data.get("configs", {})
+            .get(variant, {})
+            .get("zero_optimization", {})
+            .items()
+            if k.startswith("zero_")
+        }
+        shown = ", ".join(f"{k}={json.dumps(val)}" for k, val in keys.items()) or "(none)"
+        if variant in failed:
+            f = failed[variant]
+            outcome = (
+                f"failed in {f['phase']} on {f.get('ranks_failed', '?')} rank(s): {f['error']}"
+            )
+        elif any(variant in by for by in results.values()):
+            outcome = "ran"
+        else:
+            outcome = "not reached (the run stopped before it)"
+        option_rows.append([variant, shown, outcome.replace("|", "/")])
+    rep.table(
+        "DeepSpeed ZeRO++ options on the CPU accelerator",
+        ["variant", "zero_optimization", "result"],
+        option_rows,
+    )
+    if not data.get("done", True):
+        rep.note(
+            f"- The run stopped early (status {data.get('rc', '?')}): tables hold what finished."
+        )
+    rep.write(args.out_md)
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _args(argv)
+    if args.worker:
+        return worker(args)
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
