@@ -6,8 +6,11 @@ Measured side by side in one process, so the reference and the kernels share the
    (bit for bit), so the numbers below are for kernels that compute the right thing;
 2. per kernel: GB/s of bytes actually read + written, and the fraction of a same-run
    device-to-device copy (the achievable memory bandwidth). Target (H200): >= 0.70;
-3. qgZ's middle hop (dequantize K peers, sum, requantize) vs a plain dequantize of the same
-   codes, and vs the unfused torch path. Target: fused <= 1.3x plain dequantize;
+3. qgZ's middle hop (dequantize K peers, sum, requantize) as the reduce-scatter dispatches it
+   (on RowCodec wire rows) vs a plain dequantize of the same codes, and vs the unfused torch
+   path. Target: fused <= 1.3x plain dequantize; then qgZ's whole reduce-scatter as one rank
+   of 2 nodes x 4 computes it (the all-to-alls replaced by local copies): the fused dispatch vs
+   RowCodec on the plain block kernels vs the torch path, with the outputs compared bit for bit;
 4. one 8-bit AdamW step (Triton) vs torch.optim.AdamW(fused=True) on 100M+ parameters.
    Target: <= 1.0x;
 5. a single-GPU training step of qshard's GPT with the quantized paths on (AdamW8bit, and each
@@ -119,11 +122,40 @@ def correctness(report: Report, args) -> None:
     with _TorchPath():
         ref_signs = signs.pack_signs(v)
     rows.append(("pack_signs", torch.equal(_triton.pack_signs(v), ref_signs)))
+    rows += _qgz_rows_correctness(g)
     report.table(
         "On-device correctness (Triton vs torch reference on CUDA, bit for bit)",
         ["kernel", "equal"],
         rows,
     )
+
+
+def _qgz_rows_correctness(g) -> list[tuple[str, bool]]:
+    """qgZ's wire-row kernels vs RowCodec's torch path on CUDA (what the reduce-scatter sends)."""
+    import torch
+
+    from qshard import _triton
+    from qshard.zeropp._wire import RowCodec
+
+    rows = []
+    bs, peers, nodes = 256, 4, 2
+    m = nodes * 16 * bs  # elements per received row
+    x = torch.randn(peers, m, device=DEVICE, generator=g) * 3
+    x[0, :bs] = 0
+    for bits in (4, 8):
+        codec = RowCodec(bits=bits, block_size=bs)
+        with _TorchPath():
+            recv = codec.encode(x)
+            summed = codec.decode(recv, m).sum(dim=0)
+            want_rows = codec.encode(summed.view(nodes, m // nodes))
+            want_out = (codec.decode(want_rows, m // nodes).sum(dim=0) * 0.125).bfloat16()
+        out = torch.empty(nodes, codec.row_bytes(m // nodes), dtype=torch.uint8, device=DEVICE)
+        got_rows = _triton.dequant_reduce_requant_rows(recv, block_size=bs, bits=bits, out=out)
+        got_out = torch.empty(m // nodes, dtype=torch.bfloat16, device=DEVICE)
+        _triton.dequant_reduce_rows(got_rows, block_size=bs, bits=bits, out=got_out, scale=0.125)
+        rows.append((f"qgZ INT{bits} middle hop on wire rows", torch.equal(got_rows, want_rows)))
+        rows.append((f"qgZ INT{bits} last hop -> bf16 (x 1/8)", torch.equal(got_out, want_out)))
+    return rows
 
 
 def kernels(report: Report, args) -> None:
@@ -218,14 +250,21 @@ def _middle_hop_row(peers: int, args) -> tuple:
     import torch
 
     from qshard import _triton
-    from qshard.quant import blockwise
+    from qshard.zeropp._wire import RowCodec
 
-    bs, rep = 256, args.repeat
-    m = args.numel // peers // bs  # blocks per peer: K * m * bs == numel codes in total
+    bs, rep, nodes = 256, args.repeat, 2
+    m = args.numel // peers // bs // nodes * nodes  # blocks per peer: K * m * bs ~ numel codes
     x = torch.randn(peers * m, bs, device=DEVICE)
     codes, scales = _triton.quantize_blocks(x, bits=4, pack=True)
     codes, scales = codes.view(peers, m, bs // 2), scales.view(peers, m)
     out32 = torch.empty(peers * m * bs, device=DEVICE)
+    # What qgZ's middle hop receives and sends: RowCodec rows, one per peer / per node.
+    codec = RowCodec(bits=4, block_size=bs)
+    recv = torch.cat([scales.view(torch.uint8), codes.view(peers, -1)], dim=1).contiguous()
+    send = torch.empty(nodes, codec.row_bytes(m // nodes * bs), dtype=torch.uint8, device=DEVICE)
+
+    def dispatched():
+        return _triton.dequant_reduce_requant_rows(recv, block_size=bs, bits=4, out=send)
 
     def fused():
         return _triton.dequant_reduce_requant(codes, scales, block_size=bs, bits=4)
@@ -241,21 +280,23 @@ def _middle_hop_row(peers: int, args) -> tuple:
 
     def unfused_torch():
         with _TorchPath():
-            flat = blockwise.unpack_int4(codes.reshape(-1)).view(-1, bs)
-            deq = (flat.float() * scales.reshape(-1)[:, None]).view(peers, m, bs)
-            c, s = blockwise._quantize_blocks_reference(deq.sum(0), 7, "nearest", None)
-            return blockwise.pack_int4(c), s
+            return codec.encode(codec.decode(recv, m * bs).sum(dim=0).view(nodes, -1))
 
-    t_fused, t_plain, t_torch = _ms(fused, rep), _ms(plain_dequantize, rep), _ms(unfused_torch, rep)
+    t_rows, t_fused = _ms(dispatched, rep), _ms(fused, rep)
+    t_plain, t_torch = _ms(plain_dequantize, rep), _ms(unfused_torch, rep)
+    with _TorchPath():
+        same = torch.equal(dispatched(), unfused_torch())
     nbytes = peers * m * (bs // 2 + 4) + m * (bs // 2 + 4)
     return (
         peers,
+        f"{t_rows:.3f}",
         f"{t_fused:.3f}",
         f"{t_plain:.3f}",
-        f"{t_fused / t_plain:.2f}",
+        f"{t_rows / t_plain:.2f}",
         f"{t_torch:.3f}",
-        f"{t_torch / t_fused:.1f}",
-        f"{_gbs(nbytes, t_fused):.0f}",
+        f"{t_torch / t_rows:.1f}",
+        f"{_gbs(nbytes, t_rows):.0f}",
+        same,
     )
 
 
@@ -263,15 +304,144 @@ def qgz_middle_hop(report: Report, args) -> None:
 
     rows = [_middle_hop_row(peers, args) for peers in (4, 8)]
     report.table(
-        "qgZ middle hop: fused dequantize+reduce+requantize (INT4) vs a plain dequantize of the same codes (target <= 1.3x)",
+        "qgZ middle hop: fused dequantize+reduce+requantize (INT4) as dispatched, on wire rows, vs "
+        "a plain dequantize of the same codes (target <= 1.3x)",
         [
             "peers",
-            "fused ms",
+            "fused rows ms",
+            "fused 2-tensor ms",
             "dequantize ms",
-            "fused/dequantize",
-            "torch unfused ms",
+            "fused rows/dequantize",
+            "torch RowCodec ms",
             "speed-up vs torch",
             "fused GB/s",
+            "bit-exact vs torch",
+        ],
+        rows,
+    )
+
+
+class _LocalTopology:
+    """Rank 0 of `nodes` x `per_node` without process groups: the all-to-alls are local."""
+
+    def __init__(self, nodes: int, per_node: int) -> None:
+        self.num_nodes, self.ranks_per_node = nodes, per_node
+        self.world_size = nodes * per_node
+        self.intra_node_group = self.inter_node_group = object()
+        self.node = self.local_rank = 0
+
+    def node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        return list(range(local_rank, self.world_size, self.ranks_per_node))
+
+
+class _LocalAllToAll:
+    """Replace dist.all_to_all_single by a copy of the send buffer into the receive buffer:
+    one rank's computation of the reduce-scatter, with the network taken out."""
+
+    class _Done:
+        def wait(self) -> bool:
+            return True
+
+    def __enter__(self) -> None:
+        import torch.distributed as dist
+
+        self._saved = dist.all_to_all_single
+
+        def a2a(recv, send, group=None, async_op=False):
+            recv.copy_(send)
+            return self._Done() if async_op else None
+
+        dist.all_to_all_single = a2a
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        dist.all_to_all_single = self._saved
+
+
+def qgz_reduce_scatter(report: Report, args) -> None:
+    """The whole qgZ reduce-scatter as dispatched, per rank, without the network."""
+    import contextlib
+    import types
+    from unittest import mock
+
+    import torch
+
+    from qshard import _triton
+    from qshard.zeropp import HierarchicalQuantizedReduceScatter, reduce_scatter
+
+    nodes, per_node, rep = 2, 4, args.repeat
+    world = nodes * per_node
+    size = args.numel // world
+    grads = torch.randn(world * size, device=DEVICE)
+    rows = []
+
+    @contextlib.contextmanager
+    def route():
+        # --smoke: CPU tensors take the CUDA dispatch (in the interpreter), as in tests/gpu.
+        if DEVICE != "cpu":
+            yield
+            return
+        from qshard.quant import _fastpath
+
+        with (
+            mock.patch.object(_triton, "serves", lambda t: True),
+            mock.patch.object(_fastpath, "use_native", lambda t: False),
+            mock.patch.object(_fastpath, "use_native_out", lambda t: False),
+        ):
+            yield
+
+    for stages in (1, 2):
+        rs = HierarchicalQuantizedReduceScatter(
+            topology=_LocalTopology(nodes, per_node), bits=4, block_size=256, pipeline_stages=stages
+        )
+        outputs, found = {}, []
+        for name in (
+            "fused kernels (dispatched)",
+            "RowCodec on plain Triton kernels",
+            "torch path (QSHARD_DISABLE_TRITON=1)",
+        ):
+            out = torch.empty(size, device=DEVICE)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(_LocalAllToAll())
+                if name.startswith("torch"):
+                    stack.enter_context(_TorchPath())
+                else:
+                    stack.enter_context(route())
+                if name.startswith("RowCodec"):
+                    no_fused = types.SimpleNamespace(serves=lambda t: False)
+                    stack.enter_context(mock.patch.object(reduce_scatter, "_triton", no_fused))
+                calls = stack.enter_context(
+                    mock.patch.object(
+                        _triton,
+                        "dequant_reduce_requant_rows",
+                        wraps=_triton.dequant_reduce_requant_rows,
+                    )
+                )
+                ms = _ms(lambda out=out, rs=rs: rs._reduce(out, grads, 1.0 / world), rep)
+            outputs[name] = out
+            found.append((name, ms, calls.call_count))
+        base = found[0][1]
+        want = outputs["torch path (QSHARD_DISABLE_TRITON=1)"]
+        for name, ms, n_calls in found:
+            same = torch.equal(outputs[name], want)
+            # Only the dispatched path may run the fused kernels, and it must.
+            expected = (n_calls > 0) == name.startswith("fused")
+            rows.append((stages, name, f"{ms:.3f}", f"{ms / base:.2f}", n_calls, expected, same))
+    report.table(
+        f"qgZ reduce-scatter per rank, INT4, {nodes} nodes x {per_node} ranks, "
+        f"{world * size / 1e6:.1f}M fp32 gradient elements (all-to-alls replaced by local copies)",
+        [
+            "stages",
+            "path",
+            "ms",
+            "x fused",
+            "fused middle-hop calls",
+            "dispatch as expected",
+            "output = torch path",
         ],
         rows,
     )
@@ -510,6 +680,7 @@ def main() -> None:
         ("correctness", correctness),
         ("kernels", kernels),
         ("qgz_middle_hop", qgz_middle_hop),
+        ("qgz_reduce_scatter", qgz_reduce_scatter),
         ("adamw8bit", adamw8bit),
         ("gpt_step", gpt_step),
     ):

@@ -48,6 +48,7 @@ def test_smoke_run_every_section(tmp_path):
         "On-device correctness",
         "Kernel bandwidth",
         "qgZ middle hop",
+        "qgZ reduce-scatter per rank",
         "AdamW step",
         "GPT training step",
     ):

@@ -74,17 +74,19 @@ SCRIPT = textwrap.dedent(
     comp("unpack_int4", B._unpack_int4_kernel, {"packed_ptr": "*u8", "out_ptr": "*i8", "numel": "i32"}, {"BLOCK": 4096})
     comp("reorder_quantize_int4", Q._reorder_quantize_kernel,
          {"x_ptr": "*fp32", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp32",
-          "blocks_per_slot": "i32", "seed": "i32"},
+          "blocks_per_slot": "i32", "blocks_per_row": "i32", "scale_stride": "i32", "code_stride": "i32",
+          "seed": "i32"},
          {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False})
-    comp("dequant_reduce_requant", Q._dequant_reduce_requant_kernel,
-         {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
-          "n_peers": "i32", "n_blocks": "i32", "seed": "i32"},
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK_IN": True, "WIDTH_IN": 128, "QMAX": 7, "PACK_OUT": True,
+    rr = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
+          "n_peers": "i32", "n_blocks": "i32", "in_scale_stride": "i32", "in_code_stride": "i32",
+          "out_blocks_per_row": "i32", "out_scale_stride": "i32", "out_code_stride": "i32", "seed": "i32"}
+    comp("dequant_reduce_requant", Q._dequant_reduce_requant_kernel, rr,
+         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK_IN": True, "QMAX": 7, "PACK_OUT": True,
           "STOCHASTIC": False})
     comp("dequant_reduce", Q._dequant_reduce_kernel,
          {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "n_peers": "i32", "n_blocks": "i32",
-          "numel": "i64", "divisor": "fp32"},
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK": True, "WIDTH": 128, "DIVIDE": True})
+          "numel": "i64", "in_scale_stride": "i32", "in_code_stride": "i32", "factor": "fp32"},
+         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK": True, "DIVIDE": False, "MULTIPLY": True})
     comp("pack_signs", S._pack_signs_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "numel": "i64", "n_bytes": "i64"},
          {"BYTES": 1024, "BF16": False})
     comp("unpack_signs", S._unpack_signs_kernel, {"packed_ptr": "*u8", "out_ptr": "*fp32", "numel": "i64"}, {"BYTES": 1024})
