@@ -10,11 +10,17 @@
   dequantized, summed in fp32 in peer order 0..K-1, and requantized in one pass: each peer's
   codes are read once, the fp32 sum never touches memory (the paper's ~9x traffic cut).
 * `dequant_reduce`: the last hop, the same without requantization, written in the output
-  dtype (optionally divided by a factor, for ReduceOp.AVG).
+  dtype (optionally divided or multiplied by a factor: ReduceOp.AVG / PREMUL_SUM).
 
-Block numerics are those of `qshard.quant.blockwise` (shared `_quantize_tile`). Each slice is
-quantized on its own (ceil(S / block_size) blocks, last one zero-padded), so a block never
-straddles two destinations.
+* `*_rows`: the same three kernels reading and writing `zeropp._wire.RowCodec`'s wire rows
+  ([fp32 scales | codes] per destination, one uint8 message) in place, which is what
+  `zeropp.reduce_scatter` dispatches for CUDA tensors: hop 1 quantizes straight into the
+  all-to-all's send buffer, the middle hop turns the received rows into the next hop's send
+  rows, the last hop writes FSDP2's output. See [Note: qgZ row layout].
+
+Block numerics are those of `qshard.quant.blockwise` (shared `_quantize_tile`, `_store_codes`,
+`_load_codes`). Each slice is quantized on its own (ceil(S / block_size) blocks, last one
+zero-padded), so a block never straddles two destinations.
 """
 
 from __future__ import annotations
@@ -269,7 +275,7 @@ def _wire_rows(buf: torch.Tensor, name: str, block_size: int, bits: int) -> _Blo
     flat = buf.view(-1)
     if buf.data_ptr() % 4:
         raise ValueError(f"{name} must start 4-byte aligned (its fp32 scales are read in place)")
-    scales = flat[: flat.numel() // 4 * 4].view(torch.float32)
+    scales = flat.view(torch.float32)  # row_bytes is a multiple of 4 (see _wire_width)
     codes = flat[4 * per_row :] if per_row else flat
     return _Blocks(
         codes if bits == 4 else codes.view(torch.int8), scales, per_row, row_bytes // 4, row_bytes
