@@ -7,8 +7,14 @@ optimizer (torch AdamW, lr 1e-3, no weight decay) and emulated cluster (``netsim
 with ``zero_optimization.stage = 3`` over gloo instead of by FSDP2 / ``qshard.zeropp``. One
 launch runs every variant at every rate:
 
-- ``ds-zero3``: ZeRO stage 3, every parameter partitioned (``stage3_param_persistence_threshold``
-  0, as FSDP2 shards everything; DeepSpeed's default keeps parameters under 1e5 elements whole);
+- ``ds-zero3``: ZeRO stage 3 as the paper's baseline and FSDP2 run it: every parameter
+  partitioned (``stage3_param_persistence_threshold`` 0) and all-gathered again for backward.
+  That takes ``stage3_max_reuse_distance`` 0 and ``stage3_prefetch_bucket_size`` 0: DeepSpeed
+  keeps a parameter it prefetched until a later use, and with any prefetch here (DeepSpeed's
+  5e7 elements, or one block's 789,760) no parameter was all-gathered in backward at all;
+- ``ds-defaults``: ZeRO stage 3 with DeepSpeed's default thresholds (persistence 1e5, reuse
+  distance 1e9, prefetch 5e7 elements: sized for billion-parameter models). On this model every
+  gathered parameter then stays from forward to backward: ZeRO-3 without its backward all-gather;
 - ``ds-qwz``: + ``zero_quantized_weights``; ``ds-hpz``: + ``zero_hpz_partition_size`` = ranks per
   node; ``ds-qgz``: + ``zero_quantized_gradients``; ``ds-all``: all three.
 
@@ -58,7 +64,7 @@ sys.path.insert(0, str(HERE))
 from _common import Report, add_report_args  # noqa: E402
 
 NETSIM = HERE / "netsim" / "netsim.sh"
-ALL_VARIANTS = ("ds-zero3", "ds-qwz", "ds-hpz", "ds-qgz", "ds-all")
+ALL_VARIANTS = ("ds-zero3", "ds-defaults", "ds-qwz", "ds-hpz", "ds-qgz", "ds-all")
 OPTIMIZERS = ("torch-adamw", "ds-cpu-adam")
 BASELINE = "ds-zero3"
 SETUP_HINT = (
@@ -98,7 +104,24 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="stage3_param_persistence_threshold: parameters with fewer elements stay whole on "
-        "every rank (0: all partitioned, like FSDP2; DeepSpeed's default is 100000)",
+        "every rank (0: all partitioned, like FSDP2; DeepSpeed's default is 100000); every "
+        "variant but ds-defaults",
+    )
+    p.add_argument(
+        "--reuse-distance",
+        type=int,
+        default=0,
+        help="stage3_max_reuse_distance in elements: a gathered parameter used again within it "
+        "is kept (0: re-gathered for backward, like FSDP2's reshard_after_forward; DeepSpeed's "
+        "default is 1e9); every variant but ds-defaults",
+    )
+    p.add_argument(
+        "--prefetch-bucket",
+        type=int,
+        default=0,
+        help="stage3_prefetch_bucket_size in elements (0: no prefetch, which the backward "
+        "all-gather needs here, see above; DeepSpeed's default is 5e7); every variant but "
+        "ds-defaults",
     )
     p.add_argument("--rank-timeout", type=int, default=3000, help="seconds, per rank")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -121,8 +144,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps must be >= 1 and --warmup >= 0")
     if args.nodes < 1 or args.ranks_per_node < 1 or args.batch_per_rank < 1:
         p.error("--nodes, --ranks-per-node and --batch-per-rank must be >= 1")
-    if args.persistence_threshold < 0:
-        p.error("--persistence-threshold must be >= 0")
+    if args.persistence_threshold < 0 or args.reuse_distance < 0 or args.prefetch_bucket < 0:
+        p.error("--persistence-threshold, --reuse-distance and --prefetch-bucket must be >= 0")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd must be divisible by --n-head; got {args.n_embd} and {args.n_head}")
     return args
 
 
@@ -133,6 +158,7 @@ def zeropp_options(variant: str, ranks_per_node: int) -> dict[str, object]:
     qgz = {"zero_quantized_gradients": True}
     table: dict[str, dict[str, object]] = {
         "ds-zero3": {},
+        "ds-defaults": {},
         "ds-qwz": qwz,
         "ds-hpz": hpz,
         "ds-qgz": qgz,
@@ -146,11 +172,12 @@ def zeropp_options(variant: str, ranks_per_node: int) -> dict[str, object]:
 def ds_config(args: argparse.Namespace, variant: str, world_size: int) -> dict[str, object]:
     """The DeepSpeed config of one variant: ZeRO-3, fp32 (no fp16/bf16 section), one micro-batch
     of ``batch_per_rank`` sequences per rank and step, no gradient clipping (as throughput.py)."""
-    zero: dict[str, object] = {
-        "stage": 3,
-        "stage3_param_persistence_threshold": args.persistence_threshold,
-        **zeropp_options(variant, args.ranks_per_node),
-    }
+    zero: dict[str, object] = {"stage": 3}
+    if variant != "ds-defaults":
+        zero["stage3_param_persistence_threshold"] = args.persistence_threshold
+        zero["stage3_max_reuse_distance"] = args.reuse_distance
+        zero["stage3_prefetch_bucket_size"] = args.prefetch_bucket
+    zero.update(zeropp_options(variant, args.ranks_per_node))
     return {
         "train_micro_batch_size_per_gpu": args.batch_per_rank,
         "gradient_accumulation_steps": 1,
@@ -470,8 +497,10 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
         f"context {args.context}), fp32 compute and master weights, {args.batch_per_rank} "
         f"sequences per rank; {args.nodes} nodes x {args.ranks_per_node} ranks (netns + tbf, "
         f"intra-node over loopback); {opt}, lr {LR:g}; ZeRO stage 3 with "
-        f"stage3_param_persistence_threshold {args.persistence_threshold}, other settings "
-        f"DeepSpeed's defaults; {args.steps} timed steps after {args.warmup} warm-up steps per "
+        f"stage3_param_persistence_threshold {args.persistence_threshold} and "
+        f"stage3_max_reuse_distance {args.reuse_distance}, stage3_prefetch_bucket_size "
+        f"{args.prefetch_bucket} (ds-defaults: DeepSpeed's 1e5, 1e9 and 5e7), "
+        f"other settings DeepSpeed's defaults; {args.steps} timed steps after {args.warmup} warm-up steps per "
         f"variant and rate; whole run {wall_s:.0f} s"
         + (f" after {data['build_s']:.0f} s of DeepSpeed op builds" if "build_s" in data else "")
         + (
@@ -525,7 +554,9 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
             .items()
             if k.startswith("zero_")
         }
-        shown = ", ".join(f"{k}={json.dumps(val)}" for k, val in keys.items()) or "(none)"
+        shown = ", ".join(f"{k}={json.dumps(val)}" for k, val in keys.items()) or (
+            "(none; DeepSpeed's default thresholds)" if variant == "ds-defaults" else "(none)"
+        )
         if variant in failed:
             f = failed[variant]
             outcome = (

@@ -51,7 +51,8 @@ def test_defaults_are_throughput_defaults(ds):
         assert getattr(a, name) == getattr(b, name), name
     assert a.variant_list == list(ds.ALL_VARIANTS)
     assert a.optimizer == "torch-adamw"
-    assert a.persistence_threshold == 0
+    assert a.persistence_threshold == 0 and a.reuse_distance == 0
+    assert a.prefetch_bucket == 0
 
 
 @pytest.mark.parametrize(
@@ -64,6 +65,9 @@ def test_defaults_are_throughput_defaults(ds):
         ["--steps", "0"],
         ["--optimizer", "sgd"],
         ["--persistence-threshold", "-1"],
+        ["--reuse-distance", "-5"],
+        ["--prefetch-bucket", "-1"],
+        ["--n-embd", "100", "--n-head", "3"],
     ],
 )
 def test_bad_arguments_are_refused(ds, argv, capsys):
@@ -77,7 +81,24 @@ def test_configs_per_variant(ds):
     args = ds._args(["--ranks-per-node", "2", "--batch-per-rank", "3"])
     base = ds.ds_config(args, "ds-zero3", 4)
     zero = base["zero_optimization"]
-    assert zero == {"stage": 3, "stage3_param_persistence_threshold": 0}
+    # ZeRO-3 as FSDP2 runs it: everything partitioned, re-gathered for backward.
+    assert zero == {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    }
+    assert ds.ds_config(args, "ds-defaults", 4)["zero_optimization"] == {"stage": 3}
+    tuned = ds._args(
+        ["--persistence-threshold", "7", "--reuse-distance", "9", "--prefetch-bucket", "11"]
+    )
+    assert ds.ds_config(tuned, "ds-hpz", 4)["zero_optimization"] == {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 7,
+        "stage3_max_reuse_distance": 9,
+        "stage3_prefetch_bucket_size": 11,
+        "zero_hpz_partition_size": 2,
+    }
     assert base["train_micro_batch_size_per_gpu"] == 3
     assert base["train_batch_size"] == 12 and base["gradient_accumulation_steps"] == 1
     assert not {"fp16", "bf16", "optimizer"} & base.keys()  # fp32, the client's torch optimizer
@@ -154,6 +175,8 @@ def test_report_speedups_and_recorded_failures(ds):
         )
     }
     assert rows["ds-zero3"][1:] == ("(none)", "ran")
+    assert rows["ds-defaults"][1].startswith("(none; DeepSpeed's default")
+    assert rows["ds-defaults"][2] == "not reached (the run stopped before it)"
     assert rows["ds-hpz"][1:] == ("zero_hpz_partition_size=2", "ran")
     assert rows["ds-qwz"][1] == "zero_quantized_weights=true"
     assert rows["ds-qwz"][2] == f"failed in deepspeed.initialize on 4 rank(s): {QUANT_ERROR}"
