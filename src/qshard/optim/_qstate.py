@@ -53,16 +53,19 @@ def _f32(bits: np.ndarray) -> Tensor:
 def _build_lut(mid: Tensor) -> Tensor:
     """The kernel's search table (see ``nearest`` in ``_kernels.py``): for each sign and each
     magnitude bucket (exponent clamped to [2^-31, 2^0], top 7 mantissa bits), the number of
-    midpoints certainly below the bucket, whether one midpoint lies inside it, and that
-    midpoint's low 16 bits."""
+    midpoints certainly below the bucket (bits 16-23) and a 16-bit compare key (bits 0-15): the
+    low 16 bits of the midpoint inside the bucket (complemented for the negative half, where
+    ``x > mid`` means ``|x| < |mid|``), or 0xFFFF, which no key of x exceeds, when there is none."""
     t = np.arange(4096, dtype=np.int64)
     lo = _f32((t + (96 << 7)) << 16)
     hi = _f32((t + 1 + (96 << 7)) << 16)
     lo[0] = 0.0  # bucket 0 also holds every smaller magnitude
     entries = []
-    for base, inside in (
-        (torch.bucketize(lo, mid), torch.bucketize(hi, mid)),  # x in [lo, hi)
-        (torch.bucketize(-hi, mid, right=True), torch.bucketize(-lo, mid, right=True)),
+    for negative, (base, inside) in enumerate(
+        (
+            (torch.bucketize(lo, mid), torch.bucketize(hi, mid)),  # x in [lo, hi)
+            (torch.bucketize(-hi, mid, right=True), torch.bucketize(-lo, mid, right=True)),
+        )
     ):
         count = (inside - base).long()
         # One compare must finish the search: at most one midpoint per bucket.
@@ -70,7 +73,10 @@ def _build_lut(mid: Tensor) -> Tensor:
             raise AssertionError("code map too dense for the kernel's search table")
         m = mid[base.clamp(max=mid.numel() - 1)].abs()
         low = torch.from_numpy(m.numpy().view(np.uint32).astype(np.int64) & 0xFFFF)
-        entries.append(base.long() | (count << 8) | ((low * count) << 16))
+        if negative:
+            low = 0xFFFF - low
+        key = torch.where(count > 0, low, torch.full_like(low, 0xFFFF))
+        entries.append((base.long() << 16) | key)
     table = torch.cat(entries).numpy().astype(np.uint32).view(np.int32)
     return torch.from_numpy(table.copy())
 
