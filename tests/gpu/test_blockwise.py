@@ -69,8 +69,8 @@ def test_quantize_dequantize_match_reference(n_blocks, block_size, bits, dtype, 
     assert _same(codes, want_codes)
     assert _same(scales, want_scales)
     for out_dtype in DTYPES:
-        got = _triton.dequantize_blocks(codes, scales, dtype=out_dtype)
-        want = ref.dequantize_blocks(want_codes, want_scales, dtype=out_dtype)
+        got = _triton.dequantize_blocks(codes, scales, bits=bits, dtype=out_dtype)
+        want = ref.dequantize_blocks(want_codes, want_scales, bits=bits, dtype=out_dtype)
         assert _same(got, want), out_dtype
     if bits == 4:
         # Fused quantize + pack gives exactly the reference's separate pack_int4.
@@ -78,7 +78,7 @@ def test_quantize_dequantize_match_reference(n_blocks, block_size, bits, dtype, 
         assert _same(packed.view(-1), ref.pack_int4(want_codes))
         assert _same(packed_scales, want_scales)
         got = _triton.dequantize_blocks(packed, packed_scales, block_size=block_size)
-        assert _same(got, ref.dequantize_blocks(want_codes, want_scales))
+        assert _same(got, ref.dequantize_blocks(want_codes, want_scales, bits=4))
 
 
 @SETTINGS
@@ -98,19 +98,25 @@ def test_flat_matches_quantize_blockwise(numel, block_size, bits, dtype):
     assert _same(codes.view(-1), q.codes)
     assert _same(scales, q.scales)
     out = torch.full((numel,), 7.0, dtype=dtype, device=DEVICE)
-    got = _triton.dequantize_blocks(codes, scales, block_size=block_size, numel=numel, out=out)
+    got = _triton.dequantize_blocks(
+        codes, scales, bits=bits, block_size=block_size, numel=numel, out=out
+    )
     assert got is out
     assert _same(out, ref.dequantize_blockwise(q))
 
 
 def test_absmax_round_trips_and_error_bound(device):
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0), device="cpu") * 5
+    # Mantissas where the old absmax / qmax scale came back one ulp off (blockwise.py).
+    x[:, 0] = 1.0 + torch.arange(64) * 2.0**-23 * 131071
     for bits, qmax in ((8, 127), (4, 7)):
-        codes, scales = _triton.quantize_blocks(x.to(device), bits=bits)
-        y = _triton.dequantize_blocks(codes, scales).cpu()
+        codes, absmax = _triton.quantize_blocks(x.to(device), bits=bits)
+        y = _triton.dequantize_blocks(codes, absmax, bits=bits).cpu()
+        assert torch.equal(absmax.cpu(), x.abs().amax(1))
+        assert torch.equal(y.abs().amax(1), absmax.cpu())  # the block maximum, exactly
         err = (y - x).abs()
-        # Half a quantization step per element, plus fp32 rounding of code * scale.
-        assert bool((err <= scales.cpu()[:, None] * 0.5 * (1 + 1e-6)).all())
+        # Half a quantization step (absmax / qmax) per element, plus fp32 rounding.
+        assert bool((err <= absmax.cpu()[:, None] / qmax * 0.5 * (1 + 1e-5)).all())
         assert int(codes.abs().max()) == qmax
 
 
@@ -131,7 +137,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(device):
     # Every element sits at 0.3 of a step above a code: it must round to that code or the
     # next, up with probability 0.3.
     x = torch.full((64, 256), 0.3 * (10.0 / 127))
-    x[:, 0] = 10.0  # scale = 10 / 127
+    x[:, 0] = 10.0  # absmax 10: one step is 10 / 127
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     c1, s1 = _triton.quantize_blocks(x.to(device), bits=8, rounding="stochastic", generator=g1)
     c2, _ = _triton.quantize_blocks(x.to(device), bits=8, rounding="stochastic", generator=g2)
@@ -140,7 +146,7 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(device):
     assert set(body.unique().tolist()) <= {0.0, 1.0}
     # 16320 Bernoulli(0.3) draws: the mean is within 5 standard deviations (0.018) of 0.3.
     assert abs(body.mean().item() - 0.3) < 0.018
-    assert int(c1[0, 0]) == 127 and _same(s1, torch.full((64,), 10.0 / 127))
+    assert int(c1[0, 0]) == 127 and _same(s1, torch.full((64,), 10.0))
 
 
 def test_rejects_bad_arguments(device):
@@ -154,6 +160,10 @@ def test_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="block_size"):
         _triton.dequantize_blocks(
             torch.zeros(2, 4, dtype=torch.uint8, device=device), torch.zeros(2, device=device)
+        )
+    with pytest.raises(ValueError, match="need bits=8 or bits=4"):
+        _triton.dequantize_blocks(
+            torch.zeros(2, 4, dtype=torch.int8, device=device), torch.zeros(2, device=device)
         )
     with pytest.raises(ValueError, match="contiguous"):
         _triton.quantize_flat(torch.zeros(8, 8, device=device).t(), block_size=8, bits=8)

@@ -84,7 +84,7 @@ def _peer_codes(peers: int, m: int, bits: int, seed: int):
 def _sum_reference(codes, scales, bits):
     peers = codes.shape[0]
     flat = ref.unpack_int4(codes.reshape(-1)) if bits == 4 else codes.reshape(-1)
-    deq = ref.dequantize_blocks(flat.view(-1, BS), scales.reshape(-1)).view(peers, -1)
+    deq = ref.dequantize_blocks(flat.view(-1, BS), scales.reshape(-1), bits=bits).view(peers, -1)
     return deq.sum(dim=0)  # the torch path's reduction
 
 
@@ -94,8 +94,10 @@ def test_middle_hop_matches_torch_path(device, peers, bits):
     codes, scales = _peer_codes(peers, m, bits, seed=peers)
     total = _sum_reference(codes, scales, bits)
     want_codes, want_scales = ref.quantize_blocks(total.view(-1, BS), bits=4)
+    # INT8 peers arrive as int8 codes (in_bits says how to read them), INT4 ones packed.
+    in_bits = bits if bits == 8 else None
     got_codes, got_scales = _triton.dequant_reduce_requant(
-        codes.to(device), scales.to(device), block_size=BS, bits=4
+        codes.to(device), scales.to(device), block_size=BS, bits=4, in_bits=in_bits
     )
     assert torch.equal(got_codes.cpu().view(-1), ref.pack_int4(want_codes))
     assert torch.equal(got_scales.cpu(), want_scales)
@@ -105,6 +107,7 @@ def test_middle_hop_matches_torch_path(device, peers, bits):
             codes.to(device),
             scales.to(device),
             block_size=BS,
+            in_bits=in_bits,
             dtype=dtype,
             numel=m - 3,
             divisor=divisor,
@@ -196,6 +199,29 @@ def test_rejects_bad_slots(device):
             torch.zeros(2, 4, device=device),
             block_size=BS,
         )
+    with pytest.raises(ValueError, match="need in_bits"):
+        _triton.dequant_reduce(
+            torch.zeros(2, 3, BS, dtype=torch.int8, device=device),
+            torch.zeros(2, 3, device=device),
+            block_size=BS,
+        )
+
+
+def test_block_maximum_survives_both_hops_exactly(device):
+    # One peer: the middle hop requantizes its own dequantized values, whose block maximum is
+    # the stored absmax exactly (the format's guarantee), so the absmax is unchanged bit for
+    # bit and the last hop returns +-absmax itself.
+    m = 4 * BS
+    x = torch.randn(1, m, generator=torch.Generator().manual_seed(3))
+    x[0, ::BS] = 1.0 + torch.arange(4) * 2.0**-23 * 1234567  # awkward mantissas
+    codes, absmax = ref.quantize_blocks(x.view(-1, BS), bits=4)
+    packed = ref.pack_int4(codes).view(1, 4, -1)
+    pc, ps = _triton.dequant_reduce_requant(
+        packed.to(device), absmax.view(1, 4).to(device), block_size=BS, bits=4
+    )
+    assert torch.equal(ps.cpu(), absmax)
+    out = _triton.dequant_reduce(pc.view(1, 4, -1), ps.view(1, 4), block_size=BS)
+    assert torch.equal(out.cpu().view(4, BS).abs().amax(1), x.view(4, BS).abs().amax(1))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -66,7 +66,7 @@ def all_ops(x: torch.Tensor, block_size: int):
     if n_rows:
         rows = x.reshape(-1)[: n_rows * block_size].view(n_rows, block_size)
         codes, scales = Q.quantize_blocks(rows, bits=8)
-        results += [codes, scales, Q.dequantize_blocks(codes, scales, dtype=x.dtype)]
+        results += [codes, scales, Q.dequantize_blocks(codes, scales, bits=8, dtype=x.dtype)]
     for code in (Q.dynamic_map(signed=True), Q.linear_map(signed=True)):
         codes, absmax = Q.quantize_codebook(x, code, block_size=block_size)
         results += [codes, absmax]

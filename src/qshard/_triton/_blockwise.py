@@ -5,10 +5,13 @@ One program owns ROWS whole quantization blocks: it reads them once, finds each 
 registers, writes the codes (INT4 packed two per byte in the same pass) and one fp32 scale per
 block. Memory traffic is therefore the minimum: input bytes in, code bytes + 4/block_size out.
 
-Numerics (the reference contract, checked bit for bit by tests/gpu): computed in fp32;
-scale = absmax / qmax (qmax 127 or 7), so the block's largest magnitude round-trips exactly;
-code = round_half_even(x / scale) clamped to [-qmax, qmax]; an all-zero block has scale 0 and
-codes 0; a block holding NaN or +-Inf gets scale NaN and codes 0, so it dequantizes to NaN.
+Numerics (the reference contract of blockwise.py [Note: scale choice], checked bit for bit by
+tests/gpu): computed in fp32; the stored per-block value (`scales`) is the block absmax;
+code = round_half_even(fl(fl(x / absmax) * qmax)) clamped to [-qmax, qmax] (qmax 127 or 7);
+value = fl(fl(code * R) * absmax) with R = fl(1 / qmax), so the block's largest magnitude
+round-trips exactly; an all-zero block stores 0 and codes 0; a block holding NaN or +-Inf
+stores NaN and codes 0, so it dequantizes to NaN. Every launch passes enable_fp_fusion=False
+and divides with div_rn (IEEE), so no FMA contraction or approximate division changes a bit.
 INT4 packing: element 2k in the high nibble, 2k+1 in the low nibble, two's complement.
 """
 
@@ -44,7 +47,8 @@ _FLT_MAX = 3.4028234663852886e38
 
 @triton.jit
 def _quantize_tile(x, valid, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, seed, idx):
-    """Quantize a (ROWS, BLOCK_N) fp32 tile whose rows are blocks; returns (int32 codes, scales).
+    """Quantize a (ROWS, BLOCK_N) fp32 tile whose rows are blocks; returns (int32 codes, the
+    stored per-block absmax).
 
     Shared by the plain quantizer and qgZ's fused kernels so that all of them round alike.
     """
@@ -53,11 +57,10 @@ def _quantize_tile(x, valid, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, seed,
     # NaN compares false with everything and Inf exceeds FLT_MAX: either poisons the block.
     bad = tl.where(valid, (x != x) | (xa > 3.4028234663852886e38), False)
     nonfinite = tl.max(bad.to(tl.int32), axis=1) > 0
-    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
-    scale = tl.where(nonfinite, float("nan"), scale)
-    # A zero (or poisoned) block divides by 1: its codes come out 0 and its scale says the rest.
-    divisor = tl.where((scale == 0.0) | nonfinite, 1.0, scale)
-    t = tl.math.div_rn(x, divisor[:, None])
+    stored = tl.where(nonfinite, float("nan"), absmax)
+    # A zero (or poisoned) block divides by 1: its codes come out 0 and `stored` says the rest.
+    divisor = tl.where((absmax == 0.0) | nonfinite, 1.0, absmax)
+    t = tl.math.div_rn(x, divisor[:, None]) * tl.full((1, 1), QMAX, tl.float32)
     if STOCHASTIC:
         # floor(t + u), u ~ U[0, 1): rounds up with probability frac(t), so E[code] = t.
         t = tl.floor(t + tl.rand(seed, idx))
@@ -65,7 +68,14 @@ def _quantize_tile(x, valid, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, seed,
         t = rint(t)
     t = tl.minimum(tl.maximum(t, -QMAX), QMAX)
     codes = tl.where(valid & ~nonfinite[:, None], t, 0.0).to(tl.int32)
-    return codes, scale
+    return codes, stored
+
+
+@triton.jit
+def _dequant_tile(q, absmax, QMAX: tl.constexpr):
+    """fl(fl(code * R) * absmax) for an int32 (ROWS, BLOCK_N) code tile, R = fl(1 / QMAX)."""
+    r = tl.math.div_rn(tl.full((1, 1), 1.0, tl.float32), tl.full((1, 1), QMAX, tl.float32))
+    return (q.to(tl.float32) * r) * absmax[:, None]
 
 
 @triton.jit
@@ -145,13 +155,14 @@ def _dequantize_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     PACK: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_blocks
     q = _load_codes(codes_ptr, rows, row_ok, BS, BLOCK_N, PACK)
-    scale = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
-    y = q.to(tl.float32) * scale[:, None]
+    absmax = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
+    y = _dequant_tile(q, absmax, QMAX)
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
     valid = row_ok[:, None] & (cols[None, :] < BS) & (idx < numel)
     store_as(out_ptr + idx, y, valid)
@@ -209,8 +220,9 @@ def quantize_flat(
     """Block-quantize the flattened `x` (any numel; the last block is zero-padded internally).
 
     Returns codes int8 (n_blocks, block_size), or uint8 (n_blocks, block_size // 2) when `pack`
-    (INT4 only, even block_size), and fp32 scales (n_blocks,); written into `out` = (codes,
-    scales) when given (contiguous, right dtype and numel, any shape).
+    (INT4 only, even block_size), and the fp32 block absmax (n_blocks,) ("scales", the format of
+    qshard.quant.blockwise); written into `out` = (codes, scales) when given (contiguous, right
+    dtype and numel, any shape).
     """
     qmax = _qmax(bits)
     if block_size < 1:
@@ -285,21 +297,32 @@ def dequantize_blocks(
     codes2d: torch.Tensor,
     scales: torch.Tensor,
     *,
+    bits: int | None = None,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
     block_size: int | None = None,
     numel: int | None = None,
 ) -> torch.Tensor:
-    """codes * scale per block, cast to `dtype`.
+    """(code * fl(1 / qmax)) * absmax per block (`scales` holds the block absmax), cast to
+    `dtype`.
 
-    `codes2d` is int8 (n_blocks, block_size) or packed INT4 uint8 (n_blocks, block_size // 2)
-    (then `block_size` must be given). The result is (n_blocks, block_size), or flat with the
+    `codes2d` is int8 (n_blocks, block_size) (then `bits`, 8 or 4, must be given: both store
+    int8 codes) or packed INT4 uint8 (n_blocks, block_size // 2) (then `block_size` must be
+    given; `bits` may be omitted or 4). The result is (n_blocks, block_size), or flat with the
     first `numel` elements when `numel` is given (written straight into `out` if supplied, so
     the padding of a partial last block is never materialised). `out`'s dtype wins over `dtype`.
     """
     check_contiguous("codes2d", codes2d)
     check_device(codes2d, scales)
     pack = codes2d.dtype == torch.uint8
+    if bits is None and not pack:
+        raise ValueError(
+            "int8 codes need bits=8 or bits=4 to dequantize: a code's value is "
+            "code / qmax * absmax and both widths store int8 codes"
+        )
+    qmax = _qmax(4 if bits is None else bits)
+    if pack and qmax != 7:
+        raise ValueError(f"packed uint8 codes are INT4; got bits={bits}")
     n_blocks = codes2d.shape[0]
     if block_size is None:
         if pack:
@@ -332,6 +355,7 @@ def dequantize_blocks(
         BLOCK_N=block_n,
         ROWS=rows,
         PACK=pack,
+        QMAX=qmax,
         num_warps=warps,
         enable_fp_fusion=False,
     )

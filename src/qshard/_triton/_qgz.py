@@ -18,9 +18,12 @@
   all-to-all's send buffer, the middle hop turns the received rows into the next hop's send
   rows, the last hop writes FSDP2's output. See [Note: qgZ row layout].
 
-Block numerics are those of `qshard.quant.blockwise` (shared `_quantize_tile`, `_store_codes`,
-`_load_codes`). Each slice is quantized on its own (ceil(S / block_size) blocks, last one
-zero-padded), so a block never straddles two destinations.
+Block numerics are those of `qshard.quant.blockwise` (shared `_quantize_tile`, `_dequant_tile`,
+`_store_codes`, `_load_codes`): the fp32 "scales" are block absmax values and a code's value is
+(code * fl(1 / qmax)) * absmax (blockwise.py [Note: scale choice]), so int8 input codes need the
+bits they were quantized with (`in_bits`; packed input is INT4). Each slice is quantized on its
+own (ceil(S / block_size) blocks, last one zero-padded), so a block never straddles two
+destinations.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import triton
 import triton.language as tl
 
 from qshard._triton._blockwise import (
+    _dequant_tile,
     _geometry,
     _load_codes,
     _qmax,
@@ -114,9 +118,20 @@ def _reorder_quantize_kernel(
 
 @triton.jit
 def _dequant_sum(
-    codes_ptr, scales_ptr, rows, row_ok, n_peers, scale_stride, code_stride, BS, BLOCK_N, PACK
+    codes_ptr,
+    scales_ptr,
+    rows,
+    row_ok,
+    n_peers,
+    scale_stride,
+    code_stride,
+    BS,
+    BLOCK_N,
+    PACK,
+    QMAX: tl.constexpr,
 ):
-    """fp32 sum over peers k = 0..K-1 (in that order) of code * scale for a tile of blocks.
+    """fp32 sum over peers k = 0..K-1 (in that order) of (code * fl(1 / QMAX)) * absmax for a
+    tile of blocks.
 
     Peer k's block r: scale at scales_ptr[k * scale_stride + r], codes at
     codes_ptr[k * code_stride + r * width] (one peer per row of the layout).
@@ -126,8 +141,8 @@ def _dequant_sum(
     peer_scales = scales_ptr
     for k in range(n_peers):
         q = _load_codes(peer_codes, rows, row_ok, BS, BLOCK_N, PACK)
-        scale = tl.load(peer_scales + rows, mask=row_ok, other=0.0)
-        term = q.to(tl.float32) * scale[:, None]
+        absmax = tl.load(peer_scales + rows, mask=row_ok, other=0.0)
+        term = _dequant_tile(q, absmax, QMAX)
         # ((t0 + t1) + t2) + ...: the reference's order, so the fp32 sum is bit-identical.
         acc = tl.where(k == 0, term, acc + term)
         # Advancing the 64-bit pointers avoids an int32 k * stride overflow.
@@ -154,6 +169,7 @@ def _dequant_reduce_requant_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     PACK_IN: tl.constexpr,
+    QMAX_IN: tl.constexpr,
     QMAX: tl.constexpr,
     PACK_OUT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -172,6 +188,7 @@ def _dequant_reduce_requant_kernel(
         BS,
         BLOCK_N,
         PACK_IN,
+        QMAX_IN,
     )
     valid = row_ok[:, None] & (cols[None, :] < BS)
     idx = rows[:, None].to(tl.int64) * BS + cols[None, :]
@@ -199,6 +216,7 @@ def _dequant_reduce_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     PACK: tl.constexpr,
+    QMAX_IN: tl.constexpr,
     DIVIDE: tl.constexpr,
     MULTIPLY: tl.constexpr,
 ):
@@ -216,6 +234,7 @@ def _dequant_reduce_kernel(
         BS,
         BLOCK_N,
         PACK,
+        QMAX_IN,
     )
     if DIVIDE:
         acc = tl.math.div_rn(acc, tl.full(acc.shape, factor, tl.float32))
@@ -231,7 +250,7 @@ class _Blocks(NamedTuple):
     """Where a kernel finds blocks: see [Note: qgZ row layout]."""
 
     codes: torch.Tensor  # int8, or packed INT4 uint8; block 0's codes first
-    scales: torch.Tensor  # fp32; block 0's scale first
+    scales: torch.Tensor  # fp32 block absmax; block 0's first
     per_row: int
     scale_stride: int
     code_stride: int
@@ -466,12 +485,27 @@ def _peers(codes: torch.Tensor, scales: torch.Tensor, block_size: int):
     return n_peers, n_blocks, pack, src
 
 
+def _in_qmax(pack: bool, in_bits: int | None) -> int:
+    """qmax of K peers' input codes: packed codes are INT4; int8 codes need their bits."""
+    if pack:
+        if in_bits not in (None, 4):
+            raise ValueError(f"packed uint8 codes are INT4; got in_bits={in_bits}")
+        return 7
+    if in_bits is None:
+        raise ValueError(
+            "int8 codes need in_bits=8 or in_bits=4 (the bits they were quantized with): a "
+            "code's value is code / qmax * absmax"
+        )
+    return _qmax(in_bits)
+
+
 def _launch_dequant_reduce_requant(
     src: _Blocks,
     n_peers,
     n_blocks,
     block_size,
     pack_in,
+    qmax_in,
     qmax,
     pack_out,
     rounding,
@@ -496,6 +530,7 @@ def _launch_dequant_reduce_requant(
         BLOCK_N=block_n,
         ROWS=rows,
         PACK_IN=pack_in,
+        QMAX_IN=qmax_in,
         QMAX=qmax,
         PACK_OUT=pack_out,
         STOCHASTIC=rounding == "stochastic",
@@ -510,20 +545,23 @@ def dequant_reduce_requant(
     *,
     block_size: int,
     bits: int = 4,
+    in_bits: int | None = None,
     pack: bool | None = None,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum K peers' quantized blocks in fp32 and requantize the sum, in one pass.
+    """Sum K peers' quantized blocks in fp32 and requantize the sum to `bits`, in one pass.
 
-    `codes`: (K, M, block_size) int8 or (K, M, block_size // 2) packed INT4; `scales`: fp32
-    (K, M). Returns (codes (M, ...), scales (M,)) in the layout of `reorder_quantize`.
+    `codes`: (K, M, block_size) int8 (then `in_bits`, the bits they were quantized with, is
+    required) or (K, M, block_size // 2) packed INT4; `scales`: fp32 block absmax (K, M).
+    Returns (codes (M, ...), absmax (M,)) in the layout of `reorder_quantize`.
     """
     qmax = _qmax(bits)
     pack_out = bits == 4 if pack is None else pack
     if pack_out and (bits != 4 or block_size % 2):
         raise ValueError(f"pack needs bits=4 and an even block_size; got {bits}, {block_size}")
     n_peers, n_blocks, pack_in, src = _peers(codes, scales, block_size)
+    qmax_in = _in_qmax(pack_in, in_bits)
     width = block_size // 2 if pack_out else block_size
     out_codes = torch.empty(
         (n_blocks, width), dtype=torch.uint8 if pack_out else torch.int8, device=codes.device
@@ -539,6 +577,7 @@ def dequant_reduce_requant(
         n_blocks,
         block_size,
         pack_in,
+        qmax_in,
         qmax,
         pack_out,
         rounding,
@@ -569,15 +608,15 @@ def dequant_reduce_requant_rows(
         return out
     if n_peers == 0:
         return out.zero_()
-    pack = bits == 4
+    pack, qmax = bits == 4, _qmax(bits)
     _launch_dequant_reduce_requant(
-        src, n_peers, n_blocks, block_size, pack, _qmax(bits), pack, "nearest", None, dst
+        src, n_peers, n_blocks, block_size, pack, qmax, qmax, pack, "nearest", None, dst
     )
     return out
 
 
 def _launch_dequant_reduce(
-    src: _Blocks, n_peers, n_blocks, block_size, pack, out, total, divisor, scale
+    src: _Blocks, n_peers, n_blocks, block_size, pack, qmax_in, out, total, divisor, scale
 ) -> None:
     block_n, rows, warps = _geometry(block_size)
     if divisor is not None and scale is not None:
@@ -597,6 +636,7 @@ def _launch_dequant_reduce(
         BLOCK_N=block_n,
         ROWS=rows,
         PACK=pack,
+        QMAX_IN=qmax_in,
         DIVIDE=divisor is not None,
         MULTIPLY=scale is not None,
         num_warps=warps,
@@ -617,6 +657,7 @@ def dequant_reduce(
     scales: torch.Tensor,
     *,
     block_size: int,
+    in_bits: int | None = None,
     dtype: torch.dtype = torch.float32,
     numel: int | None = None,
     out: torch.Tensor | None = None,
@@ -624,12 +665,14 @@ def dequant_reduce(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Sum K peers' quantized blocks in fp32 (peer order), optionally `/ divisor` or
-    `* scale` (fp32, one rounding), cast.
+    `* scale` (fp32, one rounding), cast. Codes and `scales` (block absmax) as in
+    `dequant_reduce_requant` (int8 codes need `in_bits`).
 
     Returns flat (numel,) (default M * block_size; `numel` drops the padding of the last
     block), written into `out` when given (its dtype wins).
     """
     n_peers, n_blocks, pack, src = _peers(codes, scales, block_size)
+    qmax_in = _in_qmax(pack, in_bits)
     total = n_blocks * block_size if numel is None else numel
     if total > n_blocks * block_size:
         raise ValueError(f"numel={total} exceeds the {n_blocks * block_size} quantized elements")
@@ -638,7 +681,9 @@ def dequant_reduce(
         return out.zero_()
     if total == 0:
         return out
-    _launch_dequant_reduce(src, n_peers, n_blocks, block_size, pack, out, total, divisor, scale)
+    _launch_dequant_reduce(
+        src, n_peers, n_blocks, block_size, pack, qmax_in, out, total, divisor, scale
+    )
     return out
 
 
@@ -664,5 +709,7 @@ def dequant_reduce_rows(
         return out.zero_()
     if total == 0:
         return out
-    _launch_dequant_reduce(src, n_peers, n_blocks, block_size, bits == 4, out, total, None, scale)
+    _launch_dequant_reduce(
+        src, n_peers, n_blocks, block_size, bits == 4, _qmax(bits), out, total, None, scale
+    )
     return out

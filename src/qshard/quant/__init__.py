@@ -13,6 +13,7 @@ from qshard.quant._fastpath import fastpath_enabled, set_fastpath
 from qshard.quant.blockwise import (
     DEFAULT_BLOCK_SIZE,
     BlockQuantized,
+    code_step,
     dequantize_blocks,
     dequantize_blockwise,
     pack_int4,
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
     "BlockQuantized",
+    "code_step",
     "dequantize_blocks",
     "dequantize_blockwise",
     "dequantize_codebook",

@@ -98,40 +98,43 @@ def use_native_out(out: Tensor) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
-def _scale_and_divisor(x: Tensor, qmax: int) -> tuple[Tensor, Tensor, Tensor]:
+def _absmax_and_divisor(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(stored block absmax, NaN if non-finite; usable mask; divisor) as the reference."""
     absmax = x.abs().amax(dim=1, keepdim=True)
     finite = torch.isfinite(absmax)
-    scales = absmax / qmax
-    usable = finite & (scales > 0)
-    divisor = torch.where(usable, scales, 1.0)
-    return torch.where(finite, scales, float("nan")), usable, divisor
+    usable = finite & (absmax > 0)
+    divisor = torch.where(usable, absmax, 1.0)
+    return torch.where(finite, absmax, float("nan")), usable, divisor
 
 
 def _k_quant_int8(x: Tensor, codes_out: Tensor, scales_out: Tensor, qmax: int) -> None:
     x = x.float()
-    scales, usable, divisor = _scale_and_divisor(x, qmax)
-    r = torch.where(usable, torch.round(x / divisor).clamp(-qmax, qmax), 0.0)
+    scales, usable, divisor = _absmax_and_divisor(x)
+    r = torch.where(usable, torch.round((x / divisor) * qmax).clamp(-qmax, qmax), 0.0)
     codes_out.copy_(r.to(torch.int8))
     scales_out.copy_(scales.squeeze(1))
 
 
 def _k_quant_int4(x: Tensor, packed_out: Tensor, scales_out: Tensor) -> None:
     x = x.float()
-    scales, usable, divisor = _scale_and_divisor(x, 7)
-    r = torch.where(usable, torch.round(x / divisor).clamp(-7, 7), 0.0).to(torch.int8)
+    scales, usable, divisor = _absmax_and_divisor(x)
+    r = torch.where(usable, torch.round((x / divisor) * 7).clamp(-7, 7), 0.0).to(torch.int8)
     pairs = r.view(torch.uint8).view(r.shape[0], -1, 2)
     packed_out.copy_((pairs[:, :, 0] << 4) | (pairs[:, :, 1] & 0x0F))
     scales_out.copy_(scales.squeeze(1))
 
 
-def _k_dequant_int8(codes: Tensor, scales: Tensor, out: Tensor) -> None:
-    out.copy_(codes.float() * scales[:, None])
+# Dequantization is (code * R) * absmax with R = fl(1 / qmax) a 0-d fp32 tensor (an input,
+# not a constant Dynamo could specialise in another precision): two fp32 multiplies in this
+# order; inductor neither reassociates them nor has an add to fuse them into.
+def _k_dequant_int8(codes: Tensor, scales: Tensor, out: Tensor, step: Tensor) -> None:
+    out.copy_((codes.float() * step) * scales[:, None])
 
 
-def _k_dequant_int4(packed: Tensor, scales: Tensor, out: Tensor) -> None:
+def _k_dequant_int4(packed: Tensor, scales: Tensor, out: Tensor, step: Tensor) -> None:
     b = packed.view(torch.int8)
     pairs = torch.stack([b >> 4, (b << 4) >> 4], dim=-1).view(b.shape[0], -1)
-    out.copy_(pairs.float() * scales[:, None])
+    out.copy_((pairs.float() * step) * scales[:, None])
 
 
 def _k_quant_codebook(
@@ -239,10 +242,11 @@ def quantize_int_into(x2d: Tensor, qmax: int, codes_out: Tensor, scales_out: Ten
         _run("quant_int8", (x2d, codes_out, scales_out), x2d, codes_out, scales_out, qmax)
 
 
-def dequantize_int_into(codes2d: Tensor, scales: Tensor, out2d: Tensor) -> None:
-    """Inverse of :func:`quantize_int_into` (packed uint8 codes are INT4)."""
+def dequantize_int_into(codes2d: Tensor, scales: Tensor, qmax: int, out2d: Tensor) -> None:
+    """Inverse of :func:`quantize_int_into` (packed uint8 codes are INT4, ``qmax`` 7)."""
     name = "dequant_int4" if codes2d.dtype == torch.uint8 else "dequant_int8"
-    _run(name, (codes2d, scales, out2d), codes2d, scales, out2d)
+    step = torch.tensor(1.0, dtype=torch.float32) / qmax  # fl(1 / qmax), blockwise.code_step
+    _run(name, (codes2d, scales, out2d), codes2d, scales, out2d, step)
 
 
 class _CodebookTable:

@@ -13,10 +13,12 @@ Bit-exactness with the reference path (tests/quant/test_fastpath.py checks every
   non-negative floats that order equals the float order, and any NaN or Inf is >= the bit
   pattern of +Inf, so one integer maximum gives both the absmax and the "non-finite" test
   (a float ``max`` would skip NaNs).
-* ``scale = absmax / qmax`` and ``x / scale`` are IEEE fp32 divisions (compiled with
-  ``-ffp-contract=off``, no reciprocal tricks), ``rintf`` rounds half to even under the
-  default rounding mode (the reference's ``torch.round``), then the clamp; a non-finite block
-  gets a NaN scale and zero codes, a block whose scale is 0 gets zero codes.
+* The block absmax is stored; codes are ``rintf(fl(x / absmax) * qmax)`` (an IEEE fp32
+  division, then a multiply, compiled with ``-ffp-contract=off``, no reciprocal tricks;
+  ``rintf`` rounds half to even under the default rounding mode, as ``torch.round``), then
+  the clamp; a non-finite block stores NaN and zero codes, an all-zero block 0 and zero
+  codes. Dequantization is ``fl(fl(code * fl(1 / qmax)) * absmax)`` (see blockwise.py
+  [Note: scale choice]).
 * The code-map quantizer uses the 8192-entry search table of :mod:`qshard.quant._codetable`
   (32 KiB, L1-resident): sign + clamped exponent + 7 mantissa bits of ``x / absmax`` index an
   entry holding the count of midpoints below the bucket and a 16-bit key of the one midpoint
@@ -68,8 +70,9 @@ static inline uint32_t absmax_bits(const float *restrict x, int64_t n) {
     return m;
 }
 
-static inline int8_t q1(float x, float scale, float qmax) {
-    float r = rintf(x / scale);
+/* rne(fl(fl(x / absmax) * qmax)) clamped: the reference's two roundings, in its order. */
+static inline int8_t q1(float x, float a, float qmax) {
+    float r = rintf((x / a) * qmax);
     r = r < -qmax ? -qmax : (r > qmax ? qmax : r);
     return (int8_t)r;
 }
@@ -129,7 +132,7 @@ int quant_int(const float *x, int64_t numel, int64_t block, int qmax_i, int pack
             memset(cb, 0, (size_t)per);
             continue;
         }
-        const float scale = u2f(m) / qmax;
+        const float scale = u2f(m); /* the stored value is the block absmax */
         scales[b] = scale;
         if (!(scale > 0.0f)) {
             memset(cb, 0, (size_t)per);
@@ -157,10 +160,13 @@ int quant_int(const float *x, int64_t numel, int64_t block, int qmax_i, int pack
     return 0;
 }
 
-/* out[i] = code_i * scale[block], numel outputs (the padding of the last block is skipped). */
+/* out[i] = fl(fl(code_i * R) * absmax[block]) with R = fl(1 / qmax), numel outputs (the
+ * padding of the last block is skipped). Two multiplies: -ffp-contract=off cannot matter
+ * (no add to fuse) and C never reassociates them, so +-qmax codes give +-absmax exactly. */
 int dequant_int(const uint8_t *codes, const float *scales, int64_t numel, int64_t block,
-                int pack4, void *out, int kind, int nthreads) {
-    if (block <= 0 || (pack4 && (block & 1))) return -1;
+                int qmax_i, int pack4, void *out, int kind, int nthreads) {
+    if (block <= 0 || (pack4 && (block & 1)) || qmax_i <= 0) return -1;
+    const float R = 1.0f / (float)qmax_i;
     const int64_t per = pack4 ? block / 2 : block;
     const int64_t nb = (numel + block - 1) / block;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -175,18 +181,18 @@ int dequant_int(const uint8_t *codes, const float *scales, int64_t numel, int64_
                 const int8_t *restrict c = (const int8_t *)(codes + b * per + c0);
                 if (kind == 0) {
                     float *restrict o = (float *)out + off + c0;
-                    for (int64_t k = 0; k < m; k++) o[k] = (float)c[k] * s;
+                    for (int64_t k = 0; k < m; k++) o[k] = ((float)c[k] * R) * s;
                     continue;
                 }
-                for (int64_t k = 0; k < m; k++) buf[k] = (float)c[k] * s;
+                for (int64_t k = 0; k < m; k++) buf[k] = ((float)c[k] * R) * s;
             } else {
                 /* c0 and CHUNK are even, so a chunk starts on a byte boundary */
                 const int8_t *restrict c = (const int8_t *)(codes + b * per + c0 / 2);
                 const int64_t mp = (m + 1) / 2;
                 for (int64_t k = 0; k < mp; k++) {
                     const int8_t v = c[k];
-                    buf[2 * k] = (float)(int8_t)(v >> 4) * s;
-                    buf[2 * k + 1] = (float)(int8_t)((int8_t)(v << 4) >> 4) * s;
+                    buf[2 * k] = ((float)(int8_t)(v >> 4) * R) * s;
+                    buf[2 * k + 1] = ((float)(int8_t)((int8_t)(v << 4) >> 4) * R) * s;
                 }
             }
             store_row(out, kind, off + c0, buf, m);
@@ -366,7 +372,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_int.restype = i32
     lib.quant_int.argtypes = [p, i64, i64, i32, i32, p, p, i32]
     lib.dequant_int.restype = i32
-    lib.dequant_int.argtypes = [p, p, i64, i64, i32, p, i32, i32]
+    lib.dequant_int.argtypes = [p, p, i64, i64, i32, i32, p, i32, i32]
     lib.quant_codebook.restype = i32
     lib.quant_codebook.argtypes = [p, i64, i64, p, p, p, i32]
     lib.quant_codebook_bytes.restype = i32
@@ -437,7 +443,8 @@ def _ok(rc: int, name: str) -> None:
 
 def quantize_int(x: Tensor, numel: int, block: int, qmax: int, codes: Tensor, scales: Tensor):
     """Quantize the first ``numel`` elements of contiguous fp32 ``x``; ``codes`` int8 (INT8)
-    or uint8 packed (INT4, ``qmax == 7``), padded to whole blocks; ``scales`` fp32."""
+    or uint8 packed (INT4, ``qmax == 7``), padded to whole blocks; ``scales`` receives the
+    fp32 block absmax."""
     pack4 = int(codes.dtype == torch.uint8)
     assert codes.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float32
     rc = library().quant_int(
@@ -453,8 +460,11 @@ def quantize_int(x: Tensor, numel: int, block: int, qmax: int, codes: Tensor, sc
     _ok(rc, "quant_int")
 
 
-def dequantize_int(codes: Tensor, scales: Tensor, numel: int, block: int, out: Tensor) -> None:
-    """``out[:numel] = code * scale``; ``codes`` int8 or uint8 packed INT4, ``scales`` fp32."""
+def dequantize_int(
+    codes: Tensor, scales: Tensor, numel: int, block: int, qmax: int, out: Tensor
+) -> None:
+    """``out[:numel] = (code * fl(1 / qmax)) * absmax``; ``codes`` int8 or uint8 packed INT4,
+    ``scales`` the fp32 block absmax."""
     pack4 = int(codes.dtype == torch.uint8)
     assert codes.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float32
     rc = library().dequant_int(
@@ -462,6 +472,7 @@ def dequantize_int(codes: Tensor, scales: Tensor, numel: int, block: int, out: T
         scales.data_ptr(),
         numel,
         block,
+        qmax,
         pack4,
         out.data_ptr(),
         _OUT_KIND[out.dtype],

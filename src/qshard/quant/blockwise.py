@@ -4,22 +4,29 @@ This file owns the wire format of qwZ (INT8 weights) and qgZ (INT4 gradients):
 
 * The tensor is flattened and cut into contiguous blocks of ``block_size`` elements (the
   last one zero-padded internally; padding never leaks out of :func:`dequantize_blockwise`).
-* Each block gets one fp32 ``scale = absmax / qmax`` with ``qmax = 2**(bits-1) - 1``
-  (127 for INT8, 7 for INT4) and codes ``round_half_even(x / scale)`` clamped to
-  ``[-qmax, qmax]``; dequantization is ``code * scale`` computed in fp32.
+* Each block stores its fp32 **absmax** (the field is called ``scales`` for the wire format's
+  sake: it holds ``max |x|`` of the block, not ``absmax / qmax``). With ``qmax = 2**(bits-1)
+  - 1`` (127 for INT8, 7 for INT4) and ``R = fl(1 / qmax)`` (fp32), the codes are
+  ``round_half_even(fl(fl(x / absmax) * qmax))`` clamped to ``[-qmax, qmax]`` and
+  dequantization is ``fl(fl(code * R) * absmax)``: two fp32 multiplies in that order (never
+  fused, never reassociated), on every path (reference, C, torch.compile, Triton).
 
-[Note: scale choice] A ``/2**(bits-1)`` scale (``absmax / 128``) maps ``+absmax`` to code 128,
-which does not exist in int8, so the largest positive value of every block is clipped to
-127/128 of itself (-0.8% for INT8, -12.5% for INT4). ``absmax / qmax`` puts ``+absmax`` and
-``-absmax`` on codes ``+qmax`` / ``-qmax``, so the block's largest magnitude comes back as
-``fl(qmax * fl(absmax / qmax))``: exactly ``absmax`` for 99.2% of fp32 mantissas (INT8) and
-89% (INT4), otherwise one fp32 ulp away, because no fp32 scale times qmax lands on those
-values. The cost is one unused code (-128 / -8).
+[Note: scale choice] The block's largest magnitude round-trips **exactly**: ``+-absmax``
+normalises to exactly ``+-1`` (an IEEE division of a number by itself), so it takes code
+``+-qmax``, and ``fl(qmax * R) == 1`` exactly in fp32 for 127 and 7 (checked at import), so
+``fl(fl(qmax * R) * absmax) == absmax`` for every fp32 absmax, subnormals included. The
+previous format stored ``scale = absmax / qmax`` and computed ``code * scale``; no fp32 scale
+times qmax reaches every mantissa, so ``+-absmax`` came back one ulp off for 0.8% (INT8) / 11%
+(INT4) of mantissas. A ``/2**(bits-1)`` scale would even clip ``+absmax`` to 127/128 of itself.
+Codes are ``x / absmax`` times ``qmax`` rather than ``x * fl(qmax / absmax)``: the latter
+needs a special case where ``qmax / absmax`` overflows to Inf (absmax below ~4e-37, where
+``0 * Inf`` is NaN); ``x / absmax`` lies in [-1, 1] for every finite block. The cost is one
+unused code (-128 / -8).
 
-[Note: non-finite blocks] A block holding NaN or +-Inf gets a NaN scale and zero codes, so the
-whole block dequantizes to NaN: a diverged value is never silently turned into a finite one,
-and a training loop's ``isfinite`` check still fires. An all-zero block gets scale 0 and
-dequantizes to exact zeros (never NaN).
+[Note: non-finite blocks] A block holding NaN or +-Inf stores a NaN absmax and zero codes, so
+the whole block dequantizes to NaN: a diverged value is never silently turned into a finite
+one, and a training loop's ``isfinite`` check still fires. An all-zero block stores absmax 0
+and dequantizes to exact zeros (never NaN).
 
 [Note: chunk invariance] Codes and scales of a block depend only on that block's elements, so
 quantizing any slice that starts and ends on block boundaries gives exactly the codes of the
@@ -44,6 +51,7 @@ from qshard.quant import _fastpath, _native_kernels
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "BlockQuantized",
+    "code_step",
     "dequantize_blocks",
     "dequantize_blockwise",
     "pack_int4",
@@ -69,6 +77,18 @@ def qmax_for_bits(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
+def code_step(qmax: int) -> float:
+    """``R = fl(1 / qmax)`` in fp32 (as a Python float holding that fp32 value): dequantized
+    values are ``fl(fl(code * R) * absmax)``; see [Note: scale choice]."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / qmax)
+
+
+# The exactness of +-absmax rests on fl(qmax * fl(1 / qmax)) == 1 in fp32.
+for _q in (127, 7):
+    assert float(torch.tensor(_q, dtype=torch.float32) * code_step(_q)) == 1.0, _q
+del _q
+
+
 @dataclass(frozen=True, slots=True)
 class BlockQuantized:
     """A block-quantized tensor: plain tensors (so they can be all-gathered) plus metadata.
@@ -76,7 +96,10 @@ class BlockQuantized:
     Fields:
         codes: ``bits=8``: int8 of shape ``(padded_numel,)``; ``bits=4``: uint8 of shape
             ``(padded_numel // 2,)`` holding two codes per byte (see :func:`pack_int4`).
-        scales: fp32 of shape ``(num_blocks,)``; ``value = code * scale``.
+        scales: fp32 of shape ``(num_blocks,)``: each block's **absmax** (``max |x|``; NaN
+            for a block holding NaN/Inf, 0 for an all-zero block), not ``absmax / qmax``;
+            ``value = (code * fl(1 / qmax)) * scales[block]`` in fp32 (see
+            :func:`code_step` and [Note: scale choice]).
         shape: shape of the original tensor.
         dtype: dtype of the original tensor (the default dequantization dtype).
         numel: number of elements of the original tensor (``<= padded_numel``).
@@ -122,15 +145,15 @@ def _check_block_size(block_size: int, bits: int) -> None:
 def _quantize_blocks_reference(
     x2d: Tensor, qmax: int, rounding: str, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
-    """The plain torch definition every fast path is tested against (bit-exact)."""
+    """The plain torch definition every fast path is tested against (bit-exact); returns
+    int8 codes and the fp32 block absmax (NaN for non-finite blocks)."""
     x = x2d.float()
     absmax = x.abs().amax(dim=1)
     finite = torch.isfinite(absmax)
-    scales = absmax / qmax
-    # Zero (and underflowed) scales would divide 0 by 0; those blocks quantize to code 0.
-    usable = finite & (scales > 0)
-    divisor = torch.where(usable, scales, torch.ones_like(scales))
-    v = x / divisor[:, None]
+    # Zero blocks would divide 0 by 0; they (and non-finite ones) quantize to code 0.
+    usable = finite & (absmax > 0)
+    divisor = torch.where(usable, absmax, torch.ones_like(absmax))
+    v = (x / divisor[:, None]) * qmax  # two fp32 roundings: x / absmax in [-1, 1], then * qmax
     if rounding == "nearest":
         r = torch.round(v)  # round half to even
     else:
@@ -138,8 +161,13 @@ def _quantize_blocks_reference(
         r = torch.floor(v + noise)
     r = torch.where(usable[:, None], r.clamp(-qmax, qmax), torch.zeros_like(r))
     codes = r.to(torch.int8)
-    scales = torch.where(finite, scales, torch.full_like(scales, float("nan")))
-    return codes, scales
+    absmax = torch.where(finite, absmax, torch.full_like(absmax, float("nan")))
+    return codes, absmax
+
+
+def _dequantize_blocks_reference(codes2d: Tensor, absmax: Tensor, qmax: int) -> Tensor:
+    """``fl(fl(code * R) * absmax)`` per row in fp32 (int8 codes); see [Note: scale choice]."""
+    return (codes2d.float() * code_step(qmax)) * absmax.float()[:, None]
 
 
 def quantize_blocks(
@@ -160,7 +188,8 @@ def quantize_blocks(
 
     Returns:
         ``(codes, scales)``: int8 codes of shape ``(num_blocks, block_size)`` in
-        ``[-qmax, qmax]`` (unpacked, also for INT4) and fp32 scales of shape ``(num_blocks,)``.
+        ``[-qmax, qmax]`` (unpacked, also for INT4) and the fp32 block absmax of shape
+        ``(num_blocks,)`` (see :class:`BlockQuantized`; dequantize with the same ``bits``).
     """
     qmax = qmax_for_bits(bits)
     _check_rounding(rounding)
@@ -226,14 +255,18 @@ def dequantize_blocks(
     codes2d: Tensor,
     scales: Tensor,
     *,
+    bits: int,
     dtype: torch.dtype = torch.float32,
     out: Tensor | None = None,
 ) -> Tensor:
-    """``codes2d * scales[:, None]`` in fp32, cast to ``dtype`` (or written into ``out``).
+    """``(codes2d * fl(1 / qmax)) * scales[:, None]`` in fp32, cast to ``dtype`` (or written
+    into ``out``).
 
     Args:
         codes2d: int8 ``(num_blocks, block_size)`` unpacked codes.
-        scales: fp32 ``(num_blocks,)``.
+        scales: fp32 ``(num_blocks,)`` block absmax, as :func:`quantize_blocks` returns.
+        bits: the ``bits`` the codes were quantized with (8 or 4; required: the codes of
+            both are int8 here, and the value of a code depends on ``qmax``).
         dtype: result dtype when ``out`` is not given.
         out: optional preallocated contiguous tensor with ``num_blocks * block_size``
             elements (any shape); its dtype wins.
@@ -245,20 +278,24 @@ def dequantize_blocks(
         )
     if codes2d.dtype != torch.int8:
         raise TypeError(f"dequantize_blocks expects int8 codes; got {codes2d.dtype}")
+    qmax = qmax_for_bits(bits)
     if out is not None:
         _check_out(out, codes2d.numel())
         result = out
     else:
         result = torch.empty(codes2d.shape, dtype=dtype, device=codes2d.device)
-    _dequantize_into(codes2d, scales, result.view(codes2d.shape))
+    _dequantize_into(codes2d, scales, qmax, result.view(codes2d.shape))
     return result
 
 
-def _dequantize_into(codes2d: Tensor, scales: Tensor, out2d: Tensor) -> None:
-    """``out2d = codes * scale`` per row; ``codes2d`` int8, or uint8 packed INT4 (half width)."""
+def _dequantize_into(codes2d: Tensor, scales: Tensor, qmax: int, out2d: Tensor) -> None:
+    """``out2d = (code * R) * absmax`` per row; ``codes2d`` int8, or uint8 packed INT4 (half
+    width, then ``qmax`` is 7)."""
     if _triton.serves(codes2d) and out2d.is_contiguous():  # docs/gpu.md
         c, s = codes2d.contiguous(), scales.float().contiguous()
-        _triton.dequantize_blocks(c, s, block_size=out2d.shape[1], out=out2d)
+        _triton.dequantize_blocks(
+            c, s, bits=8 if qmax == 127 else 4, block_size=out2d.shape[1], out=out2d
+        )
         return
     if (
         out2d.numel()
@@ -267,14 +304,14 @@ def _dequantize_into(codes2d: Tensor, scales: Tensor, out2d: Tensor) -> None:
         and _fastpath.use_native_out(out2d)
     ):
         scales = scales.float().contiguous()
-        _native_kernels.dequantize_int(codes2d, scales, out2d.numel(), out2d.shape[1], out2d)
+        _native_kernels.dequantize_int(codes2d, scales, out2d.numel(), out2d.shape[1], qmax, out2d)
         return
     if codes2d.shape[0] >= 2 and codes2d.is_contiguous() and _fastpath.use_fastpath(out2d):
-        _fastpath.dequantize_int_into(codes2d, scales.float(), out2d)
+        _fastpath.dequantize_int_into(codes2d, scales.float(), qmax, out2d)
         return
     if codes2d.dtype == torch.uint8:
         codes2d = unpack_int4(codes2d).view(out2d.shape)
-    out2d.copy_(codes2d.float() * scales.float()[:, None])
+    out2d.copy_(_dequantize_blocks_reference(codes2d, scales, qmax))
 
 
 def _check_out(out: Tensor, numel: int) -> None:
@@ -396,6 +433,7 @@ def dequantize_blockwise(
     bs = q.block_size
     per_block = bs if q.bits == 8 else bs // 2
     full = q.numel // bs
+    qmax = qmax_for_bits(q.bits)
     if (
         q.codes.is_contiguous()
         and q.codes.device.type == "cpu"
@@ -406,16 +444,19 @@ def dequantize_blockwise(
         and _fastpath.use_native_out(flat)
     ):
         scales = q.scales.float().contiguous()
-        _native_kernels.dequantize_int(q.codes, scales, q.numel, bs, flat)
+        _native_kernels.dequantize_int(q.codes, scales, q.numel, bs, qmax, flat)
         return result
     if full:
         _dequantize_into(
             q.codes[: full * per_block].view(full, per_block),
             q.scales[:full],
+            qmax,
             flat[: full * bs].view(full, bs),
         )
     if full != q.num_blocks:
         tail = torch.empty(1, bs, dtype=flat.dtype, device=flat.device)
-        _dequantize_into(q.codes[full * per_block :].view(1, per_block), q.scales[full:], tail)
+        _dequantize_into(
+            q.codes[full * per_block :].view(1, per_block), q.scales[full:], qmax, tail
+        )
         flat[full * bs :] = tail[0, : q.numel - full * bs]
     return result

@@ -1,5 +1,7 @@
 """The byte layout qwZ and qgZ put on the wire: rows of [fp32 scales | codes].
 
+The fp32 "scales" are each block's absmax, the format of :mod:`qshard.quant.blockwise`
+(``value = (code * fl(1 / qmax)) * absmax``, so a block's largest magnitude arrives exactly).
 One row per destination (qgZ's all-to-all) or per source rank (qwZ's all-gather), so a
 single uint8 collective moves codes and scales together (one message, one work handle).
 A row holds ``m`` values, a multiple of ``block_size``: blocks never straddle rows, so the
@@ -69,4 +71,6 @@ class RowCodec:
             codes = unpack_int4(code_bytes.view(-1))
         else:
             codes = code_bytes.view(torch.int8)
-        return dequantize_blocks(codes.view(-1, bs), scales, dtype=dtype).view(rows, m)
+        return dequantize_blocks(codes.view(-1, bs), scales, bits=self.bits, dtype=dtype).view(
+            rows, m
+        )
