@@ -108,8 +108,9 @@ def correctness(report: Report, args) -> None:
         same = torch.equal(got[0], want[0]) and torch.equal(
             got[1].nan_to_num(-1), want[1].nan_to_num(-1)
         )
-        deq = _triton.dequantize_blocks(*got, dtype=torch.bfloat16)
-        ref_deq = (want[0].float() * want[1][:, None]).bfloat16()
+        deq = _triton.dequantize_blocks(*got, bits=bits, dtype=torch.bfloat16)
+        with _TorchPath():
+            ref_deq = blockwise.dequantize_blocks(*want, bits=bits, dtype=torch.bfloat16)
         rows.append((f"INT{bits} quantize", same))
         rows.append(
             (f"INT{bits} dequantize -> bf16", torch.equal(deq.nan_to_num(0), ref_deq.nan_to_num(0)))
@@ -197,12 +198,12 @@ def kernels(report: Report, args) -> None:
         ),
         (
             "INT8 dequantize -> fp32",
-            lambda: _triton.dequantize_blocks(c8, s8, out=out32, numel=n),
+            lambda: _triton.dequantize_blocks(c8, s8, bits=8, out=out32, numel=n),
             n + 4 * nb + 4 * n,
         ),
         (
             "INT8 dequantize -> bf16",
-            lambda: _triton.dequantize_blocks(c8, s8, out=out16, numel=n),
+            lambda: _triton.dequantize_blocks(c8, s8, bits=8, out=out16, numel=n),
             n + 4 * nb + 2 * n,
         ),
         (
@@ -595,7 +596,7 @@ def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
             with torch.no_grad():
                 for p in params:
                     c, s = _triton.quantize_flat(p.data.view(-1), block_size=256, bits=8)
-                    _triton.dequantize_blocks(c, s, numel=p.numel(), out=p.data.view(-1))
+                    _triton.dequantize_blocks(c, s, bits=8, numel=p.numel(), out=p.data.view(-1))
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             _, loss = model(data[:, :-1], data[:, 1:])
         loss.backward()

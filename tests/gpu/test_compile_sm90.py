@@ -35,6 +35,10 @@ SCRIPT = textwrap.dedent(
     out = {}
 
     SIZES = {"numel", "n_blocks", "n_bytes", "row_numel", "blocks_per_slot"}
+    # qgZ's wire-row strides (row bytes, row words) are multiples of 16 by construction
+    # ([Note: 4-block rows] in zeropp.reduce_scatter), and the JIT specializes them as such.
+    SIZES |= {"scale_stride", "code_stride", "in_scale_stride", "in_code_stride",
+              "out_scale_stride", "out_code_stride"}
 
     def comp(name, fn, sig, consts, num_warps=4):
         # What the JIT specializes at launch for 16-byte-aligned tensors and sizes divisible
@@ -57,6 +61,7 @@ SCRIPT = textwrap.dedent(
             sqrt_rn=ptx.count("sqrt.rn.f32"),
             sqrt_approx=ptx.count("sqrt.approx"),
             v4=len(re.findall(r"ld\\.global[.\\w:]*\\.v4", ptx)),
+            st_v4=len(re.findall(r"st\\.global[.\\w:]*\\.v4", ptx)),
             cubin=len(k.asm["cubin"]),
         )
 
@@ -67,9 +72,9 @@ SCRIPT = textwrap.dedent(
          {**base, "QMAX": 7, "PACK": True, "BF16": True})
     comp("quantize_stochastic_odd_block", B._quantize_kernel, q, {**base, "BS": 100, "BLOCK_N": 128, "ROWS": 32, "STOCHASTIC": True})
     d = {"codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "n_blocks": "i32", "numel": "i64"}
-    comp("dequantize_int8_bf16", B._dequantize_kernel, d, {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK": False})
+    comp("dequantize_int8_bf16", B._dequantize_kernel, d, {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK": False, "QMAX": 127})
     comp("dequantize_int4_fp32", B._dequantize_kernel, {**d, "codes_ptr": "*u8", "out_ptr": "*fp32"},
-         {"BS": 2048, "BLOCK_N": 2048, "ROWS": 2, "PACK": True})
+         {"BS": 2048, "BLOCK_N": 2048, "ROWS": 2, "PACK": True, "QMAX": 7})
     comp("pack_int4", B._pack_int4_kernel, {"codes_ptr": "*i8", "out_ptr": "*u8", "n_bytes": "i32", "numel": "i32"}, {"BLOCK": 4096})
     comp("unpack_int4", B._unpack_int4_kernel, {"packed_ptr": "*u8", "out_ptr": "*i8", "numel": "i32"}, {"BLOCK": 4096})
     comp("reorder_quantize_int4", Q._reorder_quantize_kernel,
@@ -81,12 +86,12 @@ SCRIPT = textwrap.dedent(
           "n_peers": "i32", "n_blocks": "i32", "in_scale_stride": "i32", "in_code_stride": "i32",
           "out_blocks_per_row": "i32", "out_scale_stride": "i32", "out_code_stride": "i32", "seed": "i32"}
     comp("dequant_reduce_requant", Q._dequant_reduce_requant_kernel, rr,
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK_IN": True, "QMAX": 7, "PACK_OUT": True,
+         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK_IN": True, "QMAX_IN": 7, "QMAX": 7, "PACK_OUT": True,
           "STOCHASTIC": False})
     comp("dequant_reduce", Q._dequant_reduce_kernel,
          {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*bf16", "n_peers": "i32", "n_blocks": "i32",
           "numel": "i64", "in_scale_stride": "i32", "in_code_stride": "i32", "factor": "fp32"},
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK": True, "DIVIDE": False, "MULTIPLY": True})
+         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "PACK": True, "QMAX_IN": 7, "DIVIDE": False, "MULTIPLY": True})
     comp("pack_signs", S._pack_signs_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "numel": "i64", "n_bytes": "i64"},
          {"BYTES": 1024, "BF16": False})
     comp("unpack_signs", S._unpack_signs_kernel, {"packed_ptr": "*u8", "out_ptr": "*fp32", "numel": "i64"}, {"BYTES": 1024})
@@ -141,3 +146,12 @@ def test_wide_vector_loads_where_the_input_is_contiguous(compiled):
     """fp32 inputs are read with 16-byte loads (the bandwidth design, checked in the PTX)."""
     for name in ("quantize_int8_fp32", "pack_signs", "adam8bit"):
         assert compiled[name]["v4"] > 0, (name, compiled[name])
+
+
+def test_qgz_wire_rows_use_wide_vector_accesses(compiled):
+    """qgZ's kernels read and write the packed codes of 16-byte-aligned wire rows with 16-byte
+    accesses (without the alignment they fall back to one load or store per byte)."""
+    assert compiled["dequant_reduce_requant"]["v4"] > 0, compiled["dequant_reduce_requant"]
+    assert compiled["dequant_reduce_requant"]["st_v4"] > 0, compiled["dequant_reduce_requant"]
+    assert compiled["dequant_reduce"]["v4"] > 0, compiled["dequant_reduce"]
+    assert compiled["reorder_quantize_int4"]["st_v4"] > 0, compiled["reorder_quantize_int4"]

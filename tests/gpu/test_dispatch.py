@@ -85,7 +85,7 @@ def test_blockwise_public_api(monkeypatch, bits, numel, dtype):
         q = blockwise.quantize_blockwise(x, bits=bits, block_size=128)
         y = blockwise.dequantize_blockwise(q, dtype=torch.float32)
         codes, scales = blockwise.quantize_blocks(x[:768].view(6, 128), bits=bits)
-        z = blockwise.dequantize_blocks(codes, scales, dtype=torch.bfloat16)
+        z = blockwise.dequantize_blocks(codes, scales, bits=bits, dtype=torch.bfloat16)
         return (
             q.codes,
             q.scales,
