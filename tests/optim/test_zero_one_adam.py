@@ -15,7 +15,12 @@ import torch.distributed as dist
 from qshard.comm.ledger import CommLedger, recording
 from qshard.comm.topology import Topology
 from qshard.optim.onebit_adam import OneBitAdam
-from qshard.optim.zero_one_adam import ZeroOneAdam, sync_steps, variance_update_steps
+from qshard.optim.zero_one_adam import (
+    PHASE_A_COMPRESSION,
+    ZeroOneAdam,
+    sync_steps,
+    variance_update_steps,
+)
 from qshard.testing import run_world
 from tests.optim.test_onebit_adam import (
     assert_replicated,
@@ -29,12 +34,13 @@ from tests.optim.test_onebit_adam import (
 )
 
 
-def schedule_in_practice(rank: int, world: int) -> None:
+def schedule_in_practice(rank: int, world: int, phase_a_compression: str) -> None:
     freeze, kappa, alpha, cap, steps = 40, 4, 5, 4, 90
     model = make_model()
     opt = ZeroOneAdam(
         model.parameters(),
         lr=5e-3,
+        phase_a_compression=phase_a_compression,
         var_freeze_step=freeze,
         var_update_scaler=kappa,
         local_step_scaler=alpha,
@@ -56,7 +62,10 @@ def schedule_in_practice(rank: int, world: int) -> None:
             )
             local_backward(model, x, y)
             opt.step()
-            ops = {e.op for e in ledger.step().entries if not e.tag.endswith("replication_check")}
+            entries = [e for e in ledger.step().entries if not e.tag.endswith("replication_check")]
+            ops = {e.op for e in entries}
+            if step <= freeze and step not in var_steps:  # what phase A compresses
+                assert {e.tag for e in entries} == {f"zero_one_adam/{phase_a_compression}"}
             if step == 1:  # the first step is a real update
                 assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters()))
             if step in var_steps:
@@ -119,6 +128,50 @@ def converges_like_adam(rank: int, world: int) -> dict[str, float]:
     stats = opt.comm_stats
     assert stats["full_precision"] == 30 and stats["local"] > 0.4 * (steps - freeze)
     return {"zero_one": ours, "adam": adam, **{k: float(v) for k, v in stats.items()}}
+
+
+def phase_b_is_adamw_with_frozen_variance(rank: int, world: int) -> None:
+    """The algebra of phase B alone: with a sync after every step (H = 1) and the 1-bit mean
+    swapped for the exact fp32 mean, 0/1 Adam is AdamW with the variance frozen, on averaged
+    gradients, also with weight decay and a changing lr: the synced momentum is the ranks'
+    average momentum, with no weight decay folded into it (see [Note: weight decay in the
+    drift]; folding it in decays the weights ~1/(1 - beta1) times over)."""
+    freeze, beta1, wd = 3, 0.9, 0.1
+    model = make_model()
+    opt = ZeroOneAdam(
+        model.parameters(),
+        lr=5e-3,
+        betas=(beta1, 0.99),
+        weight_decay=wd,
+        var_freeze_step=freeze,
+        local_step_clipper=1,
+        bias_correction=True,
+    )
+    opt._compressed_mean = lambda params, tensors, tag: opt._all_reduce_mean(tensors, tag)
+    params = list(model.parameters())
+    for step in range(freeze):
+        local_backward(model, *minibatch(rank, world, step))
+        opt.step()
+    x_ref = [p.detach().clone().double() for p in params]
+    m_ref = [opt.state[p]["exp_avg"].clone().double() for p in params]
+    d = [opt._denom(opt.param_groups[0], p).double() for p in params]
+    for step in range(freeze, freeze + 12):
+        lr = 5e-3 * (1 + step % 3)
+        opt.param_groups[0]["lr"] = lr
+        local_backward(model, *minibatch(rank, world, step))
+        for i, p in enumerate(params):
+            g = p.grad.detach().clone()
+            dist.all_reduce(g)
+            m_ref[i] = beta1 * m_ref[i] + (1 - beta1) * g.double() / world
+            x_ref[i] = (1 - lr * wd) * x_ref[i] - lr * m_ref[i] / d[i]
+        opt.step()
+        assert opt.in_sync
+        for i, p in enumerate(params):
+            torch.testing.assert_close(
+                opt.state[p]["exp_avg"].double(), m_ref[i], rtol=1e-5, atol=1e-7
+            )
+            torch.testing.assert_close(p.detach().double(), x_ref[i], rtol=1e-5, atol=1e-7)
+    assert opt.comm_stats["local"] == 0
 
 
 def _run(model, opt, rank, steps):
@@ -207,6 +260,8 @@ def errors_raised(rank: int, world: int) -> None:
         ZeroOneAdam(model.parameters(), local_step_clipper=0)
     with pytest.raises(ValueError, match="amsgrad"):
         ZeroOneAdam(model.parameters(), amsgrad=True)
+    with pytest.raises(ValueError, match="phase_a_compression must be one of"):
+        ZeroOneAdam(model.parameters(), phase_a_compression="gradients")
     with pytest.raises(TypeError):
         ZeroOneAdam(model.parameters(), freeze_step=3)  # a OneBitAdam option
     onebit = OneBitAdam(model.parameters())
@@ -216,7 +271,9 @@ def errors_raised(rank: int, world: int) -> None:
 
 def zero_one_world(rank: int, world: int) -> dict[str, float]:
     errors_raised(rank, world)
-    schedule_in_practice(rank, world)
+    phase_b_is_adamw_with_frozen_variance(rank, world)
+    for phase_a_compression in PHASE_A_COMPRESSION:
+        schedule_in_practice(rank, world, phase_a_compression)
     resume_is_bit_exact(rank, world)
     loads_on_a_smaller_world(rank, world)
     return converges_like_adam(rank, world)
