@@ -317,6 +317,7 @@ def worker(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "accelerator": get_accelerator().device_name(),
             "backend": dist.get_backend(),
+            "python": sys.executable,
         },
         "configs": {v: ds_config(args, v, world) for v in args.variant_list},
         "done": False,
@@ -492,7 +493,8 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
     load = data.get("load")
     rep.note(
         f"DeepSpeed {v.get('deepspeed', '?')} (accelerator {v.get('accelerator', '?')}, backend "
-        f"{v.get('backend', '?')}), torch {v.get('torch', '?')}. GPT of "
+        f"{v.get('backend', '?')}), torch {v.get('torch', '?')}, run with "
+        f"{v.get('python', '?')} (the command line below names it python). GPT of "
         f"{data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width {args.n_embd}, "
         f"context {args.context}), fp32 compute and master weights, {args.batch_per_rank} "
         f"sequences per rank; {args.nodes} nodes x {args.ranks_per_node} ranks (netns + tbf, "
@@ -500,8 +502,8 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
         f"stage3_param_persistence_threshold {args.persistence_threshold} and "
         f"stage3_max_reuse_distance {args.reuse_distance}, stage3_prefetch_bucket_size "
         f"{args.prefetch_bucket} (ds-defaults: DeepSpeed's 1e5, 1e9 and 5e7), "
-        f"other settings DeepSpeed's defaults; {args.steps} timed steps after {args.warmup} warm-up steps per "
-        f"variant and rate; whole run {wall_s:.0f} s"
+        f"other settings DeepSpeed's defaults; {args.steps} timed steps after {args.warmup} "
+        f"warm-up steps per variant and rate; whole run {wall_s:.0f} s"
         + (f" after {data['build_s']:.0f} s of DeepSpeed op builds" if "build_s" in data else "")
         + (
             f" (host load average {load[0]:.1f} at the start, {load[1]:.1f} at the end: step "

@@ -135,6 +135,7 @@ def test_report_speedups_and_recorded_failures(ds):
             "torch": "2.13.0",
             "accelerator": "cpu",
             "backend": "gloo",
+            "python": "/tmp/dsvenv/bin/python",
         },
         "configs": {v: ds.ds_config(args, v, 4) for v in args.variant_list},
         "results": {
@@ -185,6 +186,7 @@ def test_report_speedups_and_recorded_failures(ds):
     assert rows["ds-all"][2] == "not reached (the run stopped before it)"
     assert "stopped early (status 124)" in text
     assert "12 s of DeepSpeed op builds" in text and "DeepSpeed 0.19.8" in text
+    assert "run with /tmp/dsvenv/bin/python" in text
 
 
 def test_missing_deepspeed_is_a_message_not_a_traceback(ds, monkeypatch, capsys, tmp_path):
