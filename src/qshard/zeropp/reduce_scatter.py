@@ -175,8 +175,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
     mean over ALL ranks, ``SUM`` the sum, ``PREMUL_SUM(f)`` the sum times ``f`` (FSDP2's
     gradient divide factors).
 
-    Slices are zero-padded to a multiple of ``pipeline_stages * block_size`` elements, so
-    any size works and no block straddles two destinations. On one node the inter-node hop
+    Slices are zero-padded to a multiple of ``pipeline_stages * 4 * block_size`` elements
+    (``pipeline_stages * block_size`` with ``bits=None``; see [Note: 4-block rows]), so any
+    size works and no block straddles two destinations. On one node the inter-node hop
     does not exist and the reduce-scatter is the single intra-node hop; with one rank per
     node the intra-node hop is local. Either is logged once and counted in the ledger
     (events ``qgz_single_node`` / ``qgz_single_rank_nodes``). A group other than the
@@ -214,6 +215,12 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         self.block_size = block_size
         self.pipeline_stages = pipeline_stages
         self.codec = RowCodec(bits=bits, block_size=block_size, wire_dtype=wire_dtype)
+        # [Note: 4-block rows] Quantized sub-slices are padded to a multiple of 4 blocks, so every
+        # wire row holds 4k blocks: its scale header (16k bytes) and its length are multiples
+        # of 16 bytes, the alignment the GPU kernels need for 16-byte vector loads and stores
+        # of codes (checked in the sm_90 PTX: byte-wise loads otherwise). Both paths pad alike,
+        # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
+        self._pad_blocks = 1 if bits is None else 4
 
     def __call__(
         self,
@@ -255,7 +262,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             return
         stages = self.pipeline_stages
         size = output.numel()
-        unit = stages * self.block_size
+        unit = stages * self._pad_blocks * self.block_size
         padded = -(-size // unit) * unit
         sub = padded // stages
         x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
@@ -325,7 +332,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             raise ValueError(f"qgZ input has {flat.numel()} elements; need {world} x {size}")
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        offsets, lengths, sub = _slots(nodes, per_node, stages, size, bs, inp.device)
+        # qgz_slots pads each stage's sub-slice to a multiple of its block_size argument.
+        pad = bs * self._pad_blocks
+        offsets, lengths, sub = _slots(nodes, per_node, stages, size, pad, inp.device)
         direct = output.is_contiguous()
         out = (
             output.view(-1) if direct else torch.empty(size, dtype=output.dtype, device=inp.device)
