@@ -10,11 +10,13 @@ from hypothesis import strategies as st
 
 from qshard.quant import (
     BlockQuantized,
+    _fastpath,
     dequantize_blocks,
     dequantize_blockwise,
     pack_int4,
     quantize_blocks,
     quantize_blockwise,
+    set_fastpath,
     unpack_int4,
 )
 
@@ -126,8 +128,18 @@ def _sliver_blocks(draw_bits: list[int], block_size: int, seed: int) -> torch.Te
 )
 def test_block_maximum_round_trips_exactly(draw_bits, block_size, bits, seed):
     # For every block: max |dequant| == absmax == max |x| exactly, through quantize_blocks and
-    # quantize_blockwise (partial last block included), fast path or not.
+    # quantize_blockwise (partial last block included), on the C fast path and the reference.
     x = _sliver_blocks(draw_bits, block_size, seed)
+    saved = _fastpath._enabled
+    try:
+        for enabled in (True, False):
+            set_fastpath(enabled)
+            _check_block_maximum(x, bits, block_size)
+    finally:
+        _fastpath._enabled = saved
+
+
+def _check_block_maximum(x: torch.Tensor, bits: int, block_size: int) -> None:
     a = x.abs().amax(1)
     codes, absmax = quantize_blocks(x, bits=bits)
     assert torch.equal(absmax, a)
