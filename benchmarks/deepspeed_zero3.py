@@ -196,6 +196,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _origin(exc: BaseException) -> str:
+    """Where DeepSpeed asked for what failed: the innermost frame outside its op builders
+    (``op_builder/*/no_impl.py`` only raises), as ``deepspeed/path.py:line function``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "op_builder" not in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    path = f.filename
+    if "site-packages/" in path:
+        path = path.split("site-packages/", 1)[1]
+    return f"{path}:{f.lineno} {f.name}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Worker: one process per rank, inside the emulated cluster.
 
@@ -239,6 +252,7 @@ def _measure(variant, args, corpus, rank, world):
         meter = NodeLinkMeter()
 
         def step(i: int) -> float:
+            nonlocal phase
             x, y = batch_for_step(
                 corpus.train,
                 step=i,
@@ -248,15 +262,15 @@ def _measure(variant, args, corpus, rank, world):
                 rank=rank,
                 world_size=world,
             )
+            phase = f"step {i} forward"
             _, loss = engine(x, y)
+            phase = f"step {i} backward"
             engine.backward(loss)
+            phase = f"step {i} engine.step"
             engine.step()
             return loss.item()
 
-        phase = "first training step"
-        losses = [step(0)]
-        phase = "training steps"
-        losses += [step(i) for i in range(1, args.warmup)]
+        losses = [step(i) for i in range(args.warmup)]
         times = []
         meter.start()
         for i in range(args.warmup, args.warmup + args.steps):
@@ -339,7 +353,12 @@ def worker(args: argparse.Namespace) -> int:
             try:
                 res = _measure(variant, args, corpus, rank, world)
             except Exception as exc:
-                why = {"phase": getattr(exc, "phase", "?"), "error": _first_line(exc), "rate": rate}
+                why = {
+                    "phase": getattr(exc, "phase", "?"),
+                    "error": _first_line(exc),
+                    "origin": _origin(exc),
+                    "rate": rate,
+                }
                 if rank == 0:
                     print(
                         f"[deepspeed_zero3] {rate} Mbit/s {variant}: failed in {why['phase']}: "
@@ -564,14 +583,15 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
             outcome = (
                 f"failed in {f['phase']} on {f.get('ranks_failed', '?')} rank(s): {f['error']}"
             )
+            origin = f.get("origin", "?")
         elif any(variant in by for by in results.values()):
-            outcome = "ran"
+            outcome, origin = "ran", "-"
         else:
-            outcome = "not reached (the run stopped before it)"
-        option_rows.append([variant, shown, outcome.replace("|", "/")])
+            outcome, origin = "not reached (the run stopped before it)", "-"
+        option_rows.append([variant, shown, outcome.replace("|", "/"), origin.replace("|", "/")])
     rep.table(
         "DeepSpeed ZeRO++ options on the CPU accelerator",
-        ["variant", "zero_optimization", "result"],
+        ["variant", "zero_optimization", "result", "raised from"],
         option_rows,
     )
     if not data.get("done", True):

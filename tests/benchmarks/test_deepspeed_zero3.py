@@ -149,10 +149,11 @@ def test_report_speedups_and_recorded_failures(ds):
             "ds-qwz": {
                 "phase": "deepspeed.initialize",
                 "error": QUANT_ERROR,
+                "origin": "deepspeed/runtime/zero/partition_parameters.py:865 __init__",
                 "rate": 100,
                 "ranks_failed": 4,
             },
-            "ds-qgz": {"phase": "first training step", "error": "RuntimeError: a | b", "rate": 100},
+            "ds-qgz": {"phase": "step 0 backward", "error": "RuntimeError: a | b", "rate": 100},
         },
         "done": False,
         "rc": 124,
@@ -175,14 +176,16 @@ def test_report_speedups_and_recorded_failures(ds):
             tuple(c.strip() for c in ln.strip("|").split("|")) for ln in options.splitlines()[4:]
         )
     }
-    assert rows["ds-zero3"][1:] == ("(none)", "ran")
+    assert rows["ds-zero3"][1:] == ("(none)", "ran", "-")
     assert rows["ds-defaults"][1].startswith("(none; DeepSpeed's default")
     assert rows["ds-defaults"][2] == "not reached (the run stopped before it)"
-    assert rows["ds-hpz"][1:] == ("zero_hpz_partition_size=2", "ran")
+    assert rows["ds-hpz"][1:] == ("zero_hpz_partition_size=2", "ran", "-")
     assert rows["ds-qwz"][1] == "zero_quantized_weights=true"
     assert rows["ds-qwz"][2] == f"failed in deepspeed.initialize on 4 rank(s): {QUANT_ERROR}"
+    assert rows["ds-qwz"][3] == "deepspeed/runtime/zero/partition_parameters.py:865 __init__"
     # A '|' in an error message must not split the markdown cell.
-    assert rows["ds-qgz"][2] == "failed in first training step on ? rank(s): RuntimeError: a / b"
+    assert rows["ds-qgz"][2] == "failed in step 0 backward on ? rank(s): RuntimeError: a / b"
+    assert rows["ds-qgz"][3] == "?"
     assert rows["ds-all"][2] == "not reached (the run stopped before it)"
     assert "stopped early (status 124)" in text
     assert "12 s of DeepSpeed op builds" in text and "DeepSpeed 0.19.8" in text
@@ -199,3 +202,21 @@ def test_missing_deepspeed_is_a_message_not_a_traceback(ds, monkeypatch, capsys,
     err = capsys.readouterr().err
     assert err.startswith("deepspeed_zero3: DeepSpeed is not importable")
     assert "Traceback" not in err and "/tmp/dsvenv" in err
+
+
+def _raise_from_op_builder():
+    def load():  # stands in for op_builder/cpu/no_impl.py, which only raises
+        raise ValueError("This op had not been implemented on CPU backend.")
+
+    load.__code__ = load.__code__.replace(
+        co_filename="/x/site-packages/deepspeed/ops/op_builder/cpu/no_impl.py"
+    )
+    load()
+
+
+def test_origin_names_the_caller_of_the_missing_op(ds):
+    with pytest.raises(ValueError) as info:
+        _raise_from_op_builder()
+    assert ds._first_line(info.value) == QUANT_ERROR
+    origin = ds._origin(info.value)
+    assert origin.endswith(" _raise_from_op_builder") and "test_deepspeed_zero3.py:" in origin
