@@ -234,6 +234,63 @@ static inline void decode_block(const float *code, const uint8_t *c, float amax,
     for (; k < n; k++) s[k] = code[c[k]] * amax;
 }
 
+#ifdef __AVX2__
+/* Adam / AdamW update of one decoded block that also returns both new absmaxes, saving the two
+ * block_absmax passes. The operations and their order are those of the scalar loop in step8
+ * (mode 1: decoupled decay of p, 2: L2 weight decay into g, 0: neither) and the absmax is
+ * accumulated exactly as block_absmax does (same lanes, same order, so NaNs act alike). */
+static inline __attribute__((always_inline)) void adam_block(
+    float *restrict pp, const float *restrict gg, float *restrict s1, float *restrict s2, int n,
+    const float *hp, float canon, int mode, float *amax1, float *amax2) {
+    const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
+    const float wd = hp[4], step_size = hp[5], bc2s = hp[6], decay = hp[7];
+    const __m256 canv = _mm256_set1_ps(canon), b1wv = _mm256_set1_ps(b1w);
+    const __m256 b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w), epsv = _mm256_set1_ps(eps);
+    const __m256 wdv = _mm256_set1_ps(wd), stv = _mm256_set1_ps(step_size);
+    const __m256 bcv = _mm256_set1_ps(bc2s), decv = _mm256_set1_ps(decay);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 m0 = _mm256_loadu_ps(s1 + k), v0 = _mm256_loadu_ps(s2 + k);
+        const __m256 p0 = _mm256_loadu_ps(pp + k);
+        __m256 gi = _mm256_add_ps(_mm256_loadu_ps(gg + k), canv), pi = p0;
+        if (mode == 1) pi = _mm256_mul_ps(p0, decv);
+        if (mode == 2) gi = _mm256_add_ps(gi, _mm256_mul_ps(wdv, p0));
+        const __m256 m = _mm256_add_ps(m0, _mm256_mul_ps(b1wv, _mm256_sub_ps(gi, m0)));
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(v0, b2v),
+                                       _mm256_mul_ps(_mm256_mul_ps(b2wv, gi), gi));
+        const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bcv), epsv);
+        _mm256_storeu_ps(pp + k, _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
+        _mm256_storeu_ps(s1 + k, m);
+        _mm256_storeu_ps(s2 + k, v);
+        acc1 = _mm256_max_ps(acc1, _mm256_and_ps(m, absmask));
+        acc2 = _mm256_max_ps(acc2, _mm256_and_ps(v, absmask));
+    }
+    float l1[8], l2[8], r1 = 0.0f, r2 = 0.0f;
+    _mm256_storeu_ps(l1, acc1);
+    _mm256_storeu_ps(l2, acc2);
+    for (int l = 0; l < 8; l++) {
+        r1 = l1[l] > r1 ? l1[l] : r1;
+        r2 = l2[l] > r2 ? l2[l] : r2;
+    }
+    for (; k < n; k++) {
+        float pi = pp[k], gi = gg[k] + canon;
+        if (mode == 1) pi = pi * decay;
+        if (mode == 2) gi = gi + wd * pi;
+        const float m = s1[k] + b1w * (gi - s1[k]);
+        const float v = s2[k] * b2 + b2w * gi * gi;
+        pp[k] = pi - step_size * (m / (sqrtf(v) / bc2s + eps));
+        s1[k] = m; s2[k] = v;
+        const float f1 = fabsf(m), f2 = fabsf(v);
+        r1 = f1 > r1 ? f1 : r1;
+        r2 = f2 > r2 ? f2 : r2;
+    }
+    *amax1 = r1;
+    *amax2 = r2;
+}
+#endif
+
 /*
  * One optimizer step over `rows` rows of `row_numel` elements; each row is cut into blocks of
  * `block` elements (the last one may be partial) with one absmax each. Per block: decode the
@@ -267,7 +324,18 @@ int step8(int kind, float *p, const float *g,
         uint8_t *cc2 = has2 ? c2 + off : NULL;
         decode_block(code1, cc1, a1[b], n, s1);
         if (has2) decode_block(code2, cc2, a2[b], n, s2);
-        switch (kind) {
+        float m1 = -1.0f, m2 = -1.0f; /* the new absmaxes, when an update found them */
+        int todo = kind;                /* the update still to run (per block: threads share kind) */
+#ifdef __AVX2__
+        if (todo == 0 && has2) {
+            const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
+            if (mode == 1) adam_block(pp, gg, s1, s2, n, hp, canon, 1, &m1, &m2);
+            else if (mode == 2) adam_block(pp, gg, s1, s2, n, hp, canon, 2, &m1, &m2);
+            else adam_block(pp, gg, s1, s2, n, hp, canon, 0, &m1, &m2);
+            todo = -1;
+        }
+#endif
+        switch (todo) {
         case 0: { /* Adam / AdamW: lr, beta1, beta2, eps, wd, step_size, bc2_sqrt, decay, 1-beta1,
                    1-beta2 (the complements rounded from double, as torch does) */
             const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
@@ -352,11 +420,11 @@ int step8(int kind, float *p, const float *g,
             break;
         }
         const int64_t gidx = global_offset + off;
-        const float m1 = block_absmax(s1, n);
+        if (m1 < 0.0f) m1 = block_absmax(s1, n);
         a1[b] = m1;
         encode_block(&q1, s1, n, m1, cc1, flags, seed1, gidx);
         if (has2) {
-            const float m2 = block_absmax(s2, n);
+            if (m2 < 0.0f) m2 = block_absmax(s2, n);
             a2[b] = m2;
             encode_block(&q2, s2, n, m2, cc2, flags, seed2, gidx);
         }
