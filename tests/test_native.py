@@ -72,3 +72,33 @@ def test_failures_give_none_and_say_why_once(cache, capsys, monkeypatch):
     none = _native.NativeLibrary("t", SOURCE, declare=declare, what="t", fallback="x")
     assert none.get() is None and "no C compiler" in none.failure
     assert sos(cache) == []
+
+
+def test_huge_page_advice_is_advice_only(monkeypatch):
+    import sys
+
+    import torch
+
+    # Small buffers and non-Linux platforms are skipped; a large one is advised (where THP is
+    # compiled in) without touching its contents.
+    small = torch.arange(1000, dtype=torch.int32)
+    assert _native.advise_huge_pages(small.data_ptr(), small.numel() * 4) is False
+    big = torch.arange(4 << 20, dtype=torch.int32)  # 16 MiB
+    before = big.clone()
+    advised = _native.advise_huge_pages(big.data_ptr(), big.numel() * 4)
+    assert isinstance(advised, bool)
+    assert torch.equal(big, before)
+    calls: list[tuple[int, int, int]] = []
+
+    class FakeLibc:
+        def madvise(self, start: int, length: int, advice: int) -> int:
+            calls.append((start, length, advice))
+            return 0
+
+    monkeypatch.setattr(_native, "_libc", FakeLibc())
+    monkeypatch.setattr(sys, "platform", "linux")
+    ptr = (5 << 21) + 12345  # unaligned start: only the 2 MiB-aligned interior is advised
+    assert _native.advise_huge_pages(ptr, 9 << 20) is True
+    assert calls == [(6 << 21, (ptr + (9 << 20)) // (1 << 21) * (1 << 21) - (6 << 21), 14)]
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert _native.advise_huge_pages(ptr, 9 << 20) is False and len(calls) == 1

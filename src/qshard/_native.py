@@ -30,7 +30,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 
-__all__ = ["DEFAULT_FLAGS", "NativeLibrary", "build_library", "cache_dir"]
+__all__ = ["DEFAULT_FLAGS", "NativeLibrary", "advise_huge_pages", "build_library", "cache_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +162,41 @@ class NativeLibrary:
                     )
                     print(f"{self._what} unavailable: {self.failure}", file=sys.stderr)
         return self._lib
+
+
+#: Below this size a fresh buffer's page faults are cheap next to the kernel writing it.
+HUGE_PAGE_MIN_BYTES = 8 << 20
+_HUGE = 1 << 21  # x86-64 / arm64 transparent huge page size
+_MADV_HUGEPAGE = 14
+_libc: ctypes.CDLL | bool | None = False  # False: not looked up yet; None: unavailable
+
+
+def advise_huge_pages(ptr: int, nbytes: int) -> bool:
+    """Ask Linux to back the 2 MiB-aligned interior of a fresh buffer with transparent huge
+    pages (``madvise(MADV_HUGEPAGE)``, honoured when THP is in "madvise" or "always" mode).
+
+    Why: a 64 MiB output freshly ``mmap``-ed by malloc takes 16K page faults when a kernel
+    first writes it; measured on this machine (64M-element dynamic-map quantize, 2 threads)
+    that halved throughput (0.37x ``copy_`` allocating vs 0.59x into a reused buffer), and
+    the advice recovered most of it (0.52x). Advice only: contents and semantics never
+    change, and any failure (other OS, no libc symbol, EINVAL) is ignored. Returns whether
+    the call was made and succeeded. Buffers below :data:`HUGE_PAGE_MIN_BYTES` are skipped.
+    """
+    global _libc
+    if nbytes < HUGE_PAGE_MIN_BYTES or not sys.platform.startswith("linux"):
+        return False
+    if _libc is False:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            lib.madvise.restype = ctypes.c_int
+            _libc = lib
+        except (OSError, AttributeError):
+            _libc = None
+    if _libc is None:
+        return False
+    start = (ptr + _HUGE - 1) & ~(_HUGE - 1)
+    end = (ptr + nbytes) & ~(_HUGE - 1)
+    if end <= start:
+        return False
+    return _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0

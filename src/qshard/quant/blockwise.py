@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from qshard import _triton
+from qshard._native import advise_huge_pages
 from qshard.quant import _fastpath, _native_kernels
 
 __all__ = [
@@ -378,6 +379,8 @@ def quantize_blockwise(
     codes = torch.empty(
         num_blocks * per_block, dtype=torch.int8 if bits == 8 else torch.uint8, device=x.device
     )
+    if codes.device.type == "cpu":
+        advise_huge_pages(codes.data_ptr(), codes.numel())  # fewer first-touch faults
     scales = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
     if rounding == "nearest" and _fastpath.use_native(flat):
         # One call for every block, the partial last one included (padding codes are 0).

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qshard._native import advise_huge_pages
 from qshard.quant import _codetable, _fastpath, _native_kernels
 
 __all__ = [
@@ -221,6 +222,8 @@ def quantize_codebook(
     if out is None:
         codes = torch.empty(numel, dtype=torch.uint8, device=x.device)
         absmax = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+        if codes.device.type == "cpu":
+            advise_huge_pages(codes.data_ptr(), numel)  # fewer first-touch faults
     else:
         codes, absmax = _check_out(out, numel, num_blocks, x.device)
     full = numel // block_size
