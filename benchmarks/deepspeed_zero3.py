@@ -513,7 +513,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
     rep.note(
         f"DeepSpeed {v.get('deepspeed', '?')} (accelerator {v.get('accelerator', '?')}, backend "
         f"{v.get('backend', '?')}), torch {v.get('torch', '?')}, run with "
-        f"{v.get('python', '?')} (the command line below names it python). GPT of "
+        f"{v.get('python', '?')} (the command line above names it python). GPT of "
         f"{data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width {args.n_embd}, "
         f"context {args.context}), fp32 compute and master weights, {args.batch_per_rank} "
         f"sequences per rank; {args.nodes} nodes x {args.ranks_per_node} ranks (netns + tbf, "
