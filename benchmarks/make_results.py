@@ -31,9 +31,9 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "--out-md docs/results/throughput.md",
     ),
     (
-        "throughput_200mbit.md",
-        "python benchmarks/throughput.py --rates 200 --steps 10 --variants "
-        "fsdp2,zero3,zero3-bf16,qwz,hpz,qgz,all --out-md docs/results/throughput_200mbit.md",
+        "deepspeed_zero3.md",
+        "/tmp/dsvenv/bin/python benchmarks/deepspeed_zero3.py --rates 100,200,400 --steps 10 "
+        "--out-md docs/results/deepspeed_zero3.md",
     ),
     (
         "convergence.md",
