@@ -183,7 +183,10 @@ def test_scalar_build_writes_the_same_bits(monkeypatch, extra):
     scalar = _scalar_library()
     for cls, kw in _ONE_STEP:
         kw = {**kw, **extra}
-        p1, o1 = _warm(cls, kw, (9, 333), steps=2)
+        # 13 x 333 >= min_8bit_size; rows of 256 + 77 (or 5 x 64 + 13): every vector loop and
+        # the scalar tails run
+        p1, o1 = _warm(cls, kw, (13, 333), steps=2)
+        assert any(k.endswith("_codes") for k in o1.state[p1]), "state must be 8-bit"
         p2 = torch.nn.Parameter(p1.detach().clone())
         p2.grad = p1.grad.clone()
         o2 = cls([p2], **kw)
