@@ -21,9 +21,9 @@ code is one table load and one integer compare. This is the rule of
 Where the time goes (AMD EPYC Zen 3, AVX2, one thread, per element of an Adam step; measured by
 timing variants with a phase removed): encoding the two states ~50% (a division by the block
 absmax and one table gather per 8 lanes each), the update ~25% (a square root and two
-divisions), decoding ~20%, the rest is memory traffic. Choices made by measurement: the decoder
-assembles 8 scalar table loads into a vector (AVX2 gathers are microcoded on Zen 3 and were
-~15% slower in total); the encoder handles 32 lanes per iteration (4 independent gathers in
+divisions), decoding ~20%, the rest loads, stores and loop overhead. Choices made by measurement: the decoder
+assembles 8 scalar table loads into a vector (with AVX2 gathers the whole step was ~15%
+slower on Zen 3); the encoder handles 32 lanes per iteration (4 independent gathers in
 flight, 3 packs + 1 permute to bytes); Adam's update finds both new absmaxes in the same pass.
 Multiplying by a reciprocal with an FMA correction instead of dividing (exact, but 3-5
 operations) was no faster. Every vector path writes the same bits as the scalar loops, which
@@ -227,7 +227,7 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
 }
 
 /* Decode a block: s = code[c] * amax. Eight scalar table loads assembled into a vector beat a
- * vector gather here (AMD Zen 3: the gather is microcoded and slower than eight loads). */
+ * vector gather here (measured on AMD Zen 3, where an 8-lane gather costs more than 8 loads). */
 static inline void decode_block(const float *code, const uint8_t *c, float amax, int n, float *s) {
     int k = 0;
 #ifdef __AVX2__
