@@ -94,9 +94,10 @@ class QuantizedAllGather(RecordingAllGather):
     Every rank (this one included) dequantizes the same gathered codes, so all ranks compute
     with bit-identical weights. The shard is cut into blocks of ``block_size`` elements
     (zero-padded at the end; the padding is never written to the output); each block has
-    one fp32 scale ``absmax / qmax``, so the error per element is at most half a step,
-    ``absmax_block / (2 * qmax)`` (``qmax`` = 127 for INT8, 7 for INT4), plus the rounding
-    of the result to the parameter dtype.
+    its fp32 absmax (the quant core's block format: the block's largest magnitude comes back
+    exactly), so the error per element is at most half a step, ``absmax_block / (2 * qmax)``
+    (``qmax`` = 127 for INT8, 7 for INT4), plus the rounding of the result to the parameter
+    dtype.
 
     [Note: qwZ block layout] FSDP2's flat input concatenates the shards of all the unit's
     parameters. Given ``segment_sizes`` (the per-parameter shard sizes, which
