@@ -50,7 +50,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,7 +62,6 @@ sys.path.insert(0, str(HERE))
 
 from _common import Report, add_report_args  # noqa: E402
 
-NETSIM = HERE / "netsim" / "netsim.sh"
 ALL_VARIANTS = ("ds-zero3", "ds-defaults", "ds-qwz", "ds-hpz", "ds-qgz", "ds-all")
 OPTIMIZERS = ("torch-adamw", "ds-cpu-adam")
 BASELINE = "ds-zero3"
@@ -438,6 +436,8 @@ def prebuild_ops(optimizer: str) -> tuple[float, str | None]:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    from netsim.cluster import needs_root, run_in_cluster
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "qshard-deepspeed-ext")
@@ -446,42 +446,25 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if problem:
         print(f"deepspeed_zero3: {problem}", file=sys.stderr)
         return 2
-    if os.geteuid() != 0:
-        print(
-            "deepspeed_zero3: needs root to build the emulated cluster (network namespaces, tc); "
-            "run as root",
-            file=sys.stderr,
-        )
-        return 77
+    refused = needs_root("deepspeed_zero3")
+    if refused is not None:
+        return refused
     build_s, problem = prebuild_ops(args.optimizer)
     if problem:
         print(f"deepspeed_zero3: {problem}", file=sys.stderr)
         return 2
     print(f"deepspeed_zero3: DeepSpeed ops ready ({build_s:.0f} s)", flush=True)
-    fd, result_json = tempfile.mkstemp(prefix="qshard-deepspeed-", suffix=".json")
-    os.close(fd)
-    cmd = [
-        "bash", str(NETSIM),
-        "-p", f"qds{os.getpid() % 100000}-",
-        "-n", str(args.nodes), "-r", str(args.ranks_per_node),
-        "-b", str(args.rate_list[0]), "-t", str(args.rank_timeout),
-        "run", "--",
-        sys.executable, str(Path(__file__).resolve()), *argv,
-        "--worker", "--result-json", result_json,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
-    load_start = os.getloadavg()[0]
-    rc = subprocess.run(cmd, env=env).returncode
-    try:
-        with open(result_json) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        data = None
-    finally:
-        if os.path.exists(result_json):
-            os.unlink(result_json)
+    run = run_in_cluster(
+        __file__,
+        argv,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        rate_mbit=args.rate_list[0],
+        rank_timeout_s=args.rank_timeout,
+        prefix="qds",
+    )
+    rc, data = run.rc, run.data
     if data is None:
         print(
             f"deepspeed_zero3: the emulated cluster run failed with status {rc} before any "
@@ -489,7 +472,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return rc or 1
-    data["load"] = [load_start, os.getloadavg()[0]]
+    data["load"] = list(run.load)
     data["rc"] = rc
     data["build_s"] = build_s
     report(args, data, time.perf_counter() - t0)

@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -42,7 +39,6 @@ sys.path.insert(0, str(HERE))
 
 from _common import Report, add_report_args  # noqa: E402
 
-NETSIM = HERE / "netsim" / "netsim.sh"
 ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
 DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
 # ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
@@ -262,36 +258,25 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    if os.geteuid() != 0:
-        print(
-            "throughput: needs root to build the emulated cluster (network namespaces, tc); "
-            "run as root",
-            file=sys.stderr,
-        )
-        return 77
-    fd, result_json = tempfile.mkstemp(prefix="qshard-throughput-", suffix=".json")
-    os.close(fd)
-    cmd = [
-        "bash", str(NETSIM),
-        "-p", f"qtp{os.getpid() % 100000}-",
-        "-n", str(args.nodes), "-r", str(args.ranks_per_node),
-        "-b", str(args.rate_list[0]), "-t", str(args.rank_timeout),
-        "run", "--",
-        sys.executable, str(Path(__file__).resolve()), *argv,
-        "--worker", "--result-json", result_json,
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")]))
+    from netsim.cluster import needs_root, run_in_cluster
+
+    refused = needs_root("throughput")
+    if refused is not None:
+        return refused
     t0 = time.perf_counter()
-    load_start = os.getloadavg()[0]
-    rc = subprocess.run(cmd, env=env).returncode
-    if rc != 0:
-        print(f"throughput: the emulated cluster run failed with status {rc}", file=sys.stderr)
-        return rc
-    with open(result_json) as f:
-        data = json.load(f)
-    os.unlink(result_json)
-    data["load"] = [load_start, os.getloadavg()[0]]
+    run = run_in_cluster(
+        __file__,
+        argv,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        rate_mbit=args.rate_list[0],
+        rank_timeout_s=args.rank_timeout,
+        prefix="qtp",
+    )
+    if run.rc != 0 or run.data is None:
+        print(f"throughput: the emulated cluster run failed with status {run.rc}", file=sys.stderr)
+        return run.rc or 1
+    data = dict(run.data, load=list(run.load))
     report(args, data, time.perf_counter() - t0)
     return 0
 
