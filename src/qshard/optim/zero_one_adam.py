@@ -119,8 +119,10 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             compression] in the module docstring for why the default converges much better.
         bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
             updates so far (default False, as both papers' code). The momentum is not corrected.
-            Recommended when ``var_freeze_step`` is short: T_v updates the variance rarely, so
-            without it ``sqrt(v)`` stays far below the gradient scale and steps are too large.
+            Recommended when ``var_freeze_step`` is short and beta2 close to 1 (0.999): T_v
+            updates the variance rarely, so without it ``sqrt(v)`` stays far below the gradient
+            scale and steps are too large. Not with a fast beta2 (0.95): v warms up in ~20
+            updates and correcting v but not m makes the early steps too small (measured).
 
     After the last step of training, call :meth:`synchronize` if the last step was local, so
     that every rank holds the same parameters.

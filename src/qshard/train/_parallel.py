@@ -18,7 +18,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from qshard.comm import Topology
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
 
-__all__ = ["build_optimizer", "distribute", "missing_features", "zeropp_blocks"]
+__all__ = [
+    "build_optimizer",
+    "distribute",
+    "missing_features",
+    "zero_one_adam_schedule",
+    "zeropp_blocks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +148,44 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     if config.optim == "adamw8bit":
         return cls(groups, lr=config.lr, betas=betas, eps=1e-8)
     # The papers' schedules are sized for 10^5-step runs; scale them to this run: 1-bit Adam
-    # warms up in full precision for 1/4 of the steps; 0/1 Adam updates the variance (at
-    # growing intervals) for the first quarter and starts growing its local-step interval after
-    # the first eighth.
+    # warms up in full precision for 1/4 of the steps; 0/1 Adam follows its paper's rules for
+    # T_v and T_u applied to this run's lr schedule (zero_one_adam_schedule).
     if config.optim == "onebit_adam":
         freeze = max(1, config.steps // 4)
         return cls(groups, lr=config.lr, betas=betas, eps=1e-8, freeze_step=freeze)
-    return cls(
-        groups,
-        lr=config.lr,
-        betas=betas,
-        eps=1e-8,
-        var_freeze_step=max(1, config.steps // 4),
-        local_step_scaler=max(1, config.steps // 8),
-    )
+    return cls(groups, lr=config.lr, betas=betas, eps=1e-8, **zero_one_adam_schedule(config))
+
+
+def _halving_step(config: TrainConfig, start: int) -> int | None:
+    """The first optimizer step after ``start`` whose lr is at most half of step ``start``'s
+    (optimizer steps count from 1; the loop's step ``s`` runs optimizer step ``s + 1``)."""
+    from qshard.train.loop import learning_rate  # here: loop imports this module
+
+    half = learning_rate(start - 1, config) / 2
+    for step in range(start + 1, config.steps + 1):
+        if learning_rate(step - 1, config) <= half:
+            return step
+    return None
+
+
+def zero_one_adam_schedule(config: TrainConfig) -> dict[str, int]:
+    """``var_freeze_step`` and ``local_step_scaler`` of 0/1 Adam for this run's lr schedule.
+
+    The paper's rules (Lu et al. 2022, Section 6, "Policy for T_v and T_u"): the sync interval
+    is 1 while the lr warms up and then grows inversely to the lr, doubling each time the lr
+    halves, capped at H = 16; the variance stops being updated once the interval exceeds 1.
+    With qshard's schedule functions (phase B starts at interval 1 and doubles every
+    ``local_step_scaler`` steps) that is: freeze the variance where the lr has halved from its
+    peak, and ``local_step_scaler`` = the steps the lr then takes to halve again. For BERT the
+    paper's 12.5k-step warm-up and 0.99-per-520-steps decay gave its 32,678; a 600-step cosine
+    run from 3e-3 to 3e-4 with 30 warm-up steps gets 337 and 112. ``var_update_scaler`` (kappa)
+    and ``local_step_clipper`` (H) keep the paper's 16. Runs whose lr never halves after its
+    peak freeze at 3/4 of the steps and never grow the interval (sized so nothing overflows).
+    """
+    peak = max(1, config.warmup_steps)
+    freeze = _halving_step(config, peak)
+    if freeze is None or freeze >= config.steps:
+        return {"var_freeze_step": max(1, 3 * config.steps // 4), "local_step_scaler": config.steps}
+    again = _halving_step(config, freeze)
+    scaler = (again if again is not None else config.steps + 1) - freeze
+    return {"var_freeze_step": freeze, "local_step_scaler": max(1, scaler)}
