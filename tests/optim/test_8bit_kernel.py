@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from qshard import _native
 from qshard import optim as qoptim
 from qshard.optim import _kernels, _qstate
+from qshard.quant import _codetable
 from qshard.quant.dynamic import quantize_codebook
 
 pytestmark = pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
@@ -153,6 +154,19 @@ def test_kernel_and_torch_paths_agree(monkeypatch):
                 assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 1e-3, (cls, k)
             elif k.endswith("_absmax"):
                 torch.testing.assert_close(v, o2.state[p2][k], rtol=1e-6, atol=0)
+
+
+def test_kernel_encodes_with_the_quantizers_search_table():
+    # One table and one C encoder for both exact-nearest encoders (qshard.quant._codetable,
+    # whose test_codetable.py checks the table against bucketize on every midpoint).
+    for signed in (True, False):
+        q = _qstate.qmap(signed)
+        assert torch.equal(q.lut, _codetable.search_table(q.code))
+        mid = (q.code[:-1] + q.code[1:]) / 2
+        x = torch.cat([mid, torch.nextafter(mid, -mid.sign() * 2), q.code]).clamp(-1, 1)
+        x = x if signed else x.abs()
+        assert torch.equal(_codetable.nearest_reference(x, q.lut), torch.bucketize(x, mid))
+    assert _kernels._SOURCE.count(_codetable.NEAREST_C) == 1
 
 
 def test_bad_block_size_is_rejected_by_kernel():

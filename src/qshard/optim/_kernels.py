@@ -14,9 +14,12 @@ optimizers use the torch reference path in :mod:`qshard.optim._qstate`, logged o
 Encoding is exact nearest over the sorted 256-entry code: the index is the number of code
 midpoints strictly below the normalised value (ties go to the lower code). It takes no search:
 an 8192-entry table indexed by sign, clamped exponent and 7 mantissa bits holds, per bucket, the
-count of midpoints below it and the low bits of the (at most one) midpoint inside it, so the
-code is one table load and one integer compare. This is the rule of
-:func:`qshard.quant.dynamic.quantize_codebook` (tested value for value).
+count of midpoints below it (bits 16-31) and a 16-bit compare key of the (at most one) midpoint
+inside it (bits 0-15), so the code is one table load and one integer compare. The table, its
+builder and the C primitives ``nearest_code`` / ``nearest_code8`` are those of
+:mod:`qshard.quant._codetable` (``NEAREST_C`` is concatenated into the source below), shared
+with the dynamic-map quantizer; this kernel keeps its own 32-lane encode loop. This is the rule
+of :func:`qshard.quant.dynamic.quantize_codebook` (tested value for value).
 
 Where the time goes (AMD EPYC Zen 3, AVX2, one thread, per element of an Adam step; measured by
 timing variants with a phase removed): encoding the two states ~50% (a division by the block
@@ -37,6 +40,7 @@ import ctypes
 import torch
 
 from qshard._native import NativeLibrary
+from qshard.quant._codetable import NEAREST_C
 
 __all__: list[str] = []  # private module
 
@@ -56,44 +60,27 @@ FLAG_FIRST_STEP = 16  # SGD: the momentum buffer starts as the gradient (torch s
 
 MAX_BLOCK = 4096
 
-_SOURCE = r"""
+# nearest_code / nearest_code8 (the exact nearest-code encoder and its search table) come from
+# qshard.quant._codetable, shared with the dynamic-map quantizer.
+_SOURCE = (
+    r"""
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+"""
+    + NEAREST_C
+    + r"""
 
 typedef struct {
     const float *code;    /* 256 sorted values */
     const float *mid;     /* 255 midpoints between consecutive codes */
-    const uint32_t *lut;  /* 8192 entries, see nearest() */
+    const uint32_t *lut;  /* 8192 entries: qshard.quant._codetable's search table */
     int zero_idx;         /* index of the 0.0 code */
     int is_signed;
 } qmap_t;
-
-/* Exact nearest code without a search. The table is indexed by x's sign and the top 15 bits of
- * |x| (8 exponent bits clamped to [2^-31, 2^0], 7 mantissa bits). Each bucket holds at most one
- * midpoint of the code (checked when the table is built). An entry packs the number of
- * midpoints certainly below the bucket (bits 16-23) and a 16-bit key (bits 0-15): the low 16
- * bits of the midpoint inside the bucket, complemented in the negative half, or 0xFFFF when the
- * bucket holds none. That midpoint shares x's high bits, so `x > mid` is `key(x) > key` with
- * key(x) the low 16 bits of x, complemented for negative x (there x > mid means |x| < |mid|);
- * 0xFFFF is never exceeded. Normalised states lie in [-1, 1] and the maps have no midpoint
- * below 2^-22 in magnitude, so the clamp is safe. */
-static inline int lut_index(uint32_t b) {
-    int t = (int)((b & 0x7FFFFFFFu) >> 16) - (96 << 7);
-    t = t < 0 ? 0 : (t > 4095 ? 4095 : t);
-    return (int)((b >> 31) << 12) | t;
-}
-
-/* Number of midpoints strictly below x: the nearest code, ties to the lower code. */
-static inline int nearest(const qmap_t *q, float x) {
-    uint32_t b; memcpy(&b, &x, 4);
-    const uint32_t e = q->lut[lut_index(b)];
-    const uint32_t key = (b ^ (uint32_t)((int32_t)b >> 31)) & 0xFFFFu;
-    return (int)(e >> 16) + (key > (e & 0xFFFFu));
-}
 
 static inline uint64_t mix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ull;
@@ -103,7 +90,7 @@ static inline uint64_t mix64(uint64_t z) {
 }
 
 static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int64_t gidx) {
-    int i = nearest(q, x);
+    int i = (int)nearest_code(q->lut, x);
     if (flags & 8) { /* stochastic: round up with probability proportional to the distance */
         int lo = (q->code[i] <= x) ? i : i - 1;
         if (lo < 0) lo = 0;
@@ -142,27 +129,12 @@ static inline float block_absmax(const float *s, int n) {
 }
 
 #ifdef __AVX2__
-/* nearest() on 8 lanes from the bits of x: index arithmetic, one table gather, one compare. */
-static inline __m256i nearest8(const uint32_t *lut, __m256i b) {
-    const __m256i hi = _mm256_srli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), 16);
-    /* a saturating 16-bit subtract clamps at 0 (the upper halves are 0 - 0) */
-    __m256i t = _mm256_subs_epu16(hi, _mm256_set1_epi32(96 << 7));
-    t = _mm256_min_epi32(t, _mm256_set1_epi32(4095));
-    const __m256i neg = _mm256_srai_epi32(b, 31);
-    const __m256i idx = _mm256_or_si256(_mm256_and_si256(neg, _mm256_set1_epi32(4096)), t);
-    const __m256i e = _mm256_i32gather_epi32((const int *)lut, idx, 4);
-    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-    const __m256i key = _mm256_and_si256(_mm256_xor_si256(b, neg), low16);
-    return _mm256_sub_epi32(_mm256_srli_epi32(e, 16),
-                            _mm256_cmpgt_epi32(key, _mm256_and_si256(e, low16)));
-}
-
 /* The code of x = s / d on 8 lanes, with the unsigned floor when `floor0` (a constant at every
  * call, so the unused branch compiles away). */
 static inline __attribute__((always_inline)) __m256i code8(const uint32_t *lut, const float *s,
                                                            __m256 dv, __m256i zidx, int floor0) {
     const __m256 x = _mm256_div_ps(_mm256_loadu_ps(s), dv);
-    const __m256i i = nearest8(lut, _mm256_castps_si256(x));
+    const __m256i i = nearest_code8(lut, x);
     if (!floor0) return i;
     const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
     return _mm256_sub_epi32(i, _mm256_and_si256(pos, _mm256_cmpeq_epi32(i, zidx)));
@@ -220,7 +192,7 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
 #endif
     for (; k < n; k++) {
         const float x = s[k] / d;
-        int i = nearest(q, x);
+        int i = (int)nearest_code(q->lut, x);
         i += floor0 & (x > 0.0f) & (i == zero);
         out[k] = (uint8_t)i;
     }
@@ -466,6 +438,7 @@ int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const
     return 0;
 }
 """
+)
 
 
 def _declare(lib: ctypes.CDLL) -> None:

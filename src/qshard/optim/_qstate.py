@@ -15,7 +15,9 @@ element per row, so they keep fp32 state (they are biases and norm scales; see
 ``eligible_for_8bit``).
 
 Encoding is exact nearest (:func:`qshard.quant.dynamic.quantize_codebook`'s rule) with the
-optional fixes of the three pitfalls (see :class:`Rounding`).
+optional fixes of the three pitfalls (see :class:`Rounding`). The kernel finds the nearest code
+with the search table of :mod:`qshard.quant._codetable` (one table load and one integer compare
+per value), the same table and C encoder the dynamic-map quantizer uses.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from qshard.optim import _kernels
+from qshard.quant import _codetable
 from qshard.quant.dynamic import dynamic_map, quantize_codebook
 
 __all__: list[str] = []  # private module
@@ -41,44 +43,9 @@ class QMap:
     code: Tensor  # (256,) fp32, sorted
     mid: Tensor  # (255,) fp32 midpoints (ties go to the lower code)
     mid_padded: Tensor  # (256,) the midpoints and +inf, for the kernel's branchless search
-    lut: Tensor  # (8192,) int32 (read as uint32): the kernel's search table, see _build_lut
+    lut: Tensor  # (8192,) int32 (read as uint32): qshard.quant._codetable's search table
     zero_idx: int
     signed: bool
-
-
-def _f32(bits: np.ndarray) -> Tensor:
-    return torch.from_numpy(bits.astype(np.uint32).view(np.float32).copy())
-
-
-def _build_lut(mid: Tensor) -> Tensor:
-    """The kernel's search table (see ``nearest`` in ``_kernels.py``): for each sign and each
-    magnitude bucket (exponent clamped to [2^-31, 2^0], top 7 mantissa bits), the number of
-    midpoints certainly below the bucket (bits 16-23) and a 16-bit compare key (bits 0-15): the
-    low 16 bits of the midpoint inside the bucket (complemented for the negative half, where
-    ``x > mid`` means ``|x| < |mid|``), or 0xFFFF, which no key of x exceeds, when there is none."""
-    t = np.arange(4096, dtype=np.int64)
-    lo = _f32((t + (96 << 7)) << 16)
-    hi = _f32((t + 1 + (96 << 7)) << 16)
-    lo[0] = 0.0  # bucket 0 also holds every smaller magnitude
-    entries = []
-    for negative, (base, inside) in enumerate(
-        (
-            (torch.bucketize(lo, mid), torch.bucketize(hi, mid)),  # x in [lo, hi)
-            (torch.bucketize(-hi, mid, right=True), torch.bucketize(-lo, mid, right=True)),
-        )
-    ):
-        count = (inside - base).long()
-        # One compare must finish the search: at most one midpoint per bucket.
-        if int(count.max()) > 1 or int(count[0]) != 0:
-            raise AssertionError("code map too dense for the kernel's search table")
-        m = mid[base.clamp(max=mid.numel() - 1)].abs()
-        low = torch.from_numpy(m.numpy().view(np.uint32).astype(np.int64) & 0xFFFF)
-        if negative:
-            low = 0xFFFF - low
-        key = torch.where(count > 0, low, torch.full_like(low, 0xFFFF))
-        entries.append((base.long() << 16) | key)
-    table = torch.cat(entries).numpy().astype(np.uint32).view(np.int32)
-    return torch.from_numpy(table.copy())
 
 
 @functools.cache
@@ -86,7 +53,10 @@ def qmap(signed: bool) -> QMap:
     code = dynamic_map(signed=signed).contiguous()
     mid = ((code[:-1] + code[1:]) / 2.0).contiguous()
     zero_idx = int((code == 0).nonzero()[0, 0])
-    lut = _build_lut(mid)
+    # The exact nearest-code table shared with the dynamic-map quantizer (one compare per value).
+    lut = _codetable.search_table(code)
+    if lut is None:  # the dynamic maps always fit; a refusal means the map or table changed
+        raise AssertionError("code map too dense for the kernel's search table")
     mid_padded = torch.cat([mid, torch.tensor([float("inf")])]).contiguous()
     return QMap(
         code=code, mid=mid, mid_padded=mid_padded, lut=lut, zero_idx=zero_idx, signed=signed

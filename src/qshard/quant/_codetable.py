@@ -1,4 +1,7 @@
-"""The 8192-entry search table of exact nearest-code encoding, and the C text that reads it.
+"""The 8192-entry search table of exact nearest-code encoding, its one builder, and the one C
+definition of the encoder that reads it (``NEAREST_C``, compiled into both the dynamic-map
+quantizer, :mod:`qshard.quant._native_kernels`, and the fused 8-bit optimizer kernel,
+:mod:`qshard.optim._kernels`).
 
 Encoding against a sorted code map of at most 256 values means: the index of the code is the
 number of code midpoints strictly below the value (``torch.bucketize(v, mids)``, a value on a
@@ -9,20 +12,21 @@ midpoint takes the lower code). Normalised values lie in [-1, 1], and in the map
 * a bucket is the sign of ``v`` and the top 15 bits of ``|v|`` (8 exponent bits, 7 mantissa
   bits), with the magnitude clamped to [2^-31, 2^1): ``t = clamp((|bits| >> 16) - (96 << 7),
   0, 4095)``; index ``(sign << 12) | t``. 8192 entries of 4 bytes: 32 KiB, one L1.
-* entry bits 0-7: the number of midpoints certainly below the bucket (``base``); bits 16-31:
-  a 16-bit ``key`` such that ``v`` lies above the one midpoint inside the bucket iff
-  ``low16(v) ^ (sign ? 0xFFFF : 0) > key``. A midpoint inside the bucket shares ``v``'s top
-  16 bits, so comparing the low 16 bits decides ``v > mid`` (reversed for negative values,
-  hence the XOR and the stored ``0xFFFF - low16(mid)``); a bucket without a midpoint stores
-  0xFFFF, which nothing exceeds.
-* the code is ``base + (low16 ^ signmask > key)``: one table load and an integer compare, 8
-  lanes at a time with AVX2 (one gather).
+* entry bits 16-31: ``base``, the number of midpoints certainly below the bucket (at most
+  255); bits 0-15: a 16-bit compare ``key`` such that ``v`` lies above the one midpoint inside
+  the bucket iff ``key(v) > key`` with ``key(v) = low16(v) ^ (sign ? 0xFFFF : 0)``. A midpoint
+  inside the bucket shares ``v``'s top 16 bits, so comparing the low 16 bits decides
+  ``v > mid`` (reversed for negative values, where ``v > mid`` means ``|v| < |mid|``: hence the
+  XOR and the stored ``0xFFFF - low16(mid)``); a bucket without a midpoint stores 0xFFFF, which
+  no ``key(v)`` exceeds.
+* the code is ``(e >> 16) + (key(v) > (e & 0xFFFF))``: one table load and ONE integer compare,
+  8 lanes at a time with AVX2 (one gather).
 
-:func:`search_table` builds the table from the fp32 midpoints with ``torch.bucketize`` and
-refuses (``None``) a map where a bucket holds two midpoints or the clamped bucket 0 holds
-one (e.g. the signed linear map, whose duplicate zero puts a midpoint at 0); callers then use
-a slower exact path. ``qshard.optim._kernels`` encodes with the same layout idea (its table
-also carries a "has a midpoint" bit); it keeps its own copy of the C text for now.
+:func:`build_search_table` builds the table from the fp32 midpoints with ``torch.bucketize``
+and refuses (``None``) a map where a bucket holds two midpoints or the clamped bucket 0 holds
+one (e.g. the signed linear map, whose duplicate zero puts a midpoint at 0); the quantizer then
+uses its slower exact byte-table path, and the 8-bit optimizers (which only use the dynamic
+maps, always served) treat a refusal as a bug.
 """
 
 from __future__ import annotations
@@ -38,29 +42,33 @@ __all__: list[str] = []  # private module
 #: Entries of the table (two signs x 4096 magnitude buckets).
 TABLE_SIZE = 8192
 
-#: C text: ``nearest_code(lut, v)`` (scalar) and, under AVX2, ``nearest_code8(lut, v)``
-#: returning 8 int32 code indices. Needs <stdint.h>, <string.h> and <immintrin.h> first.
+#: C text, included by both C kernels: ``nearest_code(lut, v)`` (scalar, the code index of fp32
+#: ``v``) and, under AVX2, ``nearest_code8(lut, v)`` (8 int32 code indices of an ``__m256``).
+#: Needs <stdint.h>, <string.h> and (under AVX2) <immintrin.h> first.
 NEAREST_C = r"""
 static inline uint32_t nearest_code(const uint32_t *restrict lut, float v) {
     uint32_t b; memcpy(&b, &v, 4);
     int t = (int)((b & 0x7FFFFFFFu) >> 16) - (96 << 7);
     t = t < 0 ? 0 : (t > 4095 ? 4095 : t);
     const uint32_t e = lut[((b >> 31) << 12) | (uint32_t)t];
-    const uint32_t xl = (b ^ (uint32_t)((int32_t)b >> 31)) & 0xFFFFu;
-    return (e & 0xFFu) + (xl > (e >> 16));
+    const uint32_t key = (b ^ (uint32_t)((int32_t)b >> 31)) & 0xFFFFu;
+    return (e >> 16) + (key > (e & 0xFFFFu));
 }
 #ifdef __AVX2__
 static inline __m256i nearest_code8(const uint32_t *restrict lut, __m256 v) {
     const __m256i b = _mm256_castps_si256(v);
-    __m256i t = _mm256_srli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), 16);
-    t = _mm256_sub_epi32(t, _mm256_set1_epi32(96 << 7));
-    t = _mm256_min_epi32(_mm256_max_epi32(t, _mm256_setzero_si256()), _mm256_set1_epi32(4095));
-    const __m256i idx = _mm256_or_si256(_mm256_slli_epi32(_mm256_srli_epi32(b, 31), 12), t);
+    const __m256i hi = _mm256_srli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7FFFFFFF)), 16);
+    /* a saturating 16-bit subtract clamps at 0 (the upper halves are 0 - 0) */
+    __m256i t = _mm256_subs_epu16(hi, _mm256_set1_epi32(96 << 7));
+    t = _mm256_min_epi32(t, _mm256_set1_epi32(4095));
+    const __m256i neg = _mm256_srai_epi32(b, 31);
+    const __m256i idx = _mm256_or_si256(_mm256_and_si256(neg, _mm256_set1_epi32(4096)), t);
     const __m256i e = _mm256_i32gather_epi32((const int *)lut, idx, 4);
-    const __m256i xl = _mm256_and_si256(_mm256_xor_si256(b, _mm256_srai_epi32(b, 31)),
-                                        _mm256_set1_epi32(0xFFFF));
-    const __m256i gt = _mm256_cmpgt_epi32(xl, _mm256_srli_epi32(e, 16)); /* -1 where above */
-    return _mm256_sub_epi32(_mm256_and_si256(e, _mm256_set1_epi32(0xFF)), gt);
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i key = _mm256_and_si256(_mm256_xor_si256(b, neg), low16);
+    /* cmpgt is -1 where v lies above the bucket's midpoint */
+    return _mm256_sub_epi32(_mm256_srli_epi32(e, 16),
+                            _mm256_cmpgt_epi32(key, _mm256_and_si256(e, low16)));
 }
 #endif
 """
@@ -96,7 +104,7 @@ def build_search_table(mids: Tensor) -> Tensor | None:
         low16 = mid_bits[base.clamp(max=mids.numel() - 1)] & 0xFFFF
         key = (0xFFFF - low16) if negative else low16
         key = torch.where(inside == 1, key, 0xFFFF)
-        halves.append(base.long() | (key << 16))
+        halves.append((base.long() << 16) | key)
     table = torch.cat(halves).numpy().astype(np.uint32).view(np.int32)
     return torch.from_numpy(table.copy())
 
@@ -123,5 +131,5 @@ def nearest_reference(v: Tensor, lut: Tensor) -> Tensor:
     t = (((b & 0x7FFFFFFF) >> 16) - (96 << 7)).clamp(0, 4095)
     e = lut.long()[((b >> 31) << 12) | t] & 0xFFFFFFFF
     sign = torch.where((b >> 31) == 1, 0xFFFF, 0)
-    xl = (b & 0xFFFF) ^ sign
-    return (e & 0xFF) + (xl > (e >> 16)).long()
+    key = (b & 0xFFFF) ^ sign
+    return (e >> 16) + (key > (e & 0xFFFF)).long()

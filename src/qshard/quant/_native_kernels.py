@@ -23,7 +23,8 @@ Bit-exactness with the reference path (tests/quant/test_fastpath.py checks every
   (32 KiB, L1-resident): sign + clamped exponent + 7 mantissa bits of ``x / absmax`` index an
   entry holding the count of midpoints below the bucket and a 16-bit key of the one midpoint
   inside it, so a code is one gather and an integer compare per 8 lanes (ties to the lower
-  code, as ``bucketize`` on the midpoints). A map the table refuses (only the 2-bit signed
+  code, as ``bucketize`` on the midpoints); the 8-bit optimizers' kernel includes the same
+  ``NEAREST_C`` text and reads the same table. A map the table refuses (only the 2-bit signed
   linear map among those we ship) uses the older 2^17-entry byte table of
   :mod:`qshard.quant._fastpath` (``codebook_table``): two gathers per 8 lanes, ~1.8x slower.
 * Dequantization multiplies in fp32 and, for bf16/fp16 outputs, rounds to nearest even as
