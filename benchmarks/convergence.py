@@ -240,33 +240,6 @@ def _custom_distribute(variant: Variant, steps: int):
     return distribute
 
 
-def _synchronize_before_evaluating(loop) -> None:
-    """Make every evaluation of ``loop`` see the synchronised model of 0/1 Adam.
-
-    Between two 0/1 Adam syncs every rank holds its own replica (local steps), and
-    ``loop._evaluate`` lets each rank score its share of the validation batches with its own
-    replica, so the loss measured is that of no model anyone would keep (the run's model is the
-    synchronised one: ``ZeroOneAdam.synchronize()``, which its docs say to call after the last
-    step). The loop does not call it (qshard.train.loop is not this script's to change; reported
-    to its owner), so the benchmark does, once before each evaluation: one 1-bit round, on the
-    evaluation's scratch ledger, like the evaluation's own traffic; at most 10 rounds in 600 steps.
-    """
-    build, evaluate = loop.build, loop._evaluate
-    optimizers: list = []
-
-    def build_and_keep(*args, **kwargs):
-        model, optimizer, layout = build(*args, **kwargs)
-        optimizers[:] = [optimizer]
-        return model, optimizer, layout
-
-    def synchronized_evaluate(*args, **kwargs):
-        if optimizers and hasattr(optimizers[0], "synchronize"):
-            optimizers[0].synchronize()
-        return evaluate(*args, **kwargs)
-
-    loop.build, loop._evaluate = build_and_keep, synchronized_evaluate
-
-
 def _world(rank: int, world: int, settings: dict, names: list[str], run_root: str) -> dict:
     import warnings
 
@@ -279,7 +252,6 @@ def _world(rank: int, world: int, settings: dict, names: list[str], run_root: st
     torch.set_num_threads(1)
     out: dict[str, dict] = {}
     original = loop.distribute
-    _synchronize_before_evaluating(loop)
     for name in names:
         v = BY_NAME[name]
         cfg = TrainConfig(
@@ -346,8 +318,8 @@ def report(args: argparse.Namespace, data: dict) -> None:
         f"{s['warmup_steps']}, cosine to lr/10), seed {s['seed']}; {s['nproc']} ranks as "
         f"{s['nproc'] // s['ranks_per_node']} emulated nodes of {s['ranks_per_node']} (gloo, "
         "unshaped); qshard.train's loop. Validation loss: mean over "
-        f"{s['eval_batches']} fixed global batches (0/1 Adam: of its synchronised model, see "
-        "`_synchronize_before_evaluating`). Train loss: mean of the last 10% of steps."
+        f"{s['eval_batches']} fixed global batches (0/1 Adam: of its synchronised model; the loop "
+        "syncs before evaluating). Train loss: mean of the last 10% of steps."
         + (
             f" Host load average {data['load'][0]:.1f} at the start, {data['load'][1]:.1f} at "
             "the end (times only; the losses do not depend on it)."

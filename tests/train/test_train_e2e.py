@@ -115,8 +115,19 @@ def _two_rank_world(rank, world, tmp):
     dist.barrier()
     out["continued"] = train(four.replace(resume=True))["losses"]
     # (3) the data-parallel 0/1 Adam (per-rank error buffers and schedules) resumes exactly too.
-    dp = cfg.replace(optim="zero_one_adam", zeropp="off", export=False, eval_interval=0)
+    # 10 steps: its schedule for this run syncs at steps 8 and 9, so step 10 is a local step
+    # that the loop must sync before the final checkpoint.
+    dp = cfg.replace(optim="zero_one_adam", zeropp="off", export=False, eval_interval=0, steps=10)
     dp_full = train(dp.replace(out=str(tmp / "dp_full")))
+    final = tmp / "dp_full/checkpoints/step_00000010"
+    models = [
+        torch.load(final / f"rank_{r:05d}.pt", weights_only=False)["model"] for r in range(world)
+    ]
+    # Names only: tensors returned through run_world's queue would outlive their sender.
+    out["dp_final_names"] = sorted(models[0])
+    out["dp_final_differ"] = sorted(
+        name for m in models[1:] for name in m if not torch.equal(m[name], models[0][name])
+    )
     if rank == 0:
         shutil.copytree(
             tmp / "dp_full/checkpoints/step_00000003", tmp / "dp_resumed/checkpoints/step_00000003"
@@ -158,9 +169,17 @@ def test_resume_reproduces_uninterrupted_losses(worlds):
 
 def test_zero_one_adam_resume_is_exact(worlds):
     _, _, two = worlds
-    assert sorted(two["dp_resumed"]) == [3, 4, 5]
+    assert sorted(two["dp_resumed"]) == list(range(3, 10))
     for step, loss in two["dp_resumed"].items():
         assert loss == two["dp_full"][step], step
+
+
+def test_zero_one_adam_saves_the_synchronised_model(worlds):
+    # The last step was local (each rank moved its own replica); the loop synchronised before
+    # saving, so every rank's checkpoint holds the same model.
+    _, _, two = worlds
+    assert len(two["dp_final_names"]) > 0
+    assert two["dp_final_differ"] == []
 
 
 def test_loss_falls(worlds):

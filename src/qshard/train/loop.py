@@ -100,6 +100,20 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return float(value) / dist.get_world_size()
 
 
+def _synchronize(optimizer: torch.optim.Optimizer) -> None:
+    """Bring every rank to the same replica before it is evaluated or saved.
+
+    Between two syncs of an optimizer with local steps (0/1 Adam, phase B) each rank holds its
+    own replica; the run's model is the synchronised one. ``synchronize()`` is a collective that
+    communicates only when a local step happened since the last sync, and its bytes are training
+    traffic (it sets the parameters and momentum every later step starts from), so they go to
+    the run's ledger.
+    """
+    sync = getattr(optimizer, "synchronize", None)
+    if callable(sync):
+        sync()
+
+
 @torch.no_grad()
 def _evaluate(model: nn.Module, tokens: Any, config: TrainConfig, step: int) -> float:
     model.eval()
@@ -311,6 +325,13 @@ def _train(config: TrainConfig) -> TrainResult:
             grad_norm = _global_grad_norm(model, config.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            last = step + 1 == config.steps
+            evaluating = bool(config.eval_interval and (step + 1) % config.eval_interval == 0)
+            saving = bool(
+                config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0
+            )
+            if evaluating or saving or last:
+                _synchronize(optimizer)
             step_ledger = ledger.step()
             loss_value = _mean_over_ranks(loss)
             if replicated:  # local gradients: report the mean of the ranks' norms
@@ -332,8 +353,7 @@ def _train(config: TrainConfig) -> TrainResult:
             ledger_steps.append(
                 {"intra": step_ledger.intra_node_bytes, "inter": step_ledger.inter_node_bytes}
             )
-            last = step + 1 == config.steps
-            if (config.eval_interval and (step + 1) % config.eval_interval == 0) or last:
+            if evaluating or last:
                 # Evaluation traffic goes to a scratch ledger: the run's ledger counts training.
                 with recording(CommLedger(topology)):
                     val_losses[step] = _evaluate(model, corpus.val, config, step)
@@ -345,9 +365,7 @@ def _train(config: TrainConfig) -> TrainResult:
                     loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False
                 )
                 bar.update(1)
-            if (
-                config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0
-            ) or last:
+            if saving or last:
                 last_ckpt = ckpt.save_checkpoint(
                     checkpoints,
                     step=step + 1,
