@@ -1,11 +1,14 @@
 """Time one optimizer step of 8-bit AdamW against fp32 AdamW, side by side in one run.
 
 For each size (default ~10M and ~50M parameters, as one (N/1024, 1024) fp32 matrix), each
-optimizer gets its own copy of the same parameter and gradient and is timed over ``--repeat``
-steps after a warm-up step (which creates the state); all run with the same number of threads.
-Columns: ns per parameter (median step), ratio to ``torch.optim.AdamW(fused=True)``, and
-optimizer-state bytes per parameter. bitsandbytes and torchao 8-bit AdamW are included when
-importable and skipped (with a note) otherwise.
+optimizer gets its own copy of the same parameter and gradient, takes ``--warmup`` untimed steps
+(the first creates the state), then ``--repeat`` rounds of one step of every optimizer,
+interleaved, so a change of the shared host's speed during the run hits all of them alike (the
+same optimizer timed in separate blocks moved by up to 1.7x between runs here). All run with the
+same number of threads. Columns: ns per parameter (median step), ratio to
+``torch.optim.AdamW(fused=True)`` (median of the per-round ratios), and optimizer-state bytes
+per parameter. bitsandbytes and torchao 8-bit AdamW are included when importable and skipped
+(with a note) otherwise.
 
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
     python benchmarks/optim_step.py --sizes 1M --threads 2 --out-md results/optim_step.md
@@ -26,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args, machine_info, time_call
+from _common import Report, add_report_args, machine_info
 from qshard.optim import AdamW8bit, optimizer_state_bytes
 
 
@@ -78,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="10M,50M", help="comma-separated parameter counts")
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per optimizer")
+    ap.add_argument(
+        "--warmup", type=int, default=4, help="untimed steps first (the first creates the state)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument(
         "--cpu-time",
@@ -87,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_report_args(ap)
     args = ap.parse_args(argv)
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1 (the first step creates the state)")
     if args.threads:
         torch.set_num_threads(args.threads)
     report = Report("Optimizer step: 8-bit AdamW vs fp32 AdamW (CPU)")
@@ -101,26 +109,31 @@ def main(argv: list[str] | None = None) -> None:
         gen = torch.Generator().manual_seed(0)
         base = torch.randn(rows, cols, generator=gen)
         grad = torch.randn(rows, cols, generator=gen) * 1e-2
-        results = []
-        for name, make in candidates:
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        opts = []
+        for _, make in candidates:
             p = torch.nn.Parameter(base.clone())
             p.grad = grad.clone()
             opt = make([p])
-            if args.cpu_time:
+            for _ in range(args.warmup):
                 opt.step()
-                samples = []
-                for _ in range(args.repeat):
-                    t0 = time.process_time()
-                    opt.step()
-                    samples.append(time.process_time() - t0)
-                seconds = statistics.median(samples)
-            else:
-                seconds = time_call(opt.step, repeat=args.repeat, warmup=1).median
-            results.append((name, seconds / numel * 1e9, _state_bytes(opt) / numel))
-            del opt, p
-            gc.collect()
-        fused = results[0][1]
-        rows_out = [(n, ns, ns / fused, bpp) for n, ns, bpp in results]
+            opts.append(opt)
+        # Rounds of one step per optimizer, interleaved, so a change of machine speed during
+        # the run (shared host) hits every optimizer alike; the ratio column is the median of
+        # the per-round ratios to the fused step of the same round.
+        samples: list[list[float]] = [[] for _ in opts]
+        for _ in range(args.repeat):
+            for i, opt in enumerate(opts):
+                t0 = clock()
+                opt.step()
+                samples[i].append(clock() - t0)
+        rows_out = []
+        for (name, _), opt, times in zip(candidates, opts, samples):
+            ratio = statistics.median(t / f for t, f in zip(times, samples[0]))
+            ns = statistics.median(times) / numel * 1e9
+            rows_out.append((name, ns, ratio, _state_bytes(opt) / numel))
+        del opts
+        gc.collect()
         report.table(
             f"{numel / 1e6:.1f}M parameters, {torch.get_num_threads()} threads, "
             f"{'CPU' if args.cpu_time else 'wall'} time",
