@@ -53,33 +53,13 @@ FEATURES: dict[str, dict[str, object]] = {
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    from netsim.cluster import add_cluster_args, check_cluster_args
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rates", default="100,200,400", help="link rates in Mbit/s, comma separated")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma separated")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant and rate")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--batch-per-rank", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rank-timeout", type=int, default=3000, help="seconds, per rank")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result-json", help=argparse.SUPPRESS)
+    add_cluster_args(p, default_variants=DEFAULT_VARIANTS)
     add_report_args(p)
     args = p.parse_args(argv)
-    args.rate_list = [int(r) for r in args.rates.split(",") if r.strip()]
-    args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variant_list if v not in ALL_VARIANTS]
-    if unknown:
-        p.error(f"unknown variants {unknown}; choose from {', '.join(ALL_VARIANTS)}")
-    if not args.rate_list or any(r < 1 for r in args.rate_list):
-        p.error("--rates must list positive Mbit/s values, e.g. 100,200,400")
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    check_cluster_args(p, args, variants=ALL_VARIANTS)
     return args
 
 
