@@ -184,24 +184,29 @@ def test_compiled_matrix_matches_reference(fast_mode, dtype, block_size):
             assert same(a, b), f"result {i} differs ({numel}, {block_size})"
 
 
+def _assert_same_from_threads(xs, ops, reps: int, timeout_s: float) -> None:
+    """``ops(x)`` from one thread per input, ``reps`` times each, equals its single-thread result."""
+    expect = [ops(x) for x in xs]
+    failures: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(reps):
+            if not all(same(a, b) for a, b in zip(ops(xs[i]), expect[i])):
+                failures.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    assert not failures and not any(t.is_alive() for t in threads)
+
+
 @pytest.mark.slow
 def test_compiled_kernels_from_many_threads(fast_mode):
     fast_mode("compiled")
     xs = [torch.randn(50_000 + 256 * i) for i in range(8)]
-    expect = [Q.quantize_blockwise(x, bits=4) for x in xs]
-    failures = []
-
-    def work(i: int) -> None:
-        for _ in range(5):
-            if not same(Q.quantize_blockwise(xs[i], bits=4), expect[i]):
-                failures.append(i)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not failures and not any(t.is_alive() for t in threads)
+    _assert_same_from_threads(xs, lambda x: (Q.quantize_blockwise(x, bits=4),), 5, 300)
 
 
 # ---------------------------------------------------------------------------------------
@@ -359,21 +364,9 @@ def test_native_kernels_from_many_threads(fast_mode):
     fast_mode("native")
     code = Q.dynamic_map(signed=True)
     xs = [torch.randn(70_000 + 256 * i) for i in range(6)]
-    expect = [(Q.quantize_blockwise(x, bits=4), Q.quantize_codebook(x, code)) for x in xs]
-    failures: list[int] = []
-
-    def work(i: int) -> None:
-        for _ in range(4):
-            q, cb = Q.quantize_blockwise(xs[i], bits=4), Q.quantize_codebook(xs[i], code)
-            if not (same(q, expect[i][0]) and same(cb, expect[i][1])):
-                failures.append(i)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not failures and not any(t.is_alive() for t in threads)
+    _assert_same_from_threads(
+        xs, lambda x: (Q.quantize_blockwise(x, bits=4), Q.quantize_codebook(x, code)), 4, 120
+    )
 
 
 @needs_cc

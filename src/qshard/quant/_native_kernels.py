@@ -202,6 +202,17 @@ int dequant_int(const uint8_t *codes, const float *scales, int64_t numel, int64_
     return 0;
 }
 
+/* A codebook block's absmax, stored in *out. A NaN/Inf block stores NaN, an all-zero block 0;
+ * both get the code of 0 everywhere and return a value that is not > 0 (nothing left to do). */
+static inline float codebook_absmax(const float *restrict xb, int64_t n, uint8_t zero_code,
+                                    uint8_t *restrict cb, float *out) {
+    const uint32_t m = absmax_bits(xb, n);
+    const float a = m >= 0x7F800000u ? u2f(0x7FC00000u) : u2f(m);
+    *out = a;
+    if (!(a > 0.0f)) memset(cb, zero_code, (size_t)n);
+    return a;
+}
+
 /* Exact nearest code of x / absmax per block: the 8192-entry search table of
  * qshard.quant._codetable (one L1-resident gather and an integer compare per 8 lanes). */
 int quant_codebook(const float *x, int64_t numel, int64_t block, const uint32_t *lut,
@@ -215,14 +226,8 @@ int quant_codebook(const float *x, int64_t numel, int64_t block, const uint32_t 
         const int64_t n = (numel - off) < block ? (numel - off) : block;
         const float *restrict xb = x + off;
         uint8_t *restrict cb = codes + off;
-        const uint32_t m = absmax_bits(xb, n);
-        const float a = u2f(m);
-        if (m >= 0x7F800000u || !(a > 0.0f)) {
-            absmax[b] = m >= 0x7F800000u ? u2f(0x7FC00000u) : a;
-            memset(cb, zero_code, (size_t)n);
-            continue;
-        }
-        absmax[b] = a;
+        const float a = codebook_absmax(xb, n, zero_code, cb, absmax + b);
+        if (!(a > 0.0f)) continue;
         int64_t k = 0;
 #ifdef __AVX2__
         const __m256 av = _mm256_set1_ps(a);
@@ -257,14 +262,8 @@ int quant_codebook_bytes(const float *x, int64_t numel, int64_t block, const uin
         const int64_t n = (numel - off) < block ? (numel - off) : block;
         const float *restrict xb = x + off;
         uint8_t *restrict cb = codes + off;
-        const uint32_t m = absmax_bits(xb, n);
-        const float a = u2f(m);
-        if (m >= 0x7F800000u || !(a > 0.0f)) {
-            absmax[b] = m >= 0x7F800000u ? u2f(0x7FC00000u) : a;
-            memset(cb, zero_code, (size_t)n);
-            continue;
-        }
-        absmax[b] = a;
+        const float a = codebook_absmax(xb, n, zero_code, cb, absmax + b);
+        if (!(a > 0.0f)) continue;
         int64_t k = 0;
 #ifdef __AVX2__
         /* 8 lanes: divide, table gather (4-byte loads from the byte table, which carries 4
