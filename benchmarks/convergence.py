@@ -16,15 +16,18 @@ Variants (reference in brackets):
 - 8-bit optimizers: ``adamw8bit`` (``zero3``: the same run as the ZeRO++ baseline),
   ``adamw+stable`` and ``adamw8bit+stable`` (StableEmbedding, untied head);
 - data-parallel compressed Adam (replicated model): ``onebit_adam`` and ``zero_one_adam``
-  (``zero3``: AdamW, whose gradients are averaged exactly).
+  (``zero3``: AdamW, whose gradients are averaged exactly); ``zero_one_adam-k16`` is 0/1 Adam
+  with its paper's kappa = 16 instead of the app's 32 (``zero_one_adam_schedule``).
 
-Two variants need what ``TrainConfig`` does not expose (a qwZ block size, switching qgZ off
-mid-run): for those the script hands :func:`qshard.train.loop.train` its own ``distribute``,
-which calls the public :func:`qshard.zeropp.shard` and ``FSDPModule.set_custom_reduce_scatter``.
+Three variants need what ``TrainConfig`` does not expose (a qwZ block size, switching qgZ off
+mid-run, 0/1 Adam's kappa): for the first two the script hands
+:func:`qshard.train.loop.train` its own ``distribute``, which calls the public
+:func:`qshard.zeropp.shard` and ``FSDPModule.set_custom_reduce_scatter``; for the third it sets
+``qshard.train._parallel.APP_VAR_UPDATE_SCALER`` for that run.
 
 Raw numbers go to ``--results`` (JSON, merged across runs so variants can be run separately);
-the table and the overlaid loss curves (PNG) are rebuilt from it. Example (the default, 600 steps x 11
-variants; estimated 30-40 minutes on 2 quiet cores):
+the table and the overlaid loss curves (PNG) are rebuilt from it. Example (the default, 600 steps
+x 12 variants; estimated 30-40 minutes on 2 quiet cores):
 
     python benchmarks/convergence.py --steps 600 --out-md docs/results/convergence.md
 """
@@ -69,6 +72,8 @@ class Variant:
     """Extra ``ZeroPPConfig`` fields (through our own ``distribute``)."""
     qgz_fraction: float | None = None
     """Use qgZ for this fraction of the steps, then FSDP2's plain reduce-scatter."""
+    zero_one_kappa: int | None = None
+    """0/1 Adam's ``var_update_scaler`` instead of the app's (``APP_VAR_UPDATE_SCALER``)."""
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -109,6 +114,14 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant(
         name="zero_one_adam", group="dp", reference="zero3", target_pct=1.0, optim="zero_one_adam"
+    ),
+    Variant(
+        name="zero_one_adam-k16",
+        group="dp",
+        reference="zero3",
+        target_pct=None,
+        optim="zero_one_adam",
+        zero_one_kappa=16,
     ),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
@@ -245,7 +258,7 @@ def _world(rank: int, world: int, settings: dict, names: list[str], run_root: st
 
     import torch
 
-    from qshard.train import loop
+    from qshard.train import _parallel, loop
     from qshard.train.config import TrainConfig
 
     warnings.filterwarnings("ignore")
@@ -278,11 +291,17 @@ def _world(rank: int, world: int, settings: dict, names: list[str], run_root: st
         )
         custom = v.zeropp_overrides or v.qgz_fraction is not None
         loop.distribute = _custom_distribute(v, cfg.steps) if custom else original
+        app_kappa = _parallel.APP_VAR_UPDATE_SCALER
+        if v.zero_one_kappa is not None:
+            _parallel.APP_VAR_UPDATE_SCALER = v.zero_one_kappa
         t0 = time.perf_counter()
         # The loop's own summary goes to the run folder's summary.txt; keep the console short.
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            res = loop.train(cfg)
-        loop.distribute = original
+        try:
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+                res = loop.train(cfg)
+        finally:
+            loop.distribute = original
+            _parallel.APP_VAR_UPDATE_SCALER = app_kappa
         if rank == 0:
             print(
                 f"[convergence] {name}: final val loss {res['val_losses'][cfg.steps - 1]:.4f} "

@@ -22,12 +22,20 @@ def _lr(config: TrainConfig, optimizer_step: int) -> float:
 
 def test_convergence_benchmark_run():
     cfg = _config(steps=600, lr=3e-3, min_lr=3e-4, warmup_steps=30)
-    assert zero_one_adam_schedule(cfg) == {"var_freeze_step": 337, "local_step_scaler": 112}
+    assert zero_one_adam_schedule(cfg) == {
+        "var_freeze_step": 337,
+        "local_step_scaler": 112,
+        "var_update_scaler": 32,
+    }
 
 
 def test_lr_that_never_halves_freezes_late_and_never_grows_the_interval():
     cfg = _config(steps=400, lr=1e-3, min_lr=6e-4, warmup_steps=10)
-    assert zero_one_adam_schedule(cfg) == {"var_freeze_step": 300, "local_step_scaler": 400}
+    assert zero_one_adam_schedule(cfg) == {
+        "var_freeze_step": 300,
+        "local_step_scaler": 400,
+        "var_update_scaler": 32,
+    }
 
 
 @settings(max_examples=60, deadline=None)
@@ -47,7 +55,11 @@ def test_freeze_where_the_lr_has_halved_and_scaler_is_the_next_halving(
     peak = max(1, warmup)
     halved = [s for s in range(peak + 1, steps + 1) if _lr(cfg, s) <= _lr(cfg, peak) / 2]
     if not halved or halved[0] >= steps:
-        assert out == {"var_freeze_step": max(1, 3 * steps // 4), "local_step_scaler": steps}
+        assert out == {
+            "var_freeze_step": max(1, 3 * steps // 4),
+            "local_step_scaler": steps,
+            "var_update_scaler": 32,
+        }
         return
     assert freeze == halved[0]
     again = [s for s in range(freeze + 1, steps + 1) if _lr(cfg, s) <= _lr(cfg, freeze) / 2]
