@@ -11,7 +11,7 @@ per parameter. bitsandbytes and torchao 8-bit AdamW are included when importable
 (with a note) otherwise.
 
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
-    python benchmarks/optim_step.py --sizes 1M --threads 2 --out-md results/optim_step.md
+    python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md results/optim_step.md
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
 """
@@ -77,6 +77,48 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total if total else optimizer_state_bytes(opt)
 
 
+def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) -> None:
+    """One table: every candidate on one (size/1024, 1024) parameter, interleaved rounds."""
+    cols = 1024
+    rows = max(size // cols, 1)
+    numel = rows * cols
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(rows, cols, generator=gen)
+    grad = torch.randn(rows, cols, generator=gen) * 1e-2
+    cpu_time = args.cpu_time and torch.get_num_threads() == 1
+    clock = time.process_time if cpu_time else time.perf_counter
+    opts = []
+    for _, make in candidates:
+        p = torch.nn.Parameter(base.clone())
+        p.grad = grad.clone()
+        opt = make([p])
+        for _ in range(args.warmup):
+            opt.step()
+        opts.append(opt)
+    # Rounds of one step per optimizer, interleaved, so a change of machine speed during the
+    # run (shared host) hits every optimizer alike; the ratio column is the median of the
+    # per-round ratios to the fused step of the same round.
+    samples: list[list[float]] = [[] for _ in opts]
+    for _ in range(args.repeat):
+        for i, opt in enumerate(opts):
+            t0 = clock()
+            opt.step()
+            samples[i].append(clock() - t0)
+    rows_out = []
+    for (name, _), opt, times in zip(candidates, opts, samples):
+        ratio = statistics.median(t / f for t, f in zip(times, samples[0]))
+        ns = statistics.median(times) / numel * 1e9
+        rows_out.append((name, ns, ratio, _state_bytes(opt) / numel))
+    del opts
+    gc.collect()
+    report.table(
+        f"{numel / 1e6:.1f}M parameters, {torch.get_num_threads()} threads, "
+        f"{'CPU' if cpu_time else 'wall'} time",
+        ["optimizer", "ns/param", "x fused fp32", "state bytes/param"],
+        rows_out,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="10M,50M", help="comma-separated parameter counts")
@@ -84,62 +126,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--warmup", type=int, default=4, help="untimed steps first (the first creates the state)"
     )
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument(
+        "--threads",
+        default="0",
+        help="comma-separated torch thread counts, one table each (0: leave as is)",
+    )
     ap.add_argument(
         "--cpu-time",
         action="store_true",
-        help="time with process CPU time instead of wall time (robust on a shared machine; "
-        "with several threads it is the sum over threads)",
+        help="time one-thread tables with process CPU time instead of wall time (robust on a "
+        "shared machine); tables with more threads always use wall time (CPU time would be "
+        "the sum over threads)",
     )
     add_report_args(ap)
     args = ap.parse_args(argv)
     if args.warmup < 1:
         ap.error("--warmup must be >= 1 (the first step creates the state)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    try:
+        thread_counts = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads takes comma-separated integers; got {args.threads!r}")
+    if any(t < 0 for t in thread_counts):
+        ap.error("--threads must be >= 0")
     report = Report("Optimizer step: 8-bit AdamW vs fp32 AdamW (CPU)")
     report.note(f"machine: {machine_info()}")
     candidates, notes = _candidates()
     for n in notes:
         report.note(n)
+    default_threads = torch.get_num_threads()
     for size in (_parse_size(s) for s in args.sizes.split(",")):
-        cols = 1024
-        rows = max(size // cols, 1)
-        numel = rows * cols
-        gen = torch.Generator().manual_seed(0)
-        base = torch.randn(rows, cols, generator=gen)
-        grad = torch.randn(rows, cols, generator=gen) * 1e-2
-        clock = time.process_time if args.cpu_time else time.perf_counter
-        opts = []
-        for _, make in candidates:
-            p = torch.nn.Parameter(base.clone())
-            p.grad = grad.clone()
-            opt = make([p])
-            for _ in range(args.warmup):
-                opt.step()
-            opts.append(opt)
-        # Rounds of one step per optimizer, interleaved, so a change of machine speed during
-        # the run (shared host) hits every optimizer alike; the ratio column is the median of
-        # the per-round ratios to the fused step of the same round.
-        samples: list[list[float]] = [[] for _ in opts]
-        for _ in range(args.repeat):
-            for i, opt in enumerate(opts):
-                t0 = clock()
-                opt.step()
-                samples[i].append(clock() - t0)
-        rows_out = []
-        for (name, _), opt, times in zip(candidates, opts, samples):
-            ratio = statistics.median(t / f for t, f in zip(times, samples[0]))
-            ns = statistics.median(times) / numel * 1e9
-            rows_out.append((name, ns, ratio, _state_bytes(opt) / numel))
-        del opts
-        gc.collect()
-        report.table(
-            f"{numel / 1e6:.1f}M parameters, {torch.get_num_threads()} threads, "
-            f"{'CPU' if args.cpu_time else 'wall'} time",
-            ["optimizer", "ns/param", "x fused fp32", "state bytes/param"],
-            rows_out,
-        )
+        for threads in thread_counts:
+            torch.set_num_threads(threads or default_threads)
+            _time_size(report, candidates, size, args)
     report.write(args.out_md)
 
 
