@@ -329,7 +329,9 @@ def _final_val(r: dict) -> float:
 def report(args: argparse.Namespace, data: dict) -> None:
     runs, s = data["runs"], data["settings"]
     any_run = next(iter(runs.values()))
-    rep = Report("Convergence: ZeRO++ and compressed optimizers vs full precision")
+    rep = Report(
+        f"Convergence over {s['steps']} steps: ZeRO++ and compressed optimizers vs full precision"
+    )
     rep.note(
         f"GPT of {any_run['num_params'] / 1e6:.2f} M parameters ({s['n_layer']} layers, width "
         f"{s['n_embd']}, context {s['context']}), fp32, byte-level Python stdlib corpus; "

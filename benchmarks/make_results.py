@@ -39,6 +39,12 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "convergence.md",
         "python benchmarks/convergence.py --steps 600 --out-md docs/results/convergence.md",
     ),
+    (
+        "convergence_2000.md",
+        "python benchmarks/convergence.py --steps 2000 --variants zero3,onebit_adam,zero_one_adam "
+        "--results docs/results/steps2000/convergence.json "
+        "--out-md docs/results/convergence_2000.md",
+    ),
 )
 _IMAGE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+)(\))")
 
