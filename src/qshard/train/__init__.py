@@ -4,6 +4,7 @@
 * :mod:`qshard.train.data` — the byte-level corpus (Python stdlib by default), cached and split;
 * :mod:`qshard.train.config` — :class:`TrainConfig`, one validated dataclass per run;
 * :mod:`qshard.train.loop` — :func:`train`, the per-rank loop;
+* :mod:`qshard.train.schedule` — the learning-rate schedule;
 * :mod:`qshard.train.checkpoint` — atomic DCP checkpoints, resume, safetensors export;
 * :mod:`qshard.train.estimate` — analytic memory and cross-node bytes;
 * :mod:`qshard.train.cli` / :mod:`qshard.train.report` — the ``qshard train`` and

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from qshard.comm import Topology
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
+from qshard.train.schedule import learning_rate
 
 __all__ = [
     "build_optimizer",
@@ -163,8 +164,6 @@ APP_VAR_UPDATE_SCALER = 32
 def _halving_step(config: TrainConfig, start: int) -> int | None:
     """The first optimizer step after ``start`` whose lr is at most half of step ``start``'s
     (optimizer steps count from 1; the loop's step ``s`` runs optimizer step ``s + 1``)."""
-    from qshard.train.loop import learning_rate  # here: loop imports this module
-
     half = learning_rate(start - 1, config) / 2
     for step in range(start + 1, config.steps + 1):
         if learning_rate(step - 1, config) <= half:

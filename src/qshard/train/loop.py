@@ -7,6 +7,12 @@ step, ledger step. Every ``eval_interval`` steps a validation estimate; every
 safetensors export and the summary: loss drop, throughput, measured vs estimated memory and
 cross-node bytes next to a ZeRO-3 baseline.
 
+The run's parts are built once, each by one function that owns it: the data
+(:func:`_load_data`), the model, its parallel layout and the optimizer (:func:`build`, over
+:mod:`qshard.train._parallel`), the resume point (:func:`_resume`), the estimates and the
+summary (:mod:`qshard.train._summary`), the per-step metrics (:class:`_Recorder`). :func:`_train`
+is the loop over them and reads top to bottom.
+
 [Note: exact resume] Everything random in a step is derived from ``(seed, step, rank)``: the
 batch, and the dropout RNG (reseeded at the start of each step). Together with the model and
 optimizer state in the checkpoint, a resumed run replays the uninterrupted one bit for bit
@@ -16,10 +22,8 @@ on the same number of ranks.
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
-from datetime import timedelta
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +33,14 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from qshard.comm import CommLedger, Topology, recording
+from qshard.train import _runtime, _summary
 from qshard.train import checkpoint as ckpt
-from qshard.train._metrics import MetricsWriter, format_bytes, peak_memory_bytes, table
-from qshard.train._parallel import build_optimizer, distribute, zeropp_blocks
+from qshard.train._metrics import MetricsWriter, peak_memory_bytes
+from qshard.train._parallel import build_optimizer, distribute
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
-from qshard.train.data import _mix, batch_for_step, load_corpus
-from qshard.train.estimate import ddp_allreduce_bytes, estimate_comm, estimate_memory
+from qshard.train.data import Corpus, _mix, batch_for_step, load_corpus
 from qshard.train.model import GPT, GPTConfig
+from qshard.train.schedule import learning_rate
 
 __all__ = ["TrainResult", "build", "gpt_config_of", "learning_rate", "train"]
 
@@ -45,104 +50,109 @@ TrainResult = dict[str, Any]
 ``ledger`` (per-step inter/intra bytes) and the summary numbers."""
 
 
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+def train(config: TrainConfig) -> TrainResult:
+    """Run ``config`` on this rank of the current job (initializes the process group from the
+    torchrun environment if none exists) and return what it measured."""
+    created_group = _runtime.init_distributed()
+    try:
+        return _train(config)
+    finally:
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _init_distributed() -> bool:
-    """Join the job's process group (torchrun / elastic launch env); True if we created it."""
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
-    return True
+def _train(config: TrainConfig) -> TrainResult:
+    job = _Job.of(config)
+    corpus = _load_data(config)
+    model, optimizer, layout = build(config, topology=job.topology, device=job.device)
+    start_step = _resume(config, job, model, optimizer)
+    estimates = _summary.estimate_run(config, model, job.topology, job.compute_dtype)
+    if job.is_main:
+        _announce(config, job, model, layout, corpus, estimates, start_step)
+    ledger = CommLedger(job.topology)
+    recorder = _Recorder.open(config, job, start_step)
+    last_ckpt: Path | None = None
+    t_train = time.perf_counter()
+    with recording(ledger):
+        for step in range(start_step, config.steps):
+            t0 = time.perf_counter()
+            lr = _set_learning_rate(optimizer, step, config)
+            loss, grad_norm = _step(model, optimizer, corpus.train, config, job, step)
+            due = _Due.at(step, config)
+            if due.evaluate or due.save:
+                _synchronize(optimizer)
+            record = recorder.step(step, loss, lr, grad_norm, ledger.step(), t0)
+            if due.evaluate:
+                # Evaluation traffic goes to a scratch ledger: the run's ledger counts training.
+                with recording(CommLedger(job.topology)):
+                    recorder.validate(record, _evaluate(model, corpus.val, config))
+            recorder.write(record)
+            if due.save:
+                last_ckpt = _save(config, job, model, optimizer, step + 1)
+    train_time = time.perf_counter() - t_train
+    recorder.close_bar()
+    return _finish(config, job, model, recorder, ledger, estimates, last_ckpt, train_time)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+# ----------------------------------------------------------------------------------------------
+# The run's parts, each built once.
 
 
-def _compute_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "fp32":
-        return torch.float32
-    if config.dtype == "bf16":
-        return torch.bfloat16
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Job:
+    """Where this rank runs: its place in the world, device, dtype and run folder."""
 
+    rank: int
+    world: int
+    topology: Topology
+    device: torch.device
+    compute_dtype: torch.dtype
+    run_dir: Path
 
-def _global_grad_norm(model: nn.Module, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
 
-def _comm_device() -> torch.device:
-    # NCCL reduces only CUDA tensors; gloo takes CPU ones.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().reshape(1).to(_comm_device(), copy=True)
-    dist.all_reduce(value)
-    return float(value) / dist.get_world_size()
-
-
-def _synchronize(optimizer: torch.optim.Optimizer) -> None:
-    """Bring every rank to the same replica before it is evaluated or saved.
-
-    Between two syncs of an optimizer with local steps (0/1 Adam, phase B) each rank holds its
-    own replica; the run's model is the synchronised one. ``synchronize()`` is a collective that
-    communicates only when a local step happened since the last sync, and its bytes are training
-    traffic (it sets the parameters and momentum every later step starts from), so they go to
-    the run's ledger.
-    """
-    sync = getattr(optimizer, "synchronize", None)
-    if callable(sync):
-        sync()
-
-
-@torch.no_grad()
-def _evaluate(model: nn.Module, tokens: Any, config: TrainConfig, step: int) -> float:
-    model.eval()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = next(model.parameters()).device
-    total = torch.zeros((), device=device)
-    for i in range(config.eval_batches):
-        # Fixed validation batches (stream 1, index i) so every estimate sees the same data.
-        x, y = batch_for_step(
-            tokens,
-            step=i,
-            seed=config.seed,
-            global_batch=config.batch_size,
-            context=config.context,
+    @classmethod
+    def of(cls, config: TrainConfig) -> _Job:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if config.batch_size % world:
+            raise ValueError(
+                f"--batch-size {config.batch_size} must be divisible by the world size {world}"
+            )
+        device = _runtime.device()
+        job = cls(
             rank=rank,
-            world_size=world,
-            stream=1,
+            world=world,
+            topology=Topology.from_env(ranks_per_node=config.ranks_per_node),
+            device=device,
+            compute_dtype=_runtime.compute_dtype(config, device),
+            run_dir=Path(config.out),
         )
-        _, loss = model(x.to(device), y.to(device))
-        total += loss.float()
-    model.train()
-    return _mean_over_ranks(total / config.eval_batches)
+        if job.is_main:
+            job.run_dir.mkdir(parents=True, exist_ok=True)
+        return job
 
 
-def _ledger_record(summary: Any) -> dict[str, dict[str, float]]:
-    return {
-        f"{e.tag}/{e.op}": {"intra": e.intra_node_bytes, "inter": e.inter_node_bytes}
-        for e in summary.entries
-    }
+def _load_data(config: TrainConfig) -> Corpus:
+    """The token corpus. The launcher built the cache already; under torchrun the first rank
+    of each node builds it while the others wait, so they never race on the same files."""
+
+    def load() -> Corpus:
+        return load_corpus(
+            config.data,
+            cache_dir=config.cache_dir,
+            val_fraction=config.val_fraction,
+            min_tokens=config.context + 1,
+        )
+
+    corpus = load() if _runtime.is_local_leader() else None
+    dist.barrier()
+    return corpus if corpus is not None else load()
 
 
 def gpt_config_of(config: TrainConfig) -> GPTConfig:
@@ -163,354 +173,296 @@ def build(
 ) -> tuple[GPT, torch.optim.Optimizer, str]:
     """The run's model (initialized from the seed, distributed as configured) and optimizer,
     plus a one-line description of the layout. Collective (call on every rank)."""
-    device = device or _device()
+    device = device or _runtime.device()
     model = GPT(gpt_config_of(config)).to(device)
     layout = distribute(
-        model, config, topology=topology, compute_dtype=_compute_dtype(config, device)
+        model, config, topology=topology, compute_dtype=_runtime.compute_dtype(config, device)
     )
     return model, build_optimizer(model, config), layout
 
 
-def _largest_unit_params(model: GPT) -> int:
-    # FSDP units: each block, and the root (embeddings, final norm, head).
-    in_blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    return max(*in_blocks, model.num_params() - sum(in_blocks))
+def _resume(
+    config: TrainConfig, job: _Job, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """The step to start from: 0, or (``--resume``) the newest checkpoint's, loaded."""
+    if not config.resume:
+        return 0
+    latest = ckpt.latest_checkpoint(job.checkpoints)
+    if latest is None:
+        raise ckpt.CheckpointError(
+            f"--resume: no complete checkpoint under {job.checkpoints}; run without --resume"
+        )
+    return ckpt.load_checkpoint(latest, model=model, optimizer=optimizer)
 
 
-def _fp32_state_params(model: GPT, config: TrainConfig) -> int:
-    # What an 8-bit optimizer keeps in 32 bits: 1-D tensors, tensors under its min_8bit_size
-    # (4096 elements, the default) and the StableEmbedding weight.
-    stable = model.tok_emb.weight if config.stable_embedding else None
-    return sum(
-        p.numel() for p in model.parameters() if p.dim() < 2 or p.numel() < 4096 or p is stable
+def _save(
+    config: TrainConfig,
+    job: _Job,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+) -> Path:
+    """An atomic checkpoint of the state after ``step`` optimizer steps."""
+    return ckpt.save_checkpoint(
+        job.checkpoints,
+        step=step,
+        model=model,
+        optimizer=optimizer,
+        meta={"config": config.to_dict()},
+        keep=config.keep_checkpoints,
+        per_rank=config.optim in DATA_PARALLEL_OPTIMIZERS,
     )
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Run ``config`` on this rank of the current job (initializes the process group from the
-    torchrun environment if none exists) and return what it measured."""
-    created_group = _init_distributed()
-    try:
-        return _train(config)
-    finally:
-        if created_group and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _train(config: TrainConfig) -> TrainResult:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if config.batch_size % world:
-        raise ValueError(
-            f"--batch-size {config.batch_size} must be divisible by the world size {world}"
-        )
-    topology = Topology.from_env(ranks_per_node=config.ranks_per_node)
-    device = _device()
-    compute_dtype = _compute_dtype(config, device)
-    run_dir = Path(config.out)
-    is_main = rank == 0
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-
-    # The launcher built the token cache already; under torchrun the first rank of each node
-    # builds it while the others wait, so they never race on the same files.
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        corpus = load_corpus(
-            config.data,
-            cache_dir=config.cache_dir,
-            val_fraction=config.val_fraction,
-            min_tokens=config.context + 1,
-        )
-    dist.barrier()
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        corpus = load_corpus(
-            config.data,
-            cache_dir=config.cache_dir,
-            val_fraction=config.val_fraction,
-            min_tokens=config.context + 1,
-        )
-
-    model, optimizer, layout = build(config, topology=topology, device=device)
-    gpt_config = model.config
-    num_params = model.num_params()
-    unit_params = _largest_unit_params(model)
-    replicated = config.optim in DATA_PARALLEL_OPTIMIZERS
-    features = config.zeropp_features
-
-    start_step = 0
-    checkpoints = run_dir / "checkpoints"
-    if config.resume:
-        latest = ckpt.latest_checkpoint(checkpoints)
-        if latest is None:
-            raise ckpt.CheckpointError(
-                f"--resume: no complete checkpoint under {checkpoints}; run without --resume"
-            )
-        start_step = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer)
-
-    mem_est = estimate_memory(
+def _announce(
+    config: TrainConfig,
+    job: _Job,
+    model: nn.Module,
+    layout: str,
+    corpus: Corpus,
+    estimates: _summary.Estimates,
+    start_step: int,
+) -> None:
+    """Rank 0: the run's config file and the start-up lines."""
+    (job.run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    num_params = sum(p.numel() for p in model.parameters())
+    text = _summary.header(
+        config,
         num_params=num_params,
-        largest_unit_params=unit_params,
-        world_size=world,
-        ranks_per_node=topology.ranks_per_node,
-        features=features,
-        optim=config.optim,
-        compute_bytes=torch.finfo(compute_dtype).bits // 8,
-        sharded=not replicated,
-        fp32_state_params=_fp32_state_params(model, config),
+        layout=layout,
+        compute_dtype=job.compute_dtype,
+        corpus=corpus,
+        estimates=estimates,
     )
-    comm_kwargs = dict(
-        num_params=num_params, world_size=world, ranks_per_node=topology.ranks_per_node
+    print(text, flush=True)
+    if start_step:
+        print(f"resumed from step {start_step}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# One step.
+
+
+def _set_learning_rate(optimizer: torch.optim.Optimizer, step: int, config: TrainConfig) -> float:
+    lr = learning_rate(step, config)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tokens: Any,
+    config: TrainConfig,
+    job: _Job,
+    step: int,
+) -> tuple[torch.Tensor, float]:
+    """Forward, backward, clip, optimizer step; returns the local loss and the grad norm."""
+    torch.manual_seed(_mix(config.seed, step, job.rank))  # see [Note: exact resume]
+    x, y = batch_for_step(
+        tokens,
+        step=step,
+        seed=config.seed,
+        global_batch=config.batch_size,
+        context=config.context,
+        rank=job.rank,
+        world_size=job.world,
     )
-    comm_est = (
-        None  # data-parallel optimizers: their volume follows their own schedules
-        if replicated
-        else estimate_comm(**comm_kwargs, features=features, **zeropp_blocks(config))
-    )
-    zero3_fp32 = estimate_comm(**comm_kwargs, wire_bytes=4.0)
-    zero3_16 = estimate_comm(**comm_kwargs, wire_bytes=2.0)
-    if is_main:
-        (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        print(
-            f"qshard train: {num_params / 1e6:.2f}M params, {layout}, optimizer {config.optim}, "
-            f"{compute_dtype} compute, corpus {corpus.source} "
-            f"({corpus.train.size / 1e6:.1f}M train / {corpus.val.size / 1e6:.2f}M val tokens)",
-            flush=True,
+    _, loss = model(x.to(job.device), y.to(job.device))
+    loss.backward()
+    grad_norm = _global_grad_norm(model, config.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def _global_grad_norm(model: nn.Module, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@dataclass(frozen=True, slots=True)
+class _Due:
+    """What follows a step: a validation estimate, a checkpoint (both at the end, always)."""
+
+    evaluate: bool
+    save: bool
+
+    @classmethod
+    def at(cls, step: int, config: TrainConfig) -> _Due:
+        done = step + 1
+
+        def every(interval: int) -> bool:
+            return bool(interval and done % interval == 0) or done == config.steps
+
+        return cls(evaluate=every(config.eval_interval), save=every(config.checkpoint_interval))
+
+
+def _synchronize(optimizer: torch.optim.Optimizer) -> None:
+    """Bring every rank to the same replica before it is evaluated or saved.
+
+    Between two syncs of an optimizer with local steps (0/1 Adam, phase B) each rank holds its
+    own replica; the run's model is the synchronised one. ``synchronize()`` is a collective that
+    communicates only when a local step happened since the last sync, and its bytes are training
+    traffic (it sets the parameters and momentum every later step starts from), so they go to
+    the run's ledger.
+    """
+    sync = getattr(optimizer, "synchronize", None)
+    if callable(sync):
+        sync()
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, tokens: Any, config: TrainConfig) -> float:
+    model.eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    for i in range(config.eval_batches):
+        # Fixed validation batches (stream 1, index i) so every estimate sees the same data.
+        x, y = batch_for_step(
+            tokens,
+            step=i,
+            seed=config.seed,
+            global_batch=config.batch_size,
+            context=config.context,
+            rank=rank,
+            world_size=world,
+            stream=1,
         )
-        print(
-            table(
-                ["component", "bytes per rank"],
-                [[k, format_bytes(v)] for k, v in mem_est.items()],
-                title="estimate: memory per rank (tensors only)",
-            ),
-            flush=True,
+        _, loss = model(x.to(device), y.to(device))
+        total += loss.float()
+    model.train()
+    return _runtime.mean_over_ranks(total / config.eval_batches)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics and the end of the run.
+
+
+@dataclass(kw_only=True)
+class _Recorder:
+    """The per-step metrics: kept on every rank, written (JSONL, progress bar) on rank 0."""
+
+    config: TrainConfig
+    job: _Job
+    start_step: int
+    writer: MetricsWriter | None
+    bar: Any
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    ledger_steps: list[dict[str, float]] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, config: TrainConfig, job: _Job, start_step: int) -> _Recorder:
+        writer = bar = None
+        if job.is_main:
+            writer = MetricsWriter(job.run_dir, resume_step=start_step if config.resume else None)
+        if job.is_main and config.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=config.steps, initial=start_step, desc="train", dynamic_ncols=True)
+        return cls(config=config, job=job, start_step=start_step, writer=writer, bar=bar)
+
+    def step(
+        self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, ledger: Any, t0: float
+    ) -> dict[str, Any]:
+        """The step's record (collective: the loss, and a replicated run's grad norm, are
+        averaged over the ranks)."""
+        loss_value = _runtime.mean_over_ranks(loss)
+        if self.config.optim in DATA_PARALLEL_OPTIMIZERS:
+            # Local gradients: report the mean of the ranks' norms.
+            grad_norm = _runtime.mean_over_ranks(torch.tensor(grad_norm))
+        dt = time.perf_counter() - t0
+        self.losses[step] = loss_value
+        self.ledger_steps.append(
+            {"intra": ledger.intra_node_bytes, "inter": ledger.inter_node_bytes}
         )
-        if start_step:
-            print(f"resumed from step {start_step}", flush=True)
+        return {
+            "step": step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.config.batch_size * self.config.context / dt,
+            "step_time_s": dt,
+            "peak_memory_bytes": peak_memory_bytes(self.job.device),
+            "intra_node_bytes": ledger.intra_node_bytes,
+            "inter_node_bytes": ledger.inter_node_bytes,
+            "ledger": {
+                f"{e.tag}/{e.op}": {"intra": e.intra_node_bytes, "inter": e.inter_node_bytes}
+                for e in ledger.entries
+            },
+        }
 
-    ledger = CommLedger(topology)
-    writer = (
-        MetricsWriter(run_dir, resume_step=start_step if config.resume else None)
-        if is_main
-        else None
-    )
-    bar = None
-    if is_main and config.progress:
-        from tqdm import tqdm
+    def validate(self, record: dict[str, Any], val_loss: float) -> None:
+        self.val_losses[record["step"]] = val_loss
+        record["val_loss"] = val_loss
 
-        bar = tqdm(total=config.steps, initial=start_step, desc="train", dynamic_ncols=True)
+    def write(self, record: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}", refresh=False
+            )
+            self.bar.update(1)
 
-    losses: dict[int, float] = {}
-    val_losses: dict[int, float] = {}
-    ledger_steps: list[dict[str, float]] = []
-    tokens_per_step = config.batch_size * config.context
-    last_ckpt: Path | None = None
-    t_train = time.perf_counter()
-    with recording(ledger):
-        for step in range(start_step, config.steps):
-            t0 = time.perf_counter()
-            lr = learning_rate(step, config)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            torch.manual_seed(_mix(config.seed, step, rank))  # see [Note: exact resume]
-            x, y = batch_for_step(
-                corpus.train,
-                step=step,
-                seed=config.seed,
-                global_batch=config.batch_size,
-                context=config.context,
-                rank=rank,
-                world_size=world,
-            )
-            _, loss = model(x.to(device), y.to(device))
-            loss.backward()
-            grad_norm = _global_grad_norm(model, config.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            last = step + 1 == config.steps
-            evaluating = bool(config.eval_interval and (step + 1) % config.eval_interval == 0)
-            saving = bool(
-                config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0
-            )
-            if evaluating or saving or last:
-                _synchronize(optimizer)
-            step_ledger = ledger.step()
-            loss_value = _mean_over_ranks(loss)
-            if replicated:  # local gradients: report the mean of the ranks' norms
-                grad_norm = _mean_over_ranks(torch.tensor(grad_norm))
-            dt = time.perf_counter() - t0
-            losses[step] = loss_value
-            record: dict[str, Any] = {
-                "step": step,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / dt,
-                "step_time_s": dt,
-                "peak_memory_bytes": peak_memory_bytes(device),
-                "intra_node_bytes": step_ledger.intra_node_bytes,
-                "inter_node_bytes": step_ledger.inter_node_bytes,
-                "ledger": _ledger_record(step_ledger),
-            }
-            ledger_steps.append(
-                {"intra": step_ledger.intra_node_bytes, "inter": step_ledger.inter_node_bytes}
-            )
-            if evaluating or last:
-                # Evaluation traffic goes to a scratch ledger: the run's ledger counts training.
-                with recording(CommLedger(topology)):
-                    val_losses[step] = _evaluate(model, corpus.val, config, step)
-                record["val_loss"] = val_losses[step]
-            if writer is not None:
-                writer.write(record)
-            if bar is not None:
-                bar.set_postfix(
-                    loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False
-                )
-                bar.update(1)
-            if saving or last:
-                last_ckpt = ckpt.save_checkpoint(
-                    checkpoints,
-                    step=step + 1,
-                    model=model,
-                    optimizer=optimizer,
-                    meta={"config": config.to_dict()},
-                    keep=config.keep_checkpoints,
-                    per_rank=replicated,
-                )
-    train_time = time.perf_counter() - t_train
-    if bar is not None:
-        bar.close()
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _finish(
+    config: TrainConfig,
+    job: _Job,
+    model: nn.Module,
+    recorder: _Recorder,
+    ledger: CommLedger,
+    estimates: _summary.Estimates,
+    last_ckpt: Path | None,
+    train_time: float,
+) -> TrainResult:
+    """Export, gather the measurements, and (rank 0) print and write the summary."""
+    start_step = recorder.start_step
     export_path = None
     if config.export and start_step < config.steps:
+        gpt_config = model.config  # type: ignore[union-attr]
+        meta = {name: getattr(gpt_config, name) for name in gpt_config.__dataclass_fields__}
         export_path = ckpt.export_safetensors(
-            model,
-            run_dir / "model.safetensors",
-            metadata={"gpt_config": json.dumps(_gpt_dict(gpt_config))},
+            model, job.run_dir / "model.safetensors", metadata={"gpt_config": json.dumps(meta)}
         )
     measured = ledger.gather_summary()
-    peak = _max_over_ranks(peak_memory_bytes(device))
+    peak = _runtime.max_over_ranks(peak_memory_bytes(job.device))
     steps_run = max(1, config.steps - start_step)
     result: TrainResult = {
-        "losses": losses,
-        "val_losses": val_losses,
+        "losses": recorder.losses,
+        "val_losses": recorder.val_losses,
         "start_step": start_step,
-        "num_params": num_params,
-        "world_size": world,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "world_size": job.world,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "export": str(export_path) if export_path else None,
-        "ledger": ledger_steps,
+        "ledger": recorder.ledger_steps,
         "inter_node_bytes_per_step": measured.inter_node_bytes / steps_run,
         "intra_node_bytes_per_step": measured.intra_node_bytes / steps_run,
-        "estimate_inter_node_bytes_per_step": comm_est.total if comm_est else None,
-        "ddp_fp32_inter_node_bytes_per_step": ddp_allreduce_bytes(**comm_kwargs),
-        "zero3_fp32_inter_node_bytes_per_step": zero3_fp32.total,
-        "zero3_16bit_inter_node_bytes_per_step": zero3_16.total,
+        "estimate_inter_node_bytes_per_step": estimates.comm.total if estimates.comm else None,
+        "ddp_fp32_inter_node_bytes_per_step": estimates.ddp_fp32,
+        "zero3_fp32_inter_node_bytes_per_step": estimates.zero3_fp32.total,
+        "zero3_16bit_inter_node_bytes_per_step": estimates.zero3_16.total,
         "peak_memory_bytes": peak,
         "train_time_s": train_time,
     }
-    if is_main:
-        summary = _summary(
-            config, result, measured, steps_run, mem_est, comm_est, zero3_fp32, zero3_16
-        )
-        print(summary, flush=True)
-        (run_dir / "summary.txt").write_text(summary + "\n")
-        (run_dir / "summary.json").write_text(
-            json.dumps({k: v for k, v in result.items() if k not in ("losses", "ledger")}, indent=1)
-        )
-        assert writer is not None
-        writer.close()
+    if job.is_main:
+        text = _summary.summary(config, result, measured, steps_run, estimates)
+        print(text, flush=True)
+        _summary.write_summary(job.run_dir, text, result)
+    recorder.close()
     return result
-
-
-def _gpt_dict(cfg: GPTConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
-
-
-def _max_over_ranks(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.float64, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def _summary(
-    config: TrainConfig,
-    result: TrainResult,
-    measured: Any,
-    steps_run: int,
-    mem_est: dict[str, float],
-    comm_est: Any,
-    zero3_fp32: Any,
-    zero3_16: Any,
-) -> str:
-    losses = result["losses"]
-    lines = []
-    if losses:
-        first, last = losses[min(losses)], losses[max(losses)]
-        tail = [losses[s] for s in sorted(losses)[-10:]]
-        val = result["val_losses"]
-        val_text = f", val loss {val[max(val)]:.4f}" if val else ""
-        lines.append(
-            f"loss {first:.4f} (step {min(losses)}) -> {last:.4f} (step {max(losses)}), "
-            f"mean of last {len(tail)} {sum(tail) / len(tail):.4f}{val_text}"
-        )
-        tokens = config.batch_size * config.context * len(losses)
-        lines.append(
-            f"{len(losses)} steps in {result['train_time_s']:.1f} s, "
-            f"{tokens / result['train_time_s']:,.0f} tokens/s"
-        )
-
-    def per_step(x: float) -> str:
-        return format_bytes(x / steps_run)
-
-    rows = []
-    tags = [(e.tag, e.op) for e in measured.entries]
-    for tag, op in tags:
-        rows.append(
-            [
-                f"measured {tag} ({op})",
-                per_step(measured.intra(tag=tag, op=op)),
-                per_step(measured.inter(tag=tag, op=op)),
-            ]
-        )
-    rows.append(
-        ["measured total", per_step(measured.intra_node_bytes), per_step(measured.inter_node_bytes)]
-    )
-    if comm_est is not None:
-        rows.append(["estimate, this run (analytic)", "", format_bytes(comm_est.total)])
-    else:
-        ddp = result["ddp_fp32_inter_node_bytes_per_step"]
-        rows.append(["DDP baseline, fp32 all-reduce (analytic)", "", format_bytes(ddp)])
-    rows.append(["ZeRO-3 baseline, fp32 wire (analytic)", "", format_bytes(zero3_fp32.total)])
-    rows.append(["ZeRO-3 baseline, 16-bit wire (analytic)", "", format_bytes(zero3_16.total)])
-    lines.append(
-        table(
-            ["per step, per node", "intra-node", "inter-node"],
-            rows,
-            title="communication (comm ledger; bytes leaving each node)",
-        )
-    )
-    inter = measured.inter_node_bytes / steps_run
-    if inter > 0 and comm_est is None:
-        ddp = result["ddp_fp32_inter_node_bytes_per_step"]
-        lines.append(f"cross-node bytes saved vs a fp32 DDP all-reduce: {ddp / inter:.2f}x")
-    if inter > 0:
-        lines.append(
-            f"cross-node bytes saved vs ZeRO-3: {zero3_fp32.total / inter:.2f}x vs the fp32 wire, "
-            f"{zero3_16.total / inter:.2f}x vs the 16-bit wire (the paper's baseline)"
-        )
-    elif measured.entries:
-        lines.append("no cross-node bytes measured (one node)")
-    else:
-        lines.append(
-            "the ledger recorded no collectives (plain FSDP2 does not report to it); "
-            "the analytic rows above stand alone"
-        )
-    lines.append(
-        table(
-            ["memory per rank", "bytes"],
-            [
-                ["estimate (tensors only)", format_bytes(mem_est["total (tensors only)"])],
-                ["measured peak (max over ranks)", format_bytes(result["peak_memory_bytes"])],
-            ],
-        )
-        + "\n(measured on CPU is the process's peak RSS, which includes the runtime itself)"
-    )
-    return "\n\n".join(["=== qshard train summary ===", *lines])
