@@ -34,12 +34,28 @@ def test_padded_numel_rejects_bad_sizes():
         padded_numel(5, 0)
 
 
-def test_needs_initialised_distributed():
+@pytest.mark.parametrize("numel", [1, 3, 7, 9, 16, 33, 1000])
+def test_single_process_without_process_group(numel):
+    """No init_process_group: one rank, the same compression as the reference's world of 1,
+    for sizes whose packed signs are not a multiple of 4 bytes (the scales used to be viewed
+    out of the byte buffer at an unaligned offset); several tensors in one bucket."""
     if dist.is_initialized():
         pytest.skip("a process group exists in this process")
-    t = torch.ones(3)
-    with pytest.raises(RuntimeError, match="init_process_group"):
-        compressed_all_reduce([t], [torch.zeros(16)], [torch.zeros(8)])
+    g = torch.Generator().manual_seed(numel)
+    numels = [numel, 5, 2 * numel + 1]
+    ew = [torch.zeros(padded_numel(k, 1)) for k in numels]
+    es = [torch.zeros(server_error_numel(k, 1)) for k in numels]
+    for _ in range(3):
+        ts = [torch.randn(k, generator=g) for k in numels]
+        before = [(e.clone(), f.clone()) for e, f in zip(ew, es)]
+        out = compressed_all_reduce(ts, ew, es)
+        for t, o, (e0, f0), e1, f1 in zip(ts, out, before, ew, es):
+            ref, ref_ew, ref_es = reference_round([t], [e0], [f0], None)
+            # The scales are float32 sums of ~2000 squares: relative error up to ~1e-5.
+            tol = {"rtol": 1e-4, "atol": 1e-4}
+            torch.testing.assert_close(o.double(), ref, **tol)
+            torch.testing.assert_close(e1.double(), ref_ew[0], **tol)
+            torch.testing.assert_close(f1.double(), ref_es[0], **tol)
 
 
 def reference_round(inputs, worker_errors, server_errors, mask):
@@ -163,7 +179,8 @@ def _check_ledger(group, world_rank):
         compressed_all_reduce(tensors, ew, es, group=group, tag="t")
     s = ledger.summary()
     width = sum(padded_numel(k, n) for k in numels) // n
-    per_rank = width // 8 + 4 * len(numels)
+    # One row per destination: the fp32 scales, the packed signs, padding to 4 bytes.
+    per_rank = 4 * len(numels) + 4 * math.ceil(width // 8 / 4)
     (a2a,) = s.select(tag="t", op="all_to_all")
     (ag,) = s.select(tag="t", op="all_gather")
     assert a2a.calls == 1 and a2a.tensor_bytes == n * per_rank

@@ -256,9 +256,11 @@ def ledger_counts(rank: int, world: int) -> None:
             per_step.append(ledger.step())
     assert [s.select(op="all_reduce")[0].tensor_bytes for s in per_step[:2]] == [4 * numel] * 2
     # Compressed steps: an all-to-all and an all-gather of one bit per padded element plus
-    # one fp32 scale per tensor, each hop sending (n-1)/n of it.
+    # one fp32 scale per tensor, each hop sending (n-1)/n of it; each destination's row is
+    # padded to a multiple of 4 bytes.
     padded = sum(padded_numel(p.numel(), world) for p in model.parameters())
-    per_rank_buffer = padded // 8 + 4 * len(list(model.parameters())) * world
+    row = 4 * len(list(model.parameters())) + 4 * -(-padded // world // 8 // 4)
+    per_rank_buffer = row * world
     for s in per_step[2:]:
         assert not s.select(op="all_reduce")
         assert s.inter_node_bytes == pytest.approx(2 * (world - 1) / world * per_rank_buffer)
@@ -278,3 +280,50 @@ def onebit_world(rank: int, world: int) -> dict[str, float]:
 def test_onebit_adam_world_of_3():
     results = run_world(onebit_world, 3, timeout_s=300)
     assert results[0] == results[1] == results[2]
+
+
+# ------------------------------------------------------------------ one process
+
+ONE_RANK_SIZES = (1, 3, 7, 9, 16, 33, 1000)
+
+
+def one_rank_trajectories(rank: int = 0, world: int = 1) -> dict[str, list[float]]:
+    """Both optimizers on one parameter of every size in ONE_RANK_SIZES (packed signs that are
+    not a multiple of 4 bytes crashed a single rank), through warm-up, compression and, for
+    0/1 Adam, local steps and syncs; returns the final parameters per case (as lists: tensors
+    do not survive the queue once the rank has exited)."""
+    from qshard.optim.zero_one_adam import ZeroOneAdam
+
+    out = {}
+    for kind in ("onebit", "zero_one"):
+        for numel in ONE_RANK_SIZES:
+            g = torch.Generator().manual_seed(numel)
+            target = torch.randn(numel, generator=g)
+            p = nn.Parameter(torch.zeros(numel))
+            if kind == "onebit":
+                opt = OneBitAdam([p], lr=1e-2, freeze_step=5)
+            else:
+                opt = ZeroOneAdam(
+                    [p], lr=1e-2, var_freeze_step=8, local_step_scaler=2, local_step_clipper=4
+                )
+            for _ in range(30):
+                p.grad = (p.detach() - target) + 0.01 * torch.randn(numel, generator=g)
+                opt.step()
+            if kind == "zero_one":
+                opt.synchronize()
+                assert opt.comm_stats["local"] > 0 and opt.comm_stats["compressed"] > 0
+            else:
+                assert opt.comm_stats == {"full_precision": 5, "compressed": 25, "local": 0}
+            assert bool(torch.isfinite(p).all())
+            out[f"{kind}/{numel}"] = p.detach().tolist()  # exact: float32 -> float
+    return out
+
+
+def test_one_process_without_process_group_equals_world_of_1():
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    alone = one_rank_trajectories()
+    (world_of_1,) = run_world(one_rank_trajectories, 1, timeout_s=120)
+    assert alone.keys() == world_of_1.keys()
+    for key, value in alone.items():
+        assert value == world_of_1[key], key

@@ -20,6 +20,18 @@ share one.
 elements named by an optional mask. Invalid elements are excluded from every scale, their error
 stays zero, and they are zero in the result. All ranks must pass the same masks (the mask is a
 property of the model, which is replicated).
+
+[Note: wire rows] What one rank sends to one destination (a row of the all-to-all buffer, or its
+all-gather payload) is ``[num fp32 scales | packed signs | 0-3 zero bytes]``: the scales come
+first and every row is a multiple of 4 bytes, so the scales are read in place as a float32 view
+of the received bytes at any world size and any tensor sizes (the packed signs of a destination
+are ``width / 8`` bytes, which is not a multiple of 4 in general).
+
+[Note: one process] With a group of one rank (an initialised world of size 1, or no process
+group at all when ``group`` is None) the same compression and error feedback run and the two
+collectives are skipped (a rank sends nothing to itself; nothing is recorded in the ledger). The
+result is bit-identical either way, so a single-process run behaves as one rank of a cluster
+run, compression error included.
 """
 
 from __future__ import annotations
@@ -55,10 +67,13 @@ def server_error_numel(numel: int, world_size: int) -> int:
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, list[int]]:
-    if not dist.is_initialized():
+    if not dist.is_available() or not dist.is_initialized():
+        if group is None:  # a single process; see [Note: one process]
+            return 1, 0, [0]
         raise RuntimeError(
-            "compressed_all_reduce needs torch.distributed initialised "
-            "(torch.distributed.init_process_group); a single process can use world_size=1"
+            "compressed_all_reduce was given a process group but torch.distributed is not "
+            "initialised; call torch.distributed.init_process_group first (or pass group=None "
+            "in a single process)"
         )
     group = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(group)
@@ -95,7 +110,8 @@ def compressed_all_reduce(
         masks: optional bool tensor per tensor (shape of the tensor, or ``None``): ``False``
             marks structurally zero elements, which are sent as nothing and come back exactly 0
             (see [Note: valid elements]). Must be identical on every rank.
-        group: the process group (default: the world).
+        group: the process group (default: the world; a single process without an initialised
+            process group, see [Note: one process]).
         tag: name under which the two collectives are recorded in the active comm ledger.
 
     Returns:
@@ -167,16 +183,23 @@ def compressed_all_reduce(
         offset += c
 
     sign_bytes = width // 8
-    send = torch.empty(n, sign_bytes + 4 * num, dtype=torch.uint8, device=device)
-    send[:, :sign_bytes] = pack_signs(signs.reshape(-1)).view(n, sign_bytes)
-    send[:, sign_bytes:] = worker_scales.view(torch.uint8)
-    recv = torch.empty_like(send)
-    _record("all_to_all", group_ranks, send.numel(), tag)
-    dist.all_to_all_single(recv, send, group=group)
+    row = _row_bytes(num, sign_bytes)  # see [Note: wire rows]
+    send = torch.empty(n, row, dtype=torch.uint8, device=device)
+    send.view(torch.float32)[:, :num] = worker_scales
+    send[:, 4 * num : 4 * num + sign_bytes] = pack_signs(signs.reshape(-1)).view(n, sign_bytes)
+    send[:, 4 * num + sign_bytes :] = 0
+    if n > 1:
+        recv = torch.empty_like(send)
+        _record("all_to_all", group_ranks, send.numel(), tag)
+        dist.all_to_all_single(recv, send, group=group)
+    else:  # one rank is its own server: nothing to exchange
+        recv = send
 
     # Server side: this rank reduces chunk `rank` of every tensor.
-    recv_signs = unpack_signs(recv[:, :sign_bytes].reshape(-1), n * width).view(n, width)
-    recv_scales = recv[:, sign_bytes:].contiguous().view(torch.float32)  # (n, num)
+    recv_scales = recv.view(torch.float32)[:, :num]  # (n, num), a view: rows are 4-aligned
+    recv_signs = unpack_signs(recv[:, 4 * num : 4 * num + sign_bytes].reshape(-1), n * width).view(
+        n, width
+    )
     my_valid = valid[rank]
     server_err = torch.cat([es.reshape(-1) for es in server_errors])
     y = (recv_signs * recv_scales[:, seg_ids]).sum(0).div_(n).mul_(my_valid).add_(server_err)
@@ -190,15 +213,21 @@ def compressed_all_reduce(
         es.copy_(new_server_error[offset : offset + c])
         offset += c
 
-    payload = torch.empty(sign_bytes + 4 * num, dtype=torch.uint8, device=device)
-    payload[:sign_bytes] = pack_signs(server_signs)
-    payload[sign_bytes:] = server_scales.view(torch.uint8)
-    gathered = torch.empty(n, payload.numel(), dtype=torch.uint8, device=device)
-    _record("all_gather", group_ranks, gathered.numel(), tag)
-    _all_gather_single(gathered, payload, group)
+    payload = torch.empty(row, dtype=torch.uint8, device=device)
+    payload.view(torch.float32)[:num] = server_scales
+    payload[4 * num : 4 * num + sign_bytes] = pack_signs(server_signs)
+    payload[4 * num + sign_bytes :] = 0
+    if n > 1:
+        gathered = torch.empty(n, row, dtype=torch.uint8, device=device)
+        _record("all_gather", group_ranks, gathered.numel(), tag)
+        _all_gather_single(gathered, payload, group)
+    else:
+        gathered = payload.view(1, row)
 
-    out_signs = unpack_signs(gathered[:, :sign_bytes].reshape(-1), n * width).view(n, width)
-    out_scales = gathered[:, sign_bytes:].contiguous().view(torch.float32)  # (n, num)
+    out_scales = gathered.view(torch.float32)[:, :num]  # (n, num)
+    out_signs = unpack_signs(
+        gathered[:, 4 * num : 4 * num + sign_bytes].reshape(-1), n * width
+    ).view(n, width)
     result = out_signs.mul_(out_scales[:, seg_ids]).mul_(valid)
     outputs = []
     offset = 0
@@ -207,6 +236,12 @@ def compressed_all_reduce(
         outputs.append(flat.reshape(t.shape).clone())
         offset += c
     return outputs
+
+
+def _row_bytes(num_tensors: int, sign_bytes: int) -> int:
+    """Bytes one rank sends to one destination in each of the two collectives (see
+    [Note: wire rows])."""
+    return 4 * num_tensors + 4 * -(-sign_bytes // 4)
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:

@@ -73,20 +73,27 @@ class _DataParallelOneBitOptimizer(Optimizer):
         _validate_hparams(
             defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"]
         )
-        if not dist.is_initialized():
-            raise RuntimeError(
-                f"{name} averages over a process group: initialise torch.distributed first "
-                "(init_process_group; a single process can use world_size=1)"
-            )
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.process_group)
-        if self.rank < 0:
-            raise ValueError(
-                f"{name}: global rank {dist.get_rank()} is not a member of process_group; "
-                "build the optimizer only on the ranks of its data-parallel group"
-            )
-        self.world_size = dist.get_world_size(self.process_group)
-        self._group_ranks = dist.get_process_group_ranks(self.process_group)
+        if not dist.is_available() or not dist.is_initialized():
+            if process_group is not None:
+                raise RuntimeError(
+                    f"{name} was given a process_group but torch.distributed is not "
+                    "initialised; call init_process_group first (or pass no process_group "
+                    "in a single process)"
+                )
+            # [Note: one process] No process group: one rank, the same compression and error
+            # feedback as a world of size 1, no collectives (see qshard.comm.compressed).
+            self.process_group = None
+            self.rank, self.world_size, self._group_ranks = 0, 1, [0]
+        else:
+            self.process_group = process_group if process_group is not None else dist.group.WORLD
+            self.rank = dist.get_rank(self.process_group)
+            if self.rank < 0:
+                raise ValueError(
+                    f"{name}: global rank {dist.get_rank()} is not a member of process_group; "
+                    "build the optimizer only on the ranks of its data-parallel group"
+                )
+            self.world_size = dist.get_world_size(self.process_group)
+            self._group_ranks = dist.get_process_group_ranks(self.process_group)
         super().__init__(params, defaults)
         for group in self.param_groups:
             _validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -176,6 +183,8 @@ class _DataParallelOneBitOptimizer(Optimizer):
         if self._replication_checked:
             return
         self._replication_checked = True
+        if self.world_size == 1:  # one replica agrees with itself
+            return
         layout = 0
         for p in params:
             for d in (*p.shape, -1):
@@ -216,9 +225,10 @@ class _DataParallelOneBitOptimizer(Optimizer):
     def _all_reduce_mean(self, tensors: list[torch.Tensor], tag: str) -> list[torch.Tensor]:
         """Full-precision (fp32) average: one flat all-reduce for all tensors."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._record("all_reduce", flat.numel() * flat.element_size(), tag)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
-        flat.div_(self.world_size)
+        if self.world_size > 1:  # the mean over one rank is its own value
+            self._record("all_reduce", flat.numel() * flat.element_size(), tag)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
+            flat.div_(self.world_size)
         return [
             chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)
         ]

@@ -37,7 +37,9 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
             exact update.
         freeze_step: number of full-precision warm-up steps (>= 1) after which the variance is
             frozen and momentum is compressed to 1 bit.
-        process_group: the data-parallel group.
+        process_group: the data-parallel group. In a single process without
+            ``init_process_group`` leave it None: the optimizer then runs as one rank (same
+            compression and error feedback as a world of size 1, no collectives).
         amsgrad: not supported (raises if True).
         bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
             updates so far (default False, as both papers' code). The momentum is not corrected.

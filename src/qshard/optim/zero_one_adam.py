@@ -110,7 +110,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             phase-B steps (DeepSpeed default 32678; choose it from the lr schedule: roughly the
             number of steps in which the lr halves).
         local_step_clipper: H, the largest sync gap (paper: 16).
-        process_group: the data-parallel group.
+        process_group: the data-parallel group. In a single process without
+            ``init_process_group`` leave it None: the optimizer then runs as one rank (same
+            compression and error feedback as a world of size 1, no collectives).
         amsgrad: not supported (raises if True).
         phase_a_compression: what a phase-A step that is not a variance step averages with the
             1-bit all-reduce: ``"momentum"`` (default; the paper's Algorithm 1, a sync of the
