@@ -3,22 +3,28 @@
 ``shard(model, topology=..., config=ZeroPPConfig(qwz=True, hpz=True, qgz=True))`` shards a
 model with ``fully_shard`` per block and installs the quantized comms; the comms can also be
 installed by hand with ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+``ZeroPPConfig(hsdp=True)`` shards inside a node and replicates across nodes (HSDP), with an
+optionally compressed inter-node gradient all-reduce (:class:`ReplicateAllReduce`).
 """
 
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
+from qshard.zeropp.all_reduce import ReplicateAllReduce
 from qshard.zeropp.config import ZeroPPConfig
 from qshard.zeropp.reduce_scatter import (
     HierarchicalQuantizedReduceScatter,
     RecordingReduceScatter,
 )
-from qshard.zeropp.shard import find_blocks, shard
+from qshard.zeropp.shard import HSDP_MESH_DIMS, find_blocks, hsdp_mesh, shard
 
 __all__ = [
+    "HSDP_MESH_DIMS",
     "HierarchicalQuantizedReduceScatter",
     "QuantizedAllGather",
     "RecordingAllGather",
     "RecordingReduceScatter",
+    "ReplicateAllReduce",
     "ZeroPPConfig",
     "find_blocks",
+    "hsdp_mesh",
     "shard",
 ]

@@ -41,6 +41,21 @@ class ZeroPPConfig:
         record: install recording comms for FSDP2's own collectives when a feature is off,
             so the active :class:`~qshard.comm.CommLedger` measures the baseline with the same
             ruler. They call the same plain collectives (numerics unchanged).
+        hsdp: HSDP instead of ZeRO-3: shard inside a node, replicate across nodes (a 2-D mesh
+            ``("replicate", "shard")`` built from the topology). The only inter-node traffic
+            of a step is the replicate reduction of the gradient shards. Excludes qwZ, hpZ and
+            qgZ (they change the world gathers and reduce-scatter HSDP does not have).
+        replicate_bits: HSDP only. ``None`` reduces the gradient shards across nodes in full
+            precision (FSDP2's own all-reduce; with ``wire_dtype``, in 16 bits); 8 or 4 sends
+            them block-quantized in qgZ's format, reduced in fp32 between the two hops (see
+            :class:`~qshard.zeropp.ReplicateAllReduce`).
+        replicate_block_size: elements per quantization block of the replicate reduction.
+        replicate_error_feedback: keep what quantizing the replicate reduction lost and add it
+            to the next step's gradients (per FSDP unit and rank).
+        replicate_reduce: HSDP only. ``False``: no gradient crosses nodes; each node's
+            optimizer steps on its own node-averaged gradients and a data-parallel optimizer
+            (:class:`~qshard.optim.ZeroOneAdam`, :class:`~qshard.optim.OneBitAdam`) owns the
+            inter-node sync.
     """
 
     qwz: bool = False
@@ -54,16 +69,32 @@ class ZeroPPConfig:
     wire_dtype: torch.dtype | None = None
     prefetch: bool = True
     record: bool = True
+    hsdp: bool = False
+    replicate_bits: int | None = None
+    replicate_block_size: int = 256
+    replicate_error_feedback: bool = False
+    replicate_reduce: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("qwz", "hpz", "qgz", "prefetch", "record"):
+        for name in (
+            "qwz",
+            "hpz",
+            "qgz",
+            "prefetch",
+            "record",
+            "hsdp",
+            "replicate_error_feedback",
+            "replicate_reduce",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.weight_bits not in (4, 8):
             raise ValueError(f"weight_bits must be 8 or 4; got {self.weight_bits}")
         if self.grad_bits not in (4, 8):
             raise ValueError(f"grad_bits must be 4 or 8; got {self.grad_bits}")
-        for name in ("weight_block_size", "grad_block_size"):
+        if self.replicate_bits not in (None, 4, 8):
+            raise ValueError(f"replicate_bits must be None, 8 or 4; got {self.replicate_bits!r}")
+        for name in ("weight_block_size", "grad_block_size", "replicate_block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 8 or v % 8:
                 raise ValueError(
@@ -76,6 +107,63 @@ class ZeroPPConfig:
             raise ValueError(
                 f"wire_dtype must be None, torch.bfloat16 or torch.float16; got {self.wire_dtype}"
             )
+
+        if self.hsdp:
+            self._check_hsdp()
+        else:
+            for name, default in (
+                ("replicate_bits", None),
+                ("replicate_error_feedback", False),
+                ("replicate_reduce", True),
+            ):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name} configures HSDP's inter-node reduction; set hsdp=True (or "
+                        f"leave {name}={default!r} for ZeRO-3 / ZeRO++)"
+                    )
+
+    def _check_hsdp(self) -> None:
+        if self.hpz:
+            raise ValueError(
+                "hpz=True with hsdp=True: HSDP already shards inside a node, so its backward "
+                "all-gather never leaves the node; drop hpz"
+            )
+        if self.qwz:
+            raise ValueError(
+                "qwz=True with hsdp=True: qwZ quantizes weight gathers that cross nodes, and "
+                "HSDP gathers only inside a node; drop qwz"
+            )
+        if self.qgz:
+            raise ValueError(
+                "qgz=True with hsdp=True: HSDP's inter-node reduction is the replicate "
+                "all-reduce, not qgZ's world reduce-scatter; use replicate_bits=4 instead"
+            )
+        if not self.replicate_reduce and (
+            self.replicate_bits is not None or self.replicate_error_feedback
+        ):
+            raise ValueError(
+                "replicate_reduce=False sends no gradient across nodes, so replicate_bits / "
+                "replicate_error_feedback have nothing to compress; drop them"
+            )
+        if (
+            self.replicate_error_feedback
+            and self.replicate_bits is None
+            and (self.wire_dtype is None)
+        ):
+            raise ValueError(
+                "replicate_error_feedback needs a lossy replicate reduction: set "
+                "replicate_bits=8/4 or wire_dtype=torch.bfloat16"
+            )
+
+    @property
+    def replicate_native(self) -> bool:
+        """HSDP whose inter-node reduction is FSDP2's own full-precision all-reduce."""
+        return (
+            self.hsdp
+            and self.replicate_reduce
+            and self.replicate_bits is None
+            and self.wire_dtype is None
+        )
 
     @property
     def any_feature(self) -> bool:

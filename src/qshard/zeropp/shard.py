@@ -5,6 +5,7 @@ The one place qshard touches FSDP2 modules: every hook and comm it installs is s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -16,10 +17,14 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from qshard.comm.topology import Topology
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
+from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
 from qshard.zeropp.config import ZeroPPConfig
 from qshard.zeropp.reduce_scatter import HierarchicalQuantizedReduceScatter, RecordingReduceScatter
 
-__all__ = ["find_blocks", "shard"]
+__all__ = ["HSDP_MESH_DIMS", "find_blocks", "hsdp_mesh", "shard"]
+
+#: The dim names of an HSDP mesh: ``replicate`` spans nodes, ``shard`` the ranks of one node.
+HSDP_MESH_DIMS = ("replicate", "shard")
 
 
 def find_blocks(
@@ -83,6 +88,37 @@ def _shard_sizes(module: FSDPModule) -> Callable[[], list[int]] | None:
     return sizes
 
 
+def hsdp_mesh(topology: Topology, device_type: str = "cpu") -> DeviceMesh:
+    """The 2-D HSDP mesh of ``topology``: ``(num_nodes, ranks_per_node)`` with dims
+    :data:`HSDP_MESH_DIMS`; row ``n`` is node ``n``'s ranks (node-major numbering).
+    Collective (creates the mesh's process groups)."""
+    return init_device_mesh(
+        device_type,
+        (topology.num_nodes, topology.ranks_per_node),
+        mesh_dim_names=HSDP_MESH_DIMS,
+    )
+
+
+def _check_hsdp_mesh(mesh: DeviceMesh, topology: Topology) -> None:
+    if tuple(mesh.mesh_dim_names or ()) != HSDP_MESH_DIMS:
+        raise ValueError(
+            f"an HSDP mesh needs dims named {HSDP_MESH_DIMS}; got {mesh.mesh_dim_names}: "
+            "build it with qshard.zeropp.hsdp_mesh(topology) or init_device_mesh(..., "
+            f"mesh_dim_names={HSDP_MESH_DIMS})"
+        )
+    ranks = mesh.mesh.tolist()
+    if len(ranks) * len(ranks[0]) != topology.world_size:
+        raise ValueError(f"the HSDP mesh must span all {topology.world_size} ranks; got {mesh}")
+    for row in ranks:
+        if not topology.is_intra_node(row):
+            raise ValueError(
+                f"the HSDP mesh's shard dim {row} crosses nodes ({topology}); its shard dim "
+                f"must be one node's ranks: use a mesh of shape (num_nodes, ranks_per_node) = "
+                f"({topology.num_nodes}, {topology.ranks_per_node}), e.g. "
+                "qshard.zeropp.hsdp_mesh(topology)"
+            )
+
+
 def _device_type(model: nn.Module) -> str:
     for p in model.parameters():
         if p.device.type != "meta":
@@ -113,6 +149,14 @@ def shard(
     * with ``prefetch``: each block prefetches the next one in forward and the previous one
       in backward, and unshards run asynchronously.
 
+    HSDP (``config.hsdp`` or a 2-D ``mesh`` with dims :data:`HSDP_MESH_DIMS`): shard inside a
+    node, replicate across nodes. With a full-precision replicate reduction it is
+    ``fully_shard(mesh=<the 2-D mesh>)`` per block and root (FSDP2's own all-reduce, recorded
+    in the ledger by an all-reduce hook); with ``replicate_bits``, a 16-bit ``wire_dtype`` or
+    ``replicate_reduce=False`` it is ``fully_shard(mesh=mesh["shard"])`` plus a
+    :class:`~qshard.zeropp.ReplicateAllReduce` hook (or none), see [Note: HSDP through the
+    all-reduce hook] in :mod:`qshard.zeropp.all_reduce`.
+
     With every feature off, ``wire_dtype=None`` and ``prefetch=False`` it is ``fully_shard``
     per block and root, plus recording comms that call FSDP2's own collectives: training is
     bit-identical to plain FSDP2 (and prefetching changes only timing).
@@ -123,7 +167,8 @@ def shard(
         config: the ZeRO++ features (default: all off).
         mp_policy: FSDP2 mixed precision (``param_dtype`` is what the all-gather moves).
         blocks: what to wrap one by one (see :func:`find_blocks`).
-        mesh: a 1-D data-parallel mesh over the world (default: created here).
+        mesh: a 1-D data-parallel mesh over the world, or a 2-D HSDP mesh (default: created
+            here from ``topology``).
 
     Returns:
         ``model``, now an :class:`FSDPModule`.
@@ -136,11 +181,16 @@ def shard(
             f"topology {topology} does not describe this process (world "
             f"{dist.get_world_size()}, rank {dist.get_rank()}); build it with Topology.from_env()"
         )
+    if mesh is not None and mesh.ndim == 2 and not config.hsdp:
+        config = dataclasses.replace(config, hsdp=True)  # a 2-D mesh asks for HSDP
+    if config.hsdp:
+        return _shard_hsdp(model, topology, config, mp_policy, blocks, mesh)
     if mesh is None:
         mesh = init_device_mesh(_device_type(model), (topology.world_size,))
     elif mesh.ndim != 1 or mesh.size() != topology.world_size:
         raise ValueError(
-            f"shard() needs a 1-D mesh over all {topology.world_size} ranks; got {mesh}"
+            f"shard() needs a 1-D mesh over all {topology.world_size} ranks (ZeRO-3) or a 2-D "
+            f"mesh with dims {HSDP_MESH_DIMS} (HSDP); got {mesh}"
         )
     if config.qgz and topology.world_size > 1:
         topology.init_groups()  # collective, every rank at the same point
@@ -185,9 +235,57 @@ def shard(
         if reduce_scatter is not None:
             m.set_custom_reduce_scatter(reduce_scatter)
 
+    _prefetch(root, block_list, config)
+    return root  # type: ignore[return-value]
+
+
+def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig) -> None:
     if config.prefetch and len(block_list) > 1:
         for prev, nxt in itertools.pairwise(block_list):
             prev.set_modules_to_forward_prefetch([nxt])  # type: ignore[union-attr]
             nxt.set_modules_to_backward_prefetch([prev])  # type: ignore[union-attr]
         root._set_unshard_async_op(True)  # type: ignore[union-attr]
+
+
+def _shard_hsdp(
+    model: nn.Module,
+    topology: Topology,
+    config: ZeroPPConfig,
+    mp_policy: MixedPrecisionPolicy | None,
+    blocks: Sequence[nn.Module] | tuple[type, ...] | type | None,
+    mesh: DeviceMesh | None,
+) -> FSDPModule:
+    """HSDP: see :func:`shard`. The 2-D mesh is checked (or built) here."""
+    if mesh is None:
+        mesh = hsdp_mesh(topology, _device_type(model))
+    _check_hsdp_mesh(mesh, topology)
+    replicate_group = mesh.get_group("replicate")
+    native = config.replicate_native
+    fsdp_kwargs: dict = {"mesh": mesh if native else mesh["shard"], "reshard_after_forward": True}
+    if mp_policy is not None:
+        fsdp_kwargs["mp_policy"] = mp_policy
+    block_list = find_blocks(model, blocks)
+    for block in block_list:
+        fully_shard(block, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    root = model
+    record = config.record or config.wire_dtype is not None
+    for m in (m for m in root.modules() if isinstance(m, FSDPModule)):
+        if record:
+            m.set_custom_all_gather(RecordingAllGather(wire_dtype=config.wire_dtype))
+            m.set_custom_reduce_scatter(RecordingReduceScatter(wire_dtype=config.wire_dtype))
+        if native:
+            if config.record:
+                m.set_all_reduce_hook(RecordingAllReduceHook(replicate_group))
+        elif config.replicate_reduce:
+            m.set_all_reduce_hook(
+                ReplicateAllReduce(
+                    group=replicate_group,
+                    bits=config.replicate_bits,
+                    block_size=config.replicate_block_size,
+                    wire_dtype=config.wire_dtype,
+                    error_feedback=config.replicate_error_feedback,
+                )
+            )
+    _prefetch(root, block_list, config)
     return root  # type: ignore[return-value]

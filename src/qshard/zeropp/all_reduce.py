@@ -1,0 +1,185 @@
+"""HSDP's inter-node gradient reduction: the replicate all-reduce, compressed or recorded.
+
+FSDP2's HSDP reduce-scatters each FSDP unit's gradients inside the node, then all-reduces the
+shard across the ``replicate`` mesh dim (the ranks with the same local rank on every node):
+the only cross-node traffic of a step. Two FSDP2 seams carry it (torch 2.13):
+
+* native HSDP (``fully_shard(mesh=<2-D mesh>)``): FSDP2 runs its own ``dist.all_reduce`` and
+  then calls the module's all-reduce hook on the result; :class:`RecordingAllReduceHook` only
+  records that all-reduce in the active ledger (numerics untouched);
+* [Note: HSDP through the all-reduce hook] FSDP2 has no switch that skips its replicate
+  all-reduce and still hands back gradients: ``set_requires_all_reduce(False)`` keeps the
+  reduce-scattered shard in a private accumulator and leaves ``param.grad`` unset until an
+  all-reduce runs (gradient accumulation; checked in torch 2.13). So a compressed reduction is
+  FSDP2 over the node-sized ``mesh["shard"]`` (whose root mesh is the 2-D HSDP mesh), with
+  :class:`ReplicateAllReduce` installed by ``set_all_reduce_hook``: FSDP2 calls it on every
+  unit's reduce-scattered shard (already the node's mean) before writing the gradients.
+
+[Note: replicate all-reduce hops] ``ReplicateAllReduce`` is a reduce-scatter plus all-gather
+over the ``N`` replicate ranks, each hop in qgZ's wire format (:class:`~qshard.zeropp._wire.
+RowCodec`: rows of ``[fp32 block absmax | INT8/INT4 codes]``, or 16-bit values): the shard of
+``S`` elements is zero-padded to ``N`` chunks of ``c`` elements (``c`` a multiple of 4 blocks,
+as qgZ's rows); hop 1 (all-to-all) sends chunk ``j`` to rank ``j``, which dequantizes the ``N``
+received chunks and sums them in fp32, divides by ``N``, and re-quantizes its mean chunk; hop 2
+(all-gather) gives every rank every mean chunk, dequantized. Every rank decodes the same bytes
+(the owner decodes its own chunk too), so replicas stay bit-identical.
+
+Error bound (per element of block ``k``, ``q = 2**(bits-1) - 1``, round to nearest): with
+``A_i`` the absmax of block ``k`` of rank ``i``'s input and ``B`` the absmax of the mean
+block that hop 2 quantizes, ``|out - mean_i x_i| <= (sum_i A_i / N + B) / (2 q)`` plus fp32
+rounding (a few ulps of those absmaxes). With error feedback, each hop adds what it lost the
+previous step to its input (worker error per rank, server error per owned chunk).
+
+[Note: non-finite replicate reduction] A NaN or +-Inf gradient makes its block dequantize to
+NaN (the block format's contract), the fp32 sum keeps it, and hop 2 sends the NaN block: a
+non-finite input never comes back finite. An error-feedback buffer that became non-finite is
+zeroed after the step, so one bad step does not poison every later one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from qshard.comm.ledger import active_ledger, record
+from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once
+from qshard.zeropp._wire import RowCodec
+
+__all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
+
+TAG = "grad_all_reduce"
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class RecordingAllReduceHook:
+    """Records native HSDP's replicate all-reduce (FSDP2 ran it before calling this hook).
+
+    FSDP2 all-reduces the reduce-scattered shard in the reduce dtype over ``group``; gloo and
+    NCCL run it as a ring (the ledger's ``all_reduce`` cost model). Numerics untouched.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.ranks = group_ranks(group)
+
+    def __call__(self, output: torch.Tensor) -> None:
+        record(
+            "all_reduce",
+            group_ranks=self.ranks,
+            tensor_bytes=output.numel() * output.element_size(),
+            tag=TAG,
+        )
+
+
+class ReplicateAllReduce:
+    """The mean of a gradient shard over HSDP's replicate group, in two compressed hops.
+
+    See [Note: replicate all-reduce hops]. Installed per FSDP unit with
+    ``FSDPModule.set_all_reduce_hook`` on FSDP2 over ``mesh["shard"]`` (see
+    [Note: HSDP through the all-reduce hook]); callable on any flat tensor, in place.
+
+    Args:
+        group: the replicate group (one rank per node, same local rank).
+        bits: 8 or 4 (block-quantized, qgZ's format), or ``None`` to send ``wire_dtype``.
+        block_size: elements per quantization block (multiple of 8).
+        wire_dtype: with ``bits=None``: ``torch.bfloat16`` / ``torch.float16`` (16-bit wire)
+            or ``None`` (fp32; then this is a plain all-reduce with ``AVG``).
+        error_feedback: keep each hop's compression loss and add it to the next call's input
+            (buffers per call size: one instance serves one FSDP unit).
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        bits: int | None,
+        block_size: int = 256,
+        wire_dtype: torch.dtype | None = None,
+        error_feedback: bool = False,
+    ) -> None:
+        if bits not in (None, 4, 8):
+            raise ValueError(f"bits must be 4, 8 or None; got {bits}")
+        if not isinstance(block_size, int) or block_size < 8 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8; got {block_size!r}")
+        if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
+        if error_feedback and bits is None and wire_dtype is None:
+            raise ValueError("error_feedback needs a lossy wire: set bits or wire_dtype")
+        self.group = group
+        self.ranks = group_ranks(group)
+        self.bits = bits
+        self.block_size = block_size
+        self.wire_dtype = wire_dtype
+        self.error_feedback = error_feedback
+        self.codec = RowCodec(bits=bits, block_size=block_size, wire_dtype=wire_dtype)
+        # Quantized chunks hold whole groups of 4 blocks, as qgZ's rows (16-byte aligned).
+        self._unit = 4 * block_size if bits is not None else 8
+        self._errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def chunk_numel(self, numel: int) -> int:
+        """Elements of one rank's chunk for a shard of ``numel`` elements (padded)."""
+        n = len(self.ranks)
+        return max(1, -(-numel // (n * self._unit))) * self._unit
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes this rank sends in hop 1 (its whole all-to-all input) for ``numel`` elements;
+        hop 2 sends one row of ``wire_bytes / N``."""
+        c = self.chunk_numel(numel)
+        return len(self.ranks) * self.codec.row_bytes(c)
+
+    def reset(self) -> None:
+        """Forget the error-feedback buffers."""
+        self._errors.clear()
+
+    def __call__(self, output: torch.Tensor) -> None:
+        n = len(self.ranks)
+        if n == 1:
+            log_once("replicate-one-node", "HSDP on one node: no replicate all-reduce")
+            if (ledger := active_ledger()) is not None:
+                ledger.count("replicate_single_node")
+            return
+        if self.bits is None and self.wire_dtype is None:
+            record(
+                "all_reduce",
+                group_ranks=self.ranks,
+                tensor_bytes=output.numel() * output.element_size(),
+                tag=TAG,
+            )
+            dist.all_reduce(output, op=dist.ReduceOp.AVG, group=self.group)
+            return
+        output.copy_(self.reduce(output.reshape(-1)).view(output.shape))
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every
+        rank). Collective."""
+        n = len(self.ranks)
+        size = x.numel()
+        c = self.chunk_numel(size)
+        codec = self.codec
+        xin = torch.zeros(n * c, dtype=torch.float32, device=x.device)
+        xin[:size] = x
+        errors = None
+        if self.error_feedback:
+            errors = self._errors.get(size)
+            if errors is None:
+                errors = (xin.new_zeros(n * c), xin.new_zeros(c))
+                self._errors[size] = errors
+            xin[:size] += errors[0][:size]
+        send = codec.encode(xin.view(n, c))
+        if errors is not None:
+            errors[0].copy_(xin - codec.decode(send, c).view(-1))
+        recv = torch.empty_like(send)
+        record("all_to_all", group_ranks=self.ranks, tensor_bytes=send.numel(), tag=TAG)
+        dist.all_to_all_single(recv, send, group=self.group)
+        mean = codec.decode(recv, c).sum(dim=0).div_(n)  # fp32 between the hops
+        if errors is not None:
+            mean += errors[1]
+        own = codec.encode(mean.view(1, c))
+        if errors is not None:
+            errors[1].copy_(mean - codec.decode(own, c).view(-1))
+            for e in errors:  # see [Note: non-finite replicate reduction]
+                e.masked_fill_(~torch.isfinite(e), 0.0)
+        gathered = torch.empty((n, own.shape[1]), dtype=torch.uint8, device=x.device)
+        record("all_gather", group_ranks=self.ranks, tensor_bytes=gathered.numel(), tag=TAG)
+        _all_gather(gathered.view(-1), own.view(-1), group=self.group)
+        return codec.decode(gathered, c).view(-1)[:size]
