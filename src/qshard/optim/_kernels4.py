@@ -1,0 +1,249 @@
+"""Fused CPU kernel of the 4-bit Adam/AdamW step: unpack + decode -> update -> block absmax ->
+encode + pack, in one pass over each block while it sits in L1 (the 8-bit kernel's scheme,
+:mod:`qshard.optim._kernels`; built and cached the same way by :mod:`qshard._native`).
+
+A 16-entry map fits in two AVX2 registers, so decoding needs no memory gather: the 8 nibbles
+of 4 code bytes become 8 lane indices (one broadcast, one variable shift, one mask) and two
+in-register permutes plus a blend give the 8 code values. Encoding is exact nearest with the
+search table of :mod:`qshard.quant._codetable` (``nearest_code8``: one gather and one compare
+per 8 lanes), then pairs of codes are packed into bytes (a variable shift, a 64-bit shift-or,
+one permute and two packs). The update is the 8-bit kernel's Adam loop (same operations, same
+order, ``-ffp-contract=off``), so results equal the torch reference
+:func:`qshard.optim._qstate4.adam4bit_reference` bit for bit; the vector paths write exactly the
+bits of the scalar loops (tested against a ``-mno-avx2`` build). Gradients are always read with
+-0.0 as +0.0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from qshard._native import NativeLibrary
+from qshard.quant._codetable import NEAREST_C
+
+__all__: list[str] = []  # private module
+
+MAX_BLOCK = 4096
+
+_SOURCE = (
+    r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+"""
+    + NEAREST_C
+    + r"""
+
+/* Nibble k of a packed row segment. */
+static inline int nib(const uint8_t *c, int k) { return (c[k >> 1] >> ((k & 1) * 4)) & 15; }
+
+/* s[0..n) = code[nibble k] * amax. */
+static void decode4(const float *code, const uint8_t *c, float amax, int n, float *s) {
+    int k = 0;
+#ifdef __AVX2__
+    const __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
+    const __m256 a = _mm256_set1_ps(amax);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i m15 = _mm256_set1_epi32(15);
+    for (; k + 8 <= n; k += 8) {
+        uint32_t w;
+        memcpy(&w, c + (k >> 1), 4); /* little-endian: element 2i is the low nibble of byte i */
+        const __m256i idx =
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), m15);
+        const __m256 vl = _mm256_permutevar8x32_ps(lo, idx);
+        const __m256 vh = _mm256_permutevar8x32_ps(hi, idx);
+        const __m256 v = _mm256_blendv_ps(vl, vh, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(v, a));
+    }
+#endif
+    for (; k < n; k++) s[k] = code[nib(c, k)] * amax;
+}
+
+/* Nearest codes of s[0..n) / d packed two a byte into c (n odd: the last high nibble is 0). */
+static void encode4(const uint32_t *lut, const float *s, int n, float amax, uint8_t *c) {
+    const float d = amax == 0.0f ? 1.0f : amax; /* an all-zero block: codes of 0.0 */
+    int k = 0;
+#ifdef __AVX2__
+    const __m256 dv = _mm256_set1_ps(d);
+    const __m256i odd = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    for (; k + 8 <= n; k += 8) {
+        const __m256i i = nearest_code8(lut, _mm256_div_ps(_mm256_loadu_ps(s + k), dv));
+        const __m256i sh = _mm256_sllv_epi32(i, odd);            /* odd lanes << 4 */
+        const __m256i pair = _mm256_or_si256(sh, _mm256_srli_epi64(sh, 32)); /* even lanes */
+        const __m128i b = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(pair, even));
+        const __m128i w = _mm_packus_epi16(_mm_packus_epi32(b, b), _mm_setzero_si128());
+        const uint32_t out = (uint32_t)_mm_cvtsi128_si32(w);
+        memcpy(c + (k >> 1), &out, 4);
+    }
+#endif
+    for (; k + 2 <= n; k += 2) {
+        const uint32_t a = nearest_code(lut, s[k] / d), b = nearest_code(lut, s[k + 1] / d);
+        c[k >> 1] = (uint8_t)(a | (b << 4));
+    }
+    if (k < n) c[k >> 1] = (uint8_t)nearest_code(lut, s[k] / d);
+}
+
+/* Adam / AdamW on one decoded block, returning both new absmaxes (mode 1: decoupled decay of
+ * p, 2: L2 weight decay into g, 0: neither). The 8-bit kernel's operations and order:
+ * m = m + (1-b1)(g - m) (torch's lerp), v = v*b2 + ((1-b2) g) g (addcmul),
+ * p = p - step_size * (m / (sqrt(v) / bc2 + eps)) (addcdiv). */
+static inline __attribute__((always_inline)) void adam_block4(
+    float *restrict pp, const float *restrict gg, float *restrict s1, float *restrict s2, int n,
+    const float *hp, int mode, float *amax1, float *amax2) {
+    const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
+    const float wd = hp[4], step_size = hp[5], bc2s = hp[6], decay = hp[7];
+    float r1 = 0.0f, r2 = 0.0f;
+    int k = 0;
+#ifdef __AVX2__
+    const __m256 b1wv = _mm256_set1_ps(b1w), b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
+    const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
+    const __m256 stv = _mm256_set1_ps(step_size), bcv = _mm256_set1_ps(bc2s);
+    const __m256 decv = _mm256_set1_ps(decay), zero = _mm256_setzero_ps();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 acc1 = zero, acc2 = zero;
+    for (; k + 8 <= n; k += 8) {
+        const __m256 m0 = _mm256_loadu_ps(s1 + k), v0 = _mm256_loadu_ps(s2 + k);
+        const __m256 p0 = _mm256_loadu_ps(pp + k);
+        __m256 gi = _mm256_add_ps(_mm256_loadu_ps(gg + k), zero), pi = p0;
+        if (mode == 1) pi = _mm256_mul_ps(p0, decv);
+        if (mode == 2) gi = _mm256_add_ps(gi, _mm256_mul_ps(wdv, p0));
+        const __m256 m = _mm256_add_ps(m0, _mm256_mul_ps(b1wv, _mm256_sub_ps(gi, m0)));
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(v0, b2v),
+                                       _mm256_mul_ps(_mm256_mul_ps(b2wv, gi), gi));
+        const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bcv), epsv);
+        _mm256_storeu_ps(pp + k, _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
+        _mm256_storeu_ps(s1 + k, m);
+        _mm256_storeu_ps(s2 + k, v);
+        acc1 = _mm256_max_ps(acc1, _mm256_and_ps(m, absmask));
+        acc2 = _mm256_max_ps(acc2, _mm256_and_ps(v, absmask));
+    }
+    float l1[8], l2[8];
+    _mm256_storeu_ps(l1, acc1);
+    _mm256_storeu_ps(l2, acc2);
+    for (int l = 0; l < 8; l++) {
+        r1 = l1[l] > r1 ? l1[l] : r1;
+        r2 = l2[l] > r2 ? l2[l] : r2;
+    }
+#endif
+    for (; k < n; k++) {
+        float pi = pp[k], gi = gg[k] + 0.0f;
+        if (mode == 1) pi = pi * decay;
+        if (mode == 2) gi = gi + wd * pi;
+        const float m = s1[k] + b1w * (gi - s1[k]);
+        const float v = s2[k] * b2 + b2w * gi * gi;
+        pp[k] = pi - step_size * (m / (sqrtf(v) / bc2s + eps));
+        s1[k] = m; s2[k] = v;
+        const float f1 = fabsf(m), f2 = fabsf(v);
+        r1 = f1 > r1 ? f1 : r1;
+        r2 = f2 > r2 ? f2 : r2;
+    }
+    *amax1 = r1;
+    *amax2 = r2;
+}
+
+/*
+ * One Adam/AdamW step over `rows` rows of `row_numel` elements with 4-bit m (c1/a1, map code1,
+ * table lut1) and v (c2/a2, code2, lut2): codes (rows, ceil(row_numel/2)) bytes, absmax
+ * (rows, ceil(row_numel/block)). hp: the 8-bit Adam kernel's 10 hyperparameters.
+ */
+int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float *code1,
+                  const uint32_t *lut1, uint8_t *c2, float *a2, const float *code2,
+                  const uint32_t *lut2, int64_t rows, int64_t row_numel, int64_t block,
+                  const float *hp, int nthreads) {
+    if (block > 4096 || block <= 0 || (block & 1)) return -1;
+    const int64_t nbr = (row_numel + block - 1) / block;
+    const int64_t nbytes = (row_numel + 1) / 2;
+    const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < rows * nbr; b++) {
+        float s1[4096], s2[4096];
+        const int64_t r = b / nbr, j = b % nbr;
+        const int64_t off = r * row_numel + j * block;
+        const int64_t coff = r * nbytes + j * (block / 2);
+        const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
+        decode4(code1, c1 + coff, a1[b], n, s1);
+        decode4(code2, c2 + coff, a2[b], n, s2);
+        float m1, m2;
+        if (mode == 1) adam_block4(p + off, g + off, s1, s2, n, hp, 1, &m1, &m2);
+        else if (mode == 2) adam_block4(p + off, g + off, s1, s2, n, hp, 2, &m1, &m2);
+        else adam_block4(p + off, g + off, s1, s2, n, hp, 0, &m1, &m2);
+        a1[b] = m1;
+        a2[b] = m2;
+        encode4(lut1, s1, n, m1, c1 + coff);
+        encode4(lut2, s2, n, m2, c2 + coff);
+    }
+    return 0;
+}
+
+/* Encode rows x row_numel floats with the 4-bit layout (tests: the encoder vs the torch one). */
+int quantize_rows4(const float *x, uint8_t *c, float *a, const uint32_t *lut, int64_t rows,
+                   int64_t row_numel, int64_t block, int nthreads) {
+    if (block > 4096 || block <= 0 || (block & 1)) return -1;
+    const int64_t nbr = (row_numel + block - 1) / block;
+    const int64_t nbytes = (row_numel + 1) / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < rows * nbr; b++) {
+        const int64_t r = b / nbr, j = b % nbr;
+        const int64_t off = r * row_numel + j * block;
+        const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
+        float buf[4096], m = 0.0f;
+        for (int k = 0; k < n; k++) {
+            buf[k] = x[off + k] + 0.0f;
+            const float f = fabsf(buf[k]);
+            m = f > m ? f : m;
+        }
+        a[b] = m;
+        encode4(lut, buf, n, m, c + r * nbytes + j * (block / 2));
+    }
+    return 0;
+}
+
+/* Decode (tests). */
+int dequantize_rows4(const uint8_t *c, const float *a, const float *code, float *x,
+                     int64_t rows, int64_t row_numel, int64_t block) {
+    if (block > 4096 || block <= 0 || (block & 1)) return -1;
+    const int64_t nbr = (row_numel + block - 1) / block;
+    const int64_t nbytes = (row_numel + 1) / 2;
+    for (int64_t b = 0; b < rows * nbr; b++) {
+        const int64_t r = b / nbr, j = b % nbr;
+        const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
+        decode4(code, c + r * nbytes + j * (block / 2), a[b], n, x + r * row_numel + j * block);
+    }
+    return 0;
+}
+"""
+)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.adam4bit_step.restype = i32
+    lib.adam4bit_step.argtypes = [p, p, p, p, p, p, p, p, p, p, i64, i64, i64, p, i32]
+    lib.quantize_rows4.restype = i32
+    lib.quantize_rows4.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.dequantize_rows4.restype = i32
+    lib.dequantize_rows4.argtypes = [p, p, p, p, i64, i64, i64]
+
+
+# Built and cached by qshard._native (source + flags + compiler + CPU in the file name).
+_LIBRARY = NativeLibrary(
+    "optim4bit",
+    _SOURCE,
+    declare=_declare,
+    what="qshard.optim: fused 4-bit kernel",
+    fallback="slower torch reference path",
+    disable_env="QSHARD_NO_KERNELS",
+)
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built (reason logged once)."""
+    return _LIBRARY.get()
+
+
+def available() -> bool:
+    return library() is not None

@@ -1,0 +1,221 @@
+"""The fused 4-bit CPU kernel against the torch reference: its encoder value for value
+(``_qstate4.quantize_rows4``, i.e. ``torch.bucketize`` on the midpoints), whole optimizer steps
+bit for bit (``_qstate4.adam4bit_reference``), the scalar (no-AVX2) build, OpenMP threads and
+concurrent Python threads."""
+
+from __future__ import annotations
+
+import copy
+import platform
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qshard import _native
+from qshard.optim import _kernels4, _qstate4
+from qshard.optim.adam4bit import Adam4bit, AdamW4bit
+from qshard.quant import _codetable
+
+pytestmark = pytest.mark.skipif(not _kernels4.available(), reason="no C compiler for the kernel")
+
+_MAPS = ("signed-dynamic", *_qstate4.SECOND_MOMENT_MAPS)
+
+
+def _kernel_quantize(x: torch.Tensor, q, block: int, lib=None):
+    lib = lib or _kernels4.library()
+    rows, row_numel = x.shape
+    x = x.float().contiguous()
+    codes = torch.empty(rows, _qstate4.packed_row(row_numel), dtype=torch.uint8)
+    absmax = torch.empty(rows, -(-row_numel // block), dtype=torch.float32)
+    rc = lib.quantize_rows4(
+        x.data_ptr(), codes.data_ptr(), absmax.data_ptr(), q.lut.data_ptr(), rows, row_numel,
+        block, 1,
+    )  # fmt: skip
+    assert rc == 0
+    return codes, absmax
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    row_numel=st.integers(1, 700),
+    block=st.sampled_from([2, 64, 128, 2048]),
+    name=st.sampled_from(_MAPS),
+    power=st.integers(1, 5),
+    scale=st.floats(1e-30, 1e30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kernel_encoder_equals_reference(rows, row_numel, block, name, power, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, row_numel, generator=gen).pow(power) * scale  # heavy tails
+    q = _qstate4.qmap4(name)
+    if not q.signed:
+        x = x.abs()
+    x[0, : min(3, row_numel)] = 0.0
+    codes, absmax = _kernel_quantize(x, q, block)
+    ref_codes, ref_absmax = _qstate4.quantize_rows4(x, q, block)
+    assert torch.equal(codes, ref_codes)
+    assert torch.equal(absmax, ref_absmax)
+    # and the kernel's decoder is the reference decoder
+    out = torch.empty_like(x)
+    lib = _kernels4.library()
+    lib.dequantize_rows4(
+        codes.data_ptr(), absmax.data_ptr(), q.code.data_ptr(), out.data_ptr(), rows,
+        row_numel, block,
+    )  # fmt: skip
+    assert torch.equal(out, _qstate4.dequantize_rows4(codes, absmax, q, block, x.shape))
+
+
+@pytest.mark.parametrize("name", _MAPS)
+def test_kernel_encoder_ties_and_codes(name):
+    q = _qstate4.qmap4(name)
+    # Every midpoint (ties go to the lower code), its neighbours, the codes, and an absmax of 1.
+    x = torch.cat([q.mid, torch.nextafter(q.mid, q.mid + 1), q.code, torch.tensor([1.0])])
+    x = x.reshape(1, -1)
+    codes, absmax = _kernel_quantize(x, q, 2048)
+    assert absmax.item() == 1.0
+    expected = torch.bucketize(x.reshape(-1), q.mid)
+    assert torch.equal(_qstate4.unpack(codes, x.shape[1]).reshape(-1).long(), expected)
+    assert torch.equal(q.lut, _codetable.search_table(q.code))
+
+
+def _warm(cls, kw, shape, steps=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    opt = cls([p], min_4bit_size=0, **kw)
+    for _ in range(steps):
+        p.grad = torch.randn(shape, generator=gen) * 0.3
+        p.grad[0, :3] = -0.0
+        opt.step()
+    p.grad = torch.randn(shape, generator=gen) * 0.3
+    return p, opt
+
+
+# mode 1 (decoupled decay), mode 2 (L2 decay into the gradient), mode 0 (no decay)
+_CASES = [
+    (AdamW4bit, dict(lr=1e-2, weight_decay=0.1)),
+    (Adam4bit, dict(lr=1e-2, weight_decay=0.1)),
+    (Adam4bit, dict(lr=1e-2, betas=(0.8, 0.95))),
+    (AdamW4bit, dict(lr=1e-2, block_size=64, second_moment_map="dynamic")),
+]
+# rows of 300 = 2 x 128 + 44 (partial block); 129 (odd: a half byte, a tail of 1); 7 x 13.
+_SHAPES = [(40, 300), (9, 129), (7, 13)]
+
+
+def _step_both(cls, kw, shape, monkeypatch, lib_b, steps=3):
+    """Run `steps` steps on two copies: one on the fused kernel, one on `lib_b` (None: the torch
+    reference path). Returns the (param, optimizer) pairs."""
+    p1, o1 = _warm(cls, kw, shape)
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    p2.grad = p1.grad.clone()
+    o2 = cls([p2], min_4bit_size=0, **kw)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(steps):
+        o1.step()
+        monkeypatch.setattr(_kernels4, "library", lambda: lib_b)
+        o2.step()
+        monkeypatch.undo()
+        g = torch.randn(shape, generator=gen) * torch.rand((), generator=gen).item() * 3
+        p1.grad, p2.grad = g, g.clone()
+    return (p1, o1), (p2, o2)
+
+
+def _assert_bits_equal(a, b, where):
+    (p1, o1), (p2, o2) = a, b
+    assert torch.equal(p1.detach().view(torch.int32), p2.detach().view(torch.int32)), where
+    for k, v in o1.state[p1].items():
+        w = o2.state[p2][k]
+        if v.dtype == torch.float32:
+            v, w = v.view(torch.int32), w.view(torch.int32)
+        assert torch.equal(v, w), (where, k)
+
+
+@pytest.mark.parametrize("case", range(len(_CASES)))
+def test_fused_step_equals_torch_reference_bit_for_bit(case, monkeypatch):
+    cls, kw = _CASES[case]
+    for shape in _SHAPES:
+        a, b = _step_both(cls, kw, shape, monkeypatch, None)
+        assert "exp_avg_codes" in a[1].state[a[0]]
+        _assert_bits_equal(a, b, (cls.__name__, kw, shape))
+
+
+def _scalar_library():
+    """The kernel source built without AVX/AVX2/FMA: the scalar loops a CPU without AVX2 runs."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the -mno-avx2 build is an x86 check")
+    flags = (*_native.DEFAULT_FLAGS, "-mno-avx", "-mno-avx2", "-mno-fma")
+    lib = _native.build_library("optim4bit_test_scalar", _kernels4._SOURCE, flags)
+    _kernels4._declare(lib)
+    return lib
+
+
+def test_scalar_build_writes_the_same_bits(monkeypatch):
+    """The vector paths (register-permute decoder, gather encoder and nibble packer) are exact
+    rewrites of the scalar loops."""
+    scalar = _scalar_library()
+    for cls, kw in _CASES:
+        for shape in _SHAPES:
+            a, b = _step_both(cls, kw, shape, monkeypatch, scalar, steps=2)
+            _assert_bits_equal(a, b, (cls.__name__, kw, shape, "scalar"))
+
+
+def test_openmp_threads_and_concurrent_callers_write_the_same_bits():
+    """The kernel keeps no shared mutable state: 1 or 2 OpenMP threads, and four Python threads
+    stepping their own optimizers at once, all give the single-threaded bits."""
+    shape = (96, 300)
+
+    def run(nthreads: int | None = None):
+        p, opt = _warm(AdamW4bit, dict(lr=1e-2, weight_decay=0.1), shape, steps=0)
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            p.grad = torch.randn(shape, generator=gen)
+            if nthreads is None:
+                opt.step()
+            else:
+                old = torch.get_num_threads()
+                torch.set_num_threads(nthreads)
+                try:
+                    opt.step()
+                finally:
+                    torch.set_num_threads(old)
+        return [p.detach().clone()] + [v.clone() for v in opt.state[p].values()]
+
+    ref = run(1)
+    assert all(torch.equal(x, y) for x, y in zip(ref, run(2)))
+    results: list = [None] * 4
+    errors: list = []
+
+    def worker(i):
+        try:
+            for _ in range(3):
+                results[i] = run()
+        except BaseException as e:  # report in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for r in results:
+        assert all(torch.equal(x, y) for x, y in zip(ref, r))
+
+
+def test_kernel_shares_the_search_table_encoder():
+    assert _kernels4._SOURCE.count(_codetable.NEAREST_C) == 1
+
+
+def test_bad_block_size_is_rejected_by_kernel():
+    q = _qstate4.qmap4("linear")
+    x = torch.ones(2, 8)
+    lib = _kernels4.library()
+    c = torch.empty(2, 4, dtype=torch.uint8)
+    a = torch.empty(2, 1)
+    for bad in (3, 8192, 0):
+        assert lib.quantize_rows4(x.data_ptr(), c.data_ptr(), a.data_ptr(), q.lut.data_ptr(), 2,
+                                  8, bad, 1) == -1  # fmt: skip
