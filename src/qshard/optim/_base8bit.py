@@ -10,7 +10,10 @@ State of one parameter (``optimizer.state[p]``), decided once from the *global* 
 * ``step``: fp32 scalar tensor, as in ``torch.optim``.
 * 8-bit: ``<name>_codes`` (uint8, the parameter's shape) and ``<name>_absmax`` (fp32,
   ``(dim0, blocks_per_row)``) per state, see [Note: row-block layout] in ``_qstate.py``.
-* 32-bit: ``<name>`` (fp32, the parameter's shape).
+* 32-bit: ``<name>`` (fp32, the parameter's shape). These tensors of a group are stepped
+  together by torch's own functional update (``_torch_update``: one call per group, with the
+  group's ``foreach``/``fused`` flags, the same bits as ``torch.optim``); the 8-bit ones run the
+  fused kernel one tensor at a time.
 
 For a DTensor parameter every state tensor is a DTensor on the parameter's mesh with its
 placements (``Shard(0)`` and/or ``Replicate()``), so ``state_dict()`` and DCP see ordinary
@@ -167,6 +170,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         for p in group["params"]:
             if isinstance(p, DTensor):
                 _check_placements(p)
+        for flag in ("foreach", "fused"):  # torch.optim's flags, where the optimizer takes them
+            if group.get(flag) not in (None, False, True):
+                raise ValueError(f"{name}: {flag} must be None, False or True; got {group[flag]!r}")
+        if group.get("foreach") and group.get("fused"):
+            raise ValueError(f"{name}: fused and foreach cannot both be True (as in torch.optim)")
 
     # -- state ------------------------------------------------------------------------------
 
@@ -231,6 +239,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for gi, group in enumerate(self.param_groups):
+            full: list[tuple[int, Tensor, dict[str, Any]]] = []  # fp32 state: one batch
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -239,9 +248,81 @@ class Optimizer8bit(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, group, state)
+                if not self._has_8bit_state(group, state):
+                    full.append((pi, p, state))
+                    continue
                 state["step"] += 1
                 self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
+            if full:
+                self._step_full_precision(gi, group, full)
         return loss
+
+    def _has_8bit_state(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        specs = self._state_specs(group)
+        return bool(specs) and f"{specs[0][0]}_codes" in state
+
+    def _torch_update(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[list[Tensor]],
+        steps: list[Tensor],
+    ) -> None:
+        """Step all fp32-state tensors of a group in one call (see ``_step_full_precision``).
+
+        ``params``/``grads`` are fp32 local tensors, ``states[i]`` the list of state
+        ``_state_specs()[i]``, ``steps`` the step counters before this step; the update advances
+        every counter by one, as torch's functional optimizers do. Optimizers that torch has call
+        its functional update with the group's ``foreach``/``fused`` flags (the arguments
+        ``torch.optim`` passes, so the same bits); without an override each tensor takes the
+        per-tensor reference path.
+        """
+        raise NotImplementedError
+
+    def _step_full_precision(
+        self, gi: int, group: dict[str, Any], items: list[tuple[int, Tensor, dict[str, Any]]]
+    ) -> None:
+        """The fp32-state tensors of group ``gi``: one ``_torch_update`` call for all of them."""
+        if type(self)._torch_update is Optimizer8bit._torch_update:
+            for pi, p, state in items:
+                state["step"] += 1
+                self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
+            return
+        live = []
+        for item in items:
+            if _local(item[1]).numel() == 0:  # an empty shard: only its counter moves
+                item[2]["step"] += 1
+            else:
+                live.append(item)
+        if not live:
+            return
+        params, grads, back = [], [], []
+        for _, p, _ in live:
+            p_l, g_l = _local(p), _local(p.grad)
+            if p_l.dtype == torch.float32:
+                params.append(p_l)
+                grads.append(g_l.float())
+            else:  # fp32 math and state for low-precision parameters, as on the 8-bit path
+                p32 = p_l.float()
+                params.append(p32)
+                grads.append(g_l.float())
+                back.append((p_l, p32))
+        states = [[_local(st[name]) for _, _, st in live] for name, _ in self._state_specs(group)]
+        steps = [st["step"] for _, _, st in live]
+        # torch keeps a fused optimizer's step counters on the parameter's device; here they
+        # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
+        moved = bool(group.get("fused")) and any(p.device.type != "cpu" for p in params)
+        if moved:
+            self._torch_update(
+                group, params, grads, states, [s.to(p.device) for s, p in zip(steps, params)]
+            )
+            for s in steps:
+                s += 1
+        else:
+            self._torch_update(group, params, grads, states, steps)
+        for p_l, p32 in back:
+            p_l.copy_(p32)
 
     def _step_param(
         self,

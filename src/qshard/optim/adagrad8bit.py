@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
+from torch.optim.adagrad import adagrad as _torch_adagrad
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
@@ -15,7 +16,9 @@ __all__ = ["Adagrad8bit"]
 
 class Adagrad8bit(Optimizer8bit):
     """Adagrad with an 8-bit accumulator; ``torch.optim.Adagrad`` semantics. The 8-bit options
-    are those of :class:`qshard.optim.Adam8bit`."""
+    are those of :class:`qshard.optim.Adam8bit`; ``foreach``/``fused`` are
+    ``torch.optim.Adagrad``'s, for the tensors with fp32 state (the same bits as torch with the
+    same flags; torch's fused Adagrad runs on CPU only)."""
 
     _kind = _kernels.KIND_ADAGRAD
 
@@ -33,6 +36,8 @@ class Adagrad8bit(Optimizer8bit):
         block_size: int = 256,
         bnb_compat: bool = False,
         stochastic_rounding: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -45,6 +50,8 @@ class Adagrad8bit(Optimizer8bit):
             block_size=block_size,
             bnb_compat=bnb_compat,
             stochastic_rounding=stochastic_rounding,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -69,6 +76,24 @@ class Adagrad8bit(Optimizer8bit):
             lr_decay=group["lr_decay"],
             eps=group["eps"],
             weight_decay=group["weight_decay"],
+        )
+
+    def _torch_update(self, group, params, grads, states, steps) -> None:
+        _torch_adagrad(
+            params,
+            grads,
+            states[0],
+            steps,
+            fused=group.get("fused"),
+            has_sparse_grad=False,
+            foreach=group.get("foreach"),
+            differentiable=False,
+            has_complex=False,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            lr_decay=group["lr_decay"],
+            eps=group["eps"],
+            maximize=False,
         )
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:

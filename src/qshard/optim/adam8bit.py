@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
+from torch.optim.adam import adam as _torch_adam
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
@@ -27,6 +28,9 @@ class Adam8bit(Optimizer8bit):
         block_size: elements per absmax block (1..4096; 256 default, 2048 as in the paper).
         bnb_compat: reproduce bitsandbytes' CUDA rounding instead of the fixed one.
         stochastic_rounding: stochastic rounding of the states.
+        foreach, fused: as ``torch.optim.Adam``, for the tensors with fp32 state, which take
+            torch's own update in one call per group: the same bits as ``torch.optim.Adam``
+            with the same flags (None: torch's default; ``fused=True`` is the fast one on CPU).
     """
 
     _kind = _kernels.KIND_ADAM
@@ -46,6 +50,8 @@ class Adam8bit(Optimizer8bit):
         block_size: int = 256,
         bnb_compat: bool = False,
         stochastic_rounding: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad; use amsgrad=False")
@@ -59,6 +65,8 @@ class Adam8bit(Optimizer8bit):
             block_size=block_size,
             bnb_compat=bnb_compat,
             stochastic_rounding=stochastic_rounding,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -86,6 +94,27 @@ class Adam8bit(Optimizer8bit):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             decoupled=self._decoupled,
+        )
+
+    def _torch_update(self, group, params, grads, states, steps) -> None:
+        b1, b2 = group["betas"]
+        _torch_adam(
+            params,
+            grads,
+            states[0],
+            states[1],
+            [],
+            steps,
+            foreach=group.get("foreach"),
+            fused=group.get("fused"),
+            decoupled_weight_decay=self._decoupled,
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
         )
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from qshard.optim import _functional, _kernels
@@ -18,6 +19,10 @@ class Lion8bit(Optimizer8bit):
 
     ``c = beta1*m + (1-beta1)*g``; ``p = p*(1 - lr*wd) - lr*sign(c)``;
     ``m = beta2*m + (1-beta2)*g``. The 8-bit options are those of :class:`Adam8bit`.
+
+    torch has no Lion, so the tensors with fp32 state take this module's own update: the
+    operations of :func:`qshard.optim._functional.lion_update` as ``torch._foreach_*`` calls, one
+    sequence per group (the same bits as that per-tensor function).
     """
 
     _kind = _kernels.KIND_LION
@@ -62,6 +67,19 @@ class Lion8bit(Optimizer8bit):
         _functional.lion_update(
             p, g, states[0], lr=group["lr"], beta1=b1, beta2=b2, weight_decay=group["weight_decay"]
         )
+
+    def _torch_update(self, group, params, grads, states, steps) -> None:
+        b1, b2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        exp_avgs = states[0]
+        torch._foreach_mul_(params, 1.0 - lr * wd)
+        direction = torch._foreach_mul(exp_avgs, b1)
+        torch._foreach_add_(direction, grads, alpha=1.0 - b1)
+        torch._foreach_sign_(direction)
+        torch._foreach_add_(params, direction, alpha=-lr)
+        torch._foreach_mul_(exp_avgs, b2)
+        torch._foreach_add_(exp_avgs, grads, alpha=1.0 - b2)
+        torch._foreach_add_(steps, 1)
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
         b1, b2 = group["betas"]

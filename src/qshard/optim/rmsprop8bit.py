@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
+from torch.optim.rmsprop import rmsprop as _torch_rmsprop
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
@@ -15,7 +16,9 @@ __all__ = ["RMSprop8bit"]
 
 class RMSprop8bit(Optimizer8bit):
     """RMSprop with 8-bit state; ``torch.optim.RMSprop`` semantics (uncentered). The 8-bit
-    options are those of :class:`qshard.optim.Adam8bit`."""
+    options are those of :class:`qshard.optim.Adam8bit`; ``foreach`` is ``torch.optim.RMSprop``'s,
+    for the tensors with fp32 state (the same bits as torch with the same flag; torch has no
+    fused RMSprop)."""
 
     _kind = _kernels.KIND_RMSPROP
 
@@ -34,6 +37,7 @@ class RMSprop8bit(Optimizer8bit):
         block_size: int = 256,
         bnb_compat: bool = False,
         stochastic_rounding: bool = False,
+        foreach: bool | None = None,
     ) -> None:
         if centered:
             raise ValueError(
@@ -51,6 +55,7 @@ class RMSprop8bit(Optimizer8bit):
             block_size=block_size,
             bnb_compat=bnb_compat,
             stochastic_rounding=stochastic_rounding,
+            foreach=foreach,
         )
         super().__init__(params, defaults)
 
@@ -76,6 +81,27 @@ class RMSprop8bit(Optimizer8bit):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
+        )
+
+    def _torch_update(self, group, params, grads, states, steps) -> None:
+        _torch_rmsprop(
+            params,
+            grads,
+            states[0],
+            [],
+            states[1] if len(states) > 1 else [],
+            steps,
+            foreach=group.get("foreach"),
+            maximize=False,
+            differentiable=False,
+            capturable=False,
+            has_complex=False,
+            lr=group["lr"],
+            alpha=group["alpha"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            centered=False,
         )
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
+from torch.optim.sgd import sgd as _torch_sgd
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
@@ -16,7 +18,9 @@ __all__ = ["SGD8bit"]
 class SGD8bit(Optimizer8bit):
     """SGD with an 8-bit momentum buffer; ``torch.optim.SGD`` semantics (the buffer starts as the
     first gradient). With ``momentum=0`` there is no state and this is plain SGD. The 8-bit
-    options are those of :class:`qshard.optim.Adam8bit`.
+    options are those of :class:`qshard.optim.Adam8bit`; ``foreach``/``fused`` are
+    ``torch.optim.SGD``'s, for the tensors with fp32 state (the same bits as torch with the same
+    flags).
     """
 
     _kind = _kernels.KIND_SGD
@@ -35,6 +39,8 @@ class SGD8bit(Optimizer8bit):
         block_size: int = 256,
         bnb_compat: bool = False,
         stochastic_rounding: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -47,6 +53,8 @@ class SGD8bit(Optimizer8bit):
             block_size=block_size,
             bnb_compat=bnb_compat,
             stochastic_rounding=stochastic_rounding,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)
 
@@ -71,6 +79,34 @@ class SGD8bit(Optimizer8bit):
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
         )
+
+    def _torch_update(self, group, params, grads, states, steps) -> None:
+        kw = dict(
+            foreach=group.get("foreach"),
+            fused=group.get("fused"),
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=False,
+        )
+        if not states:  # momentum 0: torch passes no buffers
+            _torch_sgd(params, grads, [], **kw)
+        else:
+            # torch's buffer is None until a tensor's first step (then it starts as the gradient);
+            # fused SGD takes all-new or all-existing buffers, so the two kinds go separately.
+            first = [i for i, s in enumerate(steps) if s.item() == 0]
+            later = [i for i, s in enumerate(steps) if s.item() != 0]
+            for idx, new in ((first, True), (later, False)):
+                if not idx:
+                    continue
+                bufs = [None if new else states[0][i] for i in idx]
+                _torch_sgd([params[i] for i in idx], [grads[i] for i in idx], bufs, **kw)
+                if new:
+                    for i, b in zip(idx, bufs):
+                        states[0][i].copy_(b)
+        torch._foreach_add_(steps, 1)
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
         return [
