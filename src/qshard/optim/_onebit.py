@@ -29,6 +29,7 @@ from qshard.comm.compressed import (
     server_error_numel,
 )
 from qshard.comm.ledger import active_ledger
+from qshard.optim._replicate import localize
 
 __all__: list[str] = []
 
@@ -73,6 +74,8 @@ class _DataParallelOneBitOptimizer(Optimizer):
         _validate_hparams(
             defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"]
         )
+        # HSDP DTensors: step on the local shards over the replicate group (qshard.optim._replicate).
+        params, process_group, self._shards = localize(params, process_group, name)
         if not dist.is_available() or not dist.is_initialized():
             if process_group is not None:
                 raise RuntimeError(
@@ -130,7 +133,14 @@ class _DataParallelOneBitOptimizer(Optimizer):
             v = v / (1 - group["betas"][1] ** variance_updates)
         return v.sqrt().add_(group["eps"])
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self._shards is not None:  # the HSDP DTensors' own gradients
+            self._shards.zero_grad(set_to_none)
+
     def _trainable(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        if self._shards is not None:
+            self._shards.pull()
         return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""The data-parallel 1-bit optimizers on HSDP-sharded parameters: which DTensors they accept,
+their replicate group, and the local shards they step on.
+
+[Note: 1-bit optimizers on HSDP] On HSDP each node holds a full copy of the model, sharded over
+its ranks; rank ``(node n, local rank d)`` holds shard ``d`` of every parameter, as does local
+rank ``d`` of every other node. So 1-bit Adam / 0/1 Adam run unchanged on the local shards, as
+if the model were replicated over the *replicate group* (one rank per node, same local rank):
+the shard is the replicated parameter, the node-averaged reduce-scattered gradient is the local
+gradient, and the 1-bit sync crosses nodes. The optimizer finds that group from the
+parameter's own mesh; no argument is needed.
+
+The parameters must come from HSDP whose inter-node gradient all-reduce is off:
+``shard(..., config=ZeroPPConfig(hsdp=True, replicate_reduce=False))``, i.e. FSDP2 over the
+node-sized ``mesh["shard"]`` of a 2-D ``("replicate", "shard")`` mesh (the DTensors' mesh is
+that 1-D slice; its root mesh names both dims). FSDP2's own 2-D HSDP cannot switch its
+all-reduce off and still produce gradients in torch 2.13 (see [Note: HSDP through the
+all-reduce hook] in :mod:`qshard.zeropp.all_reduce`), so its parameters are refused, as are
+ZeRO-3 parameters (sharded across nodes: no rank holds a replica to sync).
+
+The optimizer keeps the *local tensors* of the DTensors as its parameters (views of FSDP2's
+sharded storage, so an in-place update is the DTensor's update), copies each DTensor's local
+gradient onto them before a step, and clears the DTensors' gradients in ``zero_grad``. Its
+state is plain per-rank tensors, saved per rank (as on replicated parameters).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__: list[str] = []
+
+#: The dims of an HSDP mesh (``qshard.zeropp.HSDP_MESH_DIMS``; not imported, to keep optim
+#: independent of the FSDP plug-ins).
+_HSDP_DIMS = ("replicate", "shard")
+_FIX = "shard(model, topology=..., config=ZeroPPConfig(hsdp=True, replicate_reduce=False))"
+
+
+def _dtensor_type():
+    # No DTensor can exist unless its module was imported; importing it costs seconds.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _root_mesh(mesh):
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        return get_root()
+    from torch.distributed.device_mesh import _mesh_resources  # older torch
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def _replicate_group(p, name: str) -> dist.ProcessGroup:
+    mesh, placements = p.device_mesh, p.placements
+    dims = tuple(mesh.mesh_dim_names or ())
+    if dims == _HSDP_DIMS:
+        raise TypeError(
+            f"{name}: these parameters come from FSDP2's own HSDP (placements {placements} on "
+            f"{mesh}), whose inter-node gradient all-reduce stays on, so {name} would not own "
+            f"the inter-node sync; shard with {_FIX}"
+        )
+    if mesh.ndim != 1 or not all(pl.is_shard() for pl in placements):
+        raise TypeError(
+            f"{name} supports HSDP-sharded DTensors (FSDP2 over mesh['shard']); got placements "
+            f"{placements} on {mesh}: shard with {_FIX}"
+        )
+    root = _root_mesh(mesh)
+    if root is mesh or tuple(root.mesh_dim_names or ()) != _HSDP_DIMS or dims != ("shard",):
+        raise TypeError(
+            f"{name} needs a replica of every parameter on other nodes, and these are ZeRO-3 "
+            f"shards ({placements} on {mesh}, no replicate dim): use HSDP, {_FIX}"
+        )
+    return root.get_group("replicate")
+
+
+class LocalShards:
+    """The optimizer's view of HSDP DTensor parameters: local tensors, synced gradients."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, Any]]) -> None:
+        self._pairs = pairs  # (local tensor the optimizer owns, its DTensor parameter)
+
+    def pull(self) -> None:
+        """Before a step: re-point each local tensor at its DTensor's storage (should FSDP2
+        have reallocated it) and give it the DTensor's local gradient."""
+        with torch.no_grad():
+            for local, dt in self._pairs:
+                current = dt.to_local()
+                if current.data_ptr() != local.data_ptr() or current.shape != local.shape:
+                    local.data = current
+                local.grad = None if dt.grad is None else dt.grad.to_local()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        for _, dt in self._pairs:
+            if dt.grad is None:
+                continue
+            if set_to_none:
+                dt.grad = None
+            else:
+                dt.grad.detach_()
+                dt.grad.zero_()
+
+
+def localize(
+    params: Iterable[Any], process_group: dist.ProcessGroup | None, name: str
+) -> tuple[Any, dist.ProcessGroup | None, LocalShards | None]:
+    """``(params, process_group, shards)`` for the optimizer: unchanged when no parameter is a
+    DTensor; else the local tensors (same group structure), the replicate group and the
+    :class:`LocalShards` that keeps them in step with the DTensors. See
+    [Note: 1-bit optimizers on HSDP]."""
+    params = list(params)
+    dtensor = _dtensor_type()
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    flat = [p for g in groups for p in (list(g["params"]) if "params" in g else [])]
+    if dtensor is None or not any(isinstance(p, dtensor) for p in flat):
+        return params, process_group, None
+    if not all(isinstance(p, dtensor) for p in flat):
+        raise TypeError(f"{name}: either every parameter is an HSDP DTensor or none is; got a mix")
+    found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for p in flat:
+        group = _replicate_group(p, name)
+        found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
+    if len(found) != 1:
+        raise ValueError(
+            f"{name}: the parameters' meshes name different replicate groups {list(found)}; "
+            "shard the whole model with one HSDP mesh"
+        )
+    ((ranks, group),) = found.items()
+    if process_group is not None and dist.get_process_group_ranks(process_group) != list(ranks):
+        raise ValueError(
+            f"{name}: process_group {dist.get_process_group_ranks(process_group)} is not the "
+            f"parameters' replicate group {list(ranks)}; leave process_group=None on HSDP"
+        )
+    pairs: list[tuple[torch.Tensor, Any]] = []
+    swapped: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for p in flat:
+            if id(p) not in swapped:
+                local = p.to_local()
+                local.requires_grad_(p.requires_grad)
+                swapped[id(p)] = local
+                pairs.append((local, p))
+    out_groups = [
+        {**g, "params": [swapped[id(p)] for p in g["params"]]} if "params" in g else g
+        for g in groups
+    ]
+    out = out_groups if isinstance(params[0], dict) else out_groups[0]["params"]
+    return out, group, LocalShards(pairs)
