@@ -32,21 +32,22 @@ def find_blocks(
 ) -> list[nn.Module]:
     """The modules to wrap one by one, in forward order.
 
-    ``None``: the children of every outermost ``nn.ModuleList`` (a transformer's layers);
-    a class or tuple of classes: every outermost submodule of those types; a sequence of
-    modules: those, as given.
+    ``None``: the outermost submodules of the classes a Hugging Face model names in its
+    ``_no_split_modules`` (its decoder layers), else the children of every outermost
+    ``nn.ModuleList`` (a transformer's layers); a model with neither is refused (pass
+    ``blocks=``). A class or tuple of classes: every outermost submodule of those types; a
+    sequence of modules: those, as given.
     """
     if blocks is None:
-        found: list[nn.Module] = []
-        taken: set[int] = set()
-        for _, mod in model.named_modules():
-            if id(mod) in taken:
-                continue
-            if isinstance(mod, nn.ModuleList):
-                for child in mod:
-                    found.append(child)
-                    taken.update(id(m) for m in child.modules())
-                taken.update(id(m) for m in mod.modules())
+        found = _declared_blocks(model) or _listed_blocks(model)
+        if not found:
+            raise ValueError(
+                f"found no blocks in {type(model).__name__}: without blocks=, shard() wraps the "
+                "classes a Hugging Face model names in _no_split_modules, else the children of "
+                "each outermost nn.ModuleList, and this model has neither. Pass blocks= (the "
+                "block class, e.g. blocks=MyDecoderLayer, or a list of submodules) to say what "
+                "FSDP2 shards one by one"
+            )
         return found
     if isinstance(blocks, type) or (
         isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)
@@ -65,6 +66,32 @@ def find_blocks(
         if not isinstance(m, nn.Module) or id(m) not in owned:
             raise ValueError(f"blocks must be submodules of the model; got {type(m).__name__}")
     return mods
+
+
+def _declared_blocks(model: nn.Module) -> list[nn.Module]:
+    # Hugging Face's own declaration of its repeated layers (what its FSDP wrapping uses).
+    names = getattr(model, "_no_split_modules", None) or ()
+    found: list[nn.Module] = []
+    taken: set[int] = set()
+    for mod in model.modules():
+        if id(mod) not in taken and mod is not model and type(mod).__name__ in names:
+            found.append(mod)
+            taken.update(id(m) for m in mod.modules())
+    return found
+
+
+def _listed_blocks(model: nn.Module) -> list[nn.Module]:
+    found: list[nn.Module] = []
+    taken: set[int] = set()
+    for mod in model.modules():
+        if id(mod) in taken:
+            continue
+        if isinstance(mod, nn.ModuleList):
+            for child in mod:
+                found.append(child)
+                taken.update(id(m) for m in child.modules())
+            taken.update(id(m) for m in mod.modules())
+    return found
 
 
 def _shard_sizes(module: FSDPModule) -> Callable[[], list[int]] | None:
