@@ -6,14 +6,31 @@ optimizer gets its own copy of the same parameter and gradient, takes ``--warmup
 interleaved, so a change of the shared host's speed during the run hits all of them alike (the
 same optimizer timed in separate blocks moved by up to 1.7x between runs here). All run with the
 same number of threads. Columns: ns per parameter (median step), ratio to
-``torch.optim.AdamW(fused=True)`` (median of the per-round ratios), and optimizer-state bytes
-per parameter. bitsandbytes and torchao 8-bit AdamW are included when importable and skipped
-(with a note) otherwise.
+``torch.optim.AdamW(fused=True)`` (median of the per-round ratios), optimizer-state bytes per
+parameter, and the memory-traffic limit (below). bitsandbytes and torchao 8-bit AdamW are
+included when importable and skipped (with a note) otherwise. Each table's notes give the host
+load average before and after it (the machine is shared).
+
+At the sizes in ``--fp32-sizes`` (default 10M) the table also times the fp32-state path of
+``AdamW8bit``: the 2-D parameter with ``optim_bits=32`` and a 1-D parameter of the same size
+(fp32 state by rule), each with the default flags (torch's default, the for-loop update on CPU,
+also timed as a torch row) and with ``fused=True``.
+
+Memory-traffic limit (this benchmark's definition): the bytes a step must move per parameter,
+every tensor read once and every updated tensor written once (fp32 AdamW: p, g, m, v read and
+p, m, v written = 28 B; 8-bit AdamW: p, g read, p written, two code bytes read and written and
+the two absmaxes per 256 elements = 16.06 B; write-allocate traffic not counted), divided by the
+streaming bandwidth measured in the same interleaved rounds: a triad ``c = a + s*b`` on three
+fp32 arrays of the table's size at the same thread count, counted as 12 B per element (the
+STREAM convention). ``limit x fused`` is that bound over the fused fp32 step's median time (the
+best ratio the format allows), ``x limit`` the step time over the bound (median of per-round
+ratios).
 
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
     python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md results/optim_step.md
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
+Targets (issue 15): the fp32-state path <= 1.1x fused fp32 AdamW; the 8-bit step <= 1.2x.
 """
 
 from __future__ import annotations
@@ -62,6 +79,35 @@ def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:
     return out, notes
 
 
+# Minimum bytes a step moves per parameter (module docstring), by row name; None: not derived.
+_FP32_BYTES = 28.0
+_8BIT_BYTES = 16.0 + 2 * 2 * 4 / 256
+_TRIAD_BYTES = 12.0
+
+
+def _traffic_bytes(name: str) -> float | None:
+    if "fp32" in name or "optim_bits=32" in name or "1-D" in name:
+        return _FP32_BYTES
+    if "8bit" in name:
+        return _8BIT_BYTES
+    return None
+
+
+def _fp32_state_candidates() -> list[tuple[str, Callable, bool]]:
+    """(name, factory, 1-D parameter?): AdamW8bit's fp32-state path and torch's default."""
+    return [
+        ("torch AdamW default flags (fp32)", lambda ps: torch.optim.AdamW(ps, lr=1e-3), False),
+        ("qshard AdamW8bit optim_bits=32", lambda ps: AdamW8bit(ps, optim_bits=32), False),
+        (
+            "qshard AdamW8bit optim_bits=32 fused=True",
+            lambda ps: AdamW8bit(ps, optim_bits=32, fused=True),
+            False,
+        ),
+        ("qshard AdamW8bit 1-D", lambda ps: AdamW8bit(ps, lr=1e-3), True),
+        ("qshard AdamW8bit 1-D fused=True", lambda ps: AdamW8bit(ps, fused=True), True),
+    ]
+
+
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     # Counts every tensor in the state, including tensor subclasses (torchao) by storage size.
     total = 0
@@ -87,42 +133,88 @@ def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) 
     grad = torch.randn(rows, cols, generator=gen) * 1e-2
     cpu_time = args.cpu_time and torch.get_num_threads() == 1
     clock = time.process_time if cpu_time else time.perf_counter
+    load_before = os.getloadavg()
     opts = []
-    for _, make in candidates:
-        p = torch.nn.Parameter(base.clone())
-        p.grad = grad.clone()
-        opt = make([p])
+    for cand in candidates:
+        one_d = len(cand) > 2 and cand[2]
+        p = torch.nn.Parameter(base.clone().reshape(-1) if one_d else base.clone())
+        p.grad = grad.clone().reshape(p.shape)
+        opt = cand[1]([p])
         for _ in range(args.warmup):
             opt.step()
         opts.append(opt)
+    # The streaming-bandwidth probe of the traffic limit, timed in the same rounds.
+    arrays = [torch.randn(numel, generator=gen) for _ in range(3)]
+
+    def triad() -> None:
+        torch.add(arrays[0], arrays[1], alpha=0.5, out=arrays[2])
+
+    triad()
     # Rounds of one step per optimizer, interleaved, so a change of machine speed during the
     # run (shared host) hits every optimizer alike; the ratio column is the median of the
     # per-round ratios to the fused step of the same round.
     samples: list[list[float]] = [[] for _ in opts]
+    triads: list[float] = []
     for _ in range(args.repeat):
+        t0 = clock()
+        triad()
+        triads.append(clock() - t0)
         for i, opt in enumerate(opts):
             t0 = clock()
             opt.step()
             samples[i].append(clock() - t0)
+    # Seconds per parameter the traffic bound allows, per round: bytes / bandwidth of the round.
+    per_byte = [t / (_TRIAD_BYTES * numel) for t in triads]
+    fused_s = statistics.median(samples[0])
     rows_out = []
-    for (name, _), opt, times in zip(candidates, opts, samples):
+    for cand, opt, times in zip(candidates, opts, samples):
+        name = cand[0]
         ratio = statistics.median(t / f for t, f in zip(times, samples[0]))
         ns = statistics.median(times) / numel * 1e9
-        rows_out.append((name, ns, ratio, _state_bytes(opt) / numel))
+        nbytes = _traffic_bytes(name)
+        if nbytes is None:
+            lim, vs_lim = "-", "-"
+        else:
+            lim = nbytes * statistics.median(per_byte) * numel / fused_s
+            vs_lim = statistics.median(t / (nbytes * b * numel) for t, b in zip(times, per_byte))
+        rows_out.append((name, ns, ratio, _state_bytes(opt) / numel, nbytes or "-", lim, vs_lim))
     del opts
+    arrays.clear()
     gc.collect()
+    bw = 1.0 / statistics.median(per_byte) / 1e9
     report.table(
         f"{numel / 1e6:.1f}M parameters, {torch.get_num_threads()} threads, "
         f"{'CPU' if cpu_time else 'wall'} time",
-        ["optimizer", "ns/param", "x fused fp32", "state bytes/param"],
+        [
+            "optimizer",
+            "ns/param",
+            "x fused fp32",
+            "state bytes/param",
+            "traffic B/param",
+            "limit x fused",
+            "x limit",
+        ],
         rows_out,
     )
+    report.note(
+        f"Triad bandwidth (median of the rounds): {bw:.1f} GB/s; load average before "
+        f"{_load(load_before)}, after {_load(os.getloadavg())}."
+    )
+
+
+def _load(avg: tuple[float, float, float]) -> str:
+    return "/".join(f"{x:.2f}" for x in avg) + " (1/5/15 min)"
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="10M,50M", help="comma-separated parameter counts")
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per optimizer")
+    ap.add_argument(
+        "--fp32-sizes",
+        default="10M",
+        help="sizes (of --sizes) whose table adds the fp32-state rows ('' for none)",
+    )
     ap.add_argument(
         "--warmup", type=int, default=4, help="untimed steps first (the first creates the state)"
     )
@@ -155,11 +247,13 @@ def main(argv: list[str] | None = None) -> None:
     candidates, notes = _candidates()
     for n in notes:
         report.note(n)
+    fp32_sizes = {_parse_size(s) for s in args.fp32_sizes.split(",") if s.strip()}
     default_threads = torch.get_num_threads()
     for size in (_parse_size(s) for s in args.sizes.split(",")):
+        extra = _fp32_state_candidates() if size in fp32_sizes else []
         for threads in thread_counts:
             torch.set_num_threads(threads or default_threads)
-            _time_size(report, candidates, size, args)
+            _time_size(report, candidates + extra, size, args)
     report.write(args.out_md)
 
 
