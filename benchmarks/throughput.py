@@ -11,7 +11,15 @@ on this CPU), shards it, and trains on the same batches of the embedded corpus:
 - ``fsdp2``: plain ``torch.distributed.fsdp.fully_shard`` per block and root, no qshard code;
 - ``zero3``: ``qshard.zeropp.shard`` with every feature off (must cost what ``fsdp2`` costs);
 - ``zero3-bf16``: the same with a bf16 wire (the paper's fp16 ZeRO-3 baseline), when supported;
-- ``qwz``, ``hpz``, ``qgz``, ``all``: the ZeRO++ features alone and together.
+- ``qwz``, ``hpz``, ``qgz``, ``all``: the ZeRO++ features alone and together;
+- ``hsdp``: HSDP (``ZeroPPConfig(hsdp=True)``: shard inside a node, FSDP2's own fp32 replicate
+  all-reduce across nodes); ``hsdp-bf16``: its replicate all-reduce (and intra-node comms) on a
+  16-bit wire; ``hsdp-int4``: the replicate all-reduce block-quantized to INT4 (qgZ's format,
+  fp32 between the two hops);
+- ``hsdp-1bit``, ``hsdp-01``: HSDP with no gradient crossing nodes and 1-bit Adam / 0/1 Adam
+  syncing the replicas. 1-bit Adam is timed after its full-precision warm-up (``--warmup``
+  steps); 0/1 Adam in its phase-B steady state, with a sync every ``--zero-one-interval``
+  steps: the timed window is two whole intervals, starting right after a sync.
 
 Step time is the slowest rank's time from a barrier to the end of ``optimizer.step()``; median and
 min over ``--steps`` timed steps after ``--warmup`` untimed ones. Link bytes are the node's
@@ -39,8 +47,9 @@ sys.path.insert(0, str(HERE))
 
 from _common import Report, add_report_args  # noqa: E402
 
-ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
-DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
+HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
+ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
+DEFAULT_VARIANTS = ALL_VARIANTS
 # ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
 FEATURES: dict[str, dict[str, object]] = {
     "zero3": {},
@@ -49,7 +58,14 @@ FEATURES: dict[str, dict[str, object]] = {
     "hpz": {"hpz": True},
     "qgz": {"qgz": True},
     "all": {"qwz": True, "hpz": True, "qgz": True},
+    "hsdp": {"hsdp": True},
+    "hsdp-bf16": {"hsdp": True, "wire_dtype": "bf16"},
+    "hsdp-int4": {"hsdp": True, "replicate_bits": 4},
+    "hsdp-1bit": {"hsdp": True, "replicate_reduce": False},
+    "hsdp-01": {"hsdp": True, "replicate_reduce": False},
 }
+# Variants whose optimizer owns the inter-node sync (the rest use torch AdamW).
+DATA_PARALLEL = {"hsdp-1bit": "OneBitAdam", "hsdp-01": "ZeroOneAdam"}
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +73,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_cluster_args(p, default_variants=DEFAULT_VARIANTS)
+    p.add_argument(
+        "--zero-one-interval",
+        type=int,
+        default=8,
+        help="0/1 Adam's sync interval H in the timed window (hsdp-01)",
+    )
     add_report_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args, variants=ALL_VARIANTS)
@@ -115,6 +137,33 @@ def _supported(variant: str) -> str | None:
     return None
 
 
+def _optimizer(variant: str, model, args: argparse.Namespace):
+    """The variant's optimizer, and its (warm-up, timed) step counts."""
+    import torch
+
+    if variant not in DATA_PARALLEL:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        return opt, args.warmup, args.steps
+    from qshard import optim as qoptim
+
+    if variant == "hsdp-1bit":
+        opt = qoptim.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=max(1, args.warmup))
+        return opt, args.warmup, args.steps
+    from qshard.optim._schedules import next_sync_step
+
+    h, freeze = args.zero_one_interval, max(1, args.warmup)
+    kw = {"var_freeze_step": freeze, "local_step_scaler": 1, "local_step_clipper": h}
+    opt = qoptim.ZeroOneAdam(model.parameters(), lr=1e-3, **kw)
+    # Warm up through phase A and the growing intervals, up to a sync followed by interval H.
+    sync = freeze
+    while True:
+        nxt = next_sync_step(sync, **kw)
+        if nxt - sync >= h:
+            break
+        sync = nxt
+    return opt, sync, 2 * h
+
+
 def _measure(variant, args, topology, corpus, rank, world):
     import torch
     import torch.distributed as dist
@@ -125,7 +174,7 @@ def _measure(variant, args, topology, corpus, rank, world):
 
     torch.manual_seed(args.seed)
     model = _build(variant, args, topology)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt, warmup, steps = _optimizer(variant, model, args)
     ledger = CommLedger(topology)
     meter = NodeLinkMeter()
     global_batch = args.batch_per_rank * world
@@ -147,11 +196,11 @@ def _measure(variant, args, topology, corpus, rank, world):
         return loss.item()
 
     with recording(ledger):
-        losses = [step(i) for i in range(args.warmup)]
+        losses = [step(i) for i in range(warmup)]
         ledger.reset()
         times = []
         meter.start()
-        for i in range(args.warmup, args.warmup + args.steps):
+        for i in range(warmup, warmup + steps):
             dist.barrier()
             t0 = time.perf_counter()
             losses.append(step(i))
@@ -163,14 +212,16 @@ def _measure(variant, args, topology, corpus, rank, world):
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     result = {
         "times": t.tolist(),
-        "node_tx": [b.tx / args.steps for b in per_node],
-        "node_rx": [b.rx / args.steps for b in per_node],
-        "ledger_inter": summary.inter_node_bytes / args.steps,
-        "ledger_intra": summary.intra_node_bytes / args.steps,
+        "node_tx": [b.tx / steps for b in per_node],
+        "node_rx": [b.rx / steps for b in per_node],
+        "ledger_inter": summary.inter_node_bytes / steps,
+        "ledger_intra": summary.intra_node_bytes / steps,
         "ledger_by_tag": [
-            [e.tag, e.op, e.inter_node_bytes / args.steps, e.intra_node_bytes / args.steps]
+            [e.tag, e.op, e.inter_node_bytes / steps, e.intra_node_bytes / steps]
             for e in summary.entries
         ],
+        "warmup": warmup,
+        "steps": steps,
         "loss_first": losses[0],
         "loss_last": losses[-1],
     }
@@ -263,7 +314,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 
 def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
     results, skipped = data["results"], data["skipped"]
-    rep = Report("Throughput: ZeRO-3 vs ZeRO++ on an emulated slow network")
+    rep = Report("Throughput: ZeRO-3 vs ZeRO++ vs HSDP on an emulated slow network")
     rep.note(
         f"GPT of {data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width "
         f"{args.n_embd}, context {args.context}), fp32 compute and master weights, "
@@ -288,6 +339,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
     targets = []
     for rate, by_variant in results.items():
         base = by_variant.get("zero3") or by_variant.get("fsdp2")
+        hsdp = by_variant.get("hsdp")
         for variant, r in by_variant.items():
             med, mn = statistics.median(r["times"]), min(r["times"])
             link = max(r["node_tx"])
@@ -295,6 +347,9 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             speed_min = min(base["times"]) / mn if base else float("nan")
             ledger = r["ledger_inter"]
             ratio = ledger / link if link else float("nan")
+            vs_hsdp = "-"
+            if hsdp is not None and variant.startswith("hsdp"):
+                vs_hsdp = f"{statistics.median(hsdp['times']) / med:.2f}x"
             rows.append(
                 [
                     rate,
@@ -302,6 +357,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{med:.3f}",
                     f"{mn:.3f}",
                     f"{speed:.2f}x ({speed_min:.2f}x)",
+                    vs_hsdp,
                     f"{link / 2**20:.2f}",
                     f"{ledger / 2**20:.2f}" if ledger else "-",
                     f"{ratio:.3f}" if ledger else "-",
@@ -313,6 +369,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"ZeRO++ (all) at 100 Mbit/s: {speed:.2f}x ZeRO-3 (target >= 2x: "
                     f"{'met' if speed >= 2 else 'NOT met'})"
                 )
+            targets += _hsdp_targets(rate, variant, r, by_variant)
             if ledger:
                 targets.append(
                     f"ledger/link at {rate} Mbit/s, {variant}: {ratio:.3f} "
@@ -326,6 +383,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             "median s",
             "min s",
             "speed-up vs zero3",
+            "vs hsdp",
             "link MiB/step",
             "ledger MiB/step",
             "ledger/link",
@@ -354,6 +412,35 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         "in its own section; its ZeRO++ options have no CPU kernels."
     )
     rep.write(args.out_md)
+
+
+def _hsdp_targets(rate: str, variant: str, r: dict, by_variant: dict) -> list[str]:
+    """The issue's HSDP targets at 100 Mbit/s, measured side by side in this launch."""
+    hsdp, zpp = by_variant.get("hsdp"), by_variant.get("all")
+    if int(rate) != 100 or hsdp is None or variant not in ("hsdp-int4", "hsdp-01"):
+        return []
+    med = statistics.median(r["times"])
+    speed = statistics.median(hsdp["times"]) / med
+    need = 3.5 if variant == "hsdp-01" else 2.5
+    out = [
+        f"{variant} at 100 Mbit/s: {speed:.2f}x plain HSDP (target >= {need}x: "
+        f"{'met' if speed >= need else 'NOT met'})"
+    ]
+    if zpp is not None:
+        faster = med < statistics.median(zpp["times"])
+        out.append(
+            f"{variant} at 100 Mbit/s: {med:.3f} s vs ZeRO++ (all) "
+            f"{statistics.median(zpp['times']):.3f} s (target faster: "
+            f"{'met' if faster else 'NOT met'})"
+        )
+    if variant == "hsdp-01":
+        frac = max(r["node_tx"]) / max(hsdp["node_tx"])
+        out.append(
+            f"hsdp-01 link bytes/step {frac:.4f} of plain HSDP's "
+            f"(target <= 1/20: {'met' if frac <= 0.05 else 'NOT met'}); timed over "
+            f"{r.get('steps')} steps after {r.get('warmup')}"
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
