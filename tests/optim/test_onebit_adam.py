@@ -327,3 +327,57 @@ def test_one_process_without_process_group_equals_world_of_1():
     assert alone.keys() == world_of_1.keys()
     for key, value in alone.items():
         assert value == world_of_1[key], key
+
+
+# ------------------------------------------------------------------ variance floor
+
+
+def _dead_and_live_moves(cls, floor: float, **kw) -> tuple[float, float, torch.Tensor]:
+    """One process; a 64-element parameter whose second half never gets a gradient (as the key
+    third of an attention qkv bias): the largest per-step move of the dead and of the live
+    elements, and the final parameter."""
+    lr = 1e-2
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(32, generator=g)
+    p = nn.Parameter(torch.zeros(64))
+    opt = cls([p], lr=lr, variance_floor=floor, **kw)
+    dead = live = 0.0
+    for _ in range(60):
+        grad = torch.zeros(64)
+        grad[:32] = p.detach()[:32] - target + 0.01 * torch.randn(32, generator=g)
+        p.grad = grad
+        before = p.detach().clone()
+        opt.step()
+        move = (p.detach() - before).abs()
+        dead, live = max(dead, move[32:].max().item()), max(live, move[:32].max().item())
+    return dead / lr, live / lr, p.detach().clone()
+
+
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (OneBitAdam, {"freeze_step": 10}),
+        ("ZeroOneAdam", {"var_freeze_step": 10, "local_step_scaler": 10**6}),
+    ],
+)
+def test_variance_floor_bounds_steps_of_zero_variance_elements(cls, kw):
+    """The paper's rule (variance_floor=0) sends 1-bit noise of +-scale to elements whose
+    frozen sqrt(v) is 0 and divides it by eps: steps of ~5e7 lr here. The default floor bounds
+    them to ~1/r times a live element's step and leaves the live elements' trajectory alone
+    (none of them is below the floor)."""
+    if cls == "ZeroOneAdam":
+        from qshard.optim.zero_one_adam import ZeroOneAdam as cls
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    paper_dead, paper_live, paper_p = _dead_and_live_moves(cls, 0.0, **kw)
+    assert paper_dead > 1e6
+    for floor in (0.01, 0.1):
+        dead, live, p = _dead_and_live_moves(cls, floor, **kw)
+        assert dead <= 2.0 / floor * live, (floor, dead, live)  # measured: 1.4 / floor
+        assert live == pytest.approx(paper_live, rel=1e-5)
+        torch.testing.assert_close(p[:32], paper_p[:32], rtol=1e-5, atol=1e-6)
+    default = cls([nn.Parameter(torch.zeros(2))], **kw)
+    assert default.variance_floor == 0.01
+    for bad in (-0.1, 1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="variance_floor"):
+            cls([nn.Parameter(torch.zeros(2))], variance_floor=bad, **kw)

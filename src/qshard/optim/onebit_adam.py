@@ -23,7 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qshard.optim._onebit import _DataParallelOneBitOptimizer
+from qshard.optim._onebit import (
+    DEFAULT_VARIANCE_FLOOR,
+    _check_variance_floor,
+    _DataParallelOneBitOptimizer,
+)
 
 __all__ = ["OneBitAdam"]
 
@@ -43,6 +47,10 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         amsgrad: not supported (raises if True).
         bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
             updates so far (default False, as both papers' code). The momentum is not corrected.
+        variance_floor: in the compression stage, each element's frozen ``sqrt(v)`` is at least
+            this fraction of its tensor's RMS ``sqrt(mean(v))``, so elements with a near-zero
+            variance do not take huge steps from the 1-bit noise (default 0.01; 0 = the paper's
+            exact rule). See [Note: variance floor] in ``qshard.optim._onebit``.
 
     Use :meth:`set_zero_mask` for structurally zero gradient elements; :attr:`comm_stats`
     counts the steps by kind of communication.
@@ -62,7 +70,9 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         amsgrad: bool = False,
         bias_correction: bool = False,
+        variance_floor: float = DEFAULT_VARIANCE_FLOOR,
     ) -> None:
+        self.variance_floor = _check_variance_floor(variance_floor)
         if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
             raise ValueError(
                 f"freeze_step must be an int >= 1 (the variance needs at least one "
@@ -126,6 +136,11 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
             lr, wd = group["lr"], group["weight_decay"]
             if wd != 0:
                 p.mul_(1 - lr * wd)
-            denom = self._denominator(group, p, min(extra["step"], self.freeze_step))
+            denom = self._denominator(
+                group,
+                p,
+                min(extra["step"], self.freeze_step),
+                floor=self.variance_floor if extra["step"] > self.freeze_step else 0.0,
+            )
             p.addcdiv_(state["exp_avg"], denom, value=-lr)
         return loss

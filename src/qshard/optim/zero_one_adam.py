@@ -66,7 +66,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qshard.optim._onebit import _DataParallelOneBitOptimizer
+from qshard.optim._onebit import (
+    DEFAULT_VARIANCE_FLOOR,
+    _check_variance_floor,
+    _DataParallelOneBitOptimizer,
+)
 from qshard.optim._schedules import (
     next_sync_step,
     next_variance_step,
@@ -125,6 +129,11 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             updates the variance rarely, so without it ``sqrt(v)`` stays far below the gradient
             scale and steps are too large. Not with a fast beta2 (0.95): v warms up in ~20
             updates and correcting v but not m makes the early steps too small (measured).
+        variance_floor: every update's ``sqrt(v)`` is at least this fraction of its tensor's
+            RMS ``sqrt(mean(v))`` (the variance is frozen between T_v updates and after
+            ``var_freeze_step``, while 1-bit averages reach every element as ``+-scale``;
+            default 0.01, 0 = the paper's exact rule). See [Note: variance floor] in
+            ``qshard.optim._onebit``.
 
     After the last step of training, call :meth:`synchronize` if the last step was local, so
     that every rank holds the same parameters.
@@ -148,7 +157,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         amsgrad: bool = False,
         phase_a_compression: str = "momentum",
         bias_correction: bool = False,
+        variance_floor: float = DEFAULT_VARIANCE_FLOOR,
     ) -> None:
+        self.variance_floor = _check_variance_floor(variance_floor)
         if phase_a_compression not in PHASE_A_COMPRESSION:
             raise ValueError(
                 f"phase_a_compression must be one of {PHASE_A_COMPRESSION}; got "
@@ -264,7 +275,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         p.addcdiv_(state["exp_avg"], self._denom(group, p), value=-lr)
 
     def _denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
-        return self._denominator(group, p, self._extra["variance_updates"])
+        return self._denominator(
+            group, p, self._extra["variance_updates"], floor=self.variance_floor
+        )
 
     def _phase_b_step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]], step: int) -> None:
         extra = self._extra
