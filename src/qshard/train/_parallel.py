@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from qshard.comm import Topology
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
+from qshard.train.llama import INSTALL_TRANSFORMERS, transformers_missing
 from qshard.train.schedule import learning_rate
 
 __all__ = [
@@ -79,6 +80,11 @@ def missing_features(config: TrainConfig) -> list[str]:
         problems.append(
             f"--optim {config.optim} needs {module}.{name}, which this install does not "
             "provide yet; pass --optim adamw"
+        )
+    if config.model == "llama" and transformers_missing():
+        problems.append(
+            f"--model llama needs transformers, which is not installed: {INSTALL_TRANSFORMERS}; "
+            "or pass --model gpt"
         )
     if config.stable_embedding and _optional("qshard.nn", "StableEmbedding") is None:
         problems.append(

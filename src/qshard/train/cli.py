@@ -25,13 +25,21 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from qshard.train import config as config_module
-from qshard.train.config import DTYPES, OPTIMIZERS, TrainConfig
+from qshard.train.config import DTYPES, MODELS, OPTIMIZERS, TrainConfig
 
 __all__ = ["build_parser", "config_from_args", "launch", "main"]
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 # What the state in a checkpoint depends on: resuming with other values cannot load it.
-_RESUME_MUST_MATCH = ("n_layer", "n_head", "n_embd", "context", "stable_embedding", "optim")
+_RESUME_MUST_MATCH = (
+    "model",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "context",
+    "stable_embedding",
+    "optim",
+)
 
 
 def _field_docs() -> dict[str, str]:
@@ -90,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["type"] = kind
             if field.name == "optim":
                 kwargs["choices"] = OPTIMIZERS
+            elif field.name == "model":
+                kwargs["choices"] = MODELS
             elif field.name == "dtype":
                 kwargs["choices"] = DTYPES
             kwargs["metavar"] = field.name.upper() if kind is str else kind.__name__.upper()

@@ -18,6 +18,9 @@ ZEROPP_FEATURES: tuple[str, ...] = ("qwz", "hpz", "qgz")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "onebit_adam", "zero_one_adam")
 """Optimizers ``qshard train`` knows."""
 
+MODELS: tuple[str, ...] = ("gpt", "llama")
+"""Models ``qshard train`` trains: its own GPT, or ``transformers``' Llama (optional package)."""
+
 DATA_PARALLEL_OPTIMIZERS: tuple[str, ...] = ("onebit_adam", "zero_one_adam")
 """Optimizers that own their communication: replicated model, no FSDP, no ZeRO++."""
 
@@ -65,6 +68,9 @@ class TrainConfig:
     """Ranks per (emulated) node. ``None``: ``LOCAL_WORLD_SIZE`` under torchrun; on a local
     launch two emulated nodes (``nproc // 2``) when ``nproc`` is even, else one node."""
     # --- model
+    model: str = "gpt"
+    """One of :data:`MODELS`: ``gpt`` (qshard.train.model) or ``llama`` (transformers'
+    LlamaForCausalLM: RoPE, grouped-query attention, RMSNorm, SwiGLU; needs transformers)."""
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
@@ -163,6 +169,12 @@ class TrainConfig:
         if self.optim not in OPTIMIZERS:
             raise ValueError(
                 f"--optim {self.optim!r} is unknown; choose from {', '.join(OPTIMIZERS)}"
+            )
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model!r} is unknown; choose from {', '.join(MODELS)}")
+        if self.model == "llama" and self.stable_embedding:
+            raise ValueError(
+                "--stable-embedding replaces the GPT's token embedding; drop it for --model llama"
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose from {', '.join(DTYPES)}")

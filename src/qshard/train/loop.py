@@ -39,10 +39,19 @@ from qshard.train._metrics import MetricsWriter, peak_memory_bytes
 from qshard.train._parallel import build_optimizer, distribute
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
 from qshard.train.data import Corpus, _mix, batch_for_step, load_corpus
+from qshard.train.llama import Llama, LlamaSpec
 from qshard.train.model import GPT, GPTConfig
 from qshard.train.schedule import learning_rate
 
-__all__ = ["TrainResult", "build", "gpt_config_of", "learning_rate", "train"]
+__all__ = [
+    "TrainResult",
+    "build",
+    "gpt_config_of",
+    "learning_rate",
+    "llama_spec_of",
+    "model_of",
+    "train",
+]
 
 TrainResult = dict[str, Any]
 """What :func:`train` returns on every rank: ``losses`` (step -> train loss),
@@ -155,8 +164,27 @@ def _load_data(config: TrainConfig) -> Corpus:
     return corpus if corpus is not None else load()
 
 
+def model_of(config: TrainConfig) -> GPT | Llama:
+    """The model a run trains (``--model``), initialized from the seed, on the CPU."""
+    if config.model == "llama":
+        return Llama(llama_spec_of(config))
+    return GPT(gpt_config_of(config))
+
+
+def llama_spec_of(config: TrainConfig) -> LlamaSpec:
+    """The Llama of ``--model llama``: sizes from the GPT's flags (see qshard.train.llama)."""
+    return LlamaSpec(
+        context=config.context,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_kv_head=LlamaSpec.kv_heads_for(config.n_head),
+        n_embd=config.n_embd,
+        seed=config.seed,
+    )
+
+
 def gpt_config_of(config: TrainConfig) -> GPTConfig:
-    """The model a run trains."""
+    """The GPT of ``--model gpt``."""
     return GPTConfig(
         context=config.context,
         n_layer=config.n_layer,
@@ -170,11 +198,11 @@ def gpt_config_of(config: TrainConfig) -> GPTConfig:
 
 def build(
     config: TrainConfig, *, topology: Topology, device: torch.device | None = None
-) -> tuple[GPT, torch.optim.Optimizer, str]:
+) -> tuple[GPT | Llama, torch.optim.Optimizer, str]:
     """The run's model (initialized from the seed, distributed as configured) and optimizer,
     plus a one-line description of the layout. Collective (call on every rank)."""
     device = device or _runtime.device()
-    model = GPT(gpt_config_of(config)).to(device)
+    model = model_of(config).to(device)
     layout = distribute(
         model, config, topology=topology, compute_dtype=_runtime.compute_dtype(config, device)
     )
@@ -434,10 +462,12 @@ def _finish(
     start_step = recorder.start_step
     export_path = None
     if config.export and start_step < config.steps:
-        gpt_config = model.config  # type: ignore[union-attr]
-        meta = {name: getattr(gpt_config, name) for name in gpt_config.__dataclass_fields__}
+        shape = model.config  # type: ignore[union-attr]
+        meta = {name: getattr(shape, name) for name in shape.__dataclass_fields__}
         export_path = ckpt.export_safetensors(
-            model, job.run_dir / "model.safetensors", metadata={"gpt_config": json.dumps(meta)}
+            model,
+            job.run_dir / "model.safetensors",
+            metadata={f"{config.model}_config": json.dumps(meta)},
         )
     measured = ledger.gather_summary()
     peak = _runtime.max_over_ranks(peak_memory_bytes(job.device))
