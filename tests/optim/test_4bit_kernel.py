@@ -24,15 +24,15 @@ pytestmark = pytest.mark.skipif(not _kernels4.available(), reason="no C compiler
 _MAPS = ("signed-dynamic", *_qstate4.SECOND_MOMENT_MAPS)
 
 
-def _kernel_quantize(x: torch.Tensor, q, block: int, lib=None):
-    lib = lib or _kernels4.library()
+def _kernel_quantize(x: torch.Tensor, q, block: int, linear: int = 0):
+    lib = _kernels4.library()
     rows, row_numel = x.shape
     x = x.float().contiguous()
     codes = torch.empty(rows, _qstate4.packed_row(row_numel), dtype=torch.uint8)
     absmax = torch.empty(rows, -(-row_numel // block), dtype=torch.float32)
     rc = lib.quantize_rows4(
-        x.data_ptr(), codes.data_ptr(), absmax.data_ptr(), q.lut.data_ptr(), rows, row_numel,
-        block, 1,
+        x.data_ptr(), codes.data_ptr(), absmax.data_ptr(), q.mid_padded.data_ptr(),
+        q.lut.data_ptr(), linear, rows, row_numel, block, 1,
     )  # fmt: skip
     assert rc == 0
     return codes, absmax
@@ -59,6 +59,8 @@ def test_kernel_encoder_equals_reference(rows, row_numel, block, name, power, sc
     ref_codes, ref_absmax = _qstate4.quantize_rows4(x, q, block)
     assert torch.equal(codes, ref_codes)
     assert torch.equal(absmax, ref_absmax)
+    if name == "linear":  # the arithmetic encoder of the linear map == the table
+        assert torch.equal(_kernel_quantize(x, q, block, linear=1)[0], ref_codes)
     # and the kernel's decoder is the reference decoder
     out = torch.empty_like(x)
     lib = _kernels4.library()
@@ -74,11 +76,15 @@ def test_kernel_encoder_ties_and_codes(name):
     q = _qstate4.qmap4(name)
     # Every midpoint (ties go to the lower code), its neighbours, the codes, and an absmax of 1.
     x = torch.cat([q.mid, torch.nextafter(q.mid, q.mid + 1), q.code, torch.tensor([1.0])])
+    x = torch.cat([x, torch.nextafter(q.mid, q.mid - 1)])
+    if not q.signed:
+        x = torch.cat([x, torch.tensor([0.0, 1e-30, 0.0468749, 0.046875, 0.0468751])])
     x = x.reshape(1, -1)
-    codes, absmax = _kernel_quantize(x, q, 2048)
-    assert absmax.item() == 1.0
     expected = torch.bucketize(x.reshape(-1), q.mid)
-    assert torch.equal(_qstate4.unpack(codes, x.shape[1]).reshape(-1).long(), expected)
+    for linear in (0, 1) if name == "linear" else (0,):
+        codes, absmax = _kernel_quantize(x, q, 2048, linear)
+        assert absmax.item() == 1.0
+        assert torch.equal(_qstate4.unpack(codes, x.shape[1]).reshape(-1).long(), expected)
     assert torch.equal(q.lut, _codetable.search_table(q.code))
 
 
@@ -217,5 +223,6 @@ def test_bad_block_size_is_rejected_by_kernel():
     c = torch.empty(2, 4, dtype=torch.uint8)
     a = torch.empty(2, 1)
     for bad in (3, 8192, 0):
-        assert lib.quantize_rows4(x.data_ptr(), c.data_ptr(), a.data_ptr(), q.lut.data_ptr(), 2,
-                                  8, bad, 1) == -1  # fmt: skip
+        assert lib.quantize_rows4(x.data_ptr(), c.data_ptr(), a.data_ptr(),
+                                  q.mid_padded.data_ptr(), q.lut.data_ptr(), 0, 2, 8, bad,
+                                  1) == -1  # fmt: skip

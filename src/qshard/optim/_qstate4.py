@@ -106,8 +106,9 @@ def unpack(packed: Tensor, row_numel: int) -> Tensor:
 
 def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]:
     """Encode ``x`` (rows along dim 0) -> (packed codes ``(rows, ceil(row_numel/2))``, absmax
-    ``(rows, blocks_per_row)``). -0.0 reads as +0.0; an all-zero block gets absmax 0 and, like
-    any value, the code nearest to 0 of the map (it decodes to 0 whatever the code)."""
+    ``(rows, blocks_per_row)``): the nearest code of ``x * (1 / absmax)`` (fp32 reciprocal).
+    -0.0 reads as +0.0; an all-zero block gets absmax 0 and the code nearest to 0 of the map
+    (it decodes to 0 whatever the code)."""
     rows, row_numel = row_view(x.shape)
     nbr = blocks_per_row(row_numel, block_size)
     x2 = x.detach().float().reshape(rows, row_numel) + 0.0
@@ -115,8 +116,10 @@ def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]
     xp = torch.nn.functional.pad(x2, (0, pad)) if pad else x2
     xb = xp.view(rows, nbr, block_size)
     absmax = xb.abs().amax(dim=2)
-    d = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    v = xb / d[..., None]
+    # normalised by multiplying with the fp32 reciprocal of the absmax (what the kernels do:
+    # one multiply per element instead of a division)
+    r = torch.where(absmax > 0, 1.0 / absmax, torch.ones_like(absmax))
+    v = xb * r[..., None]
     idx = torch.bucketize(v, q.mid.to(x.device)).view(rows, nbr * block_size)[:, :row_numel]
     return pack(idx), absmax.contiguous()
 
@@ -142,9 +145,10 @@ def adam_hparams(
     weight_decay: float,
     decoupled: bool,
 ) -> list[float]:
-    """The 10 hyperparameters of the fused kernels, in the 8-bit Adam kernel's order: lr, beta1,
-    beta2, eps, L2 weight decay, step size, sqrt(1 - beta2^step), decoupled decay factor,
-    1 - beta1, 1 - beta2 (computed in double, rounded to fp32 where they are used)."""
+    """The 10 hyperparameters of the fused kernels: lr, beta1, beta2, eps, L2 weight decay, step
+    size, 1 / sqrt(1 - beta2^step), decoupled decay factor, 1 - beta1, 1 - beta2 (computed in
+    double, rounded to fp32 where they are used; the 8-bit Adam kernel's order, except that the
+    bias correction of v is its reciprocal, multiplied instead of divided)."""
     decay = 1.0 - lr * weight_decay if decoupled else 1.0
     return [
         lr,
@@ -153,7 +157,7 @@ def adam_hparams(
         eps,
         0.0 if decoupled else weight_decay,
         lr / (1.0 - beta1**step),
-        math.sqrt(1.0 - beta2**step),
+        1.0 / math.sqrt(1.0 - beta2**step),
         decay,
         1.0 - beta1,
         1.0 - beta2,
@@ -183,10 +187,11 @@ def adam4bit_reference(
 
     The update is ``torch.optim.Adam(W)``'s (:func:`qshard.optim._functional.adam_update`)
     written as separate fp32 operations with fp32 hyperparameters, in the order the fused
-    kernels evaluate it, so all paths agree bit for bit (torch's ``lerp_``/``addcmul_`` use
+    kernels evaluate it (the bias correction of v multiplied by its reciprocal: a division
+    costs as much as the rest of the update), so all paths agree bit for bit (torch's ``lerp_``/``addcmul_`` use
     fused multiply-adds on CPU and its fp32 ``sqrt`` is not always correctly rounded, each
     differing in the last bit)."""
-    _, _, b2, eps, wd, step_size, bc2s, decay, b1w, b2w = (_f32(x) for x in hp)
+    _, _, b2, eps, wd, step_size, ibc2, decay, b1w, b2w = (_f32(x) for x in hp)
     shape = param.shape
     m = dequantize_rows4(m_codes, m_absmax, m_map, block_size, shape)
     v = dequantize_rows4(v_codes, v_absmax, v_map, block_size, shape)
@@ -200,7 +205,7 @@ def adam4bit_reference(
     v = v * b2 + (b2w * g) * g
     # sqrt through fp64 is the correctly rounded fp32 square root (the kernels' IEEE sqrtf;
     # torch's vectorised fp32 sqrt can differ from it in the last bit)
-    p = p - step_size * (m / (v.double().sqrt().float() / bc2s + eps))
+    p = p - step_size * (m / (v.double().sqrt().float() * ibc2 + eps))
     param.copy_(p)
     for x, q, codes, absmax in ((m, m_map, m_codes, m_absmax), (v, v_map, v_codes, v_absmax)):
         c, a = quantize_rows4(x, q, block_size)
