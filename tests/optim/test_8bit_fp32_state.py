@@ -202,6 +202,33 @@ def test_bf16_parameters_take_fp32_math_rounded_once_per_step(flags):
         assert torch.equal(o8.state[p][k], o32.state[q][k])
 
 
+@pytest.mark.parametrize("name", ["AdamW8bit", "SGD8bit", "Adagrad8bit"])
+def test_fused_step_counters_on_another_device(monkeypatch, name):
+    # On CUDA a fused kernel reads the step counters on the parameter's device, while the state
+    # keeps CPU counters: the kernel gets copies and the counters move once. Forced here on CPU.
+    from qshard.optim import _base8bit
+
+    monkeypatch.setattr(_base8bit, "_steps_off_device", lambda params: True)
+    cls32 = {"AdamW8bit": torch.optim.AdamW, "SGD8bit": torch.optim.SGD}.get(
+        name, torch.optim.Adagrad
+    )
+    kw = dict(lr=1e-2, momentum=0.9) if name == "SGD8bit" else dict(lr=1e-2)
+    gen = torch.Generator().manual_seed(6)
+    ps = [nn.Parameter(torch.randn(s, generator=gen)) for s in [(300,), (20, 30)]]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    o8 = getattr(qoptim, name)(ps, fused=True, **kw)
+    o32 = cls32(qs, fused=True, **kw)
+    for _ in range(_STEPS):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        o8.step()
+        o32.step()
+    for p, q in zip(ps, qs):
+        _assert_same_state(o8, o32, p, q, name)
+        assert int(o8.state[p]["step"]) == _STEPS
+
+
 def test_flags_are_validated():
     p = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="cannot both be True"):

@@ -97,6 +97,11 @@ def _global_row_offset(p: Tensor) -> int:
     return int(offset[0]) if len(offset) else 0
 
 
+def _steps_off_device(params: list[Tensor]) -> bool:
+    """Whether torch's fused kernels need the step counters of ``params`` on another device."""
+    return any(p.device.type != "cpu" for p in params)
+
+
 def _mix_seed(*parts: int) -> int:
     h = 0x243F6A8885A308D3
     for x in parts:
@@ -312,11 +317,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         steps = [st["step"] for _, _, st in live]
         # torch keeps a fused optimizer's step counters on the parameter's device; here they
         # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
-        moved = bool(group.get("fused")) and any(p.device.type != "cpu" for p in params)
-        if moved:
-            self._torch_update(
-                group, params, grads, states, [s.to(p.device) for s, p in zip(steps, params)]
-            )
+        if group.get("fused") and _steps_off_device(params):
+            copies = [s.to(p.device, copy=True) for s, p in zip(steps, params)]
+            self._torch_update(group, params, grads, states, copies)
             for s in steps:
                 s += 1
         else:
