@@ -40,6 +40,19 @@ averaged gradient came back with a relative error of 2.2 and the per-element err
 ``sqrt(v)`` averaged 3,600 (momentum: 370); validation loss after 120 steps was 2.532 with
 gradients vs 2.355 with momenta (AdamW 2.303). The default is the paper's algorithm.
 
+[Note: local steps need a decaying lr] The paper grows the sync interval inversely to the
+learning rate ("the approximation noise from local step is proportional to the learning rate",
+Section 6): interval 1 while the lr is at its peak, doubling each time it halves. At a constant
+lr with local steps the 1-bit sync diverges or stalls even on a realizable least-squares
+problem, while the same run with exact averaging converges to rounding (measured in
+docs/zero_one_adam.md; a float64 simulation of the paper's Algorithm 1 does the same, so this is
+the method, not this implementation): the sync sets the momentum to the compressed average
+drift over ``sum(lr)``, so each sync's compression error becomes a momentum error that the
+local steps then integrate for a whole interval without error feedback. The optimizer records
+the lr of the first phase-B step and warns once, at a sync, when the next interval exceeds
+twice ``lr at the freeze / lr now`` (one doubling of slack: interval 2 at a constant lr
+converged in every measured case, interval 4 did not).
+
 [Note: weight decay in the drift] The paper's drift ``u`` sums ``lr * m`` only (its algorithm
 has no weight decay), and the momentum after a sync is ``u / sum(lr)``. With decoupled weight
 decay in the local steps, ``x - anchor`` also holds the decay ``-lr * wd * x`` of every step
@@ -60,6 +73,7 @@ The first ``step()`` is a real update (a variance step). Update rule as in both 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,6 +81,7 @@ import torch
 import torch.distributed as dist
 
 from qshard.optim._onebit import (
+    _EXTRA_KEY,
     DEFAULT_VARIANCE_FLOOR,
     _check_variance_floor,
     _DataParallelOneBitOptimizer,
@@ -182,11 +197,14 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
                 "variance_updates": 0,
                 "next_sync_step": self._next_sync(var_freeze_step),
                 "phase_b_started": False,
+                "phase_b_lrs": None,
                 "full_precision": 0,
                 "compressed": 0,
                 "local": 0,
             },
         )
+
+        self._interval_warned = False
 
     def _next_sync(self, last: int) -> int:
         return next_sync_step(
@@ -289,6 +307,8 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
                 self.state[p]["sync_anchor"] = p.detach().clone()
                 self.state[p]["lr_sum"] = 0.0
             extra["phase_b_started"] = True
+        if extra["phase_b_lrs"] is None:  # also after loading a state saved before this check
+            extra["phase_b_lrs"] = [g["lr"] for g in self.param_groups]
         for group, p in pairs:
             state = self.state[p]
             beta1, _ = group["betas"]
@@ -302,8 +322,42 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             self._sync(pairs)
             extra["next_sync_step"] = self._next_sync(step)
             extra["compressed"] += 1
+            self._check_interval_against_lr(step, extra["next_sync_step"] - step)
         else:
             extra["local"] += 1
+
+    def _check_interval_against_lr(self, step: int, interval: int) -> None:
+        """Warn once when the sync interval outgrows the lr's decay; see [Note: local steps need
+        a decaying lr]."""
+        if self._interval_warned or interval <= 2:
+            return
+        for group, lr_at_freeze in zip(self.param_groups, self._extra["phase_b_lrs"]):
+            lr = group["lr"]
+            if lr <= 0 or lr_at_freeze <= 0 or interval <= 2 * lr_at_freeze / lr:
+                continue
+            self._interval_warned = True
+            warnings.warn(
+                f"ZeroOneAdam: at step {step} the sync interval grew to {interval} steps while "
+                f"the learning rate is {lr:.3g}, {lr / lr_at_freeze:.2g}x its value at "
+                f"var_freeze_step={self.var_freeze_step}. 0/1 Adam's local steps need an lr "
+                "that decays as the interval grows (the paper's T_u policy: interval ~ "
+                "lr at the freeze / lr now); at an undecayed lr the 1-bit sync's error in the "
+                "averaged momentum is amplified by the local steps, and training stalls or "
+                "diverges (docs/zero_one_adam.md, 'Local steps need a decaying learning "
+                f"rate'). Raise local_step_scaler={self.local_step_scaler} to the number of "
+                f"steps in which the lr halves, or lower local_step_clipper="
+                f"{self.local_step_clipper} (1 turns local steps off)",
+                stacklevel=4,
+            )
+            return
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """See :meth:`_DataParallelOneBitOptimizer.load_state_dict`; a state saved before the
+        interval check existed (no ``phase_b_lrs``) takes the lr of its next step."""
+        extra = state_dict.get(_EXTRA_KEY)
+        if isinstance(extra, dict) and "phase_b_lrs" not in extra:
+            state_dict = {**state_dict, _EXTRA_KEY: {**extra, "phase_b_lrs": None}}
+        super().load_state_dict(state_dict)
 
     def _sync(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         """Average the drift since the last sync; see [Note: sync anchor]."""
