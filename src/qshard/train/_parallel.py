@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _OPTIMIZER_CLASSES = {
     "adamw8bit": ("qshard.optim", "AdamW8bit"),
+    "adamw4bit": ("qshard.optim", "AdamW4bit"),
     "onebit_adam": ("qshard.optim", "OneBitAdam"),
     "zero_one_adam": ("qshard.optim", "ZeroOneAdam"),
 }
@@ -152,7 +153,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     cls = _optional(*_OPTIMIZER_CLASSES[config.optim])
     if cls is None:
         raise RuntimeError(missing_features(config)[0])
-    if config.optim == "adamw8bit":
+    if config.optim in ("adamw8bit", "adamw4bit"):
         return cls(groups, lr=config.lr, betas=betas, eps=1e-8)
     # The papers' schedules are sized for 10^5-step runs; scale them to this run: 1-bit Adam
     # warms up in full precision for 1/4 of the steps; 0/1 Adam follows its paper's rules for

@@ -194,6 +194,10 @@ def summary(
             [
                 ["estimate (tensors only)", format_bytes(estimates.memory["total (tensors only)"])],
                 ["measured peak (max over ranks)", format_bytes(result["peak_memory_bytes"])],
+                [
+                    f"optimizer state ({config.optim}), measured (max over ranks)",
+                    format_bytes(result["optimizer_state_bytes"]),
+                ],
             ],
         )
         + "\n(measured on CPU is the process's peak RSS, which includes the runtime itself)"

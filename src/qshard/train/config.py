@@ -15,7 +15,7 @@ __all__ = ["DTYPES", "OPTIMIZERS", "ZEROPP_FEATURES", "TrainConfig", "parse_zero
 ZEROPP_FEATURES: tuple[str, ...] = ("qwz", "hpz", "qgz")
 """The three ZeRO++ features: quantized weights, hierarchical partitioning, quantized grads."""
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "onebit_adam", "zero_one_adam")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "adamw4bit", "onebit_adam", "zero_one_adam")
 """Optimizers ``qshard train`` knows."""
 
 MODELS: tuple[str, ...] = ("gpt", "llama")

@@ -36,6 +36,8 @@ _OPTIM_STATE_BYTES = {
     "adamw": 8.0,
     # two 8-bit states plus one fp32 absmax per 256-element block each
     "adamw8bit": 2.0 + 2 * 4 / 256,
+    # two 4-bit states (two codes a byte) plus one fp32 absmax per 128-element block each
+    "adamw4bit": 1.0 + 2 * 4 / 128,
     # fp32 momentum and variance, plus worker error (fp32, padded) ...
     "onebit_adam": 12.0,
     "zero_one_adam": 12.0,
@@ -89,7 +91,7 @@ def estimate_memory(
             rows["hpZ secondary shard"] = num_params * compute_bytes / ranks_per_node
         rows["unsharded units (2 in flight)"] = 2 * largest_unit_params * compute_bytes
     per_param = optimizer_state_bytes_per_param(optim, world_size=world_size)
-    if optim == "adamw8bit":
+    if optim in ("adamw8bit", "adamw4bit"):
         eight = num_params - fp32_state_params
         state = eight * per_param + fp32_state_params * _OPTIM_STATE_BYTES["adamw"]
     else:

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from qshard.comm import CommLedger, Topology, recording
+from qshard.optim import optimizer_state_bytes
 from qshard.train import _runtime, _summary
 from qshard.train import checkpoint as ckpt
 from qshard.train._metrics import MetricsWriter, peak_memory_bytes
@@ -100,7 +101,9 @@ def _train(config: TrainConfig) -> TrainResult:
                 last_ckpt = _save(config, job, model, optimizer, step + 1)
     train_time = time.perf_counter() - t_train
     recorder.close_bar()
-    return _finish(config, job, model, recorder, ledger, estimates, last_ckpt, train_time)
+    return _finish(
+        config, job, model, optimizer, recorder, ledger, estimates, last_ckpt, train_time
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,6 +455,7 @@ def _finish(
     config: TrainConfig,
     job: _Job,
     model: nn.Module,
+    optimizer: torch.optim.Optimizer,
     recorder: _Recorder,
     ledger: CommLedger,
     estimates: _summary.Estimates,
@@ -488,6 +492,7 @@ def _finish(
         "zero3_fp32_inter_node_bytes_per_step": estimates.zero3_fp32.total,
         "zero3_16bit_inter_node_bytes_per_step": estimates.zero3_16.total,
         "peak_memory_bytes": peak,
+        "optimizer_state_bytes": _runtime.max_over_ranks(optimizer_state_bytes(optimizer)),
         "train_time_s": train_time,
     }
     if job.is_main:
