@@ -57,6 +57,15 @@ def _optional(module: str, name: str) -> Any | None:
 def _zeropp_config(config: TrainConfig) -> Any:
     features = config.zeropp_features
     cls = importlib.import_module("qshard.zeropp").ZeroPPConfig
+    if config.parallel == "hsdp":
+        grads = config.replicate_grads
+        return cls(
+            hsdp=True,
+            replicate_bits={"int8": 8, "int4": 4}.get(grads),
+            wire_dtype=torch.bfloat16 if grads == "bf16" else None,
+            # 1-bit Adam / 0/1 Adam sync the replicas themselves: no gradient crosses nodes.
+            replicate_reduce=config.optim not in DATA_PARALLEL_OPTIMIZERS,
+        )
     return cls(qwz="qwz" in features, hpz="hpz" in features, qgz="qgz" in features)
 
 
@@ -112,7 +121,7 @@ def distribute(
     mp_policy = None
     if compute_dtype != torch.float32:
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    if config.optim in DATA_PARALLEL_OPTIMIZERS:
+    if config.optim in DATA_PARALLEL_OPTIMIZERS and config.parallel != "hsdp":
         return f"replicated (data parallel, {config.optim} communicates)"
     features = config.zeropp_features
     shard = _optional("qshard.zeropp", "shard")
@@ -121,6 +130,16 @@ def distribute(
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         shard(model, **kwargs)
+        if config.parallel == "hsdp":
+            across = (
+                f"{config.optim} syncs the replicas"
+                if config.optim in DATA_PARALLEL_OPTIMIZERS
+                else f"{config.replicate_grads} gradient all-reduce"
+            )
+            return (
+                f"HSDP: sharded inside each node ({topology.ranks_per_node} ranks), replicated "
+                f"across {topology.num_nodes} nodes ({across})"
+            )
         on = ", ".join(sorted(features)) or "off"
         return f"FSDP2 + ZeRO++ ({on}) on {topology.num_nodes} nodes x {topology.ranks_per_node}"
     if features:  # refused in the launcher; reachable only when called directly

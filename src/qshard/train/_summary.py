@@ -5,7 +5,7 @@ the end-of-run summary (terminal text, ``summary.txt``, ``summary.json``)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,13 @@ from qshard.comm import Topology
 from qshard.train._metrics import format_bytes, table
 from qshard.train._parallel import zeropp_blocks
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
-from qshard.train.estimate import ddp_allreduce_bytes, estimate_comm, estimate_memory
+from qshard.train.estimate import (
+    ddp_allreduce_bytes,
+    estimate_comm,
+    estimate_hsdp_comm,
+    estimate_memory,
+    memory_by_layout,
+)
 
 __all__ = ["Estimates", "estimate_run", "header", "summary", "write_summary"]
 
@@ -33,6 +39,8 @@ class Estimates:
     zero3_fp32: Any
     zero3_16: Any
     ddp_fp32: float
+    layouts: dict[str, float] = field(default_factory=dict)
+    """Total memory per rank of the same model and optimizer as ZeRO-3, HSDP and replicated."""
 
 
 def _largest_unit_params(model: nn.Module) -> int:
@@ -61,27 +69,44 @@ def estimate_run(
     world_size, ranks_per_node = topology.world_size, topology.ranks_per_node
     num_params = sum(p.numel() for p in model.parameters())
     replicated = config.optim in DATA_PARALLEL_OPTIMIZERS
+    hsdp = config.parallel == "hsdp"
     features = config.zeropp_features
-    memory = estimate_memory(
+    common = dict(
         num_params=num_params,
         largest_unit_params=_largest_unit_params(model),
+        compute_bytes=torch.finfo(compute_dtype).bits // 8,
+        fp32_state_params=_fp32_state_params(model, config),
+    )
+    memory = estimate_memory(
+        **common,
         world_size=world_size,
         ranks_per_node=ranks_per_node,
         features=features,
         optim=config.optim,
-        compute_bytes=torch.finfo(compute_dtype).bits // 8,
-        sharded=not replicated,
-        fp32_state_params=_fp32_state_params(model, config),
+        sharded=hsdp or not replicated,
+        shard_ranks=ranks_per_node if hsdp else None,
     )
     sizes = dict(num_params=num_params, world_size=world_size, ranks_per_node=ranks_per_node)
+    if hsdp and not replicated:
+        grads = config.replicate_grads
+        comm = estimate_hsdp_comm(
+            **sizes,
+            wire_bytes=2.0 if grads == "bf16" else 4.0,
+            bits={"int8": 8, "int4": 4}.get(grads),
+        )
+    elif replicated:
+        comm = None
+    else:
+        comm = estimate_comm(**sizes, features=features, **zeropp_blocks(config))
     return Estimates(
         memory=memory,
-        comm=None
-        if replicated
-        else estimate_comm(**sizes, features=features, **zeropp_blocks(config)),
+        comm=comm,
         zero3_fp32=estimate_comm(**sizes, wire_bytes=4.0),
         zero3_16=estimate_comm(**sizes, wire_bytes=2.0),
         ddp_fp32=ddp_allreduce_bytes(**sizes),
+        layouts=memory_by_layout(
+            **common, world_size=world_size, ranks_per_node=ranks_per_node, optim=config.optim
+        ),
     )
 
 
@@ -105,6 +130,12 @@ def header(
         [[k, format_bytes(v)] for k, v in estimates.memory.items()],
         title="estimate: memory per rank (tensors only)",
     )
+    if estimates.layouts:
+        memory += "\n" + table(
+            ["same model and optimizer as", "bytes per rank"],
+            [[k, format_bytes(v)] for k, v in estimates.layouts.items()],
+            title="estimate: memory per rank by layout (tensors only)",
+        )
     return f"{first}\n{memory}"
 
 

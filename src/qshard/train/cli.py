@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["choices"] = MODELS
             elif field.name == "dtype":
                 kwargs["choices"] = DTYPES
+            elif field.name == "parallel":
+                kwargs["choices"] = config_module.PARALLELISMS
+            elif field.name == "replicate_grads":
+                kwargs["choices"] = config_module.REPLICATE_GRADS
             kwargs["metavar"] = field.name.upper() if kind is str else kind.__name__.upper()
         parser.add_argument(flag, **kwargs)
     return parser

@@ -24,6 +24,13 @@ MODELS: tuple[str, ...] = ("gpt", "llama")
 DATA_PARALLEL_OPTIMIZERS: tuple[str, ...] = ("onebit_adam", "zero_one_adam")
 """Optimizers that own their communication: replicated model, no FSDP, no ZeRO++."""
 
+PARALLELISMS: tuple[str, ...] = ("zero3", "hsdp")
+"""How ``--parallel`` lays the model out: ``zero3`` shards over every rank (FSDP2, with
+``--zeropp``); ``hsdp`` shards inside a node and replicates across nodes (docs/hsdp.md)."""
+
+REPLICATE_GRADS: tuple[str, ...] = ("fp32", "bf16", "int8", "int4")
+"""Wire formats of HSDP's inter-node gradient all-reduce (``--replicate-grads``)."""
+
 DTYPES: tuple[str, ...] = ("auto", "fp32", "bf16")
 """Compute dtypes: ``auto`` is fp32 on CPU (bf16 matmuls are ~65x slower there) and bf16 on
 CUDA."""
@@ -86,6 +93,13 @@ class TrainConfig:
     """ZeRO++ features: ``off`` (plain FSDP2 ZeRO-3), ``all``, or a list like ``qwz,hpz``."""
     optim: str = "adamw8bit"
     """One of :data:`OPTIMIZERS`."""
+    parallel: str = "zero3"
+    """``zero3`` (shard over every rank; ZeRO++ with ``--zeropp``) or ``hsdp`` (shard inside a
+    node, replicate across nodes; needs ``--zeropp off``); one of :data:`PARALLELISMS`. With
+    ``hsdp``, 1-bit Adam / 0/1 Adam sync the replicas themselves (no gradient crosses nodes)."""
+    replicate_grads: str = "fp32"
+    """HSDP's inter-node gradient all-reduce: ``fp32`` (FSDP2's own), ``bf16`` (16-bit wire),
+    ``int8`` / ``int4`` (block-quantized, fp32 between hops); one of :data:`REPLICATE_GRADS`."""
     dtype: str = "auto"
     """Compute dtype, one of :data:`DTYPES` (parameters and reductions stay fp32)."""
     # --- schedule
@@ -179,6 +193,7 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose from {', '.join(DTYPES)}")
         features = parse_zeropp(self.zeropp)  # raises with the fix
+        self._check_parallel(features)
         if self.optim in DATA_PARALLEL_OPTIMIZERS and features:
             raise ValueError(
                 f"--optim {self.optim} is data-parallel (it replicates the model and compresses "
@@ -195,6 +210,36 @@ class TrainConfig:
             raise ValueError(
                 f"--batch-size {self.batch_size} must be divisible by the number of ranks "
                 f"{self.nproc}; e.g. --batch-size {self.nproc * max(1, self.batch_size // self.nproc)}"
+            )
+
+    def _check_parallel(self, features: frozenset[str]) -> None:
+        if self.parallel not in PARALLELISMS:
+            raise ValueError(
+                f"--parallel {self.parallel!r} is unknown; choose from {', '.join(PARALLELISMS)}"
+            )
+        if self.replicate_grads not in REPLICATE_GRADS:
+            raise ValueError(
+                f"--replicate-grads {self.replicate_grads!r} is unknown; choose from "
+                f"{', '.join(REPLICATE_GRADS)}"
+            )
+        if self.parallel != "hsdp":
+            if self.replicate_grads != "fp32":
+                raise ValueError(
+                    f"--replicate-grads {self.replicate_grads} sets HSDP's inter-node all-reduce; "
+                    "pass --parallel hsdp (or drop --replicate-grads)"
+                )
+            return
+        if features:
+            raise ValueError(
+                f"--parallel hsdp shards inside a node only, so ZeRO++'s cross-node features "
+                f"have nothing to act on (--zeropp {self.zeropp}); pass --zeropp off and choose "
+                "the inter-node gradient format with --replicate-grads"
+            )
+        if self.optim in DATA_PARALLEL_OPTIMIZERS and self.replicate_grads != "fp32":
+            raise ValueError(
+                f"--optim {self.optim} on HSDP sends no gradient across nodes (it syncs the "
+                f"replicas itself), so --replicate-grads {self.replicate_grads} has nothing to "
+                "compress; drop it"
             )
 
     def local_ranks_per_node(self) -> int:

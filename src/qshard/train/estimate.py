@@ -14,6 +14,11 @@ each node per step, for bandwidth-optimal algorithms. For ``M`` parameters on ``
 * qgZ: gradients are reduced inside the node first, then each rank sends its node's partial
   sums of ``M / D`` elements, as INT4 with fp32 block scales, to the ``N - 1`` other nodes in an
   all-to-all: ``(N-1)/N * M * (0.5 + 4 / block)`` per node, the paper's ``0.25M`` (in fp16 units).
+* HSDP: gathers and the reduce-scatter stay inside the node; each rank all-reduces its gradient
+  shard of ``M / D`` elements across the ``N`` nodes (ring, or the compressed reduce-scatter +
+  all-gather of the same volume): ``2 (N-1)/N * M * w`` per node, ``w`` the wire bytes per element
+  (4 fp32, 2 bf16, ``bits / 8 + 4 / block`` quantized). 1-bit Adam / 0/1 Adam on HSDP send no
+  gradient at all (their sync volume follows their schedules).
 
 Memory is per rank, in bytes, counting tensors only (no allocator slack, no activations, no
 framework overhead), so it is a floor the measured peak is compared against.
@@ -27,7 +32,9 @@ __all__ = [
     "CommEstimate",
     "ddp_allreduce_bytes",
     "estimate_comm",
+    "estimate_hsdp_comm",
     "estimate_memory",
+    "memory_by_layout",
     "optimizer_state_bytes_per_param",
 ]
 
@@ -67,6 +74,7 @@ def estimate_memory(
     compute_bytes: int = 4,
     sharded: bool = True,
     fp32_state_params: int = 0,
+    shard_ranks: int | None = None,
 ) -> dict[str, float]:
     """Per-rank memory by component, in bytes.
 
@@ -74,7 +82,10 @@ def estimate_memory(
     embeddings and head): FSDP holds at most about two units unsharded at a time (the current
     one and the prefetched next one). ``fp32_state_params`` counts the parameters an 8-bit
     optimizer keeps in 32-bit state (small tensors, biases and norms, StableEmbedding).
+    ``shard_ranks`` is how many ranks share one copy of the model: ``world_size`` (ZeRO-3, the
+    default) or ``ranks_per_node`` (HSDP: sharded inside a node, replicated across nodes).
     """
+    ways = world_size if shard_ranks is None else shard_ranks
     if not sharded:
         share = 1.0
         rows = {
@@ -82,7 +93,7 @@ def estimate_memory(
             "gradients (replicated)": num_params * param_bytes,
         }
     else:
-        share = 1.0 / world_size
+        share = 1.0 / ways
         rows = {
             "parameter shard": num_params * param_bytes * share,
             "gradient shard": num_params * param_bytes * share,
@@ -90,7 +101,10 @@ def estimate_memory(
         if "hpz" in features:
             rows["hpZ secondary shard"] = num_params * compute_bytes / ranks_per_node
         rows["unsharded units (2 in flight)"] = 2 * largest_unit_params * compute_bytes
-    per_param = optimizer_state_bytes_per_param(optim, world_size=world_size)
+    # The 1-bit optimizers' server error is split over their sync group: every rank when
+    # replicated, the nodes on HSDP.
+    sync_ranks = world_size if not sharded else max(1, world_size // ways)
+    per_param = optimizer_state_bytes_per_param(optim, world_size=sync_ranks)
     if optim in ("adamw8bit", "adamw4bit"):
         eight = num_params - fp32_state_params
         state = eight * per_param + fp32_state_params * _OPTIM_STATE_BYTES["adamw"]
@@ -147,6 +161,44 @@ def estimate_comm(
     else:
         grad = ring * grad_wire
     return CommEstimate(fwd_all_gather=fwd, bwd_all_gather=bwd, grad_reduce_scatter=grad)
+
+
+def estimate_hsdp_comm(
+    *,
+    num_params: int,
+    world_size: int,
+    ranks_per_node: int,
+    wire_bytes: float = 4.0,
+    bits: int | None = None,
+    block: int = 256,
+) -> CommEstimate:
+    """Analytic cross-node bytes per step of HSDP: its replicate all-reduce, reported as the
+    gradient reduction (the gathers stay inside the node). ``bits`` 8/4: block-quantized."""
+    n = world_size // ranks_per_node
+    if n <= 1:
+        return CommEstimate(fwd_all_gather=0.0, bwd_all_gather=0.0, grad_reduce_scatter=0.0)
+    w = wire_bytes if bits is None else bits / 8 + 4 / block
+    grad = 2 * (n - 1) / n * num_params * w
+    return CommEstimate(fwd_all_gather=0.0, bwd_all_gather=0.0, grad_reduce_scatter=grad)
+
+
+def memory_by_layout(
+    *, world_size: int, ranks_per_node: int, optim: str, **sizes: object
+) -> dict[str, float]:
+    """Total per-rank memory (tensors only) of the same model and optimizer laid out as ZeRO-3
+    (sharded over every rank), HSDP (sharded over a node's ranks) and replicated; ``sizes``
+    are :func:`estimate_memory`'s other arguments."""
+    kw = dict(sizes, world_size=world_size, ranks_per_node=ranks_per_node, optim=optim)
+    kw["features"] = frozenset()
+
+    def total(**layout: object) -> float:
+        return estimate_memory(**kw, **layout)["total (tensors only)"]  # type: ignore[arg-type]
+
+    return {
+        f"ZeRO-3 / ZeRO++ (1/{world_size} per rank)": total(),
+        f"HSDP (1/{ranks_per_node} per rank)": total(shard_ranks=ranks_per_node),
+        "replicated (DDP, 1-bit optimizers)": total(sharded=False),
+    }
 
 
 def ddp_allreduce_bytes(
