@@ -63,7 +63,9 @@ def decode(codes, absmax, q: Map, rows, row_numel, bs):
 def encode(s, q: Map, flags, rows, row_numel, bs):
     sb = _blocks(s, rows, row_numel, bs)
     a = sb.abs()
-    amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=2)  # NaN never wins, as in C
+    # A block holding NaN/Inf has a NaN absmax and zero codes (the C kernel's [Note: non-finite
+    # state blocks]).
+    amax = torch.where(torch.isfinite(a).all(dim=2), a.amax(dim=2), float("nan"))
     zero = (amax == 0)[..., None]
     x = torch.where(zero, sb * 0.0, sb / torch.where(zero, 1.0, amax[..., None]))
     i = torch.bucketize(x, q.mid)  # midpoints strictly below x: exact nearest, ties low
@@ -72,6 +74,7 @@ def encode(s, q: Map, flags, rows, row_numel, bs):
         i = torch.where(wrong, i + torch.where(x > 0, 1, -1), i)
     if not q.signed and flags & FLOOR:
         i = torch.where((x > 0) & (i == q.zero), q.zero + 1, i)
+    i = torch.where(torch.isnan(amax)[..., None], q.zero, i)
     codes = i.view(rows, -1)[:, :row_numel].to(torch.uint8).reshape(-1)
     return codes, amax.reshape(-1)
 
@@ -96,7 +99,7 @@ def step_reference(kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2)
         p = p - step_size * (s1 / (sqrt(s2) / bc2 + eps))
     elif kind == "lion":
         c = hp[1] * s1 + w1 * g
-        p = p * hp[4] - hp[0] * torch.sign(c)
+        p = p * hp[4] - hp[0] * torch.where(c.isnan(), c, torch.sign(c))  # NaN stays NaN
         s1 = hp[2] * s1 + w2 * g
     elif kind == "sgd":
         lr, mom, _, wd, nesterov = hp[:5]
@@ -219,6 +222,34 @@ def test_step_matches_reference_bit_for_bit(kind, hp, flags, q1, q2, shape):
     assert torch.equal(got1[0], want1[0]) and torch.equal(got1[1], want1[1])
     if want2 is not None:
         assert torch.equal(got2[0], want2[0]) and torch.equal(got2[1], want2[1])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality where NaN == NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[8]], ids=lambda c: c[0])
+def test_nonfinite_gradients_make_their_blocks_nan(case):
+    """A NaN/Inf gradient: its state block stores a NaN absmax and zero codes (decodes to NaN),
+    as the C kernel and the torch reference do; other blocks are untouched."""
+    kind, hp, flags, q1, q2, (rows, row_numel, bs) = case
+    p, g, st1, st2 = _problem(rows, row_numel, bs, seed=11, q1=q1, q2=q2)
+    g[3] = float("nan")
+    g[bs + 5] = float("inf")
+    g[-2] = float("-inf")
+    want_p, want1, want2 = step_reference(
+        kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2
+    )
+    got_p, got1, got2 = _run_kernel(
+        kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, torch.float32
+    )
+    assert _same(got_p, want_p)
+    for got, want in ((got1, want1), (got2, want2)):
+        if want is None:
+            continue
+        assert torch.equal(got[0], want[0]) and _same(got[1], want[1])
+        assert bool(got[1].isnan().any())
 
 
 def test_bf16_params_round_to_nearest_even():

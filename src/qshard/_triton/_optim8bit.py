@@ -103,14 +103,18 @@ def _encode(s, amax, code_ptr, mid_ptr, zero_idx, SIGNED: tl.constexpr, FLAGS: t
     else:
         if FLAGS & 2:  # a positive state never encodes to the zero code (pitfall 1)
             i = tl.where((x > 0.0) & (i == zero_idx), zero_idx + 1, i)
+    # A non-finite block (NaN absmax) stores zero codes, as the C kernel does.
+    i = tl.where((amax != amax)[:, None], zero_idx, i)
     return i.to(tl.uint8)
 
 
 @triton.jit
 def _block_absmax(s, valid):
-    # The C kernel's `a > m ? a : m` from 0 skips NaN; match it.
-    a = tl.abs(s)
-    return tl.max(tl.where(valid & (a == a), a, 0.0), axis=1)
+    # A block holding NaN or Inf has a NaN absmax (the C kernel's [Note: non-finite state
+    # blocks]); tl.max would skip NaNs, so the non-finite test is separate.
+    a = tl.where(valid, tl.abs(s), 0.0)
+    bad = tl.max(tl.where(valid & ~(a <= 3.4028234663852886e38), 1, 0), axis=1)
+    return tl.where(bad > 0, float("nan"), tl.max(tl.where(a == a, a, 0.0), axis=1))
 
 
 @triton.jit
@@ -185,7 +189,7 @@ def _step8_kernel(
         pi = pi - hp5 * tl.math.div_rn(s1, denom)
     elif KIND == 1:  # Lion: hp = lr, beta1, beta2, wd, decay, (1 - beta1, 1 - beta2)
         c = hp1 * s1 + w1 * gi
-        sg = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
+        sg = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, tl.where(c == c, 0.0, c)))
         pi = pi * hp4 - hp0 * sg
         s1 = hp2 * s1 + w2 * gi
     elif KIND == 2:  # SGD momentum: hp = lr, momentum, dampening, wd, nesterov, (1 - dampening)

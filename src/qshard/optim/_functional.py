@@ -58,7 +58,9 @@ def lion_update(
     """Lion (Chen et al. 2023): sign of an interpolated momentum, decoupled weight decay."""
     param.mul_(1.0 - lr * weight_decay)
     direction = exp_avg.mul(beta1).add_(grad, alpha=1.0 - beta1)
-    param.add_(torch.sign(direction), alpha=-lr)
+    # torch.sign(NaN) is 0: a NaN gradient would leave the weight finite and its state NaN,
+    # freezing it silently. NaN stays NaN here, as in the fused kernels.
+    param.add_(torch.where(direction.isnan(), direction, torch.sign(direction)), alpha=-lr)
     exp_avg.mul_(beta2).add_(grad, alpha=1.0 - beta2)
 
 

@@ -110,22 +110,42 @@ static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int
     return i;
 }
 
+/* [Note: non-finite state blocks] The block absmax is the maximum of |x| taken on the bit
+ * patterns: for non-negative floats the integer order is the float order, and NaN and Inf are
+ * >= 0x7F800000, so one integer maximum finds both the absmax and whether the block holds a
+ * non-finite value (a float max skips NaNs and would store a finite absmax for a NaN state).
+ * Such a block stores a NaN absmax and zero codes, so it decodes to NaN everywhere: the quant
+ * core's [Note: non-finite blocks], and what the torch reference (_qstate.quantize_rows) does. */
+static inline float absmax_of_bits(uint32_t m) {
+    if (m >= 0x7F800000u) m = 0x7FC00000u; /* NaN or Inf somewhere: the block is NaN */
+    float f;
+    memcpy(&f, &m, 4);
+    return f;
+}
+
+static inline uint32_t abs_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u & 0x7FFFFFFFu;
+}
+
 static inline float block_absmax(const float *s, int n) {
     int k = 0;
-    float m = 0.0f;
+    uint32_t m = 0;
 #ifdef __AVX2__
-    const __m256 mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 acc = _mm256_setzero_ps();
-    for (; k + 8 <= n; k += 8) acc = _mm256_max_ps(acc, _mm256_and_ps(_mm256_loadu_ps(s + k), mask));
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i acc = _mm256_setzero_si256();
+    for (; k + 8 <= n; k += 8)
+        acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(s + k)), mask));
+    uint32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, acc);
     for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
 #endif
     for (; k < n; k++) {
-        float v = fabsf(s[k]);
+        const uint32_t v = abs_bits(s[k]);
         m = v > m ? v : m;
     }
-    return m;
+    return absmax_of_bits(m);
 }
 
 #ifdef __AVX2__
@@ -172,6 +192,10 @@ static inline __attribute__((always_inline)) int encode_avx2(const uint32_t *lut
 static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *c, int flags,
                          uint64_t seed, int64_t gidx0) {
     float d = amax; /* the normalisation divides (as quantize_codebook does), in the loops */
+    if (amax != amax) { /* a non-finite block: zero codes ([Note: non-finite state blocks]) */
+        memset(c, q->zero_idx, (size_t)n);
+        return;
+    }
     if (amax == 0.0f) {
         /* an all-zero block: zero code, except -0.0 under the bitsandbytes sign nudge */
         for (int k = 0; k < n; k++) s[k] = s[k] * 0.0f;
@@ -221,7 +245,7 @@ static inline void decode_block(const float *code, const uint8_t *c, float amax,
 /* Adam / AdamW update of one decoded block that also returns both new absmaxes, saving the two
  * block_absmax passes. The operations and their order are those of the scalar loop in step8
  * (mode 1: decoupled decay of p, 2: L2 weight decay into g, 0: neither) and the absmax is
- * accumulated exactly as block_absmax does (same lanes, same order, so NaNs act alike). */
+ * accumulated exactly as block_absmax does (on the bit patterns: a NaN or Inf makes it NaN). */
 static inline __attribute__((always_inline)) void adam_block(
     float *restrict pp, const float *restrict gg, float *restrict s1, float *restrict s2, int n,
     const float *hp, float canon, int mode, float *amax1, float *amax2) {
@@ -231,8 +255,8 @@ static inline __attribute__((always_inline)) void adam_block(
     const __m256 b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w), epsv = _mm256_set1_ps(eps);
     const __m256 wdv = _mm256_set1_ps(wd), stv = _mm256_set1_ps(step_size);
     const __m256 bcv = _mm256_set1_ps(bc2s), decv = _mm256_set1_ps(decay);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i acc1 = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
     int k = 0;
     for (; k + 8 <= n; k += 8) {
         const __m256 m0 = _mm256_loadu_ps(s1 + k), v0 = _mm256_loadu_ps(s2 + k);
@@ -247,12 +271,12 @@ static inline __attribute__((always_inline)) void adam_block(
         _mm256_storeu_ps(pp + k, _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
         _mm256_storeu_ps(s1 + k, m);
         _mm256_storeu_ps(s2 + k, v);
-        acc1 = _mm256_max_ps(acc1, _mm256_and_ps(m, absmask));
-        acc2 = _mm256_max_ps(acc2, _mm256_and_ps(v, absmask));
+        acc1 = _mm256_max_epu32(acc1, _mm256_and_si256(_mm256_castps_si256(m), absmask));
+        acc2 = _mm256_max_epu32(acc2, _mm256_and_si256(_mm256_castps_si256(v), absmask));
     }
-    float l1[8], l2[8], r1 = 0.0f, r2 = 0.0f;
-    _mm256_storeu_ps(l1, acc1);
-    _mm256_storeu_ps(l2, acc2);
+    uint32_t l1[8], l2[8], r1 = 0, r2 = 0;
+    _mm256_storeu_si256((__m256i *)l1, acc1);
+    _mm256_storeu_si256((__m256i *)l2, acc2);
     for (int l = 0; l < 8; l++) {
         r1 = l1[l] > r1 ? l1[l] : r1;
         r2 = l2[l] > r2 ? l2[l] : r2;
@@ -265,12 +289,12 @@ static inline __attribute__((always_inline)) void adam_block(
         const float v = s2[k] * b2 + b2w * gi * gi;
         pp[k] = pi - step_size * (m / (sqrtf(v) / bc2s + eps));
         s1[k] = m; s2[k] = v;
-        const float f1 = fabsf(m), f2 = fabsf(v);
+        const uint32_t f1 = abs_bits(m), f2 = abs_bits(v);
         r1 = f1 > r1 ? f1 : r1;
         r2 = f2 > r2 ? f2 : r2;
     }
-    *amax1 = r1;
-    *amax2 = r2;
+    *amax1 = absmax_of_bits(r1);
+    *amax2 = absmax_of_bits(r2);
 }
 #endif
 
@@ -307,7 +331,7 @@ int step8(int kind, float *p, const float *g,
         uint8_t *cc2 = has2 ? c2 + off : NULL;
         decode_block(code1, cc1, a1[b], n, s1);
         if (has2) decode_block(code2, cc2, a2[b], n, s2);
-        float m1 = -1.0f, m2 = -1.0f; /* the new absmaxes, when an update found them */
+        float m1 = -1.0f, m2 = -1.0f; /* the new absmaxes, when an update found them (NaN stays) */
         int todo = kind;                /* the update still to run (per block: threads share kind) */
 #ifdef __AVX2__
         if (todo == 0 && has2) {
@@ -350,7 +374,8 @@ int step8(int kind, float *p, const float *g,
             for (int k = 0; k < n; k++) {
                 const float gi = gg[k] + canon;
                 const float c = b1 * s1[k] + b1w * gi;
-                const float sg = (c > 0.0f) ? 1.0f : ((c < 0.0f) ? -1.0f : 0.0f);
+                /* sign(c), NaN staying NaN (torch.sign's rule, the reference path's) */
+                const float sg = (c > 0.0f) ? 1.0f : ((c < 0.0f) ? -1.0f : (c == c ? 0.0f : c));
                 pp[k] = pp[k] * decay - lr * sg;
                 s1[k] = b2 * s1[k] + b2w * gi;
             }

@@ -150,6 +150,10 @@ def quantize_rows(
         codes = torch.where(wrong, (codes.to(torch.int16) + step).to(torch.uint8), codes)
     if not q.signed and rounding.floor_unsigned:
         codes = torch.where((x2 > 0) & (codes == q.zero_idx), q.zero_idx + 1, codes).to(torch.uint8)
+    nonfinite = torch.isnan(absmax)  # a block holding NaN/Inf: NaN absmax, zero codes, as the
+    if bool(nonfinite.any()):  # kernels store it ([Note: non-finite state blocks] in _kernels)
+        spread = nonfinite.repeat_interleave(block_size, dim=1)[:, :row_numel]
+        codes = torch.where(spread, q.zero_idx, codes).to(torch.uint8)
     return codes.reshape(x.shape).contiguous(), absmax.contiguous()
 
 

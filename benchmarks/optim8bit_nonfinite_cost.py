@@ -1,0 +1,79 @@
+"""Cost of the 8-bit kernel's non-finite handling: one optimizer step with the kernel of a base
+revision (``--base``, default ``HEAD~1``) and with the working tree's, side by side.
+
+The two builds run interleaved (A B, B A, ...) on the same parameter and state, one thread; the
+table shows the fastest round of each and their ratio, with the host load average (other work on
+the machine shifts both alike, the minimum over many rounds is the least disturbed figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import tempfile
+import time
+
+import torch
+
+from qshard import _native
+from qshard import optim as qoptim
+from qshard.optim import _kernels
+
+
+def _source_at(rev: str) -> str:
+    text = subprocess.run(
+        ["git", "show", f"{rev}:src/qshard/optim/_kernels.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("base_kernels", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    os.unlink(f.name)
+    return module._SOURCE
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base", default="HEAD~1", help="git revision of the base kernel")
+    parser.add_argument("--numel", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=61)
+    args = parser.parse_args()
+    libs = {}
+    for name, src in (("base", _source_at(args.base)), ("tree", _kernels._SOURCE)):
+        lib = _native.build_library(f"optim8bit_cost_{name}", src, _native.DEFAULT_FLAGS)
+        _kernels._declare(lib)
+        libs[name] = lib
+    torch.set_num_threads(1)
+    print(f"numel {args.numel}, {args.rounds} interleaved rounds, 1 thread")
+    for cls in (qoptim.AdamW8bit, qoptim.Lion8bit):
+        p = torch.nn.Parameter(torch.randn(args.numel // 1000, 1000))
+        opt = cls([p], lr=1e-3)
+        p.grad = torch.randn_like(p) * 0.1
+        opt.step()
+        times: dict[str, list[float]] = {"base": [], "tree": []}
+        original = _kernels.library
+        try:
+            for r in range(args.rounds):
+                for name in ("base", "tree") if r % 2 else ("tree", "base"):
+                    _kernels.library = lambda lib=libs[name]: lib
+                    t0 = time.perf_counter()
+                    opt.step()
+                    times[name].append(time.perf_counter() - t0)
+        finally:
+            _kernels.library = original
+        best = {k: min(v) for k, v in times.items()}
+        print(
+            f"{cls.__name__:10s} base {best['base'] * 1e3:7.2f} ms  tree {best['tree'] * 1e3:7.2f} ms"
+            f"  tree/base {best['tree'] / best['base']:.3f}"
+        )
+    print("load average (1, 5, 15 min):", ", ".join(f"{x:.1f}" for x in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()
