@@ -97,9 +97,32 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def _other_nodes(rank: int, world: int, tmp: str) -> dict:
+    """Load the 2-node 0/1 Adam checkpoint on 1 node x 2 ranks: each rank takes its own shard."""
+    import torch
+
+    from qshard.comm import Topology
+    from qshard.train import checkpoint as ckpt
+    from qshard.train.loop import build
+
+    tmp_path = Path(tmp)
+    cfg = _config(tmp_path, world, 2, steps=8, parallel="hsdp", zeropp="off", optim="zero_one_adam")
+    model, opt, _ = build(cfg, topology=Topology.from_env(ranks_per_node=2))
+    path = tmp_path / "zo_full/checkpoints/step_00000003"
+    step = ckpt.load_checkpoint(path, model=model, optimizer=opt)
+    saved = torch.load(path / f"rank_{rank:05d}.pt", weights_only=False)["model"]
+    own = all(
+        torch.equal(p.to_local(), saved[name].to_local()) for name, p in model.named_parameters()
+    )
+    return {"step": step, "own_shard": own, "world": opt.world_size}
+
+
 def test_train_hsdp_2x2(tmp_path):
     _corpus_file(tmp_path)
     out = run_world(_world, 4, args=(str(tmp_path),), timeout_s=900)
+    other = run_world(_other_nodes, 2, args=(str(tmp_path),), timeout_s=300)
+    for r in other:
+        assert r == {"step": 3, "own_shard": True, "world": 1}, r
     r = out[0]
     for name, res in r.items():
         if name.startswith("zo_"):

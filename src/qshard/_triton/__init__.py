@@ -29,6 +29,7 @@ __all__ = [
     "dequant_reduce_rows",
     "dequantize_blocks",
     "interpreter",
+    "optim4bit_step",
     "optim8bit_step",
     "pack_int4",
     "pack_signs",
@@ -142,6 +143,11 @@ def dequant_reduce_rows(recv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 def optim8bit_step(**kwargs: Any) -> None:
     """Fused in-place 8-bit optimizer step (Adam/AdamW, momentum, RMSprop, Lion, Adagrad)."""
     return _module("_optim8bit").optim8bit_step(**kwargs)
+
+
+def optim4bit_step(**kwargs: Any) -> None:
+    """Fused in-place 4-bit Adam/AdamW step (`qshard.optim.AdamW4bit`'s CUDA path)."""
+    return _module("_optim4bit").optim4bit_step(**kwargs)
 
 
 def adam8bit_step(**kwargs: Any) -> None:

@@ -235,12 +235,42 @@ def _load_per_rank(
     world = dist.get_world_size() if dist.is_initialized() else 1
     # Same world: each rank its own file. Otherwise every rank takes rank 0's, so the replicas
     # start identical (the optimizer then restarts its error feedback, with a warning).
-    source = _rank() if info["world_size"] == world else 0
+    # On HSDP a rank holds one shard of each parameter: it takes the file of the saved rank with
+    # the same local rank (node 0's), which needs the same ranks per node (docs/hsdp.md).
+    source = _rank() if info["world_size"] == world else _hsdp_shard_index(model)
     state = torch.load(path / f"rank_{source:05d}.pt", weights_only=False)
-    model.load_state_dict(state["model"])
+    _load_model_state(model, state["model"])
     optimizer.load_state_dict(state["optim"])
     torch.set_rng_state(state["train"]["rng"]["cpu"])
     return int(state["train"]["step"])
+
+
+def _load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
+    """``model.load_state_dict(saved)``; for HSDP-sharded models the file holds this rank's
+    shards as DTensors of the saving job's mesh, which ``copy_`` refuses across jobs, so their
+    local tensors are copied in place."""
+    here = model.state_dict()
+    if not any(isinstance(v, DTensor) for v in here.values()):
+        model.load_state_dict(saved)
+        return
+    missing = sorted(set(here) - set(saved))
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks model tensors {missing[:3]}")
+    with torch.no_grad():
+        for name, dst in here.items():
+            src = saved[name]
+            src = src.to_local() if isinstance(src, DTensor) else src
+            (dst.to_local() if isinstance(dst, DTensor) else dst).copy_(src)
+
+
+def _hsdp_shard_index(model: nn.Module) -> int:
+    """This rank's shard index when ``model`` is HSDP-sharded for a data-parallel optimizer
+    (DTensors on a node's 1-D ``shard`` mesh), else 0 (a replicated model)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_local_rank()
+        break
+    return 0
 
 
 _SAFETENSORS_DTYPES = {

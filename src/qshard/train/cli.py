@@ -117,7 +117,26 @@ def config_from_args(argv: Sequence[str]) -> TrainConfig:
     args = vars(build_parser().parse_args(list(argv)))
     if _under_torchrun():
         args["nproc"] = int(os.environ["WORLD_SIZE"])
-    return TrainConfig(**args)
+    if not args.get("deepspeed_config"):
+        return TrainConfig(**args)
+    from qshard.train import _deepspeed
+
+    config = TrainConfig(**_deepspeed.apply_deepspeed(args, explicit=_explicit_fields(argv)))
+    # hpZ's secondary group is one node: check the file's partition size against this launch.
+    local = os.environ.get("LOCAL_WORLD_SIZE") if _under_torchrun() else None
+    rpn = config.ranks_per_node or (int(local) if local else config.local_ranks_per_node())
+    _deepspeed.translation(config.deepspeed_config, ranks_per_node=rpn)
+    return config
+
+
+def _explicit_fields(argv: Sequence[str]) -> set[str]:
+    """The TrainConfig fields whose flags ``argv`` gives (``--x``, ``--x=v``, ``--no-x``)."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0]
+            names.add(name.removeprefix("no-").replace("-", "_"))
+    return names
 
 
 def _free_port() -> int:

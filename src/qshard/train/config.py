@@ -102,6 +102,10 @@ class TrainConfig:
     ``int8`` / ``int4`` (block-quantized, fp32 between hops); one of :data:`REPLICATE_GRADS`."""
     dtype: str = "auto"
     """Compute dtype, one of :data:`DTYPES` (parameters and reductions stay fp32)."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON config to take the run's settings from (ZeRO++ features, optimizer and
+    its hyperparameters, precision, clipping, batch): its values replace the matching flags'
+    defaults, an explicit flag with another value is refused (docs/deepspeed.md)."""
     # --- schedule
     steps: int = 200
     """Optimizer steps (total, counting resumed ones)."""
