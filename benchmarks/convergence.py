@@ -17,7 +17,11 @@ Variants (reference in brackets):
   ``adamw+stable`` and ``adamw8bit+stable`` (StableEmbedding, untied head);
 - data-parallel compressed Adam (replicated model): ``onebit_adam`` and ``zero_one_adam``
   (``zero3``: AdamW, whose gradients are averaged exactly); ``zero_one_adam-k16`` is 0/1 Adam
-  with its paper's kappa = 16 instead of the app's 32 (``zero_one_adam_schedule``).
+  with its paper's kappa = 16 instead of the app's 32 (``zero_one_adam_schedule``);
+- HSDP (``--parallel hsdp``: sharded inside a node, replicated across the 2 nodes): ``hsdp``
+  (AdamW, FSDP2's fp32 replicate all-reduce; ``zero3``), and against it ``hsdp-bf16`` /
+  ``hsdp-int4`` (the replicate all-reduce on a 16-bit / INT4 wire), ``hsdp-1bit`` /
+  ``hsdp-01`` (1-bit Adam / 0/1 Adam syncing the replicas; no gradient crosses nodes).
 
 Three variants need what ``TrainConfig`` does not expose (a qwZ block size, switching qgZ off
 mid-run, 0/1 Adam's kappa): for the first two the script hands
@@ -74,6 +78,10 @@ class Variant:
     """Use qgZ for this fraction of the steps, then FSDP2's plain reduce-scatter."""
     zero_one_kappa: int | None = None
     """0/1 Adam's ``var_update_scaler`` instead of the app's (``APP_VAR_UPDATE_SCALER``)."""
+    parallel: str = "zero3"
+    """``TrainConfig.parallel``."""
+    replicate_grads: str = "fp32"
+    """``TrainConfig.replicate_grads`` (HSDP)."""
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -123,12 +131,46 @@ VARIANTS: tuple[Variant, ...] = (
         optim="zero_one_adam",
         zero_one_kappa=16,
     ),
+    Variant(name="hsdp", group="hsdp", reference="zero3", target_pct=None, parallel="hsdp"),
+    Variant(
+        name="hsdp-bf16",
+        group="hsdp",
+        reference="hsdp",
+        target_pct=1.0,
+        parallel="hsdp",
+        replicate_grads="bf16",
+    ),
+    Variant(
+        name="hsdp-int4",
+        group="hsdp",
+        reference="hsdp",
+        target_pct=1.0,
+        parallel="hsdp",
+        replicate_grads="int4",
+    ),
+    Variant(
+        name="hsdp-1bit",
+        group="hsdp",
+        reference="hsdp",
+        target_pct=1.0,
+        parallel="hsdp",
+        optim="onebit_adam",
+    ),
+    Variant(
+        name="hsdp-01",
+        group="hsdp",
+        reference="hsdp",
+        target_pct=1.0,
+        parallel="hsdp",
+        optim="zero_one_adam",
+    ),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 GROUP_TITLES = {
     "zeropp": "ZeRO++ vs ZeRO-3 (AdamW)",
     "8bit": "8-bit AdamW vs 32-bit AdamW",
     "dp": "1-bit Adam and 0/1 Adam vs AdamW (exact gradient averaging)",
+    "hsdp": "HSDP variants vs HSDP with AdamW (fp32 replicate all-reduce)",
 }
 
 
@@ -278,6 +320,8 @@ def _world(rank: int, world: int, settings: dict, names: list[str], run_root: st
             stable_embedding=v.stable_embedding,
             zeropp=v.zeropp,
             optim=v.optim,
+            parallel=v.parallel,
+            replicate_grads=v.replicate_grads,
             steps=settings["steps"],
             batch_size=settings["batch_size"],
             lr=settings["lr"],
@@ -366,7 +410,9 @@ def report(args: argparse.Namespace, data: dict) -> None:
                 GROUP_TITLES[v.group].split(" vs ")[0],
                 v.name,
                 v.optim,
-                v.zeropp + (" +stable" if v.stable_embedding else ""),
+                v.zeropp
+                + (" +stable" if v.stable_embedding else "")
+                + (f" hsdp/{v.replicate_grads}" if v.parallel == "hsdp" else ""),
                 f"{val:.4f}",
                 v.reference or "-",
                 f"{delta:+.2f}%" if delta is not None else "-",
