@@ -13,8 +13,8 @@ and ``exp_avg_sq_codes`` (uint8 ``(dim0, ceil(row_numel / 2))``), ``exp_avg_absm
 ``exp_avg_sq_absmax`` (fp32 ``(dim0, blocks_per_row)``); fp32: ``exp_avg``, ``exp_avg_sq``. For a
 DTensor parameter each is a DTensor on its mesh with its placements.
 
-Paths, same numerics (bit for bit): the fused C kernel (CPU fp32, contiguous) and the torch
-reference :func:`qshard.optim._qstate4.adam4bit_reference` (everything else).
+Paths, same numerics (bit for bit): the Triton kernel (CUDA, fp32/bf16), the fused C kernel
+(CPU fp32, contiguous) and the torch reference :func:`qshard.optim._qstate4.adam4bit_reference` (everything else).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from qshard import _triton
 from qshard.optim import _functional, _kernels4, _qstate4
 from qshard.optim._base8bit import _local, _wrap_like
 from qshard.optim._overrides import is_full_precision_param
@@ -239,6 +240,30 @@ class Adam4bit(torch.optim.Optimizer):
         qm, qv = self._maps(group)
         bs = group["block_size"]
         rows, row_numel = row_view(p_l.shape)
+        hp = _kernel_hparams(group, step, self._decoupled)
+        if (
+            _triton.serves(p_l)
+            and p_l.is_contiguous()
+            and p_l.dtype in (torch.float32, torch.bfloat16)
+        ):
+            # The Triton twin of adam4bit_step: same arguments, same numerics.
+            _triton.optim4bit_step(
+                param=p_l,
+                grad=g_l.contiguous(),
+                m_codes=codes[0],
+                m_absmax=absmax[0],
+                m_code=qm.code,
+                m_mid=qm.mid,
+                v_codes=codes[1],
+                v_absmax=absmax[1],
+                v_code=qv.code,
+                v_mid=qv.mid,
+                rows=rows,
+                row_numel=row_numel,
+                block_size=bs,
+                hp=hp,
+            )
+            return
         lib = _kernels4.library()
         if (
             lib is not None
@@ -247,7 +272,7 @@ class Adam4bit(torch.optim.Optimizer):
             and p_l.is_contiguous()
         ):
             g = g_l.float().contiguous()
-            hp = torch.tensor(_kernel_hparams(group, step, self._decoupled), dtype=torch.float32)
+            hp_t = torch.tensor(hp, dtype=torch.float32)
             rc = lib.adam4bit_step(
                 p_l.data_ptr(),
                 g.data_ptr(),
@@ -266,7 +291,7 @@ class Adam4bit(torch.optim.Optimizer):
                 rows,
                 row_numel,
                 bs,
-                hp.data_ptr(),
+                hp_t.data_ptr(),
                 torch.get_num_threads(),
             )
             if rc != 0:
@@ -282,7 +307,7 @@ class Adam4bit(torch.optim.Optimizer):
             m_map=qm,
             v_map=qv,
             block_size=bs,
-            hp=_kernel_hparams(group, step, self._decoupled),
+            hp=hp,
         )
 
 

@@ -1,0 +1,251 @@
+"""Triton kernel for the fused 4-bit Adam/AdamW step, the GPU twin of the CPU kernel
+`adam4bit_step` in `qshard.optim._kernels4` (same arguments, same fp32 expressions in the same
+order, same exact-nearest encoder), and so of the torch reference
+`qshard.optim._qstate4.adam4bit_reference`, bit for bit.
+
+Layout ([Note: 4-bit layout] in `qshard.optim._qstate4`): `rows` rows of `row_numel` elements,
+blocks of `block_size` (even) along each row with one fp32 absmax each, codes two a byte
+(element 2c in the low nibble of byte c of its row, 2c + 1 in the high nibble). One program owns
+G whole blocks and works on the even and the odd elements of each block as two tiles, so a byte
+of codes is loaded, decoded into two values, and stored once, without interleaving lanes. Per
+parameter that is 4 + 4 + 1 bytes read (param, grad, both codes) and 4 + 1 written.
+
+Encoding: the code is the number of the map's 15 midpoints strictly below ``x * (1 / absmax)``
+(ties to the lower code), found by a 4-step branchless binary search; an all-zero block uses a
+reciprocal of 1. Launched with fp fusion off (no FMA), like the C kernel's -ffp-contract=off;
+division and square root are the IEEE-rounded `div_rn` / `sqrt_rn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from qshard._triton._common import (
+    check_contiguous,
+    kernel_view,
+    load_f32,
+    next_pow2,
+    rows_per_program,
+    store_as,
+)
+
+__all__ = ["optim4bit_step"]
+
+_MAX_BLOCK = 4096
+
+
+@triton.jit
+def _nearest16(x, mid_ptr):
+    """Number of the 15 sorted midpoints strictly below x (NaN -> 0): the nearest code."""
+    lo = tl.zeros(x.shape, tl.int32)
+    lo = tl.where(tl.load(mid_ptr + lo + 7) < x, lo + 8, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 3) < x, lo + 4, lo)
+    lo = tl.where(tl.load(mid_ptr + lo + 1) < x, lo + 2, lo)
+    lo = tl.where(tl.load(mid_ptr + lo) < x, lo + 1, lo)
+    return lo
+
+
+@triton.jit
+def _adam(pi, gi, m, v, b2, eps, wd, step_size, ibc2, decay, w1, w2):
+    """The C kernel's adam_block4 on one tile (decoupled decay when decay != 1, else L2)."""
+    decoupled = decay != 1.0
+    pi = tl.where(decoupled, pi * decay, pi)
+    gi = tl.where(~decoupled & (wd != 0.0), gi + wd * pi, gi)
+    m = m + w1 * (gi - m)
+    v = v * b2 + w2 * gi * gi
+    denom = tl.math.sqrt_rn(v) * ibc2 + eps
+    pi = pi - step_size * tl.math.div_rn(m, denom)
+    return pi, m, v
+
+
+@triton.jit
+def _step4_kernel(
+    p_ptr,
+    g_ptr,
+    c1_ptr,
+    a1_ptr,
+    code1_ptr,
+    mid1_ptr,
+    c2_ptr,
+    a2_ptr,
+    code2_ptr,
+    mid2_ptr,
+    n_blocks,
+    blocks_per_row,
+    row_numel,
+    row_bytes,
+    b2,
+    eps,
+    wd,
+    step_size,
+    ibc2,
+    decay,
+    w1,
+    w2,
+    BS: tl.constexpr,
+    HALF_N: tl.constexpr,
+    G: tl.constexpr,
+    P_BF16: tl.constexpr,
+    G_BF16: tl.constexpr,
+):
+    b = tl.program_id(0) * G + tl.arange(0, G)
+    b_ok = b < n_blocks
+    r = b // blocks_per_row
+    j = b % blocks_per_row
+    base = r.to(tl.int64) * row_numel + j.to(tl.int64) * BS
+    cbase = r.to(tl.int64) * row_bytes + j.to(tl.int64) * (BS // 2)
+    n = tl.minimum(row_numel - j * BS, BS)
+    cols = tl.arange(0, HALF_N)
+    k0 = 2 * cols[None, :]  # the even element of byte `cols`
+    v0 = b_ok[:, None] & (k0 < n[:, None])
+    v1 = b_ok[:, None] & (k0 + 1 < n[:, None])
+    off0 = base[:, None] + k0
+    coff = cbase[:, None] + cols[None, :]
+
+    cb1 = tl.load(c1_ptr + coff, mask=v0, other=0).to(tl.int32)
+    cb2 = tl.load(c2_ptr + coff, mask=v0, other=0).to(tl.int32)
+    am1 = tl.load(a1_ptr + b, mask=b_ok, other=0.0)[:, None]
+    am2 = tl.load(a2_ptr + b, mask=b_ok, other=0.0)[:, None]
+    m_e = tl.load(code1_ptr + (cb1 & 15)) * am1
+    m_o = tl.load(code1_ptr + (cb1 >> 4)) * am1
+    v_e = tl.load(code2_ptr + (cb2 & 15)) * am2
+    v_o = tl.load(code2_ptr + (cb2 >> 4)) * am2
+
+    p_e = load_f32(p_ptr + off0, v0, P_BF16)
+    p_o = load_f32(p_ptr + off0 + 1, v1, P_BF16)
+    g_e = load_f32(g_ptr + off0, v0, G_BF16) + 0.0  # -0.0 -> +0.0
+    g_o = load_f32(g_ptr + off0 + 1, v1, G_BF16) + 0.0
+    p_e, m_e, v_e = _adam(p_e, g_e, m_e, v_e, b2, eps, wd, step_size, ibc2, decay, w1, w2)
+    p_o, m_o, v_o = _adam(p_o, g_o, m_o, v_o, b2, eps, wd, step_size, ibc2, decay, w1, w2)
+    store_as(p_ptr + off0, p_e, v0)
+    store_as(p_ptr + off0 + 1, p_o, v1)
+
+    # New absmaxes over the block's valid elements, then codes of x * (1 / absmax).
+    n1 = tl.maximum(
+        tl.max(tl.where(v0, tl.abs(m_e), 0.0), axis=1),
+        tl.max(tl.where(v1, tl.abs(m_o), 0.0), axis=1),
+    )
+    n2 = tl.maximum(
+        tl.max(tl.where(v0, tl.abs(v_e), 0.0), axis=1),
+        tl.max(tl.where(v1, tl.abs(v_o), 0.0), axis=1),
+    )
+    one = tl.full(n1.shape, 1.0, tl.float32)
+    r1 = tl.math.div_rn(one, tl.where(n1 == 0.0, 1.0, n1))[:, None]  # zero block: 1
+    r2 = tl.math.div_rn(one, tl.where(n2 == 0.0, 1.0, n2))[:, None]
+    q1e = _nearest16(m_e * r1, mid1_ptr)
+    q1o = tl.where(v1, _nearest16(m_o * r1, mid1_ptr), 0)
+    q2e = _nearest16(v_e * r2, mid2_ptr)
+    q2o = tl.where(v1, _nearest16(v_o * r2, mid2_ptr), 0)
+    tl.store(c1_ptr + coff, (q1e | (q1o << 4)).to(tl.uint8), mask=v0)
+    tl.store(c2_ptr + coff, (q2e | (q2o << 4)).to(tl.uint8), mask=v0)
+    tl.store(a1_ptr + b, n1, mask=b_ok)
+    tl.store(a2_ptr + b, n2, mask=b_ok)
+
+
+_tables: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A code map or its midpoints on the kernel's device, copied once per (tensor, device)."""
+    if t.device == device:
+        return t
+    key = (id(t), t.data_ptr(), str(device))
+    cached = _tables.get(key)
+    if cached is None:
+        cached = _tables[key] = t.to(device)
+    return cached
+
+
+def optim4bit_step(
+    *,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m_codes: torch.Tensor,
+    m_absmax: torch.Tensor,
+    m_code: torch.Tensor,
+    m_mid: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_absmax: torch.Tensor,
+    v_code: torch.Tensor,
+    v_mid: torch.Tensor,
+    rows: int,
+    row_numel: int,
+    block_size: int,
+    hp: Sequence[float],
+) -> None:
+    """One in-place Adam/AdamW step on `param` (fp32 or bf16) and its 4-bit moments, as
+    `adam4bit_step` does; `hp` the 10 values of `qshard.optim._qstate4.adam_hparams`, the maps
+    16 fp32 codes and their 15 midpoints (more entries are ignored)."""
+    if not 2 <= block_size <= _MAX_BLOCK or block_size % 2:
+        raise ValueError(f"block_size must be even, in 2..{_MAX_BLOCK}; got {block_size}")
+    numel = rows * row_numel
+    nbr = -(-row_numel // block_size)
+    row_bytes = (row_numel + 1) // 2
+    n_blocks = rows * nbr
+    for name, t, dtype, count in (
+        ("param", param, None, numel),
+        ("grad", grad, None, numel),
+        ("m_codes", m_codes, torch.uint8, rows * row_bytes),
+        ("v_codes", v_codes, torch.uint8, rows * row_bytes),
+        ("m_absmax", m_absmax, torch.float32, n_blocks),
+        ("v_absmax", v_absmax, torch.float32, n_blocks),
+    ):
+        check_contiguous(name, t)
+        if t.numel() != count or (dtype is not None and t.dtype != dtype):
+            raise ValueError(
+                f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype}"
+                f" {t.numel()}"
+            )
+    for name, t, count in (("code", m_code, 16), ("code", v_code, 16), ("mid", m_mid, 15)):
+        if t.dtype != torch.float32 or t.numel() < count:
+            raise ValueError(f"{name}: expected >= {count} fp32 values; got {t.dtype} {t.numel()}")
+    if len(hp) != 10:
+        raise ValueError(f"hp takes the 10 values of adam_hparams; got {len(hp)}")
+    if n_blocks == 0:
+        return
+    dev = param.device
+    m_code, m_mid = _on_device(m_code, dev), _on_device(m_mid, dev)
+    v_code, v_mid = _on_device(v_code, dev), _on_device(v_mid, dev)
+    # The C kernel reads hp as fp32: pass fp32-exact values (CUDA and the interpreter then
+    # evaluate the same fp32 expressions).
+    _, _, b2, eps, wd, step_size, ibc2, decay, w1, w2 = (float(np.float32(x)) for x in hp)
+    half_n = next_pow2(block_size // 2)
+    g = rows_per_program(block_size)
+    pk, p_bf16 = kernel_view(param)
+    gk, g_bf16 = kernel_view(grad)
+    _step4_kernel[(triton.cdiv(n_blocks, g),)](
+        pk,
+        gk,
+        m_codes,
+        m_absmax,
+        m_code,
+        m_mid,
+        v_codes,
+        v_absmax,
+        v_code,
+        v_mid,
+        n_blocks,
+        nbr,
+        row_numel,
+        row_bytes,
+        b2,
+        eps,
+        wd,
+        step_size,
+        ibc2,
+        decay,
+        w1,
+        w2,
+        BS=block_size,
+        HALF_N=half_n,
+        G=g,
+        P_BF16=p_bf16,
+        G_BF16=g_bf16,
+        num_warps=8 if half_n * g >= 2048 else 4,
+        enable_fp_fusion=False,
+    )
