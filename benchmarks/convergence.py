@@ -13,7 +13,8 @@ Variants (reference in brackets):
   ``all-qgz50`` (qgZ only for the first 50% of steps, the paper's interleaving),
   ``qwz-1block`` (qwZ with one quantization block per parameter shard: the paper's "basic
   quantization", one scale per tensor shard rather than per 256 values);
-- 8-bit optimizers: ``adamw8bit`` (``zero3``: the same run as the ZeRO++ baseline),
+- 8-bit optimizers: ``adamw8bit`` and the 4-bit ``adamw4bit`` (``zero3``: the same run as the
+  ZeRO++ baseline),
   ``adamw+stable`` and ``adamw8bit+stable`` (StableEmbedding, untied head);
 - data-parallel compressed Adam (replicated model): ``onebit_adam`` and ``zero_one_adam``
   (``zero3``: AdamW, whose gradients are averaged exactly); ``zero_one_adam-k16`` is 0/1 Adam
@@ -106,6 +107,7 @@ VARIANTS: tuple[Variant, ...] = (
         zeropp_overrides={"weight_block_size": "shard"},
     ),
     Variant(name="adamw8bit", group="8bit", reference="zero3", target_pct=0.5, optim="adamw8bit"),
+    Variant(name="adamw4bit", group="8bit", reference="zero3", target_pct=1.0, optim="adamw4bit"),
     Variant(
         name="adamw+stable", group="8bit", reference=None, target_pct=None, stable_embedding=True
     ),
