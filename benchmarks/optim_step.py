@@ -34,6 +34,7 @@ bandwidth on this host. ``limit x fused`` is the bound over the fused fp32 step'
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
 Targets (issue 15): the fp32-state path <= 1.1x fused fp32 AdamW; the 8-bit step <= 1.2x.
+Target (issue 17): AdamW4bit <= 2x fused fp32 AdamW on CPU; state <= 1.1 bytes/param.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Report, add_report_args
-from qshard.optim import AdamW8bit, optimizer_state_bytes
+from qshard.optim import AdamW4bit, AdamW8bit, optimizer_state_bytes
 
 
 def _parse_size(s: str) -> int:
@@ -65,6 +66,7 @@ def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:
         ("torch AdamW fused (fp32)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
         ("torch AdamW foreach (fp32)", lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
         ("qshard AdamW8bit", lambda ps: AdamW8bit(ps, lr=1e-3)),
+        ("qshard AdamW4bit", lambda ps: AdamW4bit(ps, lr=1e-3)),
     ]
     notes = []
     try:
