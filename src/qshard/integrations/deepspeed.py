@@ -1,0 +1,655 @@
+"""Read a DeepSpeed config (a dict or a JSON file) into qshard's: a :class:`ZeroPPConfig` for
+``qshard.shard``, an optimizer class with its keyword arguments, a ``MixedPrecisionPolicy``,
+the clipping norm and the batch sizes (:class:`DeepSpeedTranslation`).
+
+Every key of the config ends in one of three places, never silently dropped:
+
+* mapped: its value sets a qshard setting (``zero_optimization.zero_quantized_weights`` ->
+  ``ZeroPPConfig.qwz``, ``optimizer.params.var_freeze_step`` -> ``ZeroOneAdam``'s, ...);
+* no equivalent: it tunes something qshard does not have and does not change what training
+  computes (DeepSpeed's bucket sizes, logging, ...); it is accepted and listed, with the reason,
+  in :attr:`DeepSpeedTranslation.no_equivalent`;
+* refused: a key, or a value, that would change the training math in a way qshard cannot
+  reproduce (ZeRO stage 1/2, fp16 loss scaling, offload, an lr ``scheduler``, ``"auto"``
+  placeholders, unknown keys): :class:`DeepSpeedConfigError` names the key and the fix.
+
+Defaults are DeepSpeed's (checked against DeepSpeed 0.19.8's config classes; the 1-bit
+optimizers against 0.17.6, the 0.19 series no longer lists them), so an absent key means what
+it means to DeepSpeed: no ``gradient_clipping`` is no clipping, no ``bf16``/``fp16`` section is
+fp32, a missing optimizer parameter is DeepSpeed's optimizer default. docs/deepspeed.md maps
+every option and names the behaviours that differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from qshard.zeropp.config import ZeroPPConfig
+
+__all__ = ["DeepSpeedConfigError", "DeepSpeedTranslation", "read_deepspeed_config"]
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed config qshard cannot reproduce; the message names the key and the fix."""
+
+
+# --- zero_optimization ------------------------------------------------------------------------
+
+_STAGE12 = "a ZeRO stage 1/2 option (qshard shards parameters too: FSDP2 is ZeRO-3)"
+_DS_INTERNAL = "a DeepSpeed implementation detail with no FSDP2 counterpart"
+_PER_UNIT = "FSDP2 communicates one FSDP unit (a block) per collective: there are no buckets"
+_FULL_STATE = (
+    "qshard checkpoints with DCP (shards by global layout); a full state dict comes from "
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+    "options=StateDictOptions(full_state_dict=True))"
+)
+_REGATHER = (
+    "FSDP2 frees each unit after its forward and gathers it again for backward (ZeRO-3; hpZ "
+    "keeps that gather inside the node); there is no residency budget"
+)
+
+_ZERO_NO_EQUIVALENT: dict[str, str] = {
+    "contiguous_gradients": "FSDP2 reduces each unit's gradients from one contiguous buffer",
+    "reduce_bucket_size": _PER_UNIT,
+    "allgather_bucket_size": _PER_UNIT,
+    "prefetch_bucket_size": "FSDP2 prefetches whole units, one block ahead (ZeroPPConfig.prefetch)",
+    "param_persistence_threshold": (
+        "every parameter is sharded; small ones (norm gains, biases) travel in their unit's "
+        "flat all-gather"
+    ),
+    "model_persistence_threshold": "every parameter is sharded (see param_persistence_threshold)",
+    "max_live_parameters": _REGATHER,
+    "max_reuse_distance": _REGATHER,
+    "gather_16bit_weights_on_model_save": _FULL_STATE,
+    "stage3_gather_fp16_weights_on_model_save": _FULL_STATE,
+    "sub_group_size": "the optimizer steps each rank's whole shard (tiles matter with offload)",
+    "elastic_checkpoint": "DCP checkpoints load on any number of ranks",
+    "load_from_fp32_weights": "qshard's parameters are the fp32 master weights",
+    "cpu_offload_use_pin_memory": "only with offload, which is refused",
+    "round_robin_gradients": _STAGE12,
+    "ignore_unused_parameters": _STAGE12,
+    "legacy_stage1": _STAGE12,
+    "use_multi_rank_bucket_allreduce": _STAGE12,
+    "parameter_alignment": _STAGE12,
+    "compute_grad_norm": _STAGE12,
+    "memory_efficient_linear": _DS_INTERNAL,
+    "override_module_apply": _DS_INTERNAL,
+    "pipeline_loading_checkpoint": _DS_INTERNAL,
+    "log_trace_cache_warnings": _DS_INTERNAL,
+    "enable_sanity_checks": _DS_INTERNAL,
+    "module_granularity_threshold": _DS_INTERNAL,
+    "use_all_reduce_for_fetch_params": _DS_INTERNAL,
+    "allgather_sequential": _DS_INTERNAL,
+    "leaf_module": _DS_INTERNAL,
+    "save_muon_momentum_buffer_in_memory": _DS_INTERNAL,
+}
+# DeepSpeed accepts these stage-3 options under a "stage3_" alias as well.
+_ZERO_ALIASES = {
+    f"stage3_{name}": name
+    for name in (
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "model_persistence_threshold",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "gather_16bit_weights_on_model_save",
+        "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params",
+        "allgather_sequential",
+    )
+}
+_ZERO_MAPPED = (
+    "stage",
+    "zero_quantized_weights",
+    "zero_hpz_partition_size",
+    "zero_quantized_gradients",
+    "overlap_comm",
+)
+# Accepted only at the value that matches qshard: (DeepSpeed's default, why another is refused).
+_ZERO_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
+    "reduce_scatter": (True, "FSDP2 always reduce-scatters gradients"),
+    "allgather_partitions": (True, "FSDP2 always all-gathers parameters"),
+    "zero_quantized_nontrainable_weights": (
+        False,
+        "qshard keeps frozen weights in full precision (qwZ quantizes on the wire only)",
+    ),
+    "offload_param": (None, "qshard has no CPU/NVMe offload"),
+    "offload_optimizer": (None, "qshard has no CPU/NVMe offload"),
+    "cpu_offload": (None, "qshard has no CPU/NVMe offload"),
+    "cpu_offload_param": (None, "qshard has no CPU/NVMe offload"),
+    "zenflow": (None, "qshard has no ZenFlow (offloaded optimizer steps)"),
+}
+
+# --- optimizer --------------------------------------------------------------------------------
+
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+_ONEBIT_DEFAULTS = {**_ADAM_DEFAULTS, "freeze_step": 100_000}
+_ZERO_ONE_DEFAULTS = {
+    **_ADAM_DEFAULTS,
+    "var_freeze_step": 100_000,
+    "var_update_scaler": 16,
+    "local_step_scaler": 32678,
+    "local_step_clipper": 16,
+}
+_ONEBIT_NO_EQUIVALENT = {
+    "bias_correction": (
+        "DeepSpeed's 1-bit step never applies it (its update is m / (sqrt(v) + eps)); qshard's "
+        "step is the same (bias_correction=False)"
+    ),
+    "eps_inside_sqrt": "DeepSpeed's 1-bit step never reads it (eps is outside the sqrt)",
+    "cuda_aware": "qshard communicates through torch.distributed's process group",
+    "comm_backend_name": "qshard communicates through torch.distributed's process group",
+}
+_ADAM_NO_EQUIVALENT = {
+    "torch_adam": "qshard uses torch.optim's Adam/AdamW (DeepSpeed's FusedAdam computes the same)",
+    "set_grad_none": "torch optimizers set gradients to None in zero_grad() by default",
+}
+_OPTIMIZER_TYPES = ("adam", "adamw", "onebitadam", "zerooneadam")
+
+# --- the top level ----------------------------------------------------------------------------
+
+_LOGGING = "logging/monitoring; qshard reports through its CommLedger and your own logging"
+_TOP_NO_EQUIVALENT: dict[str, str] = {
+    "steps_per_print": _LOGGING,
+    "wall_clock_breakdown": _LOGGING,
+    "memory_breakdown": _LOGGING,
+    "dump_state": _LOGGING,
+    "tensorboard": _LOGGING,
+    "wandb": _LOGGING,
+    "csv_monitor": _LOGGING,
+    "comet": _LOGGING,
+    "flops_profiler": _LOGGING,
+    "timers": _LOGGING,
+    "checkpoint": "checkpoint I/O options of DeepSpeed's engine; qshard checkpoints with DCP",
+    "aio": "NVMe I/O options (offload is refused)",
+    "zero_allow_untested_optimizer": "FSDP2 shards for any torch optimizer",
+    "zero_force_ds_cpu_optimizer": "only with offload, which is refused",
+    "dataloader_drop_last": "qshard does not build your data loader",
+    "autotuning": "DeepSpeed's autotuner; qshard has none",
+    "seq_parallel_communication_data_type": "qshard has no sequence parallelism",
+}
+_TOP_REFUSED: dict[str, str] = {
+    "scheduler": (
+        "qshard does not own the learning-rate schedule: set the lr per step in your loop "
+        "(qshard train: --lr, --warmup-steps, --min-lr)"
+    ),
+    "pipeline": "qshard has no pipeline parallelism",
+    "sparse_attention": "qshard has no sparse attention kernels",
+    "elasticity": "qshard has no elastic batch sizing (torchrun restarts are separate)",
+    "compression_training": "qshard has no compression training",
+    "data_efficiency": "qshard has no data-efficiency pipeline",
+    "curriculum_learning": "qshard has no curriculum learning",
+    "progressive_layer_drop": "qshard has no progressive layer drop",
+    "eigenvalue": "qshard has no eigenvalue-based scaling",
+    "quantize_training": "qshard has no quantization-aware training (qwZ quantizes the wire only)",
+    "weight_quantization": "qshard has no weight quantization for inference",
+    "hybrid_engine": "qshard has no RLHF hybrid engine",
+    "compile": "compile the model with torch.compile yourself",
+}
+_TOP_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
+    "prescale_gradients": (False, "FSDP2 averages after the reduction"),
+    "gradient_predivide_factor": (1.0, "FSDP2 averages after the reduction"),
+    "sparse_gradients": (False, "FSDP2 reduces dense gradients"),
+    "disable_allgather": (False, "FSDP2 always all-gathers parameters"),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeepSpeedTranslation:
+    """What a DeepSpeed config says, in qshard's terms (see the module docstring)."""
+
+    zeropp: ZeroPPConfig | None
+    """For ``qshard.shard(model, topology=..., config=...)``; ``None`` at ZeRO stage 0 (the
+    model stays replicated: a data-parallel optimizer, or your DDP)."""
+    optimizer: str | None
+    """``adam`` (L2 decay), ``adamw``, ``onebit_adam`` or ``zero_one_adam``; ``None`` when the
+    config has no ``optimizer`` section (DeepSpeed then uses the script's own optimizer)."""
+    optimizer_class: type[torch.optim.Optimizer] | None
+    optimizer_kwargs: dict[str, Any]
+    """Every hyperparameter, DeepSpeed's defaults filled in (``lr`` is the peak value)."""
+    mp_policy: MixedPrecisionPolicy | None
+    """bf16 compute (``bf16.enabled``); ``None``: fp32."""
+    gradient_clipping: float
+    """Global-norm clipping threshold; 0 (DeepSpeed's default): no clipping."""
+    train_batch_size: int | None
+    micro_batch_size: int | None
+    gradient_accumulation_steps: int | None
+    hpz_partition_size: int
+    """``zero_hpz_partition_size``: with hpZ it must equal the ranks per node."""
+    communication_data_type: str | None
+    no_equivalent: dict[str, str] = field(default_factory=dict)
+    """Keys present in the config that tune nothing qshard has -> why."""
+
+    def build_optimizer(self, params: Iterable[Any]) -> torch.optim.Optimizer:
+        """The optimizer over ``params`` (parameters or param groups)."""
+        if self.optimizer_class is None:
+            raise DeepSpeedConfigError(
+                "the DeepSpeed config has no optimizer section: build your own optimizer"
+            )
+        return self.optimizer_class(params, **self.optimizer_kwargs)
+
+
+def read_deepspeed_config(
+    source: Mapping[str, Any] | str | os.PathLike[str], *, ranks_per_node: int | None = None
+) -> DeepSpeedTranslation:
+    """Translate a DeepSpeed config (a dict, or the path of its JSON file).
+
+    ``ranks_per_node`` (optional) checks ``zero_hpz_partition_size`` against the topology:
+    qshard's hpZ secondary group is always one node.
+    """
+    where = "the DeepSpeed config"
+    if isinstance(source, Mapping):
+        cfg = dict(source)
+    else:
+        where = str(source)
+        try:
+            cfg = json.loads(Path(source).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DeepSpeedConfigError(f"cannot read DeepSpeed config {where}: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise DeepSpeedConfigError(f"{where} must hold a JSON object at the top level")
+    return _Reader(where).read(cfg, ranks_per_node)
+
+
+class _Reader:
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.no_equivalent: dict[str, str] = {}
+
+    def fail(self, key: str, why: str) -> DeepSpeedConfigError:
+        return DeepSpeedConfigError(f"{self.where}: {key}: {why}")
+
+    def section(self, cfg: dict[str, Any], name: str) -> dict[str, Any]:
+        value = cfg.get(name) or {}
+        if not isinstance(value, dict):
+            raise self.fail(name, f"must be a JSON object; got {value!r}")
+        return value
+
+    def check_values(self, prefix: str, obj: Any) -> None:
+        # "auto" is a placeholder the Hugging Face Trainer fills in; here nothing fills it.
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                self.check_values(f"{prefix}.{k}" if prefix else k, v)
+        elif obj == "auto":
+            raise self.fail(prefix, '"auto" is filled in by the Hugging Face Trainer; give a value')
+
+    def sort_keys(
+        self,
+        prefix: str,
+        section: dict[str, Any],
+        *,
+        mapped: Iterable[str],
+        no_equivalent: Mapping[str, str],
+        only_default: Mapping[str, tuple[Any, str]] | None = None,
+        refused: Mapping[str, str] | None = None,
+    ) -> None:
+        """Every key of ``section``: mapped, no equivalent (recorded), at its only accepted
+        value, or refused."""
+        mapped = set(mapped)
+        for key, value in section.items():
+            name = f"{prefix}{key}"
+            if key in mapped:
+                continue
+            if key in no_equivalent:
+                self.no_equivalent[name] = no_equivalent[key]
+            elif only_default is not None and key in only_default:
+                default, why = only_default[key]
+                if not _is_default(value, default):
+                    raise self.fail(name, f"{value!r} has no equivalent: {why}; remove it")
+            elif refused is not None and key in refused:
+                raise self.fail(name, f"{refused[key]}; remove it")
+            else:
+                raise self.fail(
+                    name,
+                    "is not an option qshard knows (a typo, or a DeepSpeed feature qshard does "
+                    "not have; docs/deepspeed.md lists every option it reads); remove it",
+                )
+
+    def read(self, cfg: dict[str, Any], ranks_per_node: int | None) -> DeepSpeedTranslation:
+        self.check_values("", cfg)
+        if "bfloat16" in cfg:  # DeepSpeed's old name of the bf16 section
+            if "bf16" in cfg:
+                raise self.fail("bfloat16", "give either bf16 or its old name bfloat16, not both")
+            cfg = {("bf16" if k == "bfloat16" else k): v for k, v in cfg.items()}
+        top_mapped = (
+            "zero_optimization",
+            "optimizer",
+            "bf16",
+            "fp16",
+            "amp",
+            "torch_autocast",
+            "activation_checkpointing",
+            "data_types",
+            "train_batch_size",
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "communication_data_type",
+        )
+        self.sort_keys(
+            "",
+            cfg,
+            mapped=top_mapped,
+            no_equivalent=_TOP_NO_EQUIVALENT,
+            only_default=_TOP_ONLY_DEFAULT,
+            refused=_TOP_REFUSED,
+        )
+        stage = self.zero_stage(cfg)
+        name, cls, kwargs = self.optimizer(cfg, stage)
+        mp_policy, comm = self.precision(cfg)
+        zeropp, hpz_size = self.zeropp(cfg, stage, comm, mp_policy, ranks_per_node)
+        clip = cfg.get("gradient_clipping", 0.0)
+        if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
+            raise self.fail("gradient_clipping", f"must be a number >= 0; got {clip!r}")
+        return DeepSpeedTranslation(
+            zeropp=zeropp,
+            optimizer=name,
+            optimizer_class=cls,
+            optimizer_kwargs=kwargs,
+            mp_policy=mp_policy,
+            gradient_clipping=float(clip),
+            train_batch_size=self.positive(cfg, "train_batch_size"),
+            micro_batch_size=self.positive(cfg, "train_micro_batch_size_per_gpu"),
+            gradient_accumulation_steps=self.positive(cfg, "gradient_accumulation_steps"),
+            hpz_partition_size=hpz_size,
+            communication_data_type=comm,
+            no_equivalent=dict(self.no_equivalent),
+        )
+
+    def positive(self, cfg: dict[str, Any], key: str) -> int | None:
+        value = cfg.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise self.fail(key, f"must be an int >= 1; got {value!r}")
+        return value
+
+    def zero_stage(self, cfg: dict[str, Any]) -> int:
+        zero = self.section(cfg, "zero_optimization")
+        stage = zero.get("stage", 0)
+        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+            raise self.fail("zero_optimization.stage", f"must be 0, 1, 2 or 3; got {stage!r}")
+        if stage in (1, 2):
+            raise self.fail(
+                "zero_optimization.stage",
+                f"{stage} has no equivalent: qshard shards parameters, gradients and optimizer "
+                "state together (FSDP2 = ZeRO-3); use stage 3, or stage 0 for data parallel",
+            )
+        return stage
+
+    def optimizer(
+        self, cfg: dict[str, Any], stage: int
+    ) -> tuple[str | None, type[torch.optim.Optimizer] | None, dict[str, Any]]:
+        opt = self.section(cfg, "optimizer")
+        for key in opt:
+            if key not in ("type", "params"):
+                raise self.fail(f"optimizer.{key}", "is not an optimizer key (type, params)")
+        if not opt:  # DeepSpeed then takes the optimizer the script passes in
+            return None, None, {}
+        kind = str(opt.get("type", "")).lower()
+        if kind not in _OPTIMIZER_TYPES:
+            raise self.fail(
+                "optimizer.type",
+                f"{opt.get('type')!r} has no qshard equivalent; use Adam, AdamW, OneBitAdam or "
+                "ZeroOneAdam (qshard.optim.AdamW8bit takes AdamW's arguments)",
+            )
+        params = dict(opt.get("params") or {})
+        if "max_grad_norm" in params:  # DeepSpeed refuses it too
+            raise self.fail(
+                "optimizer.params.max_grad_norm", "use the top-level gradient_clipping instead"
+            )
+        if params.get("amsgrad", False):
+            raise self.fail(
+                "optimizer.params.amsgrad",
+                "DeepSpeed's FusedAdam and 1-bit optimizers refuse AMSGrad; set it to false",
+            )
+        prefix = "optimizer.params."
+        if kind in ("adam", "adamw"):
+            # DeepSpeed: type Adam is AdamW unless adam_w_mode is false.
+            w_mode = kind == "adamw" or params.get("adam_w_mode", True)
+            if params.get("bias_correction", True) is not True:
+                raise self.fail(
+                    f"{prefix}bias_correction", "torch's Adam/AdamW always correct the bias"
+                )
+            self.sort_keys(
+                prefix,
+                params,
+                mapped=(*_ADAM_DEFAULTS, "adam_w_mode", "amsgrad", "bias_correction"),
+                no_equivalent=_ADAM_NO_EQUIVALENT,
+            )
+            kwargs = self.hyper(params, _ADAM_DEFAULTS)
+            return (
+                ("adamw", torch.optim.AdamW, kwargs)
+                if w_mode
+                else ("adam", torch.optim.Adam, kwargs)
+            )
+        if stage != 0:
+            raise self.fail(
+                "zero_optimization.stage",
+                f"{stage} with {opt['type']}: 1-bit optimizers replicate the model and compress "
+                "their own communication (DeepSpeed refuses them with ZeRO too); use stage 0, or "
+                "in qshard HSDP: ZeroPPConfig(hsdp=True, replicate_reduce=False)",
+            )
+        defaults = _ONEBIT_DEFAULTS if kind == "onebitadam" else _ZERO_ONE_DEFAULTS
+        self.sort_keys(
+            prefix,
+            params,
+            mapped=(*defaults, "amsgrad"),
+            no_equivalent=_ONEBIT_NO_EQUIVALENT,
+        )
+        kwargs = self.hyper(params, defaults)
+        from qshard.optim import OneBitAdam, ZeroOneAdam
+
+        if kind == "onebitadam":
+            return "onebit_adam", OneBitAdam, kwargs
+        return "zero_one_adam", ZeroOneAdam, kwargs
+
+    def hyper(self, params: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, default in defaults.items():
+            value = params.get(key, default)
+            if key == "betas":
+                if (
+                    not isinstance(value, (list, tuple))
+                    or len(value) != 2
+                    or not all(isinstance(b, (int, float)) for b in value)
+                ):
+                    raise self.fail(
+                        f"optimizer.params.{key}", f"must be two numbers; got {value!r}"
+                    )
+                value = (float(value[0]), float(value[1]))
+            elif isinstance(default, int):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise self.fail(
+                        f"optimizer.params.{key}", f"must be an int >= 1; got {value!r}"
+                    )
+            elif (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+            ):
+                raise self.fail(f"optimizer.params.{key}", f"must be a number; got {value!r}")
+            else:
+                value = float(value)
+            out[key] = value
+        return out
+
+    def precision(self, cfg: dict[str, Any]) -> tuple[MixedPrecisionPolicy | None, str | None]:
+        bf16, fp16 = self.section(cfg, "bf16"), self.section(cfg, "fp16")
+        self.sort_keys(
+            "bf16.",
+            bf16,
+            mapped=("enabled",),
+            no_equivalent={
+                "immediate_grad_update": "FSDP2 writes reduced gradients as they arrive",
+                "check_grad_overflow": "bf16 needs no loss scaling, so nothing to check",
+            },
+        )
+        if fp16.get("enabled", False):
+            raise self.fail(
+                "fp16.enabled",
+                "qshard has no fp16 loss scaling; use bf16 (bf16.enabled) or fp32 instead",
+            )
+        fp16_keys = ("auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window")
+        fp16_keys += ("hysteresis", "consecutive_hysteresis", "min_loss_scale")
+        fp16_keys += ("fp16_master_weights_and_grads",)
+        self.sort_keys(
+            "fp16.",
+            fp16,
+            mapped=("enabled",),
+            no_equivalent=dict.fromkeys(fp16_keys, "read only when fp16 is enabled (it is not)"),
+        )
+        for name in ("amp", "torch_autocast"):
+            section = self.section(cfg, name)
+            if section.get("enabled", False):
+                raise self.fail(
+                    f"{name}.enabled",
+                    "qshard's mixed precision is FSDP2's MixedPrecisionPolicy: use bf16.enabled",
+                )
+            for key in section:
+                if key != "enabled":
+                    self.no_equivalent[f"{name}.{key}"] = f"read only when {name} is enabled"
+        self.activation_checkpointing(cfg)
+        types = self.section(cfg, "data_types")
+        for key, value in types.items():
+            if key != "grad_accum_dtype":
+                raise self.fail(f"data_types.{key}", "is not an option qshard knows; remove it")
+            if value not in (None, "fp32"):
+                raise self.fail(
+                    "data_types.grad_accum_dtype",
+                    f"{value!r}: FSDP2 accumulates gradients in the parameters' dtype (fp32); "
+                    "set fp32",
+                )
+        comm = cfg.get("communication_data_type")
+        if comm not in (None, "fp32", "fp16", "bf16"):
+            raise self.fail("communication_data_type", f"must be fp32, fp16 or bf16; got {comm!r}")
+        if not bf16.get("enabled", False):
+            return None, comm
+        # DeepSpeed reduces bf16 gradients in bf16 unless communication_data_type says fp32.
+        reduce = torch.float32 if comm == "fp32" else torch.bfloat16
+        if comm == "fp16":
+            raise self.fail(
+                "communication_data_type", "fp16 with bf16 compute has no equivalent; use bf16/fp32"
+            )
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce), comm
+
+    def activation_checkpointing(self, cfg: dict[str, Any]) -> None:
+        section = self.section(cfg, "activation_checkpointing")
+        why = (
+            "DeepSpeed's activation checkpointing is a function your model calls; with qshard "
+            "call torch.utils.checkpoint (or a Hugging Face model's "
+            "activation_checkpointing_enable())"
+        )
+        for key, value in section.items():
+            name = f"activation_checkpointing.{key}"
+            if key in ("partition_activations", "cpu_checkpointing") and value:
+                raise self.fail(name, "qshard does not partition or offload activations")
+            if key not in (
+                "partition_activations",
+                "cpu_checkpointing",
+                "contiguous_memory_optimization",
+                "number_checkpoints",
+                "synchronize_checkpoint_boundary",
+                "profile",
+            ):
+                raise self.fail(name, "is not an option qshard knows; remove it")
+            self.no_equivalent[name] = why
+
+    def zeropp(
+        self,
+        cfg: dict[str, Any],
+        stage: int,
+        comm: str | None,
+        mp_policy: MixedPrecisionPolicy | None,
+        ranks_per_node: int | None,
+    ) -> tuple[ZeroPPConfig | None, int]:
+        zero = {
+            _ZERO_ALIASES.get(k, k): v for k, v in self.section(cfg, "zero_optimization").items()
+        }
+        self.sort_keys(
+            "zero_optimization.",
+            zero,
+            mapped=_ZERO_MAPPED,
+            no_equivalent=_ZERO_NO_EQUIVALENT,
+            only_default={**_ZERO_ONLY_DEFAULT, **_offload_values(zero)},
+        )
+        size = zero.get("zero_hpz_partition_size", 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise self.fail(
+                "zero_optimization.zero_hpz_partition_size", f"must be an int >= 0; got {size!r}"
+            )
+        qwz = _flag(self, zero, "zero_quantized_weights")
+        qgz = _flag(self, zero, "zero_quantized_gradients")
+        hpz = size > 1
+        if stage == 0:
+            for key, on in (
+                ("zero_quantized_weights", qwz),
+                ("zero_hpz_partition_size", hpz),
+                ("zero_quantized_gradients", qgz),
+            ):
+                if on:
+                    raise self.fail(f"zero_optimization.{key}", "ZeRO++ needs stage 3")
+            if comm in ("fp16", "bf16") and mp_policy is None:
+                raise self.fail(
+                    "communication_data_type",
+                    "16-bit gradient communication without sharding has no equivalent here "
+                    "(use stage 3, where it is ZeroPPConfig.wire_dtype)",
+                )
+            return None, size
+        if hpz and ranks_per_node is not None and size != ranks_per_node:
+            raise self.fail(
+                "zero_optimization.zero_hpz_partition_size",
+                f"{size}: qshard's hpZ secondary group is one node ({ranks_per_node} ranks); "
+                f"set {ranks_per_node}, or 1 to turn hpZ off",
+            )
+        wire = None
+        if mp_policy is None and comm in ("fp16", "bf16"):
+            # fp32 compute, 16-bit gradients on the wire (reduced in fp32 here, see the docs).
+            wire = torch.float16 if comm == "fp16" else torch.bfloat16
+        overlap = zero.get("overlap_comm")
+        return (
+            ZeroPPConfig(
+                qwz=qwz,
+                hpz=hpz,
+                qgz=qgz,
+                prefetch=True if overlap is None else bool(overlap),
+                wire_dtype=wire,
+            ),
+            size,
+        )
+
+
+def _flag(reader: _Reader, section: dict[str, Any], key: str) -> bool:
+    value = section.get(key, False)
+    if not isinstance(value, bool):
+        raise reader.fail(f"zero_optimization.{key}", f"must be true or false; got {value!r}")
+    return value
+
+
+def _offload_values(zero: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    # An offload section whose device is "none" is DeepSpeed's way of writing "no offload".
+    out = {}
+    for key in ("offload_param", "offload_optimizer"):
+        value = zero.get(key)
+        if isinstance(value, dict) and str(value.get("device", "none")).lower() == "none":
+            out[key] = (value, "")
+    return out
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if default is None:
+        return value is None or value is False
+    if isinstance(default, bool):
+        return value is default
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+    return value == default

@@ -1,0 +1,307 @@
+"""DeepSpeed configs read into qshard (qshard.integrations.deepspeed) and `qshard train
+--deepspeed-config`: every key mapped, recorded as having no equivalent, or refused by name;
+DeepSpeed's defaults for absent keys; a round trip through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qshard.integrations import deepspeed as ds
+from qshard.integrations.deepspeed import DeepSpeedConfigError, read_deepspeed_config
+from qshard.optim import OneBitAdam, ZeroOneAdam
+from qshard.train.cli import config_from_args
+from tests.train.test_train_e2e import _corpus_file
+
+ZEROPP = {
+    "train_batch_size": 8,
+    "gradient_clipping": 0.5,
+    "bf16": {"enabled": True},
+    "communication_data_type": "fp32",
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1, "torch_adam": True},
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 2,
+        "zero_quantized_gradients": True,
+        "overlap_comm": False,
+        "reduce_bucket_size": 5e8,
+        "stage3_prefetch_bucket_size": 5e7,
+        "stage3_max_live_parameters": 1e9,
+        "offload_optimizer": {"device": "none"},
+    },
+    "steps_per_print": 10,
+}
+
+ZERO_ONE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {
+        "type": "ZeroOneAdam",
+        "params": {
+            "lr": 1e-3,
+            "weight_decay": 0.01,
+            "var_freeze_step": 40,
+            "var_update_scaler": 8,
+            "local_step_scaler": 20,
+            "local_step_clipper": 4,
+            "bias_correction": True,
+            "cuda_aware": False,
+            "comm_backend_name": "nccl",
+        },
+    },
+}
+
+# Every field (and stage-3 alias) of DeepSpeed 0.19.8's DeepSpeedZeroConfig.
+DEEPSPEED_ZERO_KEYS = [
+    "stage",
+    "contiguous_gradients",
+    "reduce_scatter",
+    "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce",
+    "allgather_partitions",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "compute_grad_norm",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "offload_param",
+    "offload_optimizer",
+    "zenflow",
+    "sub_group_size",
+    "cpu_offload_param",
+    "cpu_offload_use_pin_memory",
+    "cpu_offload",
+    "prefetch_bucket_size",
+    "stage3_prefetch_bucket_size",
+    "param_persistence_threshold",
+    "stage3_param_persistence_threshold",
+    "model_persistence_threshold",
+    "stage3_model_persistence_threshold",
+    "max_live_parameters",
+    "stage3_max_live_parameters",
+    "max_reuse_distance",
+    "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+    "stage3_allgather_sequential",
+    "stage3_gather_fp16_weights_on_model_save",
+    "ignore_unused_parameters",
+    "legacy_stage1",
+    "round_robin_gradients",
+    "parameter_alignment",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "log_trace_cache_warnings",
+    "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory",
+    "leaf_module",
+]
+
+
+def test_zeropp_config_is_mapped():
+    t = read_deepspeed_config(ZEROPP, ranks_per_node=2)
+    z = t.zeropp
+    assert (z.qwz, z.hpz, z.qgz, z.prefetch, z.wire_dtype) == (True, True, True, False, None)
+    assert t.optimizer == "adamw" and t.optimizer_class is torch.optim.AdamW
+    assert t.optimizer_kwargs == {
+        "lr": 3e-4,
+        "betas": (0.9, 0.95),
+        "eps": 1e-8,  # DeepSpeed's default, filled in
+        "weight_decay": 0.1,
+    }
+    assert t.mp_policy.param_dtype == torch.bfloat16
+    assert t.mp_policy.reduce_dtype == torch.float32  # communication_data_type fp32
+    assert (t.gradient_clipping, t.train_batch_size, t.hpz_partition_size) == (0.5, 8, 2)
+    for key in (
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.prefetch_bucket_size",  # the stage3_ alias, under its field name
+        "zero_optimization.max_live_parameters",
+        "optimizer.params.torch_adam",
+        "steps_per_print",
+    ):
+        assert t.no_equivalent[key], key
+    model = torch.nn.Linear(4, 4)
+    assert isinstance(t.build_optimizer(model.parameters()), torch.optim.AdamW)
+
+
+def test_deepspeed_defaults_for_absent_keys(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 3}}))
+    t = read_deepspeed_config(path)
+    # type Adam is AdamW in DeepSpeed unless adam_w_mode is false
+    assert t.optimizer == "adamw"
+    assert t.optimizer_kwargs == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0}
+    assert t.mp_policy is None and t.gradient_clipping == 0.0  # fp32, no clipping
+    z = t.zeropp
+    assert (z.qwz, z.hpz, z.qgz, z.prefetch) == (False, False, False, True)  # overlap_comm: on
+    l2 = read_deepspeed_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
+    assert l2.optimizer_class is torch.optim.Adam and l2.zeropp is None  # stage 0
+    bf16 = read_deepspeed_config({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}})
+    assert bf16.mp_policy.reduce_dtype == torch.bfloat16  # DeepSpeed reduces bf16 in bf16
+
+
+def test_one_bit_optimizers_are_mapped():
+    t = read_deepspeed_config(ZERO_ONE)
+    assert t.optimizer_class is ZeroOneAdam and t.zeropp is None
+    assert t.optimizer_kwargs == {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.01,
+        "var_freeze_step": 40,
+        "var_update_scaler": 8,
+        "local_step_scaler": 20,
+        "local_step_clipper": 4,
+    }
+    assert "bias_correction" in t.no_equivalent["optimizer.params.bias_correction"]
+    opt = t.build_optimizer(torch.nn.Linear(4, 4).parameters())  # no process group: one rank
+    assert (opt.var_freeze_step, opt.local_step_clipper) == (40, 4)
+    onebit = read_deepspeed_config({"optimizer": {"type": "OneBitAdam"}})
+    assert onebit.optimizer_class is OneBitAdam
+    assert onebit.optimizer_kwargs["freeze_step"] == 100_000  # DeepSpeed's default
+
+
+def test_every_deepspeed_zero_key_is_handled():
+    known = (
+        set(ds._ZERO_MAPPED)
+        | set(ds._ZERO_NO_EQUIVALENT)
+        | set(ds._ZERO_ONLY_DEFAULT)
+        | set(ds._ZERO_ALIASES)
+    )
+    assert sorted(set(DEEPSPEED_ZERO_KEYS) - known) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"zero_optimization": {"stage": 3, "zero_quantised_weights": True}}, "zero_quantised"),
+        ({"optimizer": {"type": "AdamW"}, "train_batch_szie": 8}, "train_batch_szie"),
+        ({"zero_optimization": {"stage": 2}}, "use stage 3"),
+        ({"fp16": {"enabled": True}}, "fp16.enabled.*use bf16"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+            "offload_optimizer.*no CPU/NVMe offload",
+        ),
+        ({"scheduler": {"type": "WarmupLR"}}, "scheduler.*learning-rate schedule"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "params.lr.*auto"),
+        ({"optimizer": {"type": "Lamb"}}, "'Lamb' has no qshard equivalent"),
+        ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1}}}, "gradient_clipping"),
+        (
+            {"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 3}},
+            "1-bit optimizers replicate the model",
+        ),
+        ({"optimizer": {"type": "OneBitAdam", "params": {"freeze_stpe": 5}}}, "freeze_stpe"),
+        ({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, "reduce_scatter"),
+        ({"zero_optimization": {"zero_quantized_weights": True}}, "ZeRO\\+\\+ needs stage 3"),
+        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"activation_checkpointing": {"partition_activations": True}}, "partition"),
+    ],
+)
+def test_refused_keys_are_named(config, message):
+    with pytest.raises(DeepSpeedConfigError, match=message):
+        read_deepspeed_config(config)
+
+
+def test_hpz_partition_size_must_be_the_node():
+    cfg = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}
+    with pytest.raises(DeepSpeedConfigError, match="one node \\(4 ranks\\); set 4"):
+        read_deepspeed_config(cfg, ranks_per_node=4)
+    assert read_deepspeed_config(cfg, ranks_per_node=8).zeropp.hpz
+
+
+def _write(tmp_path, cfg) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
+    path = _write(tmp_path, ZEROPP)
+    base = ["--deepspeed-config", path, "--nproc", "4", "--ranks-per-node", "2"]
+    cfg = config_from_args(base)
+    assert (cfg.zeropp, cfg.optim, cfg.lr, cfg.beta2) == ("qwz,hpz,qgz", "adamw", 3e-4, 0.95)
+    assert (cfg.weight_decay, cfg.grad_clip, cfg.dtype, cfg.batch_size) == (0.1, 0.5, "bf16", 8)
+    assert config_from_args([*base, "--lr", "3e-4"]).lr == 3e-4  # the same value: fine
+    with pytest.raises(ValueError, match=r"--lr 0.001 conflicts with .*ds.json, which sets 0.0003"):
+        config_from_args([*base, "--lr", "1e-3"])
+    with pytest.raises(ValueError, match="--zeropp off conflicts"):
+        config_from_args([*base, "--zeropp", "off"])
+    assert config_from_args([*base, "--optim", "adamw8bit"]).optim == "adamw8bit"  # the swap
+    with pytest.raises(ValueError, match="one node \\(1 ranks\\)"):
+        config_from_args([*base[:-1], "1"])
+    for change, message in (
+        ({"gradient_accumulation_steps": 2}, "no gradient accumulation"),
+        ({"communication_data_type": "bf16"}, "communication_data_type"),
+        ({"zero_optimization": {"stage": 0}}, "plain data parallel"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            config_from_args(["--deepspeed-config", _write(tmp_path, {**ZEROPP, **change})])
+
+
+def test_cli_zero_one_adam_schedule_from_the_file(tmp_path):
+    from qshard.train._parallel import build_optimizer
+    from qshard.train.model import GPT, GPTConfig
+
+    cfg = config_from_args(["--deepspeed-config", _write(tmp_path, ZERO_ONE), "--nproc", "2"])
+    assert (cfg.optim, cfg.zeropp, cfg.batch_size, cfg.grad_clip) == ("zero_one_adam", "off", 4, 0)
+    opt = build_optimizer(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, context=8)), cfg)
+    assert (opt.var_freeze_step, opt.var_update_scaler) == (40, 8)  # the file's, not the app's
+    assert (opt.local_step_scaler, opt.local_step_clipper) == (20, 4)
+
+
+def test_qshard_train_round_trip(tmp_path):
+    """`qshard train --deepspeed-config` on 2 ranks: the run is the file's ZeRO++ and AdamW."""
+    _corpus_file(tmp_path)
+    cfg = {
+        "train_batch_size": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.9, 0.95]}},
+        "zero_optimization": {
+            "stage": 3,
+            "zero_quantized_weights": True,
+            "zero_quantized_gradients": True,
+        },
+    }
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "qshard.cli", "train", "--deepspeed-config"]
+    cmd += [_write(tmp_path, cfg), "--nproc", "2", "--ranks-per-node", "1", "--steps", "3"]
+    cmd += ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--context", "32"]
+    cmd += ["--warmup-steps", "1", "--eval-interval", "0", "--no-export", "--no-progress"]
+    cmd += ["--data", str(tmp_path / "corpus.txt"), "--cache-dir", str(tmp_path / "cache")]
+    cmd += ["--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["zeropp"], saved["optim"], saved["lr"]) == ("qwz,qgz", "adamw", 2e-3)
+    assert (saved["batch_size"], saved["weight_decay"], saved["dtype"]) == (2, 0.0, "fp32")
+    assert "FSDP2 + ZeRO++ (qgz, qwz)" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "grad_reduce_scatter/all_to_all" in records[0]["ledger"]  # qgZ's two hops
+    bad = subprocess.run(
+        [*cmd[:5], cmd[5], "--lr", "1e-2", "--out", str(tmp_path / "bad")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert bad.returncode == 2 and "--lr 0.01 conflicts with" in bad.stderr
