@@ -75,8 +75,10 @@ class Lion8bit(Optimizer8bit):
         torch._foreach_mul_(params, 1.0 - lr * wd)
         direction = torch._foreach_mul(exp_avgs, b1)
         torch._foreach_add_(direction, grads, alpha=1.0 - b1)
-        torch._foreach_sign_(direction)
-        torch._foreach_add_(params, direction, alpha=-lr)
+        # sign, except that NaN stays NaN (as _functional.lion_update and the fused kernels do)
+        signs = torch._foreach_sign(direction)
+        signs = [torch.where(d.isnan(), d, sg) for d, sg in zip(direction, signs)]
+        torch._foreach_add_(params, signs, alpha=-lr)
         torch._foreach_mul_(exp_avgs, b2)
         torch._foreach_add_(exp_avgs, grads, alpha=1.0 - b2)
         torch._foreach_add_(steps, 1)
