@@ -36,7 +36,9 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
     """1-bit Adam over ``process_group`` (default: the world).
 
     Args:
-        params: parameters or parameter groups (fp32, replicated, not DTensor).
+        params: parameters or parameter groups (fp32, replicated; or the DTensors of an HSDP
+            model sharded with ``replicate_reduce=False``: the local shards are stepped and
+            synced over the replicate group, see docs/hsdp.md).
         lr, betas, eps, weight_decay: as in Adam (per group); see the module docstring for the
             exact update.
         freeze_step: number of full-precision warm-up steps (>= 1) after which the variance is

@@ -119,7 +119,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
     """0/1 Adam over ``process_group`` (default: the world).
 
     Args:
-        params: parameters or parameter groups (fp32, replicated, not DTensor).
+        params: parameters or parameter groups (fp32, replicated; or the DTensors of an HSDP
+            model sharded with ``replicate_reduce=False``: the local shards are stepped and
+            synced over the replicate group, see docs/hsdp.md).
         lr, betas, eps, weight_decay: as in Adam (per group); see the module docstring.
         var_freeze_step: last step of phase A (>= 1); afterwards variance is frozen and local
             steps begin.
