@@ -21,6 +21,15 @@ elements named by an optional mask. Invalid elements are excluded from every sca
 stays zero, and they are zero in the result. All ranks must pass the same masks (the mask is a
 property of the model, which is replicated).
 
+[Note: non-finite inputs] If any element of a tensor (masked ones included) is NaN or +-Inf on
+any rank, or its sum of squares overflows float32 (elements beyond ~1e19), that tensor comes
+back all NaN on every rank, and the worker and server error buffers of that tensor are left as
+they were on every rank, so a later round with finite inputs is unaffected. Sign compression
+alone would not propagate it: 1 bit has no NaN (``sign(NaN)`` packs as +1) and the errors would
+keep the NaN or Inf forever. The decision is per tensor and made from the per-tensor scales,
+which every rank receives from every rank: no extra pass over the data and no extra message,
+and every rank takes the same decision. Other tensors of the bucket are unaffected.
+
 [Note: wire rows] What one rank sends to one destination (a row of the all-to-all buffer, or its
 all-gather payload) is ``[num fp32 scales | packed signs | 0-3 zero bytes]``: the scales come
 first and every row is a multiple of 4 bytes, so the scales are read in place as a float32 view
@@ -176,11 +185,7 @@ def compressed_all_reduce(
     )
     signs = torch.where(x >= 0, 1.0, -1.0)
     sent = signs * worker_scales[seg_ids] * valid
-    new_worker_error = x - sent
-    offset = 0
-    for ew, c in zip(worker_errors, chunks):
-        ew.copy_(new_worker_error[:, offset : offset + c].reshape(-1))
-        offset += c
+    new_worker_error = x - sent  # stored once every rank's scales are known (non-finite note)
 
     sign_bytes = width // 8
     row = _row_bytes(num, sign_bytes)  # see [Note: wire rows]
@@ -200,17 +205,24 @@ def compressed_all_reduce(
     recv_signs = unpack_signs(recv[:, 4 * num : 4 * num + sign_bytes].reshape(-1), n * width).view(
         n, width
     )
+    # Every rank receives every rank's scale of every tensor, so all agree on which tensors
+    # had a non-finite input somewhere; see [Note: non-finite inputs].
+    finite = torch.isfinite(recv_scales).all(0)  # (num,)
+    keep = finite[seg_ids]
     my_valid = valid[rank]
     server_err = torch.cat([es.reshape(-1) for es in server_errors])
     y = (recv_signs * recv_scales[:, seg_ids]).sum(0).div_(n).mul_(my_valid).add_(server_err)
     my_counts = _segment_sums(my_valid, seg_ids, num)
     server_scales = _segment_sums(y.square(), seg_ids, num).sqrt() / my_counts.clamp_min(1).sqrt()
+    server_scales = torch.where(finite, server_scales, math.nan)
     server_signs = torch.where(y >= 0, 1.0, -1.0)
     server_sent = server_signs * server_scales[seg_ids] * my_valid
-    new_server_error = y - server_sent
+    new_server_error = torch.where(keep, y - server_sent, server_err)
     offset = 0
-    for es, c in zip(server_errors, chunks):
-        es.copy_(new_server_error[offset : offset + c])
+    for ew, es, c in zip(worker_errors, server_errors, chunks):
+        part = slice(offset, offset + c)  # no host sync: a where, not an if
+        ew.copy_(torch.where(keep[part], new_worker_error[:, part], ew.view(n, c)).reshape(-1))
+        es.copy_(new_server_error[part])
         offset += c
 
     payload = torch.empty(row, dtype=torch.uint8, device=device)
