@@ -253,3 +253,33 @@ def test_options_are_validated():
 
 def test_exported():
     assert qoptim.AdamW4bit is AdamW4bit and qoptim.Adam4bit is Adam4bit
+
+
+def test_train_estimate_matches_the_state_it_creates():
+    """`qshard train --optim adamw4bit`'s memory estimate is the state AdamW4bit really keeps
+    (the app's default GPT, one rank; only the 4-byte step counters are not estimated)."""
+    from qshard.train._parallel import build_optimizer
+    from qshard.train._summary import _fp32_state_params
+    from qshard.train.config import TrainConfig
+    from qshard.train.estimate import estimate_memory
+    from qshard.train.model import GPT, GPTConfig
+
+    config = TrainConfig(optim="adamw4bit", zeropp="off")
+    model = GPT(GPTConfig())
+    opt = build_optimizer(model, config)
+    assert isinstance(opt, AdamW4bit)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    est = estimate_memory(
+        num_params=n,
+        largest_unit_params=n,
+        world_size=1,
+        ranks_per_node=1,
+        features=frozenset(),
+        optim="adamw4bit",
+        fp32_state_params=_fp32_state_params(model, config),
+    )["optimizer state (adamw4bit)"]
+    measured = qoptim.optimizer_state_bytes(opt)
+    assert abs(measured - est) <= 4 * len(opt.state), (measured, est)
