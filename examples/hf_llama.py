@@ -6,6 +6,7 @@ run would add is a tokenizer and ``from_pretrained``; the distributed part is th
 
 * ``qshard.shard`` wraps every decoder layer, then the root (it finds the layers itself: the
   classes the model names in ``_no_split_modules``), with the ZeRO++ features of ``--zeropp``
+  (or, with ``--zeropp hsdp``, HSDP: sharded inside a node, replicated across nodes)
   and a bf16 ``MixedPrecisionPolicy`` (fp32 gradient reduction);
 * ``AdamW8bit`` (8-bit block-wise state) or ``ZeroOneAdam`` (1-bit compressed data parallel:
   the model then stays replicated and the optimizer communicates; bf16 through autocast);
@@ -183,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks-per-node", type=int, default=None, help="emulate nodes")
     parser.add_argument("--optim", choices=["adamw8bit", "zero_one_adam"], default="adamw8bit")
-    parser.add_argument("--zeropp", default="all", help="off, all, or a list like qwz,hpz")
+    parser.add_argument("--zeropp", default="all", help="off, all, hsdp, or a list: qwz,hpz")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
@@ -203,7 +204,7 @@ def main() -> None:
     topology = Topology.from_env(ranks_per_node=args.ranks_per_node)
     spec = args.zeropp.lower()
     features = {"qwz", "hpz", "qgz"} if spec == "all" else set(spec.split(",")) - {"off"}
-    zeropp = ZeroPPConfig(**{name: True for name in features})
+    zeropp = ZeroPPConfig(**{name: True for name in features})  # "hsdp" is a switch too
 
     model = build_model(llama_config(context=args.context), seed=0, device=device)
     optimizer = parallelize(model, optim=args.optim, topology=topology, zeropp=zeropp)
