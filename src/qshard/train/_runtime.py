@@ -19,16 +19,42 @@ __all__ = [
     "is_local_leader",
     "max_over_ranks",
     "mean_over_ranks",
+    "set_collective_timeout",
 ]
 
 
-def init_distributed() -> bool:
-    """Join the job's process group (torchrun / elastic launch env); True if we created it."""
+def init_distributed(*, timeout_s: float = 600.0) -> bool:
+    """Join the job's process group (torchrun / elastic launch env) with collectives that
+    fail after ``timeout_s`` seconds (``--collective-timeout``); True if we created it."""
     if dist.is_initialized():
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    timeout = timedelta(seconds=timeout_s)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A restarted group (--max-restarts): torch elastic hands every attempt the same shared
+        # store, where the failed attempt's keys (gloo's peer addresses) are still set, so a
+        # new rank could dial a dead peer's port. Each attempt gets its own key space.
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout
+        )
+        store = dist.PrefixStore(f"qshard/attempt_{restart}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return True
+    dist.init_process_group(backend, timeout=timeout)
     return True
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Give every process group of this process the collective timeout ``timeout_s``.
+
+    ``torch.distributed.new_group`` does not inherit the world's timeout (it takes the
+    backend's default, 30 minutes for gloo), so the node groups of hpZ/qgZ would otherwise
+    wait that long for a hung peer; call this after the groups exist."""
+    td = timedelta(seconds=timeout_s)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        group.set_timeout(td)
 
 
 def device() -> torch.device:

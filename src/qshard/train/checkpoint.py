@@ -9,8 +9,19 @@ Layout under ``<run>/checkpoints``::
 after all ranks are done (a barrier) does rank 0 write ``qshard.json``, fsync it, and rename the
 folder to its final name (a rename within one file system is atomic). A crash at any point
 before the rename leaves only a ``.partial`` folder, which :func:`latest_checkpoint` ignores
-and the next save of that step removes. Multi-node runs need ``<run>`` on a shared file system,
-as DCP itself does.
+and the next save removes. Old checkpoints are renamed to ``.step_*.deleting`` before they are
+deleted (a deletion killed half way never leaves a ``step_*`` folder with ``qshard.json`` but
+missing shards), and a checkpoint replaced by a new save of the same step is moved aside the
+same way, so a crash anywhere leaves every ``step_*`` folder whole. Multi-node runs need
+``<run>`` on a shared file system, as DCP itself does.
+
+[Note: checkpoint layout] ``qshard.json`` also records the layout of the state: every model
+tensor's global shape and dtype, the optimizer's class, its param-group sizes and the
+settings that shape its state (``block_size``, ``optim_bits``, ``min_8bit_size``), and every
+optimizer state tensor's shape and dtype. :func:`load_checkpoint` compares them with the model
+and optimizer it is given and refuses a checkpoint of another configuration with a message that
+names the differences, before DCP would fail on a missing key, or an 8-bit optimizer would
+silently take the saved block size over its own.
 
 The state holds the model and optimizer (through ``torch.distributed.checkpoint.state_dict``,
 so FSDP2-sharded tensors are saved by their global layout and load on any number of ranks),
@@ -42,6 +53,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from qshard.train import _faults
+
 __all__ = [
     "CheckpointError",
     "checkpoint_info",
@@ -56,7 +69,7 @@ _META = "qshard.json"
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for."""
+    """No usable checkpoint where one was asked for, or one of another configuration."""
 
 
 def _rank() -> int:
@@ -114,14 +127,16 @@ def save_checkpoint(
     partial = root / f".step_{step:08d}.partial"
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
-        if partial.exists():  # left by a crashed save of this step
-            shutil.rmtree(partial)
+        for stale in root.glob(".step_*"):  # left by crashed saves or deletions
+            if stale.name.endswith((".partial", ".deleting")):
+                shutil.rmtree(stale, ignore_errors=True)
         partial.mkdir()
     _barrier()
     train_state = {"step": torch.tensor(step, dtype=torch.int64), "rng": _rng_state()}
     if per_rank:
         # [Note: per-rank checkpoints] see the module docstring.
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "train": train_state}
+        model_sd, optim_sd = model.state_dict(), optimizer.state_dict()
+        state = {"model": model_sd, "optim": optim_sd, "train": train_state}
         path = partial / f"rank_{_rank():05d}.pt"
         torch.save(state, path)
         with open(path, "rb+") as f:
@@ -130,24 +145,123 @@ def save_checkpoint(
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "train": train_state}
         dcp.save(state, checkpoint_id=partial)
+    _faults.fire(_faults.fault_plan(_rank()), step=step, at="save")  # [Note: fault injection]
     _barrier()  # every shard is on disk before the folder may look complete
     if _rank() == 0:
         info = {
             "step": step,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "format": "per_rank" if per_rank else "dcp",
+            "layout": _layout(model_sd, optim_sd, optimizer),
         }
         info.update(meta or {})
         _write_json_atomic(partial / _META, info)
         _fsync_dir(partial)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # a save of the same step: move the old one aside first
+            _discard(final)
         os.rename(partial, final)
         _fsync_dir(root)
         for old in _complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(old[1], ignore_errors=True)
+            _discard(old[1])
     _barrier()
     return final
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint folder so that no crash can leave it looking complete: rename it to
+    a ``.deleting`` name first (atomic), then remove it."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# Param-group settings that shape an optimizer's state (see [Note: checkpoint layout]).
+_LAYOUT_GROUP_KEYS = ("block_size", "optim_bits", "min_8bit_size")
+
+
+def _describe(t: Any) -> str | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"{dtype}{list(t.shape)}"  # DTensor.shape is the global shape
+
+
+def _layout(
+    model_sd: dict[str, Any], optim_sd: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The layout of a state (see [Note: checkpoint layout]); JSON-able."""
+    cls = type(optimizer)
+    state = {
+        f"{fqn}.{key}": desc
+        for fqn, entries in optim_sd.get("state", {}).items()
+        for key, value in entries.items()
+        if (desc := _describe(value)) is not None
+    }
+    groups = [
+        {"params": len(g["params"]), **{k: g[k] for k in _LAYOUT_GROUP_KEYS if k in g}}
+        for g in optim_sd.get("param_groups", [])
+    ]
+    return {
+        "model": {k: d for k, v in model_sd.items() if (d := _describe(v)) is not None},
+        "optimizer": f"{cls.__module__}.{cls.__qualname__}",
+        "param_groups": groups,
+        "state": state,
+    }
+
+
+def _layout_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
+    """Human-readable differences between two layouts (empty when they agree)."""
+    out: list[str] = []
+    if saved["optimizer"] != here["optimizer"]:
+        out.append(f"optimizer {saved['optimizer']} in the checkpoint, {here['optimizer']} here")
+
+    def tensors(kind: str, a: dict[str, str], b: dict[str, str]) -> None:
+        only_saved = [k for k in a if k not in b]
+        only_here = [k for k in b if k not in a]
+        if only_saved:
+            out.append(
+                f"{kind} {', '.join(only_saved[:3])} only in the checkpoint"
+                + (f" (+{len(only_saved) - 3} more)" if len(only_saved) > 3 else "")
+            )
+        if only_here:
+            out.append(
+                f"{kind} {', '.join(only_here[:3])} only here"
+                + (f" (+{len(only_here) - 3} more)" if len(only_here) > 3 else "")
+            )
+        differ = [k for k in a if k in b and a[k] != b[k]]
+        for k in differ[:3]:
+            out.append(f"{kind} {k} is {a[k]} in the checkpoint, {b[k]} here")
+        if len(differ) > 3:
+            out.append(f"{len(differ) - 3} more {kind} tensors differ")
+
+    tensors("model tensor", saved["model"], here["model"])
+    sg, hg = saved["param_groups"], here["param_groups"]
+    if len(sg) != len(hg):
+        out.append(f"{len(sg)} optimizer param groups in the checkpoint, {len(hg)} here")
+    for i, (a, b) in enumerate(zip(sg, hg)):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                out.append(
+                    f"optimizer param group {i} {k} {a.get(k)} in the checkpoint, {b.get(k)} here"
+                )
+    if saved["state"] and here["state"]:  # an optimizer that has not stepped has no state yet
+        tensors("optimizer state", saved["state"], here["state"])
+    return out
+
+
+def _check_layout(path: Path, info: dict[str, Any], here: dict[str, Any]) -> None:
+    saved = info.get("layout")
+    if saved is None:  # written before layouts were recorded
+        return
+    problems = _layout_mismatches(saved, here)
+    if problems:
+        raise CheckpointError(
+            f"{path} was saved from another configuration: {'; '.join(problems)}. Load it with "
+            "the model and optimizer it was saved with (same model shape, optimizer and block "
+            "size), or start a new run directory"
+        )
 
 
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -210,7 +324,10 @@ def load_checkpoint(
     info = checkpoint_info(path)
     if info.get("format") == "per_rank":
         return _load_per_rank(path, info, model=model, optimizer=optimizer)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} has {_META} but no DCP .metadata: it is damaged")
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also initializes the state layout
+    _check_layout(path, info, _layout(model_sd, optim_sd, optimizer))
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -238,7 +355,11 @@ def _load_per_rank(
     # On HSDP a rank holds one shard of each parameter: it takes the file of the saved rank with
     # the same local rank (node 0's), which needs the same ranks per node (docs/hsdp.md).
     source = _rank() if info["world_size"] == world else _hsdp_shard_index(model)
-    state = torch.load(path / f"rank_{source:05d}.pt", weights_only=False)
+    file = path / f"rank_{source:05d}.pt"
+    if not file.is_file():
+        raise CheckpointError(f"{path} has {_META} but no {file.name}: it is damaged")
+    _check_layout(path, info, _layout(model.state_dict(), optimizer.state_dict(), optimizer))
+    state = torch.load(file, weights_only=False)
     _load_model_state(model, state["model"])
     optimizer.load_state_dict(state["optim"])
     torch.set_rng_state(state["train"]["rng"]["cpu"])

@@ -5,6 +5,13 @@ Every field of :class:`TrainConfig` is a flag of the same name with dashes (bool
 whole configuration and builds the corpus cache, then starts ``--nproc`` ranks on this machine
 through PyTorch's elastic launcher (``torch.distributed.launcher.api``, the engine of
 ``torchrun``). Started by torchrun (``torchrun ... -m qshard.train ...``) it runs the rank it is.
+
+[Note: restarts] ``--max-restarts N`` is torch elastic's own restart (the launcher's agent, or
+torchrun's ``--max-restarts`` under torchrun): when a rank fails, the agent stops every rank
+and starts the group again with ``TORCHELASTIC_RESTART_COUNT`` raised. A restarted rank resumes
+from the newest complete checkpoint by itself (:func:`resume_after_restart`), which together
+with the loop's [Note: exact resume] makes the restarted job finish as the uninterrupted one
+would. A job out of restarts ends with a report naming the failed ranks (:func:`_report`).
 """
 
 from __future__ import annotations
@@ -22,12 +29,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from qshard.train import config as config_module
-from qshard.train.config import DTYPES, MODELS, OPTIMIZERS, TrainConfig
+from qshard.train.config import DTYPES, MODELS, ON_NONFINITE, OPTIMIZERS, TrainConfig
 
-__all__ = ["build_parser", "config_from_args", "launch", "main"]
+__all__ = ["build_parser", "config_from_args", "launch", "main", "resume_after_restart"]
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 # What the state in a checkpoint depends on: resuming with other values cannot load it.
@@ -106,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                 kwargs["choices"] = config_module.PARALLELISMS
             elif field.name == "replicate_grads":
                 kwargs["choices"] = config_module.REPLICATE_GRADS
+            elif field.name == "on_nonfinite":
+                kwargs["choices"] = ON_NONFINITE
             kwargs["metavar"] = field.name.upper() if kind is str else kind.__name__.upper()
         parser.add_argument(flag, **kwargs)
     return parser
@@ -145,11 +154,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def resume_after_restart(config: TrainConfig) -> TrainConfig:
+    """``config`` with ``resume`` set when this process is a restart of a failed job (torch
+    elastic's ``TORCHELASTIC_RESTART_COUNT > 0``) and a complete checkpoint exists; see
+    [Note: restarts]. Without one the restart starts from step 0, which replays the same run."""
+    if config.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return config
+    from qshard.train.checkpoint import latest_checkpoint
+
+    if latest_checkpoint(os.path.join(config.out, "checkpoints")) is None:
+        return config
+    return config.replace(resume=True)
+
+
 @record
 def _entrypoint(config: TrainConfig) -> dict[str, Any]:
     from qshard.train.loop import train
 
-    result = train(config)
+    result = train(resume_after_restart(config))
     # Only small, picklable facts travel back to the launcher.
     return {k: v for k, v in result.items() if k != "ledger"}
 
@@ -204,7 +226,7 @@ def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:
         run_id=f"qshard-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=0,
+        max_restarts=config.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
     )
@@ -221,12 +243,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     if _under_torchrun():
         from qshard.train.loop import train
 
-        train(config)
+        train(resume_after_restart(config))
         return 0
     try:
         preflight(config)
     except ValueError as exc:
         print(f"qshard train: error: {exc}", file=sys.stderr)
         return 2
-    launch(config)
+    try:
+        launch(config)
+    except ChildFailedError as exc:
+        print(_report(exc, config), file=sys.stderr)
+        return 1
     return 0
+
+
+def _report(exc: ChildFailedError, config: TrainConfig) -> str:
+    """What a failed job tells its user: each failed rank and why (a signal, or the first line
+    of its error, which for a lost peer or a non-finite value names rank, step and checkpoint),
+    the step the run had reached, and how to continue."""
+    from qshard.train.checkpoint import latest_checkpoint
+
+    lines = []
+    # Ranks that raised (their messages carry the diagnosis) before ranks that were killed.
+    failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].signal_name() != "", kv[0]))
+    for rank, failure in failures:
+        if failure.exitcode < 0:
+            what = f"was killed by {failure.signal_name()}"
+        else:
+            message = failure.message
+            if isinstance(failure.error_file_data, dict):
+                message = failure.error_file_data.get("message", {}).get("message", message)
+            text = str(message).strip().splitlines()
+            what = f"failed (exit code {failure.exitcode}): {text[-1] if text else 'no message'}"
+        lines.append(f"  rank {rank} (pid {failure.pid}) {what}")
+    latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
+    reached = _last_logged_step(config)
+    restarts = (
+        f" after {config.max_restarts} restart{'s' if config.max_restarts != 1 else ''}"
+        if config.max_restarts
+        else ""
+    )
+    head = f"qshard train: error: the job failed{restarts}"
+    if reached is not None:
+        head += f" (rank 0 had logged step {reached})"
+    hint = (
+        f"the newest complete checkpoint is {latest}: rerun with --resume to continue from it"
+        if latest is not None
+        else "no complete checkpoint was written: rerun from the start"
+    )
+    if not config.max_restarts:
+        hint += ", or pass --max-restarts N to restart automatically"
+    return "\n".join([head + ":", *lines, hint])
+
+
+def _last_logged_step(config: TrainConfig) -> int | None:
+    import json
+
+    path = os.path.join(config.out, "metrics.jsonl")
+    try:
+        with open(path) as f:
+            last = None
+            for line in f:
+                if line.strip():
+                    last = line
+        return None if last is None else int(json.loads(last)["step"])
+    except (OSError, ValueError, KeyError):
+        return None

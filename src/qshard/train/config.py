@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["DTYPES", "OPTIMIZERS", "ZEROPP_FEATURES", "TrainConfig", "parse_zeropp"]
+__all__ = ["DTYPES", "ON_NONFINITE", "OPTIMIZERS", "ZEROPP_FEATURES", "TrainConfig", "parse_zeropp"]
 
 ZEROPP_FEATURES: tuple[str, ...] = ("qwz", "hpz", "qgz")
 """The three ZeRO++ features: quantized weights, hierarchical partitioning, quantized grads."""
@@ -23,6 +23,9 @@ MODELS: tuple[str, ...] = ("gpt", "llama")
 
 DATA_PARALLEL_OPTIMIZERS: tuple[str, ...] = ("onebit_adam", "zero_one_adam")
 """Optimizers that own their communication: replicated model, no FSDP, no ZeRO++."""
+
+ON_NONFINITE: tuple[str, ...] = ("stop", "skip")
+"""What the loop does with a non-finite loss or gradient norm (``--on-nonfinite``)."""
 
 PARALLELISMS: tuple[str, ...] = ("zero3", "hsdp")
 """How ``--parallel`` lays the model out: ``zero3`` shards over every rank (FSDP2, with
@@ -140,6 +143,18 @@ class TrainConfig:
     """Write ``out/model.safetensors`` at the end."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    # --- faults (docs/reliability.md)
+    max_restarts: int = 0
+    """Restart the job up to N times when a rank fails (torch elastic's restarts; with torchrun
+    pass torchrun's own ``--max-restarts``): every restart resumes from the newest complete
+    checkpoint by itself, so set ``--checkpoint-interval`` to bound the work redone."""
+    collective_timeout: float = 600.0
+    """Seconds a collective may wait for its peers before the job stops with an error naming
+    the ranks that did not answer, the step and the checkpoint to resume from."""
+    on_nonfinite: str = "stop"
+    """When the loss or the global gradient norm is NaN/Inf on any rank: ``stop`` with an error
+    naming the step and the rank(s), or ``skip`` the step on every rank (no update, the
+    optimizer state untouched) and go on; one of :data:`ON_NONFINITE`."""
 
     def __post_init__(self) -> None:
         def positive(name: str, *, zero_ok: bool = False) -> None:
@@ -160,6 +175,16 @@ class TrainConfig:
             positive(name, zero_ok=True)
         positive("eval_batches")
         positive("keep_checkpoints")
+        positive("max_restarts", zero_ok=True)
+        if not self.collective_timeout > 0:
+            raise ValueError(
+                f"--collective-timeout must be > 0 seconds; got {self.collective_timeout}"
+            )
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(
+                f"--on-nonfinite {self.on_nonfinite!r} is unknown; choose from "
+                f"{', '.join(ON_NONFINITE)}"
+            )
         if self.ranks_per_node is not None:
             positive("ranks_per_node")
         if not self.out:

@@ -22,6 +22,7 @@ on the same number of ranks.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from qshard.comm import CommLedger, Topology, recording
 from qshard.optim import optimizer_state_bytes
-from qshard.train import _runtime, _summary
+from qshard.train import _faults, _runtime, _summary
 from qshard.train import checkpoint as ckpt
 from qshard.train._metrics import MetricsWriter, peak_memory_bytes
 from qshard.train._parallel import build_optimizer, distribute
@@ -56,16 +57,30 @@ __all__ = [
 
 TrainResult = dict[str, Any]
 """What :func:`train` returns on every rank: ``losses`` (step -> train loss),
-``val_losses`` (step -> val loss), ``start_step``, ``num_params``, ``checkpoint`` (path),
+``val_losses`` (step -> val loss), ``skipped_steps`` (steps skipped as non-finite),
+``start_step``, ``num_params``, ``checkpoint`` (path),
 ``ledger`` (per-step inter/intra bytes) and the summary numbers."""
 
 
 def train(config: TrainConfig) -> TrainResult:
     """Run ``config`` on this rank of the current job (initializes the process group from the
     torchrun environment if none exists) and return what it measured."""
-    created_group = _runtime.init_distributed()
+    created_group = _runtime.init_distributed(timeout_s=config.collective_timeout)
+    _faults.register_rank()
     try:
         return _train(config)
+    except Exception as exc:
+        if isinstance(exc, _faults.RankFailure) or not _faults.is_collective_failure(exc):
+            raise
+        # A peer is hung or dead: name it, the step and the checkpoint ([Note: roll call]).
+        checkpoints = Path(config.out) / "checkpoints"
+        raise _faults.diagnose(
+            exc,
+            step=_faults.current_step(),
+            timeout_s=config.collective_timeout,
+            latest=ckpt.latest_checkpoint(checkpoints),
+            checkpoints=checkpoints,
+        ) from exc
     finally:
         if created_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -75,6 +90,7 @@ def _train(config: TrainConfig) -> TrainResult:
     job = _Job.of(config)
     corpus = _load_data(config)
     model, optimizer, layout = build(config, topology=job.topology, device=job.device)
+    _runtime.set_collective_timeout(config.collective_timeout)  # also the groups build() made
     start_step = _resume(config, job, model, optimizer)
     estimates = _summary.estimate_run(config, model, job.topology, job.compute_dtype)
     if job.is_main:
@@ -87,11 +103,11 @@ def _train(config: TrainConfig) -> TrainResult:
         for step in range(start_step, config.steps):
             t0 = time.perf_counter()
             lr = _set_learning_rate(optimizer, step, config)
-            loss, grad_norm = _step(model, optimizer, corpus.train, config, job, step)
+            stats = _step(model, optimizer, corpus.train, config, job, step)
             due = _Due.at(step, config)
             if due.evaluate or due.save:
                 _synchronize(optimizer)
-            record = recorder.step(step, loss, lr, grad_norm, ledger.step(), t0)
+            record = recorder.step(step, stats, lr, ledger.step(), t0)
             if due.evaluate:
                 # Evaluation traffic goes to a scratch ledger: the run's ledger counts training.
                 with recording(CommLedger(job.topology)):
@@ -288,8 +304,11 @@ def _step(
     config: TrainConfig,
     job: _Job,
     step: int,
-) -> tuple[torch.Tensor, float]:
-    """Forward, backward, clip, optimizer step; returns the local loss and the grad norm."""
+) -> _StepStats:
+    """Forward, backward, clip, optimizer step (unless the step is non-finite, see
+    :func:`_check_finite`); returns the loss mean over ranks and the grad norm (global, or for
+    a replicated run the mean of the ranks' norms) as :class:`_StepStats`."""
+    poison = _faults.at_step(step)  # the testing hook, [Note: fault injection]
     torch.manual_seed(_mix(config.seed, step, job.rank))  # see [Note: exact resume]
     x, y = batch_for_step(
         tokens,
@@ -301,11 +320,73 @@ def _step(
         world_size=job.world,
     )
     _, loss = model(x.to(job.device), y.to(job.device))
+    if poison:
+        loss = _faults.poison(loss)
     loss.backward()
     grad_norm = _global_grad_norm(model, config.grad_clip)
-    optimizer.step()
+    stats = _StepStats.reduce(loss, grad_norm, config, job)
+    if _check_finite(stats, loss, config, job, step):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm
+    return stats
+
+
+@dataclass(frozen=True, slots=True)
+class _StepStats:
+    """A step's loss and grad norm, reduced over the ranks in one collective before the
+    optimizer steps, so that every rank sees the same non-finite values and takes the same
+    decision (the loss mean was reduced after the step before; the values are the same)."""
+
+    loss: float
+    grad_norm: float
+    finite: bool
+
+    @classmethod
+    def reduce(
+        cls, loss: torch.Tensor, grad_norm: float, config: TrainConfig, job: _Job
+    ) -> _StepStats:
+        local = torch.stack([loss.detach().float().reshape(()), torch.tensor(grad_norm)])
+        total = local.to(_runtime.comm_device())
+        dist.all_reduce(total)
+        loss_sum, norm_sum = (float(v) for v in total.cpu())
+        # FSDP's norm is already global (the same on every rank); a replicated run reports
+        # the mean of the ranks' local norms.
+        replicated = config.optim in DATA_PARALLEL_OPTIMIZERS
+        norm = norm_sum / job.world if replicated else grad_norm
+        finite = math.isfinite(loss_sum) and math.isfinite(norm_sum)
+        return cls(loss=loss_sum / job.world, grad_norm=norm, finite=finite)
+
+
+def _check_finite(
+    stats: _StepStats, loss: torch.Tensor, config: TrainConfig, job: _Job, step: int
+) -> bool:
+    """Whether the step may update: a NaN/Inf loss or grad norm on any rank either skips the
+    step on every rank (``--on-nonfinite skip``: all ranks decided on the same reduced values)
+    or stops the job with an error naming the step and the ranks whose local loss was
+    non-finite (``stop``). The quantized collectives keep non-finite values non-finite
+    ([Note: non-finite blocks] in qshard.quant.blockwise), so a NaN on one rank reaches every
+    rank's norm."""
+    if stats.finite:
+        return True
+    flags: list[object] = [None] * job.world
+    dist.all_gather_object(flags, bool(torch.isfinite(loss.detach()).item()))
+    bad = [r for r, ok in enumerate(flags) if not ok]
+    where = (
+        f"local loss non-finite on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+        if bad
+        else "loss finite on every rank, the gradients non-finite"
+    )
+    what = f"step {step}: loss {stats.loss} / grad norm {stats.grad_norm} ({where})"
+    if config.on_nonfinite == "skip":
+        if job.is_main:
+            print(f"qshard train: {what}; skipped on every rank (--on-nonfinite skip)", flush=True)
+        return False
+    latest = ckpt.latest_checkpoint(job.checkpoints)
+    resume = f"the newest complete checkpoint is {latest}" if latest else "no checkpoint yet"
+    raise _faults.RankFailure(
+        f"rank {job.rank}: {what}; stopped (--on-nonfinite stop; pass --on-nonfinite skip to "
+        f"skip such steps); {resume}"
+    )
 
 
 def _global_grad_norm(model: nn.Module, max_norm: float) -> float:
@@ -387,6 +468,7 @@ class _Recorder:
     losses: dict[int, float] = field(default_factory=dict)
     val_losses: dict[int, float] = field(default_factory=dict)
     ledger_steps: list[dict[str, float]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
     @classmethod
     def open(cls, config: TrainConfig, job: _Job, start_step: int) -> _Recorder:
@@ -400,24 +482,22 @@ class _Recorder:
         return cls(config=config, job=job, start_step=start_step, writer=writer, bar=bar)
 
     def step(
-        self, step: int, loss: torch.Tensor, lr: float, grad_norm: float, ledger: Any, t0: float
+        self, step: int, stats: _StepStats, lr: float, ledger: Any, t0: float
     ) -> dict[str, Any]:
-        """The step's record (collective: the loss, and a replicated run's grad norm, are
-        averaged over the ranks)."""
-        loss_value = _runtime.mean_over_ranks(loss)
-        if self.config.optim in DATA_PARALLEL_OPTIMIZERS:
-            # Local gradients: report the mean of the ranks' norms.
-            grad_norm = _runtime.mean_over_ranks(torch.tensor(grad_norm))
+        """The step's record (the loss and norm were reduced over the ranks in :func:`_step`)."""
         dt = time.perf_counter() - t0
-        self.losses[step] = loss_value
+        self.losses[step] = stats.loss
+        if not stats.finite:
+            self.skipped.append(step)
         self.ledger_steps.append(
             {"intra": ledger.intra_node_bytes, "inter": ledger.inter_node_bytes}
         )
         return {
             "step": step,
-            "loss": loss_value,
+            "loss": stats.loss,
             "lr": lr,
-            "grad_norm": grad_norm,
+            "grad_norm": stats.grad_norm,
+            **({} if stats.finite else {"skipped": True}),
             "tokens_per_s": self.config.batch_size * self.config.context / dt,
             "step_time_s": dt,
             "peak_memory_bytes": peak_memory_bytes(self.job.device),
@@ -479,6 +559,7 @@ def _finish(
     result: TrainResult = {
         "losses": recorder.losses,
         "val_losses": recorder.val_losses,
+        "skipped_steps": recorder.skipped,
         "start_step": start_step,
         "num_params": sum(p.numel() for p in model.parameters()),
         "world_size": job.world,

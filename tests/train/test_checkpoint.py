@@ -1,0 +1,131 @@
+"""Checkpoints refuse what they cannot load and never look complete when they are not: a
+checkpoint of another configuration (model shape, optimizer, 8-bit block size) is refused with a
+message naming the difference; a damaged one (shards missing) is refused; a torn save or a torn
+deletion never counts as complete; a restarted job resumes only where a checkpoint exists."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from qshard.testing import run_world
+from qshard.train import checkpoint as ckpt
+from qshard.train.cli import resume_after_restart
+from qshard.train.config import TrainConfig
+
+
+def _model_and_optimizer(n_embd: int = 32, optim: str = "8bit", block_size: int = 256):
+    from qshard.optim import AdamW8bit
+    from qshard.train.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(context=16, n_layer=1, n_head=2, n_embd=n_embd))
+    if optim == "8bit":
+        opt = AdamW8bit(model.parameters(), lr=1e-3, block_size=block_size, min_8bit_size=1024)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(x, x)[1].backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _refusal(path: Path, **kw) -> str:
+    model, opt = _model_and_optimizer(**kw)
+    try:
+        ckpt.load_checkpoint(path, model=model, optimizer=opt)
+    except ckpt.CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def _cases(rank: int, world: int, tmp: str) -> dict[str, str]:
+    root = Path(tmp) / "ckpt"
+    model, opt = _model_and_optimizer()
+    path = ckpt.save_checkpoint(root, step=1, model=model, optimizer=opt, keep=5)
+    out = {
+        "same": _refusal(path),
+        "block": _refusal(path, block_size=128),
+        "optimizer": _refusal(path, optim="adamw"),
+        "model": _refusal(path, n_embd=64),
+    }
+    # Per-rank (torch.save) checkpoints compare the same layout.
+    per_rank = ckpt.save_checkpoint(
+        Path(tmp) / "per_rank", step=1, model=model, optimizer=opt, per_rank=True
+    )
+    out["per_rank_model"] = _refusal(per_rank, n_embd=64)
+    # Damaged: complete-looking, shards gone.
+    damaged = Path(tmp) / "damaged" / "step_00000001"
+    shutil.copytree(path, damaged)
+    (damaged / ".metadata").unlink()
+    out["damaged"] = _refusal(damaged)
+    # keep=1 moves older checkpoints to a .deleting name before removing them.
+    path2 = ckpt.save_checkpoint(root, step=2, model=model, optimizer=opt, keep=1)
+    out["after_keep"] = ",".join(sorted(p.name for p in root.iterdir()))
+    out["latest"] = ckpt.latest_checkpoint(root).name
+    # A save of the same step replaces the old one whole.
+    ckpt.save_checkpoint(root, step=2, model=model, optimizer=opt, keep=1)
+    out["resaved"] = ",".join(sorted(p.name for p in root.iterdir()))
+    out["resaved_loads"] = _refusal(path2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    return run_world(_cases, 1, args=(str(tmp_path_factory.mktemp("ckpt")),), timeout_s=240)[0]
+
+
+def test_a_checkpoint_of_the_same_configuration_loads(cases):
+    assert cases["same"] == "loaded"
+    assert cases["resaved_loads"] == "loaded"
+
+
+def test_another_block_size_is_refused_by_name(cases):
+    assert "was saved from another configuration" in cases["block"]
+    assert "optimizer param group 0 block_size 256 in the checkpoint, 128 here" in cases["block"]
+
+
+def test_another_optimizer_is_refused_by_name(cases):
+    assert (
+        "optimizer qshard.optim.adam8bit.AdamW8bit in the checkpoint, torch.optim.adamw.AdamW here"
+        in cases["optimizer"]
+    )
+
+
+def test_another_model_is_refused_by_name(cases):
+    for key in ("model", "per_rank_model"):
+        assert "model tensor tok_emb.weight is float32[256, 32] in the checkpoint, " in cases[key]
+        assert "float32[256, 64] here" in cases[key]
+
+
+def test_a_damaged_checkpoint_is_refused(cases):
+    assert "has qshard.json but no DCP .metadata: it is damaged" in cases["damaged"]
+
+
+def test_old_checkpoints_and_replaced_saves_leave_nothing_behind(cases):
+    assert cases["after_keep"] == "step_00000002"
+    assert cases["latest"] == "step_00000002"
+    assert cases["resaved"] == "step_00000002"
+
+
+def test_torn_saves_and_deletions_never_count_as_complete(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name in ("step_00000002", ".step_00000004.partial", ".step_00000001.deleting"):
+        (root / name).mkdir(parents=True)
+        (root / name / "qshard.json").write_text('{"step": 0}')
+    (root / "step_00000003").mkdir()  # no qshard.json: the rename happened, the write did not
+    assert ckpt.latest_checkpoint(root).name == "step_00000002"
+
+
+def test_a_restart_resumes_only_where_a_checkpoint_exists(tmp_path, monkeypatch):
+    config = TrainConfig(out=str(tmp_path), nproc=1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_after_restart(config).resume is False
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_after_restart(config).resume is False  # nothing saved yet: start over
+    (tmp_path / "checkpoints/step_00000002").mkdir(parents=True)
+    (tmp_path / "checkpoints/step_00000002/qshard.json").write_text("{}")
+    assert resume_after_restart(config).resume is True
