@@ -69,8 +69,8 @@ def main() -> None:
             _kernels.library = original
         best = {k: min(v) for k, v in times.items()}
         print(
-            f"{cls.__name__:10s} base {best['base'] * 1e3:7.2f} ms  tree {best['tree'] * 1e3:7.2f} ms"
-            f"  tree/base {best['tree'] / best['base']:.3f}"
+            f"{cls.__name__:10s} base {best['base'] * 1e3:7.2f} ms  "
+            f"tree {best['tree'] * 1e3:7.2f} ms  tree/base {best['tree'] / best['base']:.3f}"
         )
     print("load average (1, 5, 15 min):", ", ".join(f"{x:.1f}" for x in os.getloadavg()))
 
