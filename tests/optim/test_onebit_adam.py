@@ -266,8 +266,30 @@ def ledger_counts(rank: int, world: int) -> None:
         assert s.inter_node_bytes == pytest.approx(2 * (world - 1) / world * per_rank_buffer)
 
 
+def nan_gradient_reaches_every_rank(rank: int, world: int) -> None:
+    """A NaN in one rank's gradient at a compressed step makes every rank's momentum and
+    parameters NaN (never a finite +-scale), and leaves the error buffers finite."""
+    model = make_model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    x, y = rank_data(rank)
+    for step in range(3):
+        local_backward(model, x, y)
+        if step == 2 and rank == 0:
+            next(iter(model.parameters())).grad[0, 0] = float("nan")
+        opt.step()
+    first = next(iter(model.parameters()))
+    assert bool(first.isnan().all())
+    assert bool(opt.state[first]["exp_avg"].isnan().all())
+    for p in list(model.parameters())[1:]:  # the other tensors of the bucket are unaffected
+        assert bool(torch.isfinite(p).all())
+    for state in opt.state.values():
+        assert bool(torch.isfinite(state["worker_error"]).all())
+        assert bool(torch.isfinite(state["server_error"]).all())
+
+
 def onebit_world(rank: int, world: int) -> dict[str, float]:
     errors_raised(rank)
+    nan_gradient_reaches_every_rank(rank, world)
     warmup_is_bias_free_adam(rank, world)
     resume_is_bit_exact(rank, world)
     mask_keeps_structural_zeros(rank, world)
@@ -306,9 +328,11 @@ def one_rank_trajectories(rank: int = 0, world: int = 1) -> dict[str, list[float
                 opt = ZeroOneAdam(
                     [p], lr=1e-2, var_freeze_step=8, local_step_scaler=2, local_step_clipper=4
                 )
-            for _ in range(30):
-                p.grad = (p.detach() - target) + 0.01 * torch.randn(numel, generator=g)
-                opt.step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # local steps at a constant lr: intended here
+                for _ in range(30):
+                    p.grad = (p.detach() - target) + 0.01 * torch.randn(numel, generator=g)
+                    opt.step()
             if kind == "zero_one":
                 opt.synchronize()
                 assert opt.comm_stats["local"] > 0 and opt.comm_stats["compressed"] > 0
@@ -363,7 +387,7 @@ def _dead_and_live_moves(cls, floor: float, **kw) -> tuple[float, float, torch.T
 def test_variance_floor_bounds_steps_of_zero_variance_elements(cls, kw):
     """The paper's rule (variance_floor=0) sends 1-bit noise of +-scale to elements whose
     frozen sqrt(v) is 0 and divides it by eps: steps of ~5e7 lr here. The default floor bounds
-    them to ~1/r times a live element's step and leaves the live elements' trajectory alone
+    them to ~1/r times the largest live step and leaves the live elements' trajectory alone
     (none of them is below the floor)."""
     if cls == "ZeroOneAdam":
         from qshard.optim.zero_one_adam import ZeroOneAdam as cls
@@ -373,7 +397,7 @@ def test_variance_floor_bounds_steps_of_zero_variance_elements(cls, kw):
     assert paper_dead > 1e6
     for floor in (0.01, 0.1):
         dead, live, p = _dead_and_live_moves(cls, floor, **kw)
-        assert dead <= 2.0 / floor * live, (floor, dead, live)  # measured: 1.4 / floor
+        assert dead <= 1.0 / floor * live, (floor, dead, live)  # measured: 0.12 / floor
         assert live == pytest.approx(paper_live, rel=1e-5)
         torch.testing.assert_close(p[:32], paper_p[:32], rtol=1e-5, atol=1e-6)
     default = cls([nn.Parameter(torch.zeros(2))], **kw)
