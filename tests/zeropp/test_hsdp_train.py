@@ -123,6 +123,8 @@ def test_train_hsdp_2x2(tmp_path):
     other = run_world(_other_nodes, 2, args=(str(tmp_path),), timeout_s=300)
     for r in other:
         assert r == {"step": 3, "own_shard": True, "world": 1}, r
+    summary = (tmp_path / "adamw-fp32" / "summary.txt").read_text()
+    assert "HSDP baseline, fp32 all-reduce (analytic)" in summary
     r = out[0]
     for name, res in r.items():
         if name.startswith("zo_"):

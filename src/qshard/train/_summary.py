@@ -39,6 +39,8 @@ class Estimates:
     zero3_fp32: Any
     zero3_16: Any
     ddp_fp32: float
+    hsdp_fp32: Any = None
+    """HSDP's cross-node bytes with FSDP2's fp32 replicate all-reduce (same model and nodes)."""
     layouts: dict[str, float] = field(default_factory=dict)
     """Total memory per rank of the same model and optimizer as ZeRO-3, HSDP and replicated."""
 
@@ -104,6 +106,7 @@ def estimate_run(
         zero3_fp32=estimate_comm(**sizes, wire_bytes=4.0),
         zero3_16=estimate_comm(**sizes, wire_bytes=2.0),
         ddp_fp32=ddp_allreduce_bytes(**sizes),
+        hsdp_fp32=estimate_hsdp_comm(**sizes),
         layouts=memory_by_layout(
             **common, world_size=world_size, ranks_per_node=ranks_per_node, optim=config.optim
         ),
@@ -196,6 +199,9 @@ def summary(
         rows.append(["DDP baseline, fp32 all-reduce (analytic)", "", format_bytes(ddp)])
     rows.append(["ZeRO-3 baseline, fp32 wire (analytic)", "", format_bytes(zero3_fp32.total)])
     rows.append(["ZeRO-3 baseline, 16-bit wire (analytic)", "", format_bytes(zero3_16.total)])
+    if estimates.hsdp_fp32 is not None:
+        hsdp_fp32 = format_bytes(estimates.hsdp_fp32.total)
+        rows.append(["HSDP baseline, fp32 all-reduce (analytic)", "", hsdp_fp32])
     lines.append(
         table(
             ["per step, per node", "intra-node", "inter-node"],
