@@ -61,6 +61,9 @@ def test_kernel_encoder_equals_reference(rows, row_numel, block, name, power, sc
     assert torch.equal(absmax, ref_absmax)
     if name == "linear":  # the arithmetic encoder of the linear map == the table
         assert torch.equal(_kernel_quantize(x, q, block, linear=1)[0], ref_codes)
+    if name == "signed-dynamic":  # the symmetric 8-compare encoder == the table
+        assert _qstate4.symmetric_signed(q)
+        assert torch.equal(_kernel_quantize(x, q, block, linear=2)[0], ref_codes)
     # and the kernel's decoder is the reference decoder
     out = torch.empty_like(x)
     lib = _kernels4.library()
@@ -79,9 +82,12 @@ def test_kernel_encoder_ties_and_codes(name):
     x = torch.cat([x, torch.nextafter(q.mid, q.mid - 1)])
     if not q.signed:
         x = torch.cat([x, torch.tensor([0.0, 1e-30, 0.0468749, 0.046875, 0.0468751])])
+    if q.signed:  # every value's negative twin (the symmetric encoder's two cases), and -0.0
+        x = torch.cat([x, -x, torch.tensor([-0.0, -1.0])])
     x = x.reshape(1, -1)
     expected = torch.bucketize(x.reshape(-1), q.mid)
-    for linear in (0, 1) if name == "linear" else (0,):
+    kinds = {"linear": (0, 1), "signed-dynamic": (0, 2)}.get(name, (0,))
+    for linear in kinds:
         codes, absmax = _kernel_quantize(x, q, 2048, linear)
         assert absmax.item() == 1.0
         assert torch.equal(_qstate4.unpack(codes, x.shape[1]).reshape(-1).long(), expected)

@@ -7,9 +7,9 @@ of 4 code bytes become 8 lane indices (one broadcast, one variable shift, one ma
 in-register permutes plus a blend give the 8 code values. Encoding is exact nearest of
 ``x * (1 / absmax)``: the scalar loop uses the search table of :mod:`qshard.quant._codetable`
 (``nearest_code``, shared with the other encoders); the AVX2 loop counts the midpoints below
-``x`` with 15 compares (measured: the table gather cost ~0.5 ns per value, more than the whole
-rest of the step), and the zero-free linear map of v needs no search at all (``ceil(16x - 1.5)``,
-exact, see ``encode4``). Pairs of codes are packed into bytes with a variable shift, a 64-bit
+``x`` with compares (measured: the table gather cost ~0.5 ns per value, more than the whole
+rest of the step): 8 on ``|x|`` for the symmetric signed map of m, 15 for other maps; the
+zero-free linear map of v needs no search at all (``ceil(16x - 1.5)``, exact, see ``encode4``). Pairs of codes are packed into bytes with a variable shift, a 64-bit
 shift-or, one permute and two packs. The update is the 8-bit kernel's Adam loop (same
 operations and order, ``-ffp-contract=off``), with the bias correction of v multiplied by its
 reciprocal, so results equal the torch reference :func:`qshard.optim._qstate4.adam4bit_reference`
@@ -66,7 +66,7 @@ static void decode4(const float *code, const uint8_t *c, float amax, int n, floa
 }
 
 /* Nearest codes of s[0..n) * (1 / amax) packed two a byte into c (n odd: the last high nibble
- * is 0). `linear`: the map is (i + 1) / 16, whose code needs no table: the number of midpoints
+ * is 0). `linear` 2: a symmetric signed map, 8 compares on |x| (below); 1: the map is (i + 1) / 16, whose code needs no table: the number of midpoints
  * (2i + 3) / 32 below x >= 0 is ceil(16x - 1.5) clamped to 0..15, exactly (16x is exact, and so
  * is 16x - 1.5 where it is >= -0.75; below, the count is 0 either way). */
 static void encode4(const uint32_t *lut, const float *mid, int linear, const float *s, int n,
@@ -77,6 +77,9 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     const __m256 rv = _mm256_set1_ps(r);
     const __m256 sixteen = _mm256_set1_ps(16.0f), onehalf = _mm256_set1_ps(1.5f);
     const __m256i zero = _mm256_setzero_si256(), fifteen = _mm256_set1_epi32(15);
+    const __m256i one = _mm256_set1_epi32(1), seven = _mm256_set1_epi32(7);
+    const __m256 zerof = _mm256_setzero_ps();
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i odd = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
     const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
     __m256 midv[15];
@@ -84,9 +87,23 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     for (; k + 8 <= n; k += 8) {
         const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + k), rv);
         __m256i i;
-        if (linear) {
+        if (linear == 1) {
             const __m256 t = _mm256_ceil_ps(_mm256_sub_ps(_mm256_mul_ps(x, sixteen), onehalf));
             i = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), zero), fifteen);
+        } else if (linear == 2) {
+            /* A symmetric signed map (codes -c6..-c0, 0, c0..c6, 1; midpoints -P6..-P0, P0..P7):
+             * for x > 0 the count is 7 + #(P < |x|); for x <= 0 it is #(P_k > |x|, k < 7) =
+             * 7 - #(P <= |x|) = 7 - #(P < next float above |x|), clamped (P7 may be below it). */
+            const __m256 a = _mm256_and_ps(x, absmask);
+            const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, zerof, _CMP_GT_OQ));
+            const __m256 ae = _mm256_castsi256_ps(
+                _mm256_add_epi32(_mm256_castps_si256(a), _mm256_andnot_si256(pos, one)));
+            __m256i cnt = zero;
+            for (int m = 0; m < 8; m++)
+                cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(ae, midv[7 + m],
+                                                                              _CMP_GT_OQ)));
+            i = _mm256_blendv_epi8(_mm256_sub_epi32(seven, _mm256_min_epi32(cnt, seven)),
+                                   _mm256_add_epi32(seven, cnt), pos);
         } else { /* 15 compares against the midpoints beat a table gather (0.5 ns/value) */
             i = zero;
             for (int m = 0; m < 15; m++)
@@ -104,7 +121,7 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
         uint32_t code[2] = {0, 0};
         for (int h = 0; h < 2 && k + h < n; h++) {
             const float x = s[k + h] * r;
-            if (linear) {
+            if (linear == 1) {
                 const float t = ceilf(x * 16.0f - 1.5f);
                 code[h] = t <= 0.0f ? 0u : (t >= 15.0f ? 15u : (uint32_t)t);
             } else {

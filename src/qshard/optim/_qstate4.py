@@ -82,6 +82,15 @@ def qmap4(name: str) -> QMap:
     )
 
 
+def symmetric_signed(q: QMap) -> bool:
+    """Whether ``q`` is 7 negative codes, 0, the same 7 positive ones and +1.0 (the signed
+    dynamic map), which the CPU kernel encodes with 8 compares on ``|x|`` instead of 15."""
+    c = q.code
+    return bool(
+        c.numel() == 16 and c[7] == 0 and c[15] == 1 and torch.equal(c[:7], -c[8:15].flip(0))
+    )
+
+
 def packed_row(row_numel: int) -> int:
     """Bytes per row of packed codes."""
     return (row_numel + 1) // 2

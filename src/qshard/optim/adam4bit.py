@@ -281,7 +281,7 @@ class Adam4bit(torch.optim.Optimizer):
                 qm.code.data_ptr(),
                 qm.mid_padded.data_ptr(),
                 qm.lut.data_ptr(),
-                0,
+                2 if _qstate4.symmetric_signed(qm) else 0,  # 8 compares on |x|
                 codes[1].data_ptr(),
                 absmax[1].data_ptr(),
                 qv.code.data_ptr(),
