@@ -176,8 +176,12 @@ def test_killed_rank_with_restarts_finishes_like_the_uninterrupted_run(corpus, u
 def test_killed_rank_under_torchrun_restarts_with_torchruns_max_restarts(corpus, uninterrupted):
     out = corpus.parent / "torchrun_restart"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "1", "-m", "qshard.train", *TINY, "--data", str(corpus)]
-    cmd += ["--cache-dir", str(corpus.parent / "cache"), "--out", str(out)]
+    # --nproc is torchrun's to decide (and its argparse would take it for --nproc-per-node).
+    tiny = TINY[2:]
+    assert TINY[:2] == ["--nproc", "2"]
+    cmd += ["--max-restarts", "1", "-m", "qshard.train", *tiny, "--data", str(corpus)]
+    # The local launch's layout (2 emulated nodes of 1); torchrun's default is its one node.
+    cmd += ["--cache-dir", str(corpus.parent / "cache"), "--out", str(out), "--ranks-per-node", "1"]
     rc, stdout, err, _, leftover = _run(cmd, "kill:rank=1:step=3", corpus.parent)
     assert rc == 0, err[-3000:]
     assert "qshard fault injection: kill rank 1 at step 3 (time " in stdout
