@@ -51,7 +51,7 @@ drift over ``sum(lr)``, so each sync's compression error becomes a momentum erro
 local steps then integrate for a whole interval without error feedback. The optimizer records
 the lr of the first phase-B step and warns once, at a sync, when the next interval exceeds
 twice ``lr at the freeze / lr now`` (one doubling of slack: interval 2 at a constant lr
-converged in every measured case, interval 4 did not).
+converged in every measured case, interval 4 diverged at the largest lr).
 
 [Note: weight decay in the drift] The paper's drift ``u`` sums ``lr * m`` only (its algorithm
 has no weight decay), and the momentum after a sync is ``u / sum(lr)``. With decoupled weight
@@ -153,7 +153,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             ``qshard.optim._onebit``.
 
     After the last step of training, call :meth:`synchronize` if the last step was local, so
-    that every rank holds the same parameters.
+    that every rank holds the same parameters. Local steps need a decaying lr: a
+    ``UserWarning`` (once) says when the sync interval outgrows it (see [Note: local steps need
+    a decaying lr]).
     """
 
     _algorithm = "zero_one_adam"
