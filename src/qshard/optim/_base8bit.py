@@ -1,5 +1,7 @@
 """The shared machinery of the 8-bit optimizers: options, state creation and layout, the step loop
-over plain and FSDP2 (DTensor) parameters, and checkpoint handling.
+over plain and FSDP2 (DTensor) parameters, and checkpoint handling. The part that does not
+depend on the state format (:class:`BlockwiseOptimizer`: step loop, fp32-state batching,
+``load_state_dict``) also carries the 4-bit optimizers (``adam4bit.py``).
 
 A concrete optimizer only says which states it keeps and supplies its update: a pure function
 from :mod:`qshard.optim._functional` (reference path) and its hyperparameters for the fused
@@ -36,7 +38,7 @@ from qshard import _triton
 from qshard.optim import _kernels, _qstate
 from qshard.optim._overrides import is_full_precision_param
 
-__all__ = ["Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
+__all__ = ["BlockwiseOptimizer", "Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
 
 #: Options every 8-bit optimizer accepts, per parameter group.
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -65,11 +67,11 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _check_placements(p: DTensor) -> None:
+def _check_placements(p: DTensor, what: str = "8-bit optimizer state") -> None:
     for pl in p.placements:
         if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
             raise NotImplementedError(
-                f"8-bit optimizer state supports DTensor parameters sharded on dim 0 (FSDP2/HSDP)"
+                f"{what} supports DTensor parameters sharded on dim 0 (FSDP2/HSDP)"
                 f" or replicated; got placements {p.placements}. Use optim_bits=32 for this "
                 f"parameter group."
             )
@@ -109,17 +111,17 @@ def _mix_seed(*parts: int) -> int:
     return h
 
 
-class Optimizer8bit(torch.optim.Optimizer):
-    """Base class of the 8-bit block-wise optimizers (not used directly).
+class BlockwiseOptimizer(torch.optim.Optimizer):
+    """What the block-wise quantized-state optimizers (8-bit here, 4-bit in ``adam4bit.py``)
+    share: the param-group option check, the step loop (missing and sparse gradients, lazy
+    state), the fp32-state tensors of a group in one ``_torch_update`` call, and a
+    ``load_state_dict`` that keeps dtypes. Not used directly.
 
-    Subclasses set ``_kind`` (the kernel's update kind) and implement :meth:`_state_specs`,
-    :meth:`_reference_update` and :meth:`_kernel_hparams`.
+    Subclasses implement :meth:`_state_specs`, :meth:`_validate_common`, :meth:`_init_state`
+    and :meth:`_step_param` (the quantized step), and :meth:`_torch_update` where torch has
+    the optimizer (else fp32 state takes :meth:`_step_param` one tensor at a time).
+    Quantized state is recognised by ``<first state>_codes`` in the parameter's state.
     """
-
-    _kind: int = -1
-
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
-        super().__init__(params, {**COMMON_DEFAULTS, **defaults})
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -127,20 +129,26 @@ class Optimizer8bit(torch.optim.Optimizer):
         """(state name, signed map?) for each state this group keeps."""
         raise NotImplementedError
 
+    def _validate_common(self, group: dict[str, Any]) -> None:
+        """Check the options every optimizer of the family takes."""
+        raise NotImplementedError
+
     def _validate_group(self, group: dict[str, Any]) -> None:
         """Check the optimizer-specific options of a group (subclasses extend)."""
 
-    def _reference_update(
-        self, p: Tensor, g: Tensor, states: list[Tensor], group: dict[str, Any], step: int
+    def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _step_param(
+        self,
+        p: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        step: int,
+        index: tuple[int, int],
     ) -> None:
-        """Apply the pure update function to fp32 ``p``/``g``/``states`` in place."""
+        """One step of ``p`` (``step`` already counted; ``index``: (group, param) positions)."""
         raise NotImplementedError
-
-    def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
-        raise NotImplementedError
-
-    def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
-        return 0.0
 
     # -- options ----------------------------------------------------------------------------
 
@@ -155,6 +163,144 @@ class Optimizer8bit(torch.optim.Optimizer):
         group = self.param_groups[-1]
         self._validate_common(group)
         self._validate_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype.
+
+        torch casts each loaded state tensor to its parameter's dtype (which would turn codes
+        into floats and, for bf16 parameters, round absmax and fp32 states); here only the
+        device follows the parameter, so a round trip is bit-exact.
+        """
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
+        super().load_state_dict(state_dict)
+        for p, st in originals.items():
+            for k, v in st.items():
+                if isinstance(v, Tensor) and k != "step":
+                    self.state[p][k] = v.to(device=p.device)
+
+    # -- step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            full: list[tuple[int, Tensor, dict[str, Any]]] = []  # fp32 state: one batch
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, group, state)
+                if not self._has_quantized_state(group, state):
+                    full.append((pi, p, state))
+                    continue
+                state["step"] += 1
+                self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
+            if full:
+                self._step_full_precision(gi, group, full)
+        return loss
+
+    def _has_quantized_state(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        specs = self._state_specs(group)
+        return bool(specs) and f"{specs[0][0]}_codes" in state
+
+    def _torch_update(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: list[list[Tensor]],
+        steps: list[Tensor],
+    ) -> None:
+        """Step all fp32-state tensors of a group in one call (see ``_step_full_precision``).
+
+        ``params``/``grads`` are fp32 local tensors, ``states[i]`` the list of state
+        ``_state_specs()[i]``, ``steps`` the step counters before this step; the update advances
+        every counter by one, as torch's functional optimizers do. Optimizers that torch has call
+        its functional update with the group's ``foreach``/``fused`` flags (the arguments
+        ``torch.optim`` passes, so the same bits); without an override each tensor takes the
+        per-tensor reference path.
+        """
+        raise NotImplementedError
+
+    def _step_full_precision(
+        self, gi: int, group: dict[str, Any], items: list[tuple[int, Tensor, dict[str, Any]]]
+    ) -> None:
+        """The fp32-state tensors of group ``gi``: one ``_torch_update`` call for all of them."""
+        if type(self)._torch_update is BlockwiseOptimizer._torch_update:
+            for pi, p, state in items:
+                state["step"] += 1
+                self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
+            return
+        live = []
+        for item in items:
+            if _local(item[1]).numel() == 0:  # an empty shard: only its counter moves
+                item[2]["step"] += 1
+            else:
+                live.append(item)
+        if not live:
+            return
+        params, grads, back = [], [], []
+        for _, p, _ in live:
+            p_l, g_l = _local(p), _local(p.grad)
+            if p_l.dtype == torch.float32:
+                params.append(p_l)
+                grads.append(g_l.float())
+            else:  # fp32 math and state for low-precision parameters, as on the 8-bit path
+                p32 = p_l.float()
+                params.append(p32)
+                grads.append(g_l.float())
+                back.append((p_l, p32))
+        states = [[_local(st[name]) for _, _, st in live] for name, _ in self._state_specs(group)]
+        steps = [st["step"] for _, _, st in live]
+        # torch keeps a fused optimizer's step counters on the parameter's device; here they
+        # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
+        if group.get("fused") and _steps_off_device(params):
+            copies = [s.to(p.device, copy=True) for s, p in zip(steps, params)]
+            self._torch_update(group, params, grads, states, copies)
+            for s in steps:
+                s += 1
+        else:
+            self._torch_update(group, params, grads, states, steps)
+        for p_l, p32 in back:
+            p_l.copy_(p32)
+
+
+class Optimizer8bit(BlockwiseOptimizer):
+    """Base class of the 8-bit block-wise optimizers (not used directly).
+
+    Subclasses set ``_kind`` (the kernel's update kind) and implement :meth:`_state_specs`,
+    :meth:`_reference_update` and :meth:`_kernel_hparams`.
+    """
+
+    _kind: int = -1
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, {**COMMON_DEFAULTS, **defaults})
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _reference_update(
+        self, p: Tensor, g: Tensor, states: list[Tensor], group: dict[str, Any], step: int
+    ) -> None:
+        """Apply the pure update function to fp32 ``p``/``g``/``states`` in place."""
+        raise NotImplementedError
+
+    def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
+        raise NotImplementedError
+
+    def _initial_state_value(self, group: dict[str, Any], name: str) -> float:
+        return 0.0
+
+    # -- options ----------------------------------------------------------------------------
 
     def _validate_common(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -218,114 +364,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 init = self._initial_state_value(group, name)
                 state[name] = torch.full_like(p, init, dtype=torch.float32)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype.
-
-        torch casts each loaded state tensor to its parameter's dtype (which would turn codes
-        into floats and, for bf16 parameters, round absmax and fp32 states); here only the
-        device follows the parameter, so a round trip is bit-exact.
-        """
-        saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
-        super().load_state_dict(state_dict)
-        for p, st in originals.items():
-            for k, v in st.items():
-                if isinstance(v, Tensor) and k != "step":
-                    self.state[p][k] = v.to(device=p.device)
-
     # -- step -------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for gi, group in enumerate(self.param_groups):
-            full: list[tuple[int, Tensor, dict[str, Any]]] = []  # fp32 state: one batch
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, group, state)
-                if not self._has_8bit_state(group, state):
-                    full.append((pi, p, state))
-                    continue
-                state["step"] += 1
-                self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
-            if full:
-                self._step_full_precision(gi, group, full)
-        return loss
-
-    def _has_8bit_state(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
-        specs = self._state_specs(group)
-        return bool(specs) and f"{specs[0][0]}_codes" in state
-
-    def _torch_update(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        states: list[list[Tensor]],
-        steps: list[Tensor],
-    ) -> None:
-        """Step all fp32-state tensors of a group in one call (see ``_step_full_precision``).
-
-        ``params``/``grads`` are fp32 local tensors, ``states[i]`` the list of state
-        ``_state_specs()[i]``, ``steps`` the step counters before this step; the update advances
-        every counter by one, as torch's functional optimizers do. Optimizers that torch has call
-        its functional update with the group's ``foreach``/``fused`` flags (the arguments
-        ``torch.optim`` passes, so the same bits); without an override each tensor takes the
-        per-tensor reference path.
-        """
-        raise NotImplementedError
-
-    def _step_full_precision(
-        self, gi: int, group: dict[str, Any], items: list[tuple[int, Tensor, dict[str, Any]]]
-    ) -> None:
-        """The fp32-state tensors of group ``gi``: one ``_torch_update`` call for all of them."""
-        if type(self)._torch_update is Optimizer8bit._torch_update:
-            for pi, p, state in items:
-                state["step"] += 1
-                self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
-            return
-        live = []
-        for item in items:
-            if _local(item[1]).numel() == 0:  # an empty shard: only its counter moves
-                item[2]["step"] += 1
-            else:
-                live.append(item)
-        if not live:
-            return
-        params, grads, back = [], [], []
-        for _, p, _ in live:
-            p_l, g_l = _local(p), _local(p.grad)
-            if p_l.dtype == torch.float32:
-                params.append(p_l)
-                grads.append(g_l.float())
-            else:  # fp32 math and state for low-precision parameters, as on the 8-bit path
-                p32 = p_l.float()
-                params.append(p32)
-                grads.append(g_l.float())
-                back.append((p_l, p32))
-        states = [[_local(st[name]) for _, _, st in live] for name, _ in self._state_specs(group)]
-        steps = [st["step"] for _, _, st in live]
-        # torch keeps a fused optimizer's step counters on the parameter's device; here they
-        # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
-        if group.get("fused") and _steps_off_device(params):
-            copies = [s.to(p.device, copy=True) for s, p in zip(steps, params)]
-            self._torch_update(group, params, grads, states, copies)
-            for s in steps:
-                s += 1
-        else:
-            self._torch_update(group, params, grads, states, steps)
-        for p_l, p32 in back:
-            p_l.copy_(p32)
 
     def _step_param(
         self,

@@ -45,6 +45,37 @@ def adam_update(
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+def adam_hparams(
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    inverse_bc2: bool,
+) -> list[float]:
+    """The 10 hyperparameters of the fused Adam kernels (8- and 4-bit): lr, beta1, beta2, eps,
+    L2 weight decay, step size, the bias correction of v, decoupled decay factor, 1 - beta1,
+    1 - beta2, in double (rounded to fp32 where used). The bias correction is
+    ``sqrt(1 - beta2^step)`` (divided by; the 8-bit kernel) or with ``inverse_bc2`` its
+    reciprocal (multiplied by; the 4-bit kernels)."""
+    bc2 = math.sqrt(1.0 - beta2**step)
+    return [
+        lr,
+        beta1,
+        beta2,
+        eps,
+        0.0 if decoupled else weight_decay,
+        lr / (1.0 - beta1**step),
+        1.0 / bc2 if inverse_bc2 else bc2,
+        1.0 - lr * weight_decay if decoupled else 1.0,
+        1.0 - beta1,
+        1.0 - beta2,
+    ]
+
+
 def lion_update(
     param: Tensor,
     grad: Tensor,

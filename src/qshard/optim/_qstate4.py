@@ -31,11 +31,11 @@ second-moment map has no zero, and -0.0 gradients are read as +0.0 before the up
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
 
+from qshard.optim import _functional
 from qshard.optim._qstate import QMap, blocks_per_row, row_view
 from qshard.quant import _codetable
 from qshard.quant.dynamic import dynamic_map, linear_map
@@ -144,33 +144,10 @@ def dequantize_rows4(
     return (vals * scale).reshape(shape)
 
 
-def adam_hparams(
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> list[float]:
-    """The 10 hyperparameters of the fused kernels: lr, beta1, beta2, eps, L2 weight decay, step
-    size, 1 / sqrt(1 - beta2^step), decoupled decay factor, 1 - beta1, 1 - beta2 (computed in
-    double, rounded to fp32 where they are used; the 8-bit Adam kernel's order, except that the
-    bias correction of v is its reciprocal, multiplied instead of divided)."""
-    decay = 1.0 - lr * weight_decay if decoupled else 1.0
-    return [
-        lr,
-        beta1,
-        beta2,
-        eps,
-        0.0 if decoupled else weight_decay,
-        lr / (1.0 - beta1**step),
-        1.0 / math.sqrt(1.0 - beta2**step),
-        decay,
-        1.0 - beta1,
-        1.0 - beta2,
-    ]
+#: The 10 hyperparameters of the fused 4-bit kernels: those of the 8-bit Adam kernel
+#: (:func:`qshard.optim._functional.adam_hparams`), except that the bias correction of v is
+#: its reciprocal, multiplied instead of divided.
+adam_hparams = functools.partial(_functional.adam_hparams, inverse_bc2=True)
 
 
 def _f32(x: float) -> float:

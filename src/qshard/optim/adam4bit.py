@@ -19,38 +19,27 @@ Paths, same numerics (bit for bit): the Triton kernel (CUDA, fp32/bf16), the fus
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from qshard import _triton
-from qshard.optim import _functional, _kernels4, _qstate4
-from qshard.optim._base8bit import _local, _wrap_like
+from qshard.optim import _kernels4, _qstate4
+from qshard.optim._base8bit import BlockwiseOptimizer, _check_placements, _local, _wrap_like
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
+from qshard.optim.adam8bit import adam_group_hparams, torch_adam_group
 
 __all__ = ["Adam4bit", "AdamW4bit"]
 
 _STATES = ("exp_avg", "exp_avg_sq")
+_SPECS = (("exp_avg", True), ("exp_avg_sq", False))
 
 
-def _kernel_hparams(group: dict[str, Any], step: int, decoupled: bool) -> list[float]:
-    b1, b2 = group["betas"]
-    return _qstate4.adam_hparams(
-        step=step,
-        lr=group["lr"],
-        beta1=b1,
-        beta2=b2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        decoupled=decoupled,
-    )
-
-
-class Adam4bit(torch.optim.Optimizer):
+class Adam4bit(BlockwiseOptimizer):
     """Adam with 4-bit block-wise state; ``torch.optim.Adam`` semantics (L2 weight decay).
 
     Args:
@@ -65,6 +54,10 @@ class Adam4bit(torch.optim.Optimizer):
         second_moment_map: ``"linear"`` (default, zero-free), ``"dynamic"`` (zero-free dynamic)
             or ``"linear-zero"`` (the naive map with a zero code, kept as the ablation that
             shows the zero-point problem; do not train with it).
+        foreach, fused: as ``torch.optim.Adam``, for the tensors with fp32 state, which take
+            torch's own update in one call per group: the same bits as ``torch.optim.Adam``
+            with the same flags (the step loop and this path are the 8-bit optimizers',
+            :class:`qshard.optim._base8bit.BlockwiseOptimizer`).
     """
 
     _decoupled = False
@@ -82,6 +75,8 @@ class Adam4bit(torch.optim.Optimizer):
         min_4bit_size: int = 4096,
         block_size: int = 128,
         second_moment_map: str = "linear",
+        foreach: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad; use amsgrad=False")
@@ -94,22 +89,14 @@ class Adam4bit(torch.optim.Optimizer):
             min_4bit_size=min_4bit_size,
             block_size=block_size,
             second_moment_map=second_moment_map,
+            foreach=foreach,
+            fused=fused,
         )
         super().__init__(params, defaults)
 
     # -- options ----------------------------------------------------------------------------
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        unknown = sorted(set(param_group) - set(self.defaults) - {"params"})
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__}: unknown param-group option(s) {unknown}; known options:"
-                f" {sorted(self.defaults)}"
-            )
-        super().add_param_group(param_group)
-        self._validate(self.param_groups[-1])
-
-    def _validate(self, group: dict[str, Any]) -> None:
+    def _validate_common(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
         if group["optim_bits"] not in (4, 32):
             raise ValueError(f"{name}: optim_bits must be 4 or 32; got {group['optim_bits']!r}")
@@ -136,15 +123,17 @@ class Adam4bit(torch.optim.Optimizer):
             raise ValueError(f"{name}: eps and weight_decay must be >= 0")
         for p in group["params"]:
             if isinstance(p, DTensor):
-                for pl in p.placements:
-                    if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
-                        raise NotImplementedError(
-                            f"{name}: 4-bit state supports DTensor parameters sharded on dim 0 "
-                            f"(FSDP2/HSDP) or replicated; got placements {p.placements}. Use "
-                            f"optim_bits=32 for this parameter group."
-                        )
+                _check_placements(p, f"{name}: 4-bit state")
+        for flag in ("foreach", "fused"):  # torch.optim's flags
+            if group.get(flag) not in (None, False, True):
+                raise ValueError(f"{name}: {flag} must be None, False or True; got {group[flag]!r}")
+        if group.get("foreach") and group.get("fused"):
+            raise ValueError(f"{name}: fused and foreach cannot both be True (as in torch.optim)")
 
     # -- state ------------------------------------------------------------------------------
+
+    def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
+        return _SPECS
 
     def uses_4bit_state(self, p: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``p`` gets 4-bit state: decided from its global shape only."""
@@ -178,69 +167,31 @@ class Adam4bit(torch.optim.Optimizer):
             state[f"{name}_codes"] = _wrap_like(p, codes, (p.shape[0], nbytes))
             state[f"{name}_absmax"] = _wrap_like(p, absmax, (p.shape[0], nbr))
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype (torch
-        would cast the codes to the parameter's float dtype); only the device follows."""
-        saved = state_dict["state"]
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
-        super().load_state_dict(state_dict)
-        for p, st in originals.items():
-            for k, v in st.items():
-                if isinstance(v, Tensor) and k != "step":
-                    self.state[p][k] = v.to(device=p.device)
-
     # -- step -------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, group, state)
-                state["step"] += 1
-                self._step_param(p, group, state, int(state["step"].item()))
-        return loss
+    def _torch_update(self, group, params, grads, states, steps) -> None:
+        torch_adam_group(
+            group, params, grads, states[0], states[1], steps, decoupled=self._decoupled
+        )
 
-    def _step_param(self, p: Tensor, group: dict[str, Any], state: dict[str, Any], step: int):
+    def _step_param(
+        self,
+        p: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        step: int,
+        index: tuple[int, int],
+    ) -> None:
+        """The 4-bit step (fp32 state goes through ``_torch_update``)."""
         p_l, g_l = _local(p), _local(p.grad)
         if p_l.numel() == 0:
-            return
-        b1, b2 = group["betas"]
-        if "exp_avg_codes" not in state:
-            p32 = p_l if p_l.dtype == torch.float32 else p_l.float()
-            _functional.adam_update(
-                p32,
-                g_l.float(),
-                _local(state["exp_avg"]),
-                _local(state["exp_avg_sq"]),
-                step=step,
-                lr=group["lr"],
-                beta1=b1,
-                beta2=b2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                decoupled=self._decoupled,
-            )
-            if p32 is not p_l:
-                p_l.copy_(p32)
             return
         codes = [_local(state[f"{n}_codes"]) for n in _STATES]
         absmax = [_local(state[f"{n}_absmax"]) for n in _STATES]
         qm, qv = self._maps(group)
         bs = group["block_size"]
         rows, row_numel = row_view(p_l.shape)
-        hp = _kernel_hparams(group, step, self._decoupled)
+        hp = adam_group_hparams(group, step, decoupled=self._decoupled, inverse_bc2=True)
         if (
             _triton.serves(p_l)
             and p_l.is_contiguous()

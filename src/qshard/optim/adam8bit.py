@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,6 +12,56 @@ from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
 
 __all__ = ["Adam8bit", "AdamW8bit"]
+
+
+def torch_adam_group(
+    group: dict[str, Any],
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    decoupled: bool,
+) -> None:
+    """torch's functional Adam/AdamW on fp32-state tensors of ``group``, with the arguments
+    ``torch.optim`` passes (its ``foreach``/``fused`` flags), so the same bits."""
+    b1, b2 = group["betas"]
+    _torch_adam(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        foreach=group.get("foreach"),
+        fused=group.get("fused"),
+        decoupled_weight_decay=decoupled,
+        amsgrad=False,
+        beta1=b1,
+        beta2=b2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
+
+
+def adam_group_hparams(
+    group: dict[str, Any], step: int, *, decoupled: bool, inverse_bc2: bool
+) -> list[float]:
+    """The fused kernels' Adam hyperparameters (:func:`._functional.adam_hparams`) of a group."""
+    b1, b2 = group["betas"]
+    return _functional.adam_hparams(
+        step=step,
+        lr=group["lr"],
+        beta1=b1,
+        beta2=b2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled=decoupled,
+        inverse_bc2=inverse_bc2,
+    )
 
 
 class Adam8bit(Optimizer8bit):
@@ -97,46 +146,12 @@ class Adam8bit(Optimizer8bit):
         )
 
     def _torch_update(self, group, params, grads, states, steps) -> None:
-        b1, b2 = group["betas"]
-        _torch_adam(
-            params,
-            grads,
-            states[0],
-            states[1],
-            [],
-            steps,
-            foreach=group.get("foreach"),
-            fused=group.get("fused"),
-            decoupled_weight_decay=self._decoupled,
-            amsgrad=False,
-            beta1=b1,
-            beta2=b2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
+        torch_adam_group(
+            group, params, grads, states[0], states[1], steps, decoupled=self._decoupled
         )
 
     def _kernel_hparams(self, group: dict[str, Any], step: int) -> list[float]:
-        b1, b2 = group["betas"]
-        lr, wd = group["lr"], group["weight_decay"]
-        decay = 1.0 - lr * wd if self._decoupled else 1.0
-        if self._decoupled and decay == 1.0:
-            wd = 0.0
-        step_size = lr / (1.0 - b1**step)
-        bc2_sqrt = math.sqrt(1.0 - b2**step)
-        return [
-            lr,
-            b1,
-            b2,
-            group["eps"],
-            0.0 if self._decoupled else wd,
-            step_size,
-            bc2_sqrt,
-            decay,
-            1.0 - b1,
-            1.0 - b2,
-        ]
+        return adam_group_hparams(group, step, decoupled=self._decoupled, inverse_bc2=False)
 
 
 class AdamW8bit(Adam8bit):
