@@ -1,5 +1,6 @@
-"""Cost of the 8-bit kernel's non-finite handling: one optimizer step with the kernel of a base
-revision (``--base``, default ``HEAD~1``) and with the working tree's, side by side.
+"""Cost of the 8-bit (or, with ``--bits 4``, the 4-bit) kernel's non-finite handling: one
+optimizer step with the kernel of a base revision (``--base``, default ``HEAD~1``) and with the
+working tree's, side by side.
 
 The two builds run interleaved (A B, B A, ...) on the same parameter and state, one thread; the
 table shows the fastest round of each and their ratio, with the host load average (other work on
@@ -19,12 +20,12 @@ import torch
 
 from qshard import _native
 from qshard import optim as qoptim
-from qshard.optim import _kernels
+from qshard.optim import _kernels, _kernels4
 
 
-def _source_at(rev: str) -> str:
+def _source_at(rev: str, module_name: str) -> str:
     text = subprocess.run(
-        ["git", "show", f"{rev}:src/qshard/optim/_kernels.py"],
+        ["git", "show", f"{rev}:src/qshard/optim/{module_name}.py"],
         capture_output=True,
         text=True,
         check=True,
@@ -43,30 +44,35 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD~1", help="git revision of the base kernel")
     parser.add_argument("--numel", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=61)
+    parser.add_argument("--bits", type=int, choices=(8, 4), default=8)
     args = parser.parse_args()
+    kernels = _kernels if args.bits == 8 else _kernels4
+    classes = (qoptim.AdamW8bit, qoptim.Lion8bit) if args.bits == 8 else (qoptim.AdamW4bit,)
     libs = {}
-    for name, src in (("base", _source_at(args.base)), ("tree", _kernels._SOURCE)):
-        lib = _native.build_library(f"optim8bit_cost_{name}", src, _native.DEFAULT_FLAGS)
-        _kernels._declare(lib)
+    base_src = _source_at(args.base, kernels.__name__.rsplit(".", 1)[1])
+    for name, src in (("base", base_src), ("tree", kernels._SOURCE)):
+        tag = f"optim{args.bits}bit_cost_{name}"
+        lib = _native.build_library(tag, src, _native.DEFAULT_FLAGS)
+        kernels._declare(lib)
         libs[name] = lib
     torch.set_num_threads(1)
-    print(f"numel {args.numel}, {args.rounds} interleaved rounds, 1 thread")
-    for cls in (qoptim.AdamW8bit, qoptim.Lion8bit):
+    print(f"{args.bits}-bit, numel {args.numel}, {args.rounds} interleaved rounds, 1 thread")
+    for cls in classes:
         p = torch.nn.Parameter(torch.randn(args.numel // 1000, 1000))
         opt = cls([p], lr=1e-3)
         p.grad = torch.randn_like(p) * 0.1
         opt.step()
         times: dict[str, list[float]] = {"base": [], "tree": []}
-        original = _kernels.library
+        original = kernels.library
         try:
             for r in range(args.rounds):
                 for name in ("base", "tree") if r % 2 else ("tree", "base"):
-                    _kernels.library = lambda lib=libs[name]: lib
+                    kernels.library = lambda lib=libs[name]: lib
                     t0 = time.perf_counter()
                     opt.step()
                     times[name].append(time.perf_counter() - t0)
         finally:
-            _kernels.library = original
+            kernels.library = original
         best = {k: min(v) for k, v in times.items()}
         print(
             f"{cls.__name__:10s} base {best['base'] * 1e3:7.2f} ms  "

@@ -124,3 +124,53 @@ def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):
     monkeypatch.undo()
     assert len(calls) >= 2
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("v_map", _qstate4.SECOND_MOMENT_MAPS)
+def test_nonfinite_blocks_store_nan_absmax_as_the_reference(device, v_map):
+    """NaN, Inf and -Inf gradients (tests/optim/test_4bit_nonfinite.py's contract): the blocks of
+    m and v holding them get a NaN absmax and the code of 0.0, as on the torch reference and so
+    the C kernel; everything else bit for bit; the poisoned parameters non-finite."""
+    gen = torch.Generator().manual_seed(7)
+    qm, qv = _qstate4.qmap4("signed-dynamic"), _qstate4.qmap4(v_map)
+    rows, row_numel, block = 3, 301, 128  # 3 blocks a row, the last partial and odd
+    for hp_case in (0, 1):
+        p = torch.randn(rows, row_numel, generator=gen)
+        g = torch.randn(rows, row_numel, generator=gen) * 0.3
+        g[0, 5], g[1, 290], g[2, 130] = float("nan"), float("inf"), -float("inf")
+        state = _warm_state((rows, row_numel), block, v_map, gen, "cpu")
+        hp = _qstate4.adam_hparams(step=3, **_HP[hp_case])
+        ref_p, ref_state = p.clone(), [t.clone() for t in state]
+        _qstate4.adam4bit_reference(
+            ref_p, g, *ref_state, m_map=qm, v_map=qv, block_size=block, hp=hp
+        )
+        kp, ks = p.to(device), [t.to(device) for t in state]
+        _triton.optim4bit_step(
+            param=kp,
+            grad=g.to(device),
+            m_codes=ks[0],
+            m_absmax=ks[1],
+            m_code=qm.code,
+            m_mid=qm.mid,
+            v_codes=ks[2],
+            v_absmax=ks[3],
+            v_code=qv.code,
+            v_mid=qv.mid,
+            rows=rows,
+            row_numel=row_numel,
+            block_size=block,
+            hp=hp,
+        )
+        bad = torch.zeros(rows, 3, dtype=torch.bool)
+        bad[0, 0] = bad[1, 2] = bad[2, 1] = True
+        kp = kp.cpu()
+        assert torch.equal(kp.isnan(), ref_p.isnan()), (v_map, hp_case)
+        fin = ~kp.isnan()
+        assert torch.equal(kp[fin].view(torch.int32), ref_p[fin].view(torch.int32))
+        assert not bool(kp[0, 5].isfinite() or kp[1, 290].isfinite() or kp[2, 130].isfinite())
+        for i, (k, r) in enumerate(zip(ks, ref_state)):
+            k = k.cpu()
+            if k.dtype == torch.float32:  # an absmax: NaN exactly on the poisoned blocks
+                assert torch.equal(k.isnan(), bad) and torch.equal(r.isnan(), bad), (v_map, i)
+                k, r = k[~bad], r[~bad]
+            assert torch.equal(k, r), (v_map, hp_case, i)

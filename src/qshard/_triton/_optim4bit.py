@@ -12,7 +12,8 @@ parameter that is 4 + 4 + 1 bytes read (param, grad, both codes) and 4 + 1 writt
 
 Encoding: the code is the number of the map's 15 midpoints strictly below ``x * (1 / absmax)``
 (ties to the lower code), found by a 4-step branchless binary search; an all-zero block uses a
-reciprocal of 1. Launched with fp fusion off (no FMA), like the C kernel's -ffp-contract=off;
+reciprocal of 1; a block holding NaN/Inf stores a NaN absmax and the code of 0.0 (the C kernel's
+[Note: non-finite state blocks]). Launched with fp fusion off (no FMA), like the C kernel's -ffp-contract=off;
 division and square root are the IEEE-rounded `div_rn` / `sqrt_rn`.
 """
 
@@ -48,6 +49,20 @@ def _nearest16(x, mid_ptr):
     lo = tl.where(tl.load(mid_ptr + lo + 1) < x, lo + 2, lo)
     lo = tl.where(tl.load(mid_ptr + lo) < x, lo + 1, lo)
     return lo
+
+
+@triton.jit
+def _absmax2(x_e, x_o, v0, v1):
+    """max |x| over the valid even and odd elements of each block; NaN where one of them is NaN
+    or Inf (tl.max skips NaNs, so the non-finite test is separate, as in the 8-bit kernel)."""
+    a_e = tl.where(v0, tl.abs(x_e), 0.0)
+    a_o = tl.where(v1, tl.abs(x_o), 0.0)
+    big = 3.4028234663852886e38
+    bad = tl.maximum(
+        tl.max(tl.where(~(a_e <= big), 1, 0), axis=1), tl.max(tl.where(~(a_o <= big), 1, 0), axis=1)
+    )
+    m = tl.maximum(tl.max(a_e, axis=1), tl.max(a_o, axis=1))
+    return tl.where(bad > 0, float("nan"), m)
 
 
 @triton.jit
@@ -125,22 +140,18 @@ def _step4_kernel(
     store_as(p_ptr + off0, p_e, v0)
     store_as(p_ptr + off0 + 1, p_o, v1)
 
-    # New absmaxes over the block's valid elements, then codes of x * (1 / absmax).
-    n1 = tl.maximum(
-        tl.max(tl.where(v0, tl.abs(m_e), 0.0), axis=1),
-        tl.max(tl.where(v1, tl.abs(m_o), 0.0), axis=1),
-    )
-    n2 = tl.maximum(
-        tl.max(tl.where(v0, tl.abs(v_e), 0.0), axis=1),
-        tl.max(tl.where(v1, tl.abs(v_o), 0.0), axis=1),
-    )
+    # New absmaxes over the block's valid elements, then codes of x * (1 / absmax); a block
+    # holding NaN/Inf gets a NaN absmax and the codes of 0.0 (the C kernel's rule).
+    n1 = _absmax2(m_e, m_o, v0, v1)
+    n2 = _absmax2(v_e, v_o, v0, v1)
     one = tl.full(n1.shape, 1.0, tl.float32)
     r1 = tl.math.div_rn(one, tl.where(n1 == 0.0, 1.0, n1))[:, None]  # zero block: 1
     r2 = tl.math.div_rn(one, tl.where(n2 == 0.0, 1.0, n2))[:, None]
-    q1e = _nearest16(m_e * r1, mid1_ptr)
-    q1o = tl.where(v1, _nearest16(m_o * r1, mid1_ptr), 0)
-    q2e = _nearest16(v_e * r2, mid2_ptr)
-    q2o = tl.where(v1, _nearest16(v_o * r2, mid2_ptr), 0)
+    bad1, bad2 = (n1 != n1)[:, None], (n2 != n2)[:, None]
+    q1e = _nearest16(tl.where(bad1, 0.0, m_e * r1), mid1_ptr)
+    q1o = tl.where(v1, _nearest16(tl.where(bad1, 0.0, m_o * r1), mid1_ptr), 0)
+    q2e = _nearest16(tl.where(bad2, 0.0, v_e * r2), mid2_ptr)
+    q2o = tl.where(v1, _nearest16(tl.where(bad2, 0.0, v_o * r2), mid2_ptr), 0)
     tl.store(c1_ptr + coff, (q1e | (q1o << 4)).to(tl.uint8), mask=v0)
     tl.store(c2_ptr + coff, (q2e | (q2o << 4)).to(tl.uint8), mask=v0)
     tl.store(a1_ptr + b, n1, mask=b_ok)

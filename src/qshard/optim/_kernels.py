@@ -73,6 +73,30 @@ MAX_BLOCK = 4096
 
 # nearest_code / nearest_code8 (the exact nearest-code encoder and its search table) come from
 # qshard.quant._codetable, shared with the dynamic-map quantizer.
+
+#: The block absmax on bit patterns, shared with the 4-bit kernel (``_kernels4``).
+NONFINITE_C = r"""
+/* [Note: non-finite state blocks] The block absmax is the maximum of |x| taken on the bit
+ * patterns: for non-negative floats the integer order is the float order, and NaN and Inf are
+ * >= 0x7F800000, so one integer maximum finds both the absmax and whether the block holds a
+ * non-finite value (a float max skips NaNs and would store a finite absmax for a NaN state).
+ * Such a block stores a NaN absmax and zero codes, so it decodes to NaN everywhere: the quant
+ * core's [Note: non-finite blocks], and what the torch reference (_qstate.quantize_rows) does. */
+static inline float absmax_of_bits(uint32_t m) {
+    if (m >= 0x7F800000u) m = 0x7FC00000u; /* NaN or Inf somewhere: the block is NaN */
+    float f;
+    memcpy(&f, &m, 4);
+    return f;
+}
+
+static inline uint32_t abs_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u & 0x7FFFFFFFu;
+}
+
+"""
+
 _SOURCE = (
     r"""
 #include <stdint.h>
@@ -121,25 +145,9 @@ static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int
     return i;
 }
 
-/* [Note: non-finite state blocks] The block absmax is the maximum of |x| taken on the bit
- * patterns: for non-negative floats the integer order is the float order, and NaN and Inf are
- * >= 0x7F800000, so one integer maximum finds both the absmax and whether the block holds a
- * non-finite value (a float max skips NaNs and would store a finite absmax for a NaN state).
- * Such a block stores a NaN absmax and zero codes, so it decodes to NaN everywhere: the quant
- * core's [Note: non-finite blocks], and what the torch reference (_qstate.quantize_rows) does. */
-static inline float absmax_of_bits(uint32_t m) {
-    if (m >= 0x7F800000u) m = 0x7FC00000u; /* NaN or Inf somewhere: the block is NaN */
-    float f;
-    memcpy(&f, &m, 4);
-    return f;
-}
-
-static inline uint32_t abs_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u & 0x7FFFFFFFu;
-}
-
+"""
+    + NONFINITE_C
+    + r"""
 static inline float block_absmax(const float *s, int n) {
     int k = 0;
     uint32_t m = 0;

@@ -14,7 +14,9 @@ shift-or, one permute and two packs. The update is the 8-bit kernel's Adam loop 
 operations and order, ``-ffp-contract=off``), with the bias correction of v multiplied by its
 reciprocal, so results equal the torch reference :func:`qshard.optim._qstate4.adam4bit_reference`
 bit for bit; the vector paths write exactly the bits of the scalar loops (tested against a
-``-mno-avx2`` build). Gradients are always read with -0.0 as +0.0.
+``-mno-avx2`` build). Gradients are always read with -0.0 as +0.0. A block whose new m or v
+holds NaN or Inf stores a NaN absmax and the code of 0.0 (the 8-bit kernel's [Note: non-finite
+state blocks]), so it decodes to NaN.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import ctypes
 
 from qshard._native import NativeLibrary
+from qshard.optim._kernels import NONFINITE_C
 from qshard.quant._codetable import NEAREST_C
 
 __all__: list[str] = []  # private module
@@ -38,6 +41,7 @@ _SOURCE = (
 #endif
 """
     + NEAREST_C
+    + NONFINITE_C
     + r"""
 
 /* Nibble k of a packed row segment. */
@@ -71,6 +75,12 @@ static void decode4(const float *code, const uint8_t *c, float amax, int n, floa
  * is 16x - 1.5 where it is >= -0.75; below, the count is 0 either way). */
 static void encode4(const uint32_t *lut, const float *mid, int linear, const float *s, int n,
                     float amax, uint8_t *c) {
+    if (amax != amax) { /* a non-finite block: the code of 0.0 ([Note: non-finite state blocks]) */
+        const uint8_t z = linear == 1 ? 0 : (uint8_t)nearest_code(lut, 0.0f);
+        memset(c, z | (z << 4), (size_t)(n >> 1));
+        if (n & 1) c[n >> 1] = z;
+        return;
+    }
     const float r = amax == 0.0f ? 1.0f : 1.0f / amax; /* an all-zero block: codes of 0.0 */
     int k = 0;
 #ifdef __AVX2__
@@ -141,15 +151,15 @@ static inline __attribute__((always_inline)) void adam_block4(
     const float *hp, int mode, float *amax1, float *amax2) {
     const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
     const float wd = hp[4], step_size = hp[5], ibc2 = hp[6], decay = hp[7];
-    float r1 = 0.0f, r2 = 0.0f;
+    uint32_t r1 = 0, r2 = 0; /* max |m|, |v| on the bit patterns: NaN/Inf make them NaN */
     int k = 0;
 #ifdef __AVX2__
     const __m256 b1wv = _mm256_set1_ps(b1w), b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
     const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
     const __m256 stv = _mm256_set1_ps(step_size), bcv = _mm256_set1_ps(ibc2);
     const __m256 decv = _mm256_set1_ps(decay), zero = _mm256_setzero_ps();
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 acc1 = zero, acc2 = zero;
+    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i acc1 = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
     for (; k + 8 <= n; k += 8) {
         const __m256 m0 = _mm256_loadu_ps(s1 + k), v0 = _mm256_loadu_ps(s2 + k);
         const __m256 p0 = _mm256_loadu_ps(pp + k);
@@ -163,12 +173,12 @@ static inline __attribute__((always_inline)) void adam_block4(
         _mm256_storeu_ps(pp + k, _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
         _mm256_storeu_ps(s1 + k, m);
         _mm256_storeu_ps(s2 + k, v);
-        acc1 = _mm256_max_ps(acc1, _mm256_and_ps(m, absmask));
-        acc2 = _mm256_max_ps(acc2, _mm256_and_ps(v, absmask));
+        acc1 = _mm256_max_epu32(acc1, _mm256_and_si256(_mm256_castps_si256(m), absmask));
+        acc2 = _mm256_max_epu32(acc2, _mm256_and_si256(_mm256_castps_si256(v), absmask));
     }
-    float l1[8], l2[8];
-    _mm256_storeu_ps(l1, acc1);
-    _mm256_storeu_ps(l2, acc2);
+    uint32_t l1[8], l2[8];
+    _mm256_storeu_si256((__m256i *)l1, acc1);
+    _mm256_storeu_si256((__m256i *)l2, acc2);
     for (int l = 0; l < 8; l++) {
         r1 = l1[l] > r1 ? l1[l] : r1;
         r2 = l2[l] > r2 ? l2[l] : r2;
@@ -182,12 +192,12 @@ static inline __attribute__((always_inline)) void adam_block4(
         const float v = s2[k] * b2 + b2w * gi * gi;
         pp[k] = pi - step_size * (m / (sqrtf(v) * ibc2 + eps));
         s1[k] = m; s2[k] = v;
-        const float f1 = fabsf(m), f2 = fabsf(v);
+        const uint32_t f1 = abs_bits(m), f2 = abs_bits(v);
         r1 = f1 > r1 ? f1 : r1;
         r2 = f2 > r2 ? f2 : r2;
     }
-    *amax1 = r1;
-    *amax2 = r2;
+    *amax1 = absmax_of_bits(r1);
+    *amax2 = absmax_of_bits(r2);
 }
 
 /*
@@ -237,14 +247,15 @@ int quantize_rows4(const float *x, uint8_t *c, float *a, const float *mid, const
         const int64_t r = b / nbr, j = b % nbr;
         const int64_t off = r * row_numel + j * block;
         const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
-        float buf[4096], m = 0.0f;
+        float buf[4096];
+        uint32_t m = 0;
         for (int k = 0; k < n; k++) {
             buf[k] = x[off + k] + 0.0f;
-            const float f = fabsf(buf[k]);
+            const uint32_t f = abs_bits(buf[k]);
             m = f > m ? f : m;
         }
-        a[b] = m;
-        encode4(lut, mid, linear, buf, n, m, c + r * nbytes + j * (block / 2));
+        a[b] = absmax_of_bits(m);
+        encode4(lut, mid, linear, buf, n, a[b], c + r * nbytes + j * (block / 2));
     }
     return 0;
 }

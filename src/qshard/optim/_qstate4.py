@@ -117,7 +117,8 @@ def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]
     """Encode ``x`` (rows along dim 0) -> (packed codes ``(rows, ceil(row_numel/2))``, absmax
     ``(rows, blocks_per_row)``): the nearest code of ``x * (1 / absmax)`` (fp32 reciprocal).
     -0.0 reads as +0.0; an all-zero block gets absmax 0 and the code nearest to 0 of the map
-    (it decodes to 0 whatever the code)."""
+    (it decodes to 0 whatever the code); a block holding NaN or Inf gets a NaN absmax and that
+    same code (it decodes to NaN)."""
     rows, row_numel = row_view(x.shape)
     nbr = blocks_per_row(row_numel, block_size)
     x2 = x.detach().float().reshape(rows, row_numel) + 0.0
@@ -129,7 +130,17 @@ def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]
     # one multiply per element instead of a division)
     r = torch.where(absmax > 0, 1.0 / absmax, torch.ones_like(absmax))
     v = xb * r[..., None]
-    idx = torch.bucketize(v, q.mid.to(x.device)).view(rows, nbr * block_size)[:, :row_numel]
+    mid = q.mid.to(x.device)
+    idx = torch.bucketize(v, mid)
+    # A block holding NaN or Inf: NaN absmax and, per element, the code of 0.0, so it decodes
+    # to NaN on every path (the 8-bit state's rule; [Note: non-finite state blocks] in _kernels)
+    bad = ~absmax.isfinite()
+    if bool(bad.any()):
+        absmax = torch.where(bad, float("nan"), absmax)
+        idx = torch.where(
+            bad[..., None], torch.bucketize(torch.zeros((), device=x.device), mid), idx
+        )
+    idx = idx.view(rows, nbr * block_size)[:, :row_numel]
     return pack(idx), absmax.contiguous()
 
 
