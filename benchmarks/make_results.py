@@ -31,6 +31,12 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "--out-md docs/results/throughput.md",
     ),
     (
+        "throughput_hsdp100.md",
+        "python benchmarks/throughput.py --rates 100 --steps 10 "
+        "--variants all,hsdp,hsdp-int4,hsdp-01,hsdp-1bit "
+        "--out-md docs/results/throughput_hsdp100.md",
+    ),
+    (
         "deepspeed_zero3.md",
         "/tmp/dsvenv/bin/python benchmarks/deepspeed_zero3.py --rates 100,200,400 --steps 10 "
         "--out-md docs/results/deepspeed_zero3.md",

@@ -361,7 +361,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     variant,
                     f"{med:.3f}",
                     f"{mn:.3f}",
-                    f"{speed:.2f}x ({speed_min:.2f}x)",
+                    f"{speed:.2f}x ({speed_min:.2f}x)" if base else "-",
                     vs_hsdp,
                     f"{link / 2**20:.2f}",
                     f"{ledger / 2**20:.2f}" if ledger else "-",
@@ -369,7 +369,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{r['loss_last']:.3f}",
                 ]
             )
-            if variant == "all" and int(rate) == 100:
+            if variant == "all" and int(rate) == 100 and base:
                 targets.append(
                     f"ZeRO++ (all) at 100 Mbit/s: {speed:.2f}x ZeRO-3 (target >= 2x: "
                     f"{'met' if speed >= 2 else 'NOT met'})"
