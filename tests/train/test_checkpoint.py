@@ -17,13 +17,17 @@ from qshard.train.cli import resume_after_restart
 from qshard.train.config import TrainConfig
 
 
-def _model_and_optimizer(n_embd: int = 32, optim: str = "8bit", block_size: int = 256):
-    from qshard.optim import AdamW8bit
+def _model_and_optimizer(
+    n_embd: int = 32, optim: str = "8bit", block_size: int = 256, v_map: str = "linear"
+):
+    from qshard.optim import AdamW4bit, AdamW8bit
     from qshard.train.model import GPT, GPTConfig
 
     model = GPT(GPTConfig(context=16, n_layer=1, n_head=2, n_embd=n_embd))
     if optim == "8bit":
         opt = AdamW8bit(model.parameters(), lr=1e-3, block_size=block_size, min_8bit_size=1024)
+    elif optim == "4bit":
+        opt = AdamW4bit(model.parameters(), lr=1e-3, min_4bit_size=1024, second_moment_map=v_map)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -31,6 +35,10 @@ def _model_and_optimizer(n_embd: int = 32, optim: str = "8bit", block_size: int 
     opt.step()
     opt.zero_grad()
     return model, opt
+
+
+def _4bit():
+    return _model_and_optimizer(optim="4bit")
 
 
 def _refusal(path: Path, **kw) -> str:
@@ -52,6 +60,12 @@ def _cases(rank: int, world: int, tmp: str) -> dict[str, str]:
         "optimizer": _refusal(path, optim="adamw"),
         "model": _refusal(path, n_embd=64),
     }
+    # 4-bit: the second moment's code map shapes the meaning of the saved codes.
+    path4 = ckpt.save_checkpoint(
+        Path(tmp) / "ckpt4", step=1, **dict(zip(("model", "optimizer"), _4bit())), keep=5
+    )
+    out["4bit_same"] = _refusal(path4, optim="4bit")
+    out["4bit_v_map"] = _refusal(path4, optim="4bit", v_map="dynamic")
     # Per-rank (torch.save) checkpoints compare the same layout.
     per_rank = ckpt.save_checkpoint(
         Path(tmp) / "per_rank", step=1, model=model, optimizer=opt, per_rank=True
@@ -86,6 +100,14 @@ def test_a_checkpoint_of_the_same_configuration_loads(cases):
 def test_another_block_size_is_refused_by_name(cases):
     assert "was saved from another configuration" in cases["block"]
     assert "optimizer param group 0 block_size 256 in the checkpoint, 128 here" in cases["block"]
+
+
+def test_another_4bit_second_moment_map_is_refused_by_name(cases):
+    assert cases["4bit_same"] == "loaded"
+    assert (
+        "optimizer param group 0 second_moment_map linear in the checkpoint, dynamic here"
+        in cases["4bit_v_map"]
+    ), cases["4bit_v_map"]
 
 
 def test_another_optimizer_is_refused_by_name(cases):

@@ -178,7 +178,13 @@ def _discard(path: Path) -> None:
 
 
 # Param-group settings that shape an optimizer's state (see [Note: checkpoint layout]).
-_LAYOUT_GROUP_KEYS = ("block_size", "optim_bits", "min_8bit_size")
+_LAYOUT_GROUP_KEYS = (
+    "block_size",
+    "optim_bits",
+    "min_8bit_size",
+    "min_4bit_size",
+    "second_moment_map",  # 4-bit v codes mean other values under another map
+)
 
 
 def _describe(t: Any) -> str | None:
