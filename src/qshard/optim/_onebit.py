@@ -23,7 +23,6 @@ of compression (the lost residue is at most one step's compression error).
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -130,15 +129,8 @@ class _DataParallelOneBitOptimizer(Optimizer):
 
     # ----------------------------------------------------------------------- parameters
     def _check_param(self, p: torch.Tensor) -> None:
+        # DTensors never get here: localize() steps HSDP shards locally and refuses the rest.
         name = type(self).__name__
-        # No DTensor can exist unless its module was imported; importing it costs seconds.
-        dtensor_module = sys.modules.get("torch.distributed.tensor")
-        if dtensor_module is not None and isinstance(p, dtensor_module.DTensor):
-            raise TypeError(
-                f"{name} needs replicated parameters (plain tensors, identical on every rank); "
-                f"got a DTensor with placements {p.placements}. Sharded (FSDP2/TP) parameters "
-                "are not supported: use AdamW on sharded parameters, or replicate the model"
-            )
         if p.dtype != torch.float32:
             raise TypeError(
                 f"{name} keeps fp32 state and updates fp32 parameters; got a {p.dtype} "
