@@ -50,6 +50,23 @@ static inline int nib(const uint8_t *c, int k) { return (c[k >> 1] >> ((k & 1) *
 /* s[0..n) = code[nibble k] * amax. */
 static void decode4(const float *code, const uint8_t *c, float amax, int n, float *s) {
     int k = 0;
+#if defined(__AVX512F__)
+    { /* 16 lanes: the whole 16-entry map in one register, one permute per 16 values */
+        const __m512 tab = _mm512_loadu_ps(code), az = _mm512_set1_ps(amax);
+        const __m512i shz = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20,
+                                              24, 28);
+        const __m512i m15z = _mm512_set1_epi32(15);
+        for (; k + 16 <= n; k += 16) {
+            uint32_t w0, w1;
+            memcpy(&w0, c + (k >> 1), 4);
+            memcpy(&w1, c + (k >> 1) + 4, 4);
+            const __m512i words = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_set1_epi32((int)w0)), _mm256_set1_epi32((int)w1), 1);
+            const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(words, shz), m15z);
+            _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), az));
+        }
+    }
+#endif
 #ifdef __AVX2__
     const __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
     const __m256 a = _mm256_set1_ps(amax);
@@ -83,6 +100,49 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     }
     const float r = amax == 0.0f ? 1.0f : 1.0f / amax; /* an all-zero block: codes of 0.0 */
     int k = 0;
+#if defined(__AVX512F__)
+    { /* 16 lanes, mask compares: the same counts as the 8-lane loop below */
+        const __m512 rz = _mm512_set1_ps(r), zerofz = _mm512_setzero_ps();
+        const __m512 sixteenz = _mm512_set1_ps(16.0f), onehalfz = _mm512_set1_ps(1.5f);
+        const __m512i zeroz = _mm512_setzero_si512(), fifteenz = _mm512_set1_epi32(15);
+        const __m512i onez = _mm512_set1_epi32(1), sevenz = _mm512_set1_epi32(7);
+        const __m512i oddz = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        __m512 midz[15];
+        for (int m = 0; m < 15; m++) midz[m] = _mm512_set1_ps(mid[m]);
+        for (; k + 16 <= n; k += 16) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + k), rz);
+            __m512i i;
+            if (linear == 1) {
+                const __m512 t = _mm512_roundscale_ps(
+                    _mm512_sub_ps(_mm512_mul_ps(x, sixteenz), onehalfz),
+                    _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+                i = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(t), zeroz), fifteenz);
+            } else if (linear == 2) { /* see the 8-lane loop */
+                const __m512i a = _mm512_castps_si512(_mm512_abs_ps(x));
+                const __mmask16 pos = _mm512_cmp_ps_mask(x, zerofz, _CMP_GT_OQ);
+                const __m512 ae = _mm512_castsi512_ps(
+                    _mm512_mask_add_epi32(a, (__mmask16)~pos, a, onez));
+                __m512i cnt = zeroz;
+                for (int m = 0; m < 8; m++)
+                    cnt = _mm512_mask_add_epi32(
+                        cnt, _mm512_cmp_ps_mask(ae, midz[7 + m], _CMP_GT_OQ), cnt, onez);
+                i = _mm512_mask_blend_epi32(pos,
+                                            _mm512_sub_epi32(sevenz, _mm512_min_epi32(cnt, sevenz)),
+                                            _mm512_add_epi32(sevenz, cnt));
+            } else {
+                i = zeroz;
+                for (int m = 0; m < 15; m++)
+                    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(x, midz[m], _CMP_GT_OQ), i,
+                                              onez);
+            }
+            /* byte j = i[2j] | i[2j + 1] << 4: the low byte of each 64-bit lane */
+            const __m512i sh = _mm512_sllv_epi32(i, oddz);
+            const __m512i pair = _mm512_or_si512(sh, _mm512_srli_epi64(sh, 32));
+            const uint64_t out = (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pair));
+            memcpy(c + (k >> 1), &out, 8);
+        }
+    }
+#endif
 #ifdef __AVX2__
     const __m256 rv = _mm256_set1_ps(r);
     const __m256 sixteen = _mm256_set1_ps(16.0f), onehalf = _mm256_set1_ps(1.5f);
@@ -153,6 +213,36 @@ static inline __attribute__((always_inline)) void adam_block4(
     const float wd = hp[4], step_size = hp[5], ibc2 = hp[6], decay = hp[7];
     uint32_t r1 = 0, r2 = 0; /* max |m|, |v| on the bit patterns: NaN/Inf make them NaN */
     int k = 0;
+#if defined(__AVX512F__)
+    /* 16 lanes: the same IEEE operations in the same order as the 8-lane loop below. */
+    {
+        const __m512 b1wz = _mm512_set1_ps(b1w), b2z = _mm512_set1_ps(b2);
+        const __m512 b2wz = _mm512_set1_ps(b2w), epsz = _mm512_set1_ps(eps);
+        const __m512 wdz = _mm512_set1_ps(wd), stz = _mm512_set1_ps(step_size);
+        const __m512 bcz = _mm512_set1_ps(ibc2), decz = _mm512_set1_ps(decay);
+        const __m512 zeroz = _mm512_setzero_ps();
+        const __m512i absz = _mm512_set1_epi32(0x7FFFFFFF);
+        __m512i z1 = _mm512_setzero_si512(), z2 = _mm512_setzero_si512();
+        for (; k + 16 <= n; k += 16) {
+            const __m512 m0 = _mm512_loadu_ps(s1 + k), v0 = _mm512_loadu_ps(s2 + k);
+            const __m512 p0 = _mm512_loadu_ps(pp + k);
+            __m512 gi = _mm512_add_ps(_mm512_loadu_ps(gg + k), zeroz), pi = p0;
+            if (mode == 1) pi = _mm512_mul_ps(p0, decz);
+            if (mode == 2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wdz, p0));
+            const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(b1wz, _mm512_sub_ps(gi, m0)));
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(v0, b2z),
+                                           _mm512_mul_ps(_mm512_mul_ps(b2wz, gi), gi));
+            const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), bcz), epsz);
+            _mm512_storeu_ps(pp + k, _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_div_ps(m, den))));
+            _mm512_storeu_ps(s1 + k, m);
+            _mm512_storeu_ps(s2 + k, v);
+            z1 = _mm512_max_epu32(z1, _mm512_and_si512(_mm512_castps_si512(m), absz));
+            z2 = _mm512_max_epu32(z2, _mm512_and_si512(_mm512_castps_si512(v), absz));
+        }
+        r1 = _mm512_reduce_max_epu32(z1);
+        r2 = _mm512_reduce_max_epu32(z2);
+    }
+#endif
 #ifdef __AVX2__
     const __m256 b1wv = _mm256_set1_ps(b1w), b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
     const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
