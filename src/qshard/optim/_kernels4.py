@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 
 from qshard._native import NativeLibrary
-from qshard.optim._kernels import NONFINITE_C
+from qshard.optim._kernels import NONFINITE_C, adam_block_c
 from qshard.quant._codetable import NEAREST_C
 
 __all__: list[str] = []  # private module
@@ -202,93 +202,9 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     }
 }
 
-/* Adam / AdamW on one decoded block, returning both new absmaxes (mode 1: decoupled decay of
- * p, 2: L2 weight decay into g, 0: neither). The 8-bit kernel's operations and order:
- * m = m + (1-b1)(g - m) (torch's lerp), v = v*b2 + ((1-b2) g) g (addcmul),
- * p = p - step_size * (m / (sqrt(v) * (1 / bc2) + eps)) (addcdiv). */
-static inline __attribute__((always_inline)) void adam_block4(
-    float *restrict pp, const float *restrict gg, float *restrict s1, float *restrict s2, int n,
-    const float *hp, int mode, float *amax1, float *amax2) {
-    const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
-    const float wd = hp[4], step_size = hp[5], ibc2 = hp[6], decay = hp[7];
-    uint32_t r1 = 0, r2 = 0; /* max |m|, |v| on the bit patterns: NaN/Inf make them NaN */
-    int k = 0;
-#if defined(__AVX512F__)
-    /* 16 lanes: the same IEEE operations in the same order as the 8-lane loop below. */
-    {
-        const __m512 b1wz = _mm512_set1_ps(b1w), b2z = _mm512_set1_ps(b2);
-        const __m512 b2wz = _mm512_set1_ps(b2w), epsz = _mm512_set1_ps(eps);
-        const __m512 wdz = _mm512_set1_ps(wd), stz = _mm512_set1_ps(step_size);
-        const __m512 bcz = _mm512_set1_ps(ibc2), decz = _mm512_set1_ps(decay);
-        const __m512 zeroz = _mm512_setzero_ps();
-        const __m512i absz = _mm512_set1_epi32(0x7FFFFFFF);
-        __m512i z1 = _mm512_setzero_si512(), z2 = _mm512_setzero_si512();
-        for (; k + 16 <= n; k += 16) {
-            const __m512 m0 = _mm512_loadu_ps(s1 + k), v0 = _mm512_loadu_ps(s2 + k);
-            const __m512 p0 = _mm512_loadu_ps(pp + k);
-            __m512 gi = _mm512_add_ps(_mm512_loadu_ps(gg + k), zeroz), pi = p0;
-            if (mode == 1) pi = _mm512_mul_ps(p0, decz);
-            if (mode == 2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wdz, p0));
-            const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(b1wz, _mm512_sub_ps(gi, m0)));
-            const __m512 v = _mm512_add_ps(_mm512_mul_ps(v0, b2z),
-                                           _mm512_mul_ps(_mm512_mul_ps(b2wz, gi), gi));
-            const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), bcz), epsz);
-            _mm512_storeu_ps(pp + k, _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_div_ps(m, den))));
-            _mm512_storeu_ps(s1 + k, m);
-            _mm512_storeu_ps(s2 + k, v);
-            z1 = _mm512_max_epu32(z1, _mm512_and_si512(_mm512_castps_si512(m), absz));
-            z2 = _mm512_max_epu32(z2, _mm512_and_si512(_mm512_castps_si512(v), absz));
-        }
-        r1 = _mm512_reduce_max_epu32(z1);
-        r2 = _mm512_reduce_max_epu32(z2);
-    }
-#endif
-#ifdef __AVX2__
-    const __m256 b1wv = _mm256_set1_ps(b1w), b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
-    const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
-    const __m256 stv = _mm256_set1_ps(step_size), bcv = _mm256_set1_ps(ibc2);
-    const __m256 decv = _mm256_set1_ps(decay), zero = _mm256_setzero_ps();
-    const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
-    __m256i acc1 = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
-    for (; k + 8 <= n; k += 8) {
-        const __m256 m0 = _mm256_loadu_ps(s1 + k), v0 = _mm256_loadu_ps(s2 + k);
-        const __m256 p0 = _mm256_loadu_ps(pp + k);
-        __m256 gi = _mm256_add_ps(_mm256_loadu_ps(gg + k), zero), pi = p0;
-        if (mode == 1) pi = _mm256_mul_ps(p0, decv);
-        if (mode == 2) gi = _mm256_add_ps(gi, _mm256_mul_ps(wdv, p0));
-        const __m256 m = _mm256_add_ps(m0, _mm256_mul_ps(b1wv, _mm256_sub_ps(gi, m0)));
-        const __m256 v = _mm256_add_ps(_mm256_mul_ps(v0, b2v),
-                                       _mm256_mul_ps(_mm256_mul_ps(b2wv, gi), gi));
-        const __m256 den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), bcv), epsv);
-        _mm256_storeu_ps(pp + k, _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
-        _mm256_storeu_ps(s1 + k, m);
-        _mm256_storeu_ps(s2 + k, v);
-        acc1 = _mm256_max_epu32(acc1, _mm256_and_si256(_mm256_castps_si256(m), absmask));
-        acc2 = _mm256_max_epu32(acc2, _mm256_and_si256(_mm256_castps_si256(v), absmask));
-    }
-    uint32_t l1[8], l2[8];
-    _mm256_storeu_si256((__m256i *)l1, acc1);
-    _mm256_storeu_si256((__m256i *)l2, acc2);
-    for (int l = 0; l < 8; l++) {
-        r1 = l1[l] > r1 ? l1[l] : r1;
-        r2 = l2[l] > r2 ? l2[l] : r2;
-    }
-#endif
-    for (; k < n; k++) {
-        float pi = pp[k], gi = gg[k] + 0.0f;
-        if (mode == 1) pi = pi * decay;
-        if (mode == 2) gi = gi + wd * pi;
-        const float m = s1[k] + b1w * (gi - s1[k]);
-        const float v = s2[k] * b2 + b2w * gi * gi;
-        pp[k] = pi - step_size * (m / (sqrtf(v) * ibc2 + eps));
-        s1[k] = m; s2[k] = v;
-        const uint32_t f1 = abs_bits(m), f2 = abs_bits(v);
-        r1 = f1 > r1 ? f1 : r1;
-        r2 = f2 > r2 ? f2 : r2;
-    }
-    *amax1 = absmax_of_bits(r1);
-    *amax2 = absmax_of_bits(r2);
-}
+"""
+    + adam_block_c(bias_correction="mul")
+    + r"""
 
 /*
  * One Adam/AdamW step over `rows` rows of `row_numel` elements with 4-bit m (c1/a1, map code1,
@@ -314,9 +230,9 @@ int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float 
         decode4(code1, c1 + coff, a1[b], n, s1);
         decode4(code2, c2 + coff, a2[b], n, s2);
         float m1, m2;
-        if (mode == 1) adam_block4(p + off, g + off, s1, s2, n, hp, 1, &m1, &m2);
-        else if (mode == 2) adam_block4(p + off, g + off, s1, s2, n, hp, 2, &m1, &m2);
-        else adam_block4(p + off, g + off, s1, s2, n, hp, 0, &m1, &m2);
+        if (mode == 1) adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 1, &m1, &m2);
+        else if (mode == 2) adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 2, &m1, &m2);
+        else adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 0, &m1, &m2);
         a1[b] = m1;
         a2[b] = m2;
         encode4(lut1, mid1, linear1, s1, n, m1, c1 + coff);
