@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 __all__ = ["WIRE_DTYPES", "DeferredWork", "WireComm", "group_ranks", "log_once", "phase_tag"]
 
@@ -63,23 +64,35 @@ class DeferredWork(dist.distributed_c10d.Work):
     ``wait()`` finishes the work the collective started (dequantization, a cast, a copy out),
     so with ``async_op=True`` that work runs when FSDP2 needs the unsharded parameters,
     after the next block's compute has overlapped the transfer.
+
+    ``label`` names its profiler ranges, ``qshard::<label>::wait`` (blocked on the transfer)
+    and ``qshard::<label>::finish`` (the finishing step), which ``benchmarks/step_profile.py``
+    reads; without an active profiler they cost a few microseconds per call.
     """
 
     def __init__(
-        self, works: Sequence[dist.Work | None], finish: Callable[[], None] | None = None
+        self,
+        works: Sequence[dist.Work | None],
+        finish: Callable[[], None] | None = None,
+        *,
+        label: str = "comm",
     ) -> None:
         super().__init__()
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
+        self._label = label
 
     def wait(self, timeout: object = None) -> bool:
         if not self._done:
-            for w in self._works:
-                w.wait()
+            if self._works:
+                with record_function(f"qshard::{self._label}::wait"):
+                    for w in self._works:
+                        w.wait()
             self._works = []
             if self._finish is not None:
-                self._finish()
+                with record_function(f"qshard::{self._label}::finish"):
+                    self._finish()
                 self._finish = None
             self._done = True
         return True

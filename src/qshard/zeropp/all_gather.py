@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from torch.profiler import record_function
 
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
@@ -57,7 +58,8 @@ class RecordingAllGather(WireComm, AllGather):
                 tag=tag,
             )
             return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        wire_in = input_tensor.to(wire)
+        with record_function("qshard::all_gather::quantize"):
+            wire_in = input_tensor.to(wire)
         wire_out = torch.empty(output_tensor.shape, dtype=wire, device=output_tensor.device)
         record(
             "all_gather",
@@ -65,8 +67,9 @@ class RecordingAllGather(WireComm, AllGather):
             tensor_bytes=wire_out.numel() * wire.itemsize,
             tag=tag,
         )
-        work = _all_gather(wire_out, wire_in, group=group, async_op=async_op)
-        return _finish(work, lambda: output_tensor.copy_(wire_out), async_op)
+        with record_function("qshard::all_gather::transfer"):  # all of it when sync
+            work = _all_gather(wire_out, wire_in, group=group, async_op=async_op)
+        return _finish(work, lambda: output_tensor.copy_(wire_out), async_op, "all_gather")
 
     def __call__(
         self,
@@ -78,13 +81,13 @@ class RecordingAllGather(WireComm, AllGather):
         return self._plain(output_tensor, input_tensor, group, group_ranks(group), async_op)
 
 
-def _finish(work: dist.Work | None, finish, async_op: bool) -> dist.Work | None:
-    """Return a handle that runs ``finish`` after ``work`` (async), or run it now (sync)."""
+def _finish(work: dist.Work | None, finish, async_op: bool, label: str) -> dist.Work | None:
+    """Return a handle that runs ``finish`` after ``work`` (async), or run it now (sync);
+    ``label`` names the profiler ranges (see :class:`DeferredWork`)."""
+    handle = DeferredWork([work], finish, label=label)
     if async_op:
-        return DeferredWork([work], finish)
-    if work is not None:
-        work.wait()
-    finish()
+        return handle
+    handle.wait()
     return None
 
 
@@ -178,12 +181,13 @@ class QuantizedAllGather(RecordingAllGather):
         world = len(ranks)
         n = input_tensor.numel()
         padded, positions = self._layout(n, input_tensor.device)
-        x = input_tensor.reshape(1, n)
-        if positions is not None:
-            x = x.new_zeros(1, padded).index_copy_(1, positions, x)
-        elif padded != n:
-            x = torch.cat([x, x.new_zeros(1, padded - n)], dim=1)
-        payload = self.codec.encode(x).view(-1)
+        with record_function("qshard::qwz::quantize"):
+            x = input_tensor.reshape(1, n)
+            if positions is not None:
+                x = x.new_zeros(1, padded).index_copy_(1, positions, x)
+            elif padded != n:
+                x = torch.cat([x, x.new_zeros(1, padded - n)], dim=1)
+            payload = self.codec.encode(x).view(-1)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         record(
             "all_gather",
@@ -191,7 +195,8 @@ class QuantizedAllGather(RecordingAllGather):
             tensor_bytes=gathered.numel(),
             tag=phase_tag("all_gather"),
         )
-        work = _all_gather(gathered, payload, group=group, async_op=async_op)
+        with record_function("qshard::qwz::transfer"):  # all of it when sync
+            work = _all_gather(gathered, payload, group=group, async_op=async_op)
 
         def dequantize() -> None:
             values = self.codec.decode(gathered.view(world, -1), padded, dtype=output_tensor.dtype)
@@ -201,4 +206,4 @@ class QuantizedAllGather(RecordingAllGather):
                 values = values[:, :n]
             output_tensor.view(world, n).copy_(values)
 
-        return _finish(work, dequantize, async_op)
+        return _finish(work, dequantize, async_op, "qwz")

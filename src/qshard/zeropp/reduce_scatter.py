@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.profiler import record_function
 
 from qshard import _triton
 from qshard.comm.ledger import active_ledger, record
@@ -135,13 +136,16 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
                 tensor_bytes=input_tensor.numel() * input_tensor.element_size(),
                 tag=TAG,
             )
-            return _plain_reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+            with record_function("qshard::reduce_scatter::wait"):  # gloo sums inside the call
+                return _plain_reduce_scatter(output_tensor, input_tensor, group, op, async_op)
         world = len(ranks)
         scale = op_scale(op, world)
-        send = input_tensor.to(wire)
+        with record_function("qshard::reduce_scatter::quantize"):
+            send = input_tensor.to(wire)
         recv = torch.empty_like(send)
         record("all_to_all", group_ranks=ranks, tensor_bytes=send.numel() * wire.itemsize, tag=TAG)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+        with record_function("qshard::reduce_scatter::transfer"):  # all of it when sync
+            work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
 
         def reduce() -> None:
             total = recv.view(world, -1).float().sum(dim=0)
@@ -149,9 +153,10 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
                 total.mul_(scale)
             output_tensor.copy_(total)
 
+        handle = DeferredWork([work], reduce, label="reduce_scatter")
         if async_op:
-            return DeferredWork([work], reduce)
-        reduce()
+            return handle
+        handle.wait()
         return None
 
     def __call__(
@@ -265,7 +270,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         unit = stages * self._pad_blocks * self.block_size
         padded = -(-size // unit) * unit
         sub = padded // stages
-        x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
+        with record_function("qshard::qgz::reorder"):
+            x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
         intra_group = topo.intra_node_group if per_node > 1 else None
         inter_group = topo.inter_node_group if nodes > 1 else None
         intra_ranks = topo.node_ranks(topo.node)
@@ -276,7 +282,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         def start_intra(k: int):
             if intra_group is None:
                 return None, x[k].view(1, m1)  # one rank per node: this rank's own slices
-            send = codec.encode(x[k].view(per_node, m1))
+            with record_function("qshard::qgz::quantize_intra"):
+                send = codec.encode(x[k].view(per_node, m1))
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
             return dist.all_to_all_single(recv, send, group=intra_group, async_op=True), recv
@@ -284,13 +291,16 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         def finish_intra(work, recv) -> torch.Tensor:
             if work is None:
                 return recv.view(nodes, sub)
-            work.wait()
-            return codec.decode(recv, m1).sum(dim=0).view(nodes, sub)
+            with record_function("qshard::qgz::wait_intra"):
+                work.wait()
+            with record_function("qshard::qgz::reduce_intra"):
+                return codec.decode(recv, m1).sum(dim=0).view(nodes, sub)
 
         def start_inter(partial: torch.Tensor):
             if inter_group is None:
                 return None, partial
-            send = codec.encode(partial.view(nodes, m2))
+            with record_function("qshard::qgz::quantize_inter"):
+                send = codec.encode(partial.view(nodes, m2))
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=inter_ranks, tensor_bytes=send.numel(), tag=TAG)
             return dist.all_to_all_single(recv, send, group=inter_group, async_op=True), recv
@@ -298,8 +308,10 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         def finish_inter(work, recv) -> torch.Tensor:
             if work is None:
                 return recv.view(-1)
-            work.wait()
-            return codec.decode(recv, m2).sum(dim=0)
+            with record_function("qshard::qgz::wait_inter"):
+                work.wait()
+            with record_function("qshard::qgz::reduce_inter"):
+                return codec.decode(recv, m2).sum(dim=0)
 
         result = torch.empty(padded, dtype=torch.float32, device=output.device)
         pending_intra = start_intra(0)
