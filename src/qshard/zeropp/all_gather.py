@@ -57,7 +57,10 @@ class RecordingAllGather(WireComm, AllGather):
                 tensor_bytes=output_tensor.numel() * output_tensor.element_size(),
                 tag=tag,
             )
-            return _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            with record_function("qshard::all_gather::transfer"):  # all of it when sync
+                work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            # FSDP2 waits on a raw handle inside its copy-out; this one's wait is its own range.
+            return DeferredWork([work], label="all_gather") if async_op else work
         with record_function("qshard::all_gather::quantize"):
             wire_in = input_tensor.to(wire)
         wire_out = torch.empty(output_tensor.shape, dtype=wire, device=output_tensor.device)
