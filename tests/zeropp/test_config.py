@@ -44,6 +44,9 @@ def test_unknown_and_positional_options_are_errors():
         ZeroPPConfig(True)  # type: ignore[misc]
     with pytest.raises(TypeError, match="qwz must be a bool"):
         ZeroPPConfig(qwz=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="overlap_reduce_scatter must be a bool"):
+        ZeroPPConfig(qgz=True, overlap_reduce_scatter="yes")  # type: ignore[arg-type]
+    assert ZeroPPConfig().overlap_reduce_scatter  # the default: qgZ overlaps backward
 
 
 def test_find_blocks():

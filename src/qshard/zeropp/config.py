@@ -30,6 +30,13 @@ class ZeroPPConfig:
         grad_block_size: elements per qgZ quantization block.
         pipeline_stages: qgZ chunks pipelined through the two hops (1 = no pipelining); the
             inter-node hop of chunk ``k`` overlaps the intra-node hop of chunk ``k+1``.
+        overlap_reduce_scatter: let qgZ's reduce-scatter return from FSDP2's call after
+            starting its intra-node hop, and finish both hops while the next blocks' backward
+            runs; every pending reduce-scatter is finished before ``backward()`` returns (see
+            [Note: deferred qgZ] in ``qshard/zeropp/_overlap.py``). Used only where FSDP2 does
+            nothing with the output but view it (no accumulation into an existing gradient,
+            post-accumulate-grad hook, dtype cast or post-divide); elsewhere qgZ runs
+            synchronously. Numerics and bytes unchanged.
         wire_dtype: ``None`` sends unquantized collectives in the parameter / reduce dtype;
             ``torch.bfloat16`` or ``torch.float16`` casts them to 16 bits on the wire while
             computing and reducing in fp32 (the paper's fp16 ZeRO-3 baseline, on hardware
@@ -66,6 +73,7 @@ class ZeroPPConfig:
     grad_bits: int = 4
     grad_block_size: int = 256
     pipeline_stages: int = 1
+    overlap_reduce_scatter: bool = True
     wire_dtype: torch.dtype | None = None
     prefetch: bool = True
     record: bool = True
@@ -80,6 +88,7 @@ class ZeroPPConfig:
             "qwz",
             "hpz",
             "qgz",
+            "overlap_reduce_scatter",
             "prefetch",
             "record",
             "hsdp",

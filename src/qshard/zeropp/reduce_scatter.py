@@ -39,6 +39,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
@@ -47,6 +48,7 @@ from qshard import _triton
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once
+from qshard.zeropp._overlap import OverlapQueue, defer_reason
 from qshard.zeropp._wire import RowCodec
 
 __all__ = [
@@ -197,6 +199,14 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         block_size: elements per quantization block (multiple of 8).
         pipeline_stages: chunks pipelined through the two hops.
         wire_dtype: used only with ``bits=None`` and for the fallback.
+        unit: the FSDP unit (an ``FSDPModule``) whose gradients this comm reduces; needed to
+            overlap (FSDP2 says through it what follows the call).
+        overlap: with ``unit``, return from FSDP2's call before the hops finish whenever FSDP2
+            allows it, and finish them during the rest of backward (see [Note: deferred
+            qgZ] in :mod:`qshard.zeropp._overlap`); counted as ledger event
+            ``qgz_overlapped``. Same bits and bytes as the synchronous path.
+        queue: the progress queue shared by every comm over the same process groups
+            (:func:`qshard.zeropp.shard` passes one per call); default: this comm's own.
     """
 
     def __init__(
@@ -207,8 +217,13 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         block_size: int = 256,
         pipeline_stages: int = 1,
         wire_dtype: torch.dtype | None = None,
+        unit: nn.Module | None = None,
+        overlap: bool = False,
+        queue: OverlapQueue | None = None,
     ) -> None:
         super().__init__(wire_dtype=wire_dtype)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool; got {overlap!r}")
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be 4, 8 or None; got {bits}")
         if block_size < 8 or block_size % 8:
@@ -226,6 +241,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         # of codes (checked in the sm_90 PTX: byte-wise loads otherwise). Both paths pad alike,
         # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
         self._pad_blocks = 1 if bits is None else 4
+        self.unit = unit
+        self.overlap = overlap
+        self.queue = queue if queue is not None else OverlapQueue()
 
     def __call__(
         self,
@@ -245,12 +263,28 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             )
             if (ledger := active_ledger()) is not None:
                 ledger.count("qgz_fallback_plain")
+            self.queue.drain()  # older deferred reductions issue their collectives first
             return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
-        self._reduce(output_tensor, input_tensor, op_scale(op, len(ranks)))
+        scale = op_scale(op, len(ranks))
+        if (
+            self.overlap
+            and not async_op
+            and self.topology.world_size > 1
+            and not _triton.serves(input_tensor)
+            and defer_reason(self.unit, output_tensor) is None
+        ):
+            self.queue.prepare()
+            self._count_topology_events()
+            self.queue.push(_Reduction(self, output_tensor, input_tensor, scale))
+            if (ledger := active_ledger()) is not None:
+                ledger.count("qgz_overlapped")
+            return None
+        self.queue.drain()
+        self._reduce(output_tensor, input_tensor, scale)
         # FSDP2 calls the reduce-scatter synchronously; if asked for a handle, the work is done.
         return DeferredWork([]) if async_op else None
 
-    def _reduce(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
+    def _count_topology_events(self) -> None:
         topo = self.topology
         nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
         ledger = active_ledger()
@@ -262,76 +296,16 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             log_once("qgz-one-rank", "qgZ with one rank per node: the intra-node hop is local")
             if ledger is not None:
                 ledger.count("qgz_single_rank_nodes")
+
+    def _reduce(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
+        self._count_topology_events()
+        world = self.topology.world_size
         if self.bits is not None and world > 1 and output.numel() and _triton.serves(inp):
             self._reduce_fused(output, inp, scale)
             return
-        stages = self.pipeline_stages
-        size = output.numel()
-        unit = stages * self._pad_blocks * self.block_size
-        padded = -(-size // unit) * unit
-        sub = padded // stages
-        with record_function("qshard::qgz::reorder"):
-            x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
-        intra_group = topo.intra_node_group if per_node > 1 else None
-        inter_group = topo.inter_node_group if nodes > 1 else None
-        intra_ranks = topo.node_ranks(topo.node)
-        inter_ranks = topo.peer_ranks(topo.local_rank)
-        codec = self.codec
-        m1, m2 = nodes * sub, sub
-
-        def start_intra(k: int):
-            if intra_group is None:
-                return None, x[k].view(1, m1)  # one rank per node: this rank's own slices
-            with record_function("qshard::qgz::quantize_intra"):
-                send = codec.encode(x[k].view(per_node, m1))
-            recv = torch.empty_like(send)
-            record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
-            return dist.all_to_all_single(recv, send, group=intra_group, async_op=True), recv
-
-        def finish_intra(work, recv) -> torch.Tensor:
-            if work is None:
-                return recv.view(nodes, sub)
-            with record_function("qshard::qgz::wait_intra"):
-                work.wait()
-            with record_function("qshard::qgz::reduce_intra"):
-                return codec.decode(recv, m1).sum(dim=0).view(nodes, sub)
-
-        def start_inter(partial: torch.Tensor):
-            if inter_group is None:
-                return None, partial
-            with record_function("qshard::qgz::quantize_inter"):
-                send = codec.encode(partial.view(nodes, m2))
-            recv = torch.empty_like(send)
-            record("all_to_all", group_ranks=inter_ranks, tensor_bytes=send.numel(), tag=TAG)
-            return dist.all_to_all_single(recv, send, group=inter_group, async_op=True), recv
-
-        def finish_inter(work, recv) -> torch.Tensor:
-            if work is None:
-                return recv.view(-1)
-            with record_function("qshard::qgz::wait_inter"):
-                work.wait()
-            with record_function("qshard::qgz::reduce_inter"):
-                return codec.decode(recv, m2).sum(dim=0)
-
-        result = torch.empty(padded, dtype=torch.float32, device=output.device)
-        pending_intra = start_intra(0)
-        pending_inter: list[tuple[int, object, torch.Tensor]] = []
-        for k in range(stages):
-            nxt = start_intra(k + 1) if k + 1 < stages else None
-            partial = finish_intra(*pending_intra)
-            work, recv = start_inter(partial)
-            pending_inter.append((k, work, recv))
-            # Drain finished inter hops, keeping one in flight while the next stage proceeds.
-            while len(pending_inter) > 1:
-                kk, w, r = pending_inter.pop(0)
-                result[kk * sub : (kk + 1) * sub] = finish_inter(w, r)
-            pending_intra = nxt
-        for kk, w, r in pending_inter:
-            result[kk * sub : (kk + 1) * sub] = finish_inter(w, r)
-        out = result[:size]
-        if scale != 1.0:
-            out = out * scale
-        output.copy_(out.view(output.shape))
+        reduction = _Reduction(self, output, inp, scale)
+        reduction.issue()
+        reduction.finish(block=True)
 
     def _reduce_fused(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         """``_reduce`` on qgZ's fused Triton kernels (CUDA tensors): see [Note: fused qgZ]."""
@@ -416,6 +390,128 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             last_hop(*pending)
         if not direct:
             output.copy_(out.view(output.shape))
+
+
+class _Reduction:
+    """One qgZ reduce-scatter on the torch path, as a state machine the synchronous call runs to
+    the end at once and the deferred one advances step by step (see [Note: deferred qgZ]).
+
+    Construction reorders the slices and issues every stage's hop 1 (intra-node all-to-all);
+    :meth:`issue` finishes hop 1, sums and re-quantizes the node partials and issues hop 2
+    (inter-node); :meth:`finish` sums what hop 2 delivered and writes the output once every
+    stage is summed. The arithmetic and its order are the same however the steps are spread in time,
+    so the deferred and synchronous paths give the same bits and send the same bytes.
+    """
+
+    __slots__ = (
+        "codec",
+        "finished",
+        "inter",
+        "inter_group",
+        "inter_ranks",
+        "intra",
+        "issued",
+        "nodes",
+        "output",
+        "result",
+        "scale",
+        "size",
+        "stages",
+        "sub",
+    )
+
+    def __init__(
+        self,
+        comm: HierarchicalQuantizedReduceScatter,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        scale: float,
+    ) -> None:
+        topo = comm.topology
+        nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
+        stages = comm.pipeline_stages
+        size = output.numel()
+        unit = stages * comm._pad_blocks * comm.block_size
+        padded = -(-size // unit) * unit
+        sub = padded // stages
+        with record_function("qshard::qgz::reorder"):
+            x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
+        self.codec, self.output, self.scale = comm.codec, output, scale
+        self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
+        self.inter_group = topo.inter_node_group if nodes > 1 else None
+        self.inter_ranks = topo.peer_ranks(topo.local_rank)
+        self.result = torch.empty(padded, dtype=torch.float32, device=output.device)
+        self.inter: list[tuple[dist.Work | None, torch.Tensor] | None] = [None] * stages
+        self.issued = 0  # stages whose hop 2 is issued (or, on one node, whose sum is final)
+        self.finished = 0  # stages whose slice of the result is written
+        m1 = nodes * sub
+        self.intra: list[tuple[dist.Work | None, torch.Tensor] | None] = []
+        if per_node == 1:  # one rank per node: hop 1 is local, this rank's own slices
+            self.intra = [(None, x[k].view(1, m1)) for k in range(stages)]
+            return
+        intra_group, intra_ranks = topo.intra_node_group, topo.node_ranks(topo.node)
+        for k in range(stages):
+            with record_function("qshard::qgz::quantize_intra"):
+                send = self.codec.encode(x[k].view(per_node, m1))
+            recv = torch.empty_like(send)
+            record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
+            work = dist.all_to_all_single(recv, send, group=intra_group, async_op=True)
+            self.intra.append((work, recv))
+
+    def issue(self) -> None:
+        """Finish hop 1 of every stage (waiting for it), sum and re-quantize the node partials
+        and issue every stage's hop 2: after this, nothing is left to issue."""
+        nodes, sub, codec = self.nodes, self.sub, self.codec
+        while self.issued < self.stages:
+            k = self.issued
+            work, recv = self.intra[k]  # type: ignore[misc]
+            if work is None:
+                partial = recv.view(nodes, sub)
+            else:
+                with record_function("qshard::qgz::wait_intra"):
+                    work.wait()
+                with record_function("qshard::qgz::reduce_intra"):
+                    partial = codec.decode(recv, nodes * sub).sum(dim=0).view(nodes, sub)
+            self.intra[k] = None
+            if self.inter_group is None:
+                self.inter[k] = (None, partial.view(-1))
+            else:
+                with record_function("qshard::qgz::quantize_inter"):
+                    send = codec.encode(partial.view(nodes, sub))
+                recv = torch.empty_like(send)
+                record(
+                    "all_to_all", group_ranks=self.inter_ranks, tensor_bytes=send.numel(), tag=TAG
+                )
+                work = dist.all_to_all_single(recv, send, group=self.inter_group, async_op=True)
+                self.inter[k] = (work, recv)
+            self.issued += 1
+
+    def finish(self, *, block: bool) -> bool:
+        """Sum the stages whose hop 2 arrived (all of them, waiting, if ``block``); write the
+        output when every stage is summed. True once the output is written. Issues nothing."""
+        sub, codec = self.sub, self.codec
+        while self.finished < self.issued:
+            k = self.finished
+            work, recv = self.inter[k]  # type: ignore[misc]
+            if not block and work is not None and not work.is_completed():
+                break
+            if work is None:
+                total = recv
+            else:
+                with record_function("qshard::qgz::wait_inter"):
+                    work.wait()
+                with record_function("qshard::qgz::reduce_inter"):
+                    total = codec.decode(recv, sub).sum(dim=0)
+            self.result[k * sub : (k + 1) * sub] = total
+            self.inter[k] = None
+            self.finished += 1
+        if self.finished < self.stages:
+            return False
+        out = self.result[: self.size]
+        if self.scale != 1.0:
+            out = out * self.scale
+        self.output.copy_(out.view(self.output.shape))
+        return True
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from qshard.comm.topology import Topology
+from qshard.zeropp._overlap import OverlapQueue
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
 from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
 from qshard.zeropp.config import ZeroPPConfig
@@ -171,8 +172,9 @@ def shard(
     * all-gather: :class:`~qshard.zeropp.QuantizedAllGather` if ``qwz``, else the recording
       plain one (16-bit wire if ``wire_dtype``);
     * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``);
-    * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``,
-      else the recording plain one;
+    * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``
+      (one per unit, overlapping the rest of backward if ``overlap_reduce_scatter``), else the
+      recording plain one;
     * with ``prefetch``: each block prefetches the next one in forward and the previous one
       in backward, and unshards run asynchronously.
 
@@ -245,21 +247,30 @@ def shard(
             return RecordingAllGather(wire_dtype=config.wire_dtype)
         return None
 
-    reduce_scatter = None
-    if config.qgz:
-        reduce_scatter = HierarchicalQuantizedReduceScatter(
-            topology=topology,
-            bits=config.grad_bits,
-            block_size=config.grad_block_size,
-            pipeline_stages=config.pipeline_stages,
-        )
-    elif config.record or config.wire_dtype is not None:
-        reduce_scatter = RecordingReduceScatter(wire_dtype=config.wire_dtype)
+    # One qgZ comm per FSDP unit (deferral checks what FSDP2 does after the unit's call), one
+    # progress queue for all of them (they share the process groups; see [Note: deferred qgZ]).
+    queue = OverlapQueue()
+
+    def make_reduce_scatter(module: FSDPModule):
+        if config.qgz:
+            return HierarchicalQuantizedReduceScatter(
+                topology=topology,
+                bits=config.grad_bits,
+                block_size=config.grad_block_size,
+                pipeline_stages=config.pipeline_stages,
+                unit=module,
+                overlap=config.overlap_reduce_scatter,
+                queue=queue,
+            )
+        if config.record or config.wire_dtype is not None:
+            return RecordingReduceScatter(wire_dtype=config.wire_dtype)
+        return None
+
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
     for m in fsdp_modules:
         if (all_gather := make_all_gather(m)) is not None:
             m.set_custom_all_gather(all_gather)
-        if reduce_scatter is not None:
+        if (reduce_scatter := make_reduce_scatter(m)) is not None:
             m.set_custom_reduce_scatter(reduce_scatter)
 
     _prefetch(root, block_list, config)

@@ -1,0 +1,158 @@
+"""Deferred qgZ: the progress queue that lets a gradient reduce-scatter finish while the next
+block's backward runs, and the check of when FSDP2 allows it.
+
+[Note: deferred qgZ] FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) calls the custom
+reduce-scatter synchronously, without ``async_op``; on CPU there are no streams, so qgZ's two
+hops would block the backward thread until the slow inter-node all-to-all arrives. After the
+call FSDP2 only (a) divides the output by a post-divide factor (only for reduce dtypes other
+than fp32/bf16, or with ``force_sum_reduction_for_comms``), (b) casts it to the parameters'
+dtype if the reduce dtype differs, (c) views it as the new sharded gradients, or adds it into
+existing ones, (d) runs post-accumulate-grad hooks, (e) runs the HSDP all-reduce / the
+all-reduce hook. (c)'s view does not read the values, so when none of (a), (b), (d), (e)
+applies and no gradient exists yet to add into, the reduce-scatter may return before its
+output is written: it quantizes and starts hop 1, queues the rest here, and returns; FSDP2
+views the not-yet-written buffer as the gradients.
+
+At every later qgZ call the queue advances the pending reductions: each finishes its hop 1
+(intra-node, over the node's fast links; it had a whole block's backward to arrive),
+re-quantizes its node partials and issues hop 2 (inter-node), and each whose hop 2 has arrived
+is summed into its output, without waiting for the rest. An autograd-engine callback queued
+from inside backward drains the queue (blocking); it runs after FSDP2's own final callback
+(queued at the first pre-backward hook; it reads no gradient values) and before
+``backward()`` returns. So ``loss.backward()`` keeps its contract: gradients are complete when
+it returns (``clip_grad_norm_``, optimizers and checkpoints see final values). Any other case
+(outside backward, accumulation into a gradient, hooks, casts, HSDP) drains the queue and runs
+the synchronous path.
+
+Collectives must be issued on every process group in the same order on every rank. A
+reduction issues its hop-1 all-to-alls (intra-node group) when it is called and its hop-2
+all-to-alls (inter-node group) at the next qgZ call or the drain, oldest reduction first; only
+the waits for arrival depend on timing, so what a rank has issued is a function of its program
+point alone. An error in a deferred hop (a failed collective, a decode error) empties the queue
+and is raised from the call or the drain that met it, so ``backward()`` raises it; met in the
+drain, every rank has issued the same collectives and training can go on (tested); met at a
+later qgZ call, FSDP2's ``reset_iter_state()`` is its recovery, and a transfer that failed on
+one rank only leaves the groups out of step, as any failed collective does (restart).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+__all__ = ["OverlapQueue", "defer_reason"]
+
+
+class Pending(Protocol):
+    """A reduction in flight, advanced by the queue."""
+
+    def issue(self) -> None:
+        """Issue every collective left (waiting on what they need)."""
+        ...
+
+    def finish(self, *, block: bool) -> bool:
+        """Consume what arrived (everything, waiting, if ``block``); True once the output is
+        written. Issues nothing."""
+        ...
+
+
+class OverlapQueue:
+    """The FIFO of deferred reductions of one topology's qgZ comms (see [Note: deferred qgZ]).
+
+    Every FSDP unit's comm of one :func:`qshard.zeropp.shard` call shares one queue, because
+    they share the intra- and inter-node process groups whose issue order must agree.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[Pending] = deque()
+        self._task: int | None = None  # graph task whose end drains the queue
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, item: Pending) -> None:
+        """Queue ``item`` and make sure the current backward drains it before it returns."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            raise RuntimeError("a qgZ reduce-scatter can only be deferred inside backward")
+        self._items.append(item)
+        if self._task != task:
+            self._task = task
+            Variable._execution_engine.queue_callback(self._drain_callback)
+
+    def advance(self) -> None:
+        """Progress every pending reduction as far as it can go without blocking."""
+        self._run(block=False)
+
+    def drain(self) -> None:
+        """Finish every pending reduction (blocking), oldest first."""
+        self._run(block=True)
+
+    def prepare(self) -> None:
+        """Before a new deferral: drain leftovers of an earlier backward (one that raised before
+        its callback ran), then progress the rest."""
+        if self._items and self._task != torch._C._current_graph_task_id():
+            self.drain()
+        self.advance()
+
+    def _drain_callback(self) -> None:
+        self._task = None  # a deferral after this point queues a new callback
+        self.drain()
+
+    def _run(self, *, block: bool) -> None:
+        try:
+            # Issue first, every time, oldest first: how many collectives a rank has issued is
+            # then a function of its program point alone, never of timing.
+            for item in self._items:
+                item.issue()
+            for item in list(self._items):
+                if item.finish(block=block):
+                    self._items.remove(item)
+        except Exception as exc:
+            self._items.clear()
+            raise RuntimeError(
+                f"a deferred qgZ reduce-scatter failed ({type(exc).__name__}: {exc}); the "
+                "gradients of this backward are incomplete. ZeroPPConfig("
+                "overlap_reduce_scatter=False) runs qgZ synchronously inside FSDP2's call"
+            ) from exc
+
+
+def _param_group(unit: nn.Module | None):
+    try:
+        groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+    return groups[0] if len(groups) == 1 else None
+
+
+def defer_reason(unit: nn.Module | None, output: torch.Tensor) -> str | None:
+    """None if FSDP2 lets ``unit``'s reduce-scatter into ``output`` finish after the call
+    returns (see [Note: deferred qgZ]), else why not."""
+    if torch._C._current_graph_task_id() == -1:
+        return "outside backward"
+    group = _param_group(unit)
+    if group is None:
+        return "the FSDP unit's parameter group is unknown"
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+
+    if isinstance(group.mesh_info, DDPMeshInfo) or group._all_reduce_hook is not None:
+        return "an all-reduce follows the reduce-scatter (HSDP or an all-reduce hook)"
+    if getattr(group, "force_sum_reduction_for_comms", False):
+        return "FSDP2 post-divides the output (force_sum_reduction_for_comms)"
+    if output.dtype not in (torch.float32, torch.bfloat16):
+        return f"FSDP2 post-divides a {output.dtype} reduce output"
+    if group._orig_dtype is not None and group._orig_dtype != output.dtype:
+        return f"FSDP2 casts the {output.dtype} output to {group._orig_dtype}"
+    for fp in group.fsdp_params:
+        param = fp.sharded_param
+        if param.grad is not None:
+            return "a sharded gradient exists: FSDP2 adds the output into it"
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            return "a post-accumulate-grad hook reads the gradient"
+        if getattr(fp, "offload_to_cpu", False):
+            return "CPU offload copies the output"
+    return None
