@@ -28,13 +28,18 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     (
         "throughput.md",
         "python benchmarks/throughput.py --rates 100,200,400 --steps 10 "
-        "--out-md docs/results/throughput.md",
+        "--out-md docs/results/throughput.md --out-json docs/results/throughput.json",
     ),
     (
         "throughput_hsdp100.md",
         "python benchmarks/throughput.py --rates 100 --steps 10 "
         "--variants all,hsdp,hsdp-int4,hsdp-01,hsdp-1bit "
         "--out-md docs/results/throughput_hsdp100.md",
+    ),
+    (
+        "step_profile.md",
+        "python benchmarks/step_profile.py --rates 100 --steps 3 "
+        "--out-md docs/results/step_profile.md --out-json docs/results/step_profile.json",
     ),
     (
         "deepspeed_zero3.md",

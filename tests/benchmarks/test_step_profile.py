@@ -1,0 +1,131 @@
+"""benchmarks/step_profile.py without a cluster: exclusive range times (against hand-made
+intervals and a real torch.profiler trace of qshard's DeferredWork ranges), FSDP2 label
+cleanup, and the report's grouping on synthetic per-rank numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def sp():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("_bench_step_profile", BENCH / "step_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_exclusive_times_subtract_nested_ranges(sp):
+    ivs = [
+        ("step::forward", 0.0, 10.0),
+        ("FSDP::pre_forward", 1.0, 4.0),
+        ("qshard::qwz::wait", 2.0, 3.0),
+        ("qshard::qwz::finish", 3.0, 3.5),
+        ("FSDP::pre_forward", 6.0, 7.0),  # the same label twice: summed
+        ("step::backward", 10.0, 15.0),
+        ("qshard::qgz::wait_inter", 12.0, 15.0),  # ends with its parent
+    ]
+    excl = sp.exclusive_times(ivs)
+    assert excl == pytest.approx(
+        {
+            "step::forward": 10 - 3 - 1,
+            "FSDP::pre_forward": 3 - 1.5 + 1,
+            "qshard::qwz::wait": 1.0,
+            "qshard::qwz::finish": 0.5,
+            "step::backward": 2.0,
+            "qshard::qgz::wait_inter": 3.0,
+        }
+    )
+    assert sum(excl.values()) == pytest.approx(15.0)  # the outermost ranges' union
+
+
+def test_fsdp_labels_drop_the_module(sp):
+    assert sp._label("FSDP::pre_forward (blocks.0)") == "FSDP::pre_forward"
+    assert sp._label("FSDP::forward_prefetch for blocks.1") == "FSDP::forward_prefetch"
+    assert sp._label("qshard::qgz::wait_intra") == "qshard::qgz::wait_intra"
+
+
+def test_profiler_sees_qshard_ranges_and_phases_add_up(sp):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from qshard.zeropp._common import DeferredWork
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for opt_s in (0.005, 0.03):  # two steps; their ranges must not mix
+            with record_function("step"):
+                with record_function("step::forward"):
+                    handle = DeferredWork([], lambda: time.sleep(0.02), label="qwz")
+                    time.sleep(0.01)
+                    handle.wait()
+                with record_function("step::optimizer"):
+                    time.sleep(opt_s)
+            time.sleep(0.01)  # between steps: in no step
+    (excl, wall), (excl2, wall2) = sp._profile_ranges(prof)
+    assert set(excl) == set(excl2) == {"step::forward", "qshard::qwz::finish", "step::optimizer"}
+    assert excl["qshard::qwz::finish"] >= 0.02 and excl["step::forward"] >= 0.01
+    assert excl["step::optimizer"] >= 0.005 and excl2["step::optimizer"] >= 0.03
+    # Exclusive ranges inside a step add up to at most its wall time (the rest is "other");
+    # counting the finish inside the forward too would exceed it by >= 20 ms.
+    assert 0.035 <= sum(excl.values()) <= wall
+    assert 0.06 <= sum(excl2.values()) <= wall2
+
+
+def _rank(rank, phases, wall):
+    """Three profiled steps; the middle one (by wall time) is ``phases``, the others are a fast
+    one and a 10x outlier that the report must not pick."""
+    step = {"phases": phases, "wall": wall, "cpu_main": wall / 2, "cpu_other": wall / 10}
+    fast = dict(step, phases={"step::forward": 0.001}, wall=wall / 2)
+    outlier = dict(step, phases={"step::optimizer": 10 * wall}, wall=10 * wall)
+    return {"rank": rank, "times": [wall, wall], "steps": [outlier, step, fast]}
+
+
+def test_report_groups_the_slowest_rank(sp, tmp_path):
+    args = sp._args(["--variants", "all", "--out-md", str(tmp_path / "p.md")])
+    fast = {"step::forward": 0.05, "step::backward": 0.1, "step::optimizer": 0.02}
+    slow = {
+        "step::forward": 0.06,
+        "step::backward": 0.12,
+        "step::optimizer": 0.02,
+        "qshard::qwz::quantize": 0.01,
+        "qshard::qgz::reorder": 0.005,
+        "qshard::qwz::wait": 0.2,
+        "qshard::qgz::wait_inter": 0.03,
+        "qshard::reduce_scatter::transfer": 0.01,
+        "qshard::qwz::finish": 0.02,
+        "qshard::qgz::reduce_intra": 0.01,
+        "FSDP::all_gather_copy_out": 0.004,
+        "FSDP::pre_forward": 0.003,
+    }
+    data = {
+        "cores": 2,
+        "load": [1.0, 2.0],
+        "results": {"0": {"all": [_rank(0, fast, 0.17), _rank(1, slow, 0.5)]}},
+    }
+    sp.report(args, data)
+    text = (tmp_path / "p.md").read_text()
+    tables = [t for t in text.split("### ") if t.startswith(("Per phase", "Every range", "CPU"))]
+    phase, ranges, cpu = (_rows(t) for t in tables)
+    # slowest rank: fwd 60, bwd 120, opt 20, quantize 15, wait 240, dequant 30, copy-out 4,
+    # FSDP other 3; other = 500 - 492 = 8 ms; main CPU 250, gloo CPU 50.
+    times = ["500", "500", "60", "120", "20", "15", "240", "30", "4", "3", "8", "250", "50"]
+    assert phase == [["unshaped", "all", *times]]
+    assert ranges[0] == ["unshaped", "all", "qshard::qwz::wait", "0.0", "200.0"]
+    assert ["unshaped", "all", "FSDP::pre_forward", "0.0", "3.0"] in ranges
+    # all ranks' CPU: (0.17 + 0.5) * 0.6 = 402 ms; over 2 cores 201 ms.
+    assert cpu == [["unshaped", "all", "500", "402", "201"]]
+    assert "host load average 1.0 at the start and 2.0 at the end" in text
+
+
+def _rows(table: str) -> list[list[str]]:
+    """The body rows of a markdown table, as stripped cells."""
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
