@@ -26,9 +26,31 @@ min over ``--steps`` timed steps after ``--warmup`` untimed ones. Link bytes are
 ``eth0`` tx counter over the timed steps (read after a barrier), divided by the steps; the ledger
 column is ``CommLedger.gather_summary()``'s inter-node bytes of the busiest node per step.
 
+[Note: the limit column] Per variant and shaped rate, ``limit = max(compute-only step, link
+time)``, printed as ``limit s`` next to the median and ``x limit`` = median / limit:
+
+- compute-only step: with ``--limit`` (default) the launch first runs every variant with the
+  links unshaped (``set_link_rate(0)``: no tbf at all), the same model, ranks, kernels,
+  collectives and bytes, so the link is never the bottleneck and communication is off the
+  critical path as far as this machine allows; its median step time is the variant's compute
+  floor. It still holds the CPU cost of moving the bytes (gloo's copies, the TCP stack on
+  loopback and the bridge: on 2 cores the unshaped bridge carries 3-6 Gbit/s) and the ranks'
+  waits on each other, as any step on these cores does.
+- link time: the busiest direction of the busiest node link, ``max(node tx, node rx)`` bytes per
+  timed step from the eth0 counters, times ``netsim.link.wire_overhead()`` = (MTU+14)/(MTU-52)
+  (1514/1448 at MTU 1500: tbf charges every segment's headers; the TCP payload share 1448/1514 =
+  95.6% is what iperf3 reached through these shapers, 95.2-95.6 Mbit/s at 100 Mbit/s), over the
+  shaped rate. The counters see GSO super-packets, so the headers they already hold (one per
+  64 KiB) are counted twice: <= 0.1%.
+
+A step at its limit either keeps the link busy all the time or runs as fast as with no link.
+
 Needs root (network namespaces); run from the repository root, e.g.
 
     python benchmarks/throughput.py --rates 100,200,400 --steps 10 --out-md docs/results/throughput.md
+
+``--out-json FILE`` also writes the raw numbers with the limits and targets; ``--from-json FILE``
+rebuilds the report from such a file without a cluster.
 """
 
 from __future__ import annotations
@@ -36,6 +58,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,6 +102,15 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         default=8,
         help="0/1 Adam's sync interval H in the timed window (hsdp-01)",
     )
+    p.add_argument(
+        "--limit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first run every variant with the links unshaped: the compute-only step of the "
+        "limit column (see [Note: the limit column])",
+    )
+    p.add_argument("--out-json", metavar="FILE", help="also write raw numbers, limits, targets")
+    p.add_argument("--from-json", metavar="FILE", help="report from an --out-json file; no run")
     add_report_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args, variants=ALL_VARIANTS)
@@ -254,7 +286,8 @@ def worker(args: argparse.Namespace) -> int:
     corpus = load_corpus(min_tokens=args.context + 1)
     results: dict[str, dict[str, object]] = {}
     skipped: dict[str, str] = {}
-    for rate in args.rate_list:
+    # Rate 0 = unshaped: the compute-only steps of the limit column, first.
+    for rate in ([0] if args.limit else []) + list(args.rate_list):
         set_link_rate(rate)
         results[str(rate)] = {}
         for variant in args.variant_list:
@@ -268,7 +301,7 @@ def worker(args: argparse.Namespace) -> int:
             results[str(rate)][variant] = res
             if rank == 0:
                 print(
-                    f"[throughput] {rate} Mbit/s {variant:>10}: median "
+                    f"[throughput] {_rate_name(rate)} {variant:>10}: median "
                     f"{statistics.median(res['times']):.3f} s/step, link "
                     f"{max(res['node_tx']) / 2**20:.2f} MiB/step, ledger "
                     f"{res['ledger_inter'] / 2**20:.2f} MiB/step ({time.perf_counter() - t0:.0f} s)",
@@ -283,7 +316,8 @@ def worker(args: argparse.Namespace) -> int:
             )
         ).num_params()
         with open(args.result_json, "w") as f:
-            json.dump({"results": results, "skipped": skipped, "n_params": n_params}, f)
+            mtu = int(os.environ.get("NETSIM_MTU", "1500"))
+            json.dump({"results": results, "skipped": skipped, "n_params": n_params, "mtu": mtu}, f)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -294,6 +328,11 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        report(args, data, data.get("wall_s", 0.0))
+        return 0
     from netsim.cluster import needs_root, run_in_cluster
 
     refused = needs_root("throughput")
@@ -312,13 +351,94 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if run.rc != 0 or run.data is None:
         print(f"throughput: the emulated cluster run failed with status {run.rc}", file=sys.stderr)
         return run.rc or 1
-    data = dict(run.data, load=list(run.load))
-    report(args, data, time.perf_counter() - t0)
+    data = dict(run.data, load=list(run.load), wall_s=time.perf_counter() - t0)
+    report(args, data, data["wall_s"])
     return 0
+
+
+UNSHAPED = "0"  # the results key of the unshaped (compute-only) pass
+ZEROPP = ("qwz", "hpz", "qgz", "all")
+# The issue's targets: ZeRO++ (all) over the 16-bit-wire ZeRO-3 per rate, and x limit.
+SPEEDUP_TARGETS = {100: 4.0, 400: 1.4}
+LIMIT_TARGET = 1.2
+
+
+def _rate_name(rate: int | str) -> str:
+    return "unshaped" if str(rate) == UNSHAPED else f"{int(rate)} Mbit/s"
+
+
+def link_seconds(r: dict, rate_mbit: int, mtu: int = 1500) -> float:
+    """Seconds per step the busiest direction of the busiest node link needs at ``rate_mbit``:
+    see [Note: the limit column]."""
+    from netsim.link import wire_overhead
+
+    busiest = max(*r["node_tx"], *r.get("node_rx", r["node_tx"]))
+    return busiest * wire_overhead(mtu) * 8 / (rate_mbit * 1e6)
+
+
+def _overhead(data: dict) -> float:
+    from netsim.link import wire_overhead
+
+    return wire_overhead(int(data.get("mtu", 1500)))
+
+
+def limits(data: dict) -> dict[str, dict[str, dict[str, object]]]:
+    """Per shaped rate and variant: the compute-only step (the unshaped pass's median), the link
+    time, the limit (their max), which one binds, the median and median / limit. Empty without
+    an unshaped pass."""
+    results, mtu = data["results"], int(data.get("mtu", 1500))
+    unshaped = results.get(UNSHAPED, {})
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    for rate, by_variant in results.items():
+        if rate == UNSHAPED:
+            continue
+        for variant, r in by_variant.items():
+            if variant not in unshaped:
+                continue
+            compute = statistics.median(unshaped[variant]["times"])
+            link = link_seconds(r, int(rate), mtu)
+            limit = max(compute, link)
+            med = statistics.median(r["times"])
+            out.setdefault(rate, {})[variant] = {
+                "compute_s": compute,
+                "link_s": link,
+                "limit_s": limit,
+                "bound": "link" if link >= compute else "compute",
+                "median_s": med,
+                "x_limit": med / limit,
+            }
+    return out
+
+
+def issue_targets(data: dict, lim: dict) -> list[str]:
+    """The issue's step-time targets, met or missed, from this launch's numbers."""
+    out = []
+    for rate, by_variant in data["results"].items():
+        if rate == UNSHAPED:
+            continue
+        need = SPEEDUP_TARGETS.get(int(rate))
+        base, zpp = by_variant.get("zero3-bf16"), by_variant.get("all")
+        if need is not None and base is not None and zpp is not None:
+            speed = statistics.median(base["times"]) / statistics.median(zpp["times"])
+            out.append(
+                f"ZeRO++ (all) at {rate} Mbit/s: {speed:.2f}x zero3-bf16 (target >= {need}x: "
+                f"{'met' if speed >= need else 'NOT met'})"
+            )
+        for variant in ZEROPP:
+            if (row := lim.get(rate, {}).get(variant)) is None:
+                continue
+            x = row["x_limit"]
+            out.append(
+                f"{variant} at {rate} Mbit/s: {x:.2f}x its limit {row['limit_s']:.3f} s "
+                f"({row['bound']}-bound; target <= {LIMIT_TARGET}x: "
+                f"{'met' if x <= LIMIT_TARGET else 'NOT met'})"
+            )
+    return out
 
 
 def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
     results, skipped = data["results"], data["skipped"]
+    lim = limits(data)
     rep = Report("Throughput: ZeRO-3 vs ZeRO++ vs HSDP on an emulated slow network")
     rep.note(
         f"GPT of {data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width "
@@ -338,7 +458,18 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         "backend runs it: gloo's reduce-scatter is an all-reduce that keeps a slice, the 16-bit "
         "wire reduce-scatter an all-to-all). "
         "fsdp2 is plain fully_shard without explicit prefetch; zero3 is "
-        "qshard.zeropp.shard with every feature off (prefetch on, as in every qshard variant)."
+        "qshard.zeropp.shard with every feature off (prefetch on, as in every qshard variant). "
+        + (
+            "Limit = max(compute-only step, link time): the compute-only step is the variant's "
+            "median in the 'unshaped' rows (the same launch, model, ranks, kernels and bytes "
+            "with no tbf on the links, run first), the link time the busiest node link "
+            f"direction's bytes per step x (MTU+14)/(MTU-52) = {_overhead(data):.4f} (tbf "
+            "charges every segment's headers; iperf3 carried 95.2-95.6% of 100 Mbit/s as TCP "
+            "payload) over the rate; "
+            "x limit = median / limit (benchmarks/throughput.py, [Note: the limit column])."
+            if lim
+            else "No unshaped pass (--no-limit): no limit column."
+        )
     )
     rows = []
     targets = []
@@ -355,11 +486,14 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             vs_hsdp = "-"
             if hsdp is not None and variant.startswith("hsdp"):
                 vs_hsdp = f"{statistics.median(hsdp['times']) / med:.2f}x"
+            row_lim = lim.get(rate, {}).get(variant)
             rows.append(
                 [
-                    rate,
+                    _rate_name(rate).removesuffix(" Mbit/s"),
                     variant,
                     f"{med:.3f}",
+                    f"{row_lim['limit_s']:.3f}" if row_lim else "-",
+                    f"{row_lim['x_limit']:.2f}x" if row_lim else "-",
                     f"{mn:.3f}",
                     f"{speed:.2f}x ({speed_min:.2f}x)" if base else "-",
                     vs_hsdp,
@@ -369,13 +503,14 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{r['loss_last']:.3f}",
                 ]
             )
-            if variant == "all" and int(rate) == 100 and base:
+            if variant == "all" and rate != UNSHAPED and int(rate) == 100 and base:
                 targets.append(
                     f"ZeRO++ (all) at 100 Mbit/s: {speed:.2f}x ZeRO-3 (target >= 2x: "
                     f"{'met' if speed >= 2 else 'NOT met'})"
                 )
-            targets += _hsdp_targets(rate, variant, r, by_variant)
-            if ledger:
+            if rate != UNSHAPED:
+                targets += _hsdp_targets(rate, variant, r, by_variant)
+            if ledger and rate != UNSHAPED:
                 targets.append(
                     f"ledger/link at {rate} Mbit/s, {variant}: {ratio:.3f} "
                     f"({'within' if abs(ratio - 1) <= 0.10 else 'NOT within'} 10%)"
@@ -386,6 +521,8 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             "Mbit/s",
             "variant",
             "median s",
+            "limit s",
+            "x limit",
             "min s",
             "speed-up vs zero3",
             "vs hsdp",
@@ -396,6 +533,24 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         ],
         rows,
     )
+    if lim:
+        rep.table(
+            "The limit: compute-only step (unshaped) and link time per step",
+            ["Mbit/s", "variant", "compute-only s", "link s", "limit s", "bound", "x limit"],
+            [
+                [
+                    rate,
+                    variant,
+                    f"{row['compute_s']:.3f}",
+                    f"{row['link_s']:.3f}",
+                    f"{row['limit_s']:.3f}",
+                    row["bound"],
+                    f"{row['x_limit']:.2f}x",
+                ]
+                for rate, by_variant in lim.items()
+                for variant, row in by_variant.items()
+            ],
+        )
     first = next(iter(results.values()), {})
     tag_rows = []
     for variant, r in first.items():
@@ -407,7 +562,8 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             ["variant", "tag", "op", "inter-node MiB", "intra-node MiB"],
             tag_rows,
         )
-    for line in targets:
+    issue = issue_targets(data, lim)
+    for line in issue + targets:
         rep.note(f"- {line}")
     for variant, why in skipped.items():
         rep.note(f"- {variant} not run: {why}")
@@ -417,6 +573,9 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         "in its own section; its ZeRO++ options have no CPU kernels."
     )
     rep.write(args.out_md)
+    if args.out_json:
+        with open(args.out_json, "w") as f:
+            json.dump(dict(data, wall_s=wall_s, limits=lim, targets=issue + targets), f, indent=1)
 
 
 def _hsdp_targets(rate: str, variant: str, r: dict, by_variant: dict) -> list[str]:

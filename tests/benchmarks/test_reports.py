@@ -4,6 +4,7 @@ synthetic numbers, without a cluster: what the tables claim must follow from the
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -68,12 +69,79 @@ def test_throughput_report_speedups_and_ledger_ratios(tmp_path):
     tp.report(args, data, wall_s=10.0)
     text = (tmp_path / "t.md").read_text()
     # median 5.0 / 2.0 = 2.50x; min 4.0 / 1.0 = 4.00x
-    assert "| 100    | all     | 2.000    | 1.000 | 2.50x (4.00x)" in text
+    assert "| 100    | all     | 2.000    | -       | -       | 1.000 | 2.50x (4.00x)" in text
     assert "ZeRO++ (all) at 100 Mbit/s: 2.50x ZeRO-3 (target >= 2x: met)" in text
     # zero3: ledger 27 MiB vs link 36 MiB = 0.75; all: 9 MiB vs 9 MiB = 1.000
     assert "ledger/link at 100 Mbit/s, zero3: 0.750 (NOT within 10%)" in text
     assert "ledger/link at 100 Mbit/s, all: 1.000 (within 10%)" in text
     assert "qgz not run: not built" in text
+
+
+def test_throughput_limit_column_and_issue_targets(tmp_path):
+    """limit = max(unshaped median, busiest link direction x 1514/1448 / rate), x limit =
+    median / limit, and the issue's targets met or missed, in the markdown and the JSON; the
+    JSON rebuilds the same report."""
+    tp = _load("throughput")
+    md, js = tmp_path / "t.md", tmp_path / "t.json"
+    args = tp._args(["--rates", "100,400", "--out-md", str(md), "--out-json", str(js)])
+    m = MiB
+    bf16 = [["grad_reduce_scatter", "all_to_all", 15 * m, 0]]
+    zpp = [["grad_reduce_scatter", "all_to_all", 3 * m, 0]]
+    data = {
+        "n_params": 3_000_000,
+        "skipped": {},
+        "mtu": 1500,
+        "results": {
+            "0": {
+                "zero3-bf16": _tp_run([0.5, 0.6, 0.7], [15 * m, 15 * m], bf16),
+                "all": _tp_run([0.3, 0.4, 0.5], [3 * m, 3 * m], zpp),
+            },
+            "100": {
+                "zero3-bf16": _tp_run([1.4, 1.5, 1.6], [15 * m, 15 * m], bf16),
+                # rx of node 1 (5 MiB) is the busiest direction: 0.4385 s > compute 0.4 s.
+                "all": dict(_tp_run([0.5, 0.6, 0.7], [3 * m, 2 * m], zpp), node_rx=[2 * m, 5 * m]),
+            },
+            "400": {
+                "zero3-bf16": _tp_run([0.6], [15 * m, 15 * m], bf16),
+                "all": _tp_run([0.4], [3 * m, 3 * m], zpp),
+            },
+        },
+    }
+    tp.report(args, data, wall_s=10.0)
+    text = md.read_text()
+    # zero3-bf16 at 100: link 15 MiB -> 1.3156 s > compute 0.6 s; 1.5 / 1.3156 = 1.14x.
+    assert "| 100      | zero3-bf16 | 1.500    | 1.316   | 1.14x   |" in text
+    assert "| unshaped | all        | 0.400    | -       | -       |" in text
+    assert "| 100    | all        | 0.400          | 0.439  | 0.439   | link    | 1.37x   |" in text
+    # at 400 the 15 MiB need 0.3289 s < compute 0.6 s.
+    assert "| 400    | zero3-bf16 | 0.600          | 0.329  | 0.600   | compute | 1.00x   |" in text
+    assert "ZeRO++ (all) at 100 Mbit/s: 2.50x zero3-bf16 (target >= 4.0x: NOT met)" in text
+    assert "ZeRO++ (all) at 400 Mbit/s: 1.50x zero3-bf16 (target >= 1.4x: met)" in text
+    assert (
+        "all at 100 Mbit/s: 1.37x its limit 0.439 s (link-bound; target <= 1.2x: NOT met)" in text
+    )
+    assert "all at 400 Mbit/s: 1.00x its limit 0.400 s (compute-bound; target <= 1.2x: met)" in text
+    saved = json.loads(js.read_text())
+    assert saved["limits"]["100"]["all"]["limit_s"] == pytest.approx(5 * m * 8 * 1514 / 1448 / 1e8)
+    assert saved["limits"]["100"]["all"]["x_limit"] == pytest.approx(0.6 / 0.4385480839779005)
+    assert "unshaped" not in str(saved["limits"]) and "0" not in saved["limits"]
+    again = tmp_path / "again.md"
+    assert tp.main(["--from-json", str(js), "--rates", "100,400", "--out-md", str(again)]) == 0
+    strip = lambda t: t.split("\n", 4)[4]  # noqa: E731 (the header's date may differ)
+    assert strip(again.read_text()) == strip(text)
+
+
+def test_throughput_without_unshaped_pass_has_no_limit(tmp_path):
+    tp = _load("throughput")
+    args = tp._args(["--rates", "100", "--no-limit", "--out-md", str(tmp_path / "t.md")])
+    assert args.limit is False
+    run = _tp_run([1.0], [m := MiB, m], [["g", "all_to_all", m, 0]])
+    data = {"n_params": 1, "skipped": {}, "results": {"100": {"zero3-bf16": run, "all": run}}}
+    tp.report(args, data, wall_s=1.0)
+    text = (tmp_path / "t.md").read_text()
+    assert "No unshaped pass (--no-limit): no limit column." in text
+    assert "its limit" not in text
+    assert "ZeRO++ (all) at 100 Mbit/s: 1.00x zero3-bf16 (target >= 4.0x: NOT met)" in text
 
 
 def test_throughput_rejects_unknown_variants():
