@@ -175,26 +175,41 @@ def test_bad_block_size_is_rejected_by_kernel():
         _qstate.kernel_quantize_rows(torch.ones(2, 8), q, 8192, _qstate.Rounding())
 
 
-def _scalar_library():
-    """The kernel source built without AVX/AVX2/FMA: the scalar loops a CPU without AVX2 runs."""
+_BUILDS = {
+    # the scalar loops a CPU without AVX2 runs
+    "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma"),
+    # the AVX2 paths (table gathers, 32-lane encoder, scalar-load decoder) a CPU without
+    # AVX-512 runs; on an AVX-512 host the default build runs the 16-lane paths instead
+    "avx2": ("-mno-avx512f",),
+}
+
+
+def _other_library(build="scalar"):
+    """The kernel source built for a smaller instruction set (see _BUILDS)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the -mno-avx2 build is an x86 check")
-    flags = (*_native.DEFAULT_FLAGS, "-mno-avx", "-mno-avx2", "-mno-fma")
-    lib = _native.build_library("optim8bit_test_scalar", _kernels._SOURCE, flags)
+        pytest.skip("the -mno-avx2 / -mno-avx512f builds are x86 checks")
+    flags = (*_native.DEFAULT_FLAGS, *_BUILDS[build])
+    lib = _native.build_library(f"optim8bit_test_{build}", _kernels._SOURCE, flags)
     _kernels._declare(lib)
     return lib
 
 
+def _scalar_library():
+    return _other_library("scalar")
+
+
+@pytest.mark.parametrize("build", list(_BUILDS))
 @pytest.mark.parametrize(
     "extra",
     [{}, {"bnb_compat": True}, {"stochastic_rounding": True}, {"block_size": 64}],
     ids=["default", "bnb_compat", "stochastic", "block64"],
 )
-def test_scalar_build_writes_the_same_bits(monkeypatch, extra):
-    """The vector paths (table gathers, 32-lane encoder, scalar-load decoder) are exact rewrites
-    of the scalar loops: both builds write bit-identical parameters, codes and absmax, for every
+def test_scalar_build_writes_the_same_bits(monkeypatch, extra, build):
+    """The vector paths (AVX-512: region encoder, register decoder; AVX2: table gathers,
+    32-lane encoder, scalar-load decoder) are exact rewrites of the scalar loops: the default
+    build and the smaller ones write bit-identical parameters, codes and absmax, for every
     optimizer, on rows with partial blocks and tails shorter than a vector."""
-    scalar = _scalar_library()
+    scalar = _other_library(build)
     for cls, kw in _ONE_STEP:
         kw = {**kw, **extra}
         # 13 x 333 >= min_8bit_size; rows of 256 + 77 (or 5 x 64 + 13): every vector loop and
@@ -217,3 +232,102 @@ def test_scalar_build_writes_the_same_bits(monkeypatch, extra):
             if v.dtype == torch.float32:
                 v, w = v.view(torch.int32), w.view(torch.int32)
             assert torch.equal(v, w), (cls, k)
+
+
+def _edge_values(q):
+    """Every midpoint, the floats either side of it, and every code, in [-1, 1]."""
+    mid = q.mid
+    x = torch.cat([mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1), q.code])
+    x = torch.cat([x, torch.tensor([1.0, 0.0, 1e-38, 1e-45, 2.0**-30, 2.0**-31])]).clamp(-1, 1)
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_region_table_is_exact_where_it_does_not_fall_back(signed):
+    # [Note: the region encoder]: the torch twin of the kernel's gather-free encoder equals
+    # bucketize on every lane it does not flag, at every midpoint, its neighbours, the codes
+    # and random values of both signs; few lanes are flagged (each costs a table search).
+    q = _qstate.qmap(signed)
+    gen = torch.Generator().manual_seed(0)
+    rnd = torch.randn(1 << 18, generator=gen)
+    rnd = torch.cat([rnd / rnd.abs().max(), rnd.pow(9) / rnd.pow(9).abs().max()])
+    x = torch.cat([_edge_values(q), rnd])
+    codes, flagged = _codetable.region_reference(x, q.regions)
+    ref = torch.bucketize(x, q.mid)
+    if not signed:
+        ref = torch.where(x < 0, 0, ref)  # an unsigned state is never negative; code 0
+    assert torch.equal(codes[~flagged], ref[~flagged])
+    assert float(flagged[-rnd.numel() :].float().mean()) < 2e-3
+    # a midpoint is either a bridge (decided by the exact compare) or flagged: never decided
+    # by the line alone, so ties go to the lower code
+    thr = q.regions[:32].view(torch.float32)
+    at_mid = x[: q.mid.numel()]
+    assert bool((flagged[: q.mid.numel()] | torch.isin(at_mid.abs(), thr)).all())
+
+
+def test_region_table_refuses_maps_of_another_shape():
+    from qshard.quant.dynamic import dynamic_map, linear_map
+
+    assert _codetable.build_region_table(linear_map(signed=True)) is None
+    assert (
+        _codetable.build_region_table(dynamic_map(signed=True, total_bits=4, max_exponent_bits=3))
+        is None
+    )
+    gen = torch.Generator().manual_seed(0)
+    odd = torch.sort(torch.rand(256, generator=gen)).values
+    odd[0] = 0.0
+    assert _codetable.build_region_table(odd) is None
+    for signed in (True, False):
+        table = _qstate.qmap(signed).regions
+        assert table.numel() == _codetable.REGION_TABLE_SIZE
+        assert int(table[-1]) == (1 if signed else 2)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_region_encoder_in_the_kernel_on_midpoints(signed):
+    # The kernel's encoder (region encoder on AVX-512 hosts) on blocks whose absmax is 1, so the
+    # normalised values are exactly the edge values: bucketize's codes.
+    q = _qstate.qmap(signed)
+    x = _edge_values(q)
+    if not signed:
+        x = x.abs()
+    body = x.reshape(-1)
+    n = body.numel()
+    rows = torch.ones(-(-n // 255), 256)
+    flat = torch.ones(rows.shape[0] * 255)
+    flat[:n] = body
+    rows[:, 1:] = flat.view(-1, 255)
+    codes, absmax = _qstate.kernel_quantize_rows(
+        rows, q, 256, _qstate.Rounding(floor_unsigned=False)
+    )
+    assert bool((absmax == 1.0).all())
+    assert torch.equal(codes[:, 1:].reshape(-1)[:n].long(), torch.bucketize(body, q.mid))
+
+
+@pytest.mark.slow
+def test_region_encoder_every_float_in_the_unit_interval():
+    """Exhaustive: every fp32 in [0, 1] (and its negative for the signed map) encodes to the
+    same code in the default build (the region encoder on AVX-512 hosts) as in the AVX2 build
+    (the table search, itself equal to bucketize: test_codetable.py). ~1 min."""
+    other = _other_library("avx2")
+    chunk = 4095 * 4096
+    for signed in (True, False):
+        q = _qstate.qmap(signed)
+        top = 0x3F800000 + 1  # bit patterns of 0.0 .. 1.0
+        for start in range(0, top, chunk):
+            m = min(chunk, top - start)
+            vals = torch.arange(start, start + m, dtype=torch.int64).to(torch.int32)
+            body = torch.ones(-(-m // 4095) * 4095)
+            body[:m] = vals.view(torch.float32)
+            x = torch.cat([torch.ones(body.numel() // 4095, 1), body.view(-1, 4095)], 1)
+            for xx in [x, -x] if signed else [x]:
+                xx = xx.contiguous()
+                rnd = _qstate.Rounding(floor_unsigned=False)
+                c1, _ = _qstate.kernel_quantize_rows(xx, q, 4096, rnd)
+                saved = _kernels.library
+                _kernels.library = lambda: other
+                try:
+                    c2, _ = _qstate.kernel_quantize_rows(xx, q, 4096, rnd)
+                finally:
+                    _kernels.library = saved
+                assert torch.equal(c1, c2), (signed, start)

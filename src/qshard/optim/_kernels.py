@@ -51,7 +51,7 @@ import ctypes
 import torch
 
 from qshard._native import NativeLibrary
-from qshard.quant._codetable import NEAREST_C
+from qshard.quant._codetable import NEAREST_C, REGION_EPS
 
 __all__: list[str] = []  # private module
 
@@ -214,11 +214,12 @@ _SOURCE = (
 #endif
 """
     + NEAREST_C
+    + f"#define REGION_EPS {float(REGION_EPS).hex()}f\n"
     + r"""
 
 typedef struct {
     const float *code;    /* 256 sorted values */
-    const float *mid;     /* 255 midpoints between consecutive codes */
+    const uint32_t *regions; /* 129 words: qshard.quant._codetable's region table */
     const uint32_t *lut;  /* 8192 entries: qshard.quant._codetable's search table */
     int zero_idx;         /* index of the 0.0 code */
     int is_signed;
@@ -337,14 +338,86 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
     return _mm512_mask_add_epi32(i, _mm512_mask_cmpeq_epi32_mask(pos, i, zidx), i, one);
 }
 
-/* encode_avx2 on 64 lanes per iteration (4 independent gathers), then 16. */
+/* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
+ * `flag` collects the lanes within REGION_EPS of a midpoint, which the caller re-encodes with
+ * code16. `kind` (1 signed, 2 unsigned) and `floor0` are constants at every call. */
+typedef struct {
+    __m512 thr0, thr1, a, b, lo, hi;
+    __m512i rb0, rb1;
+} regions_t;
+
+static inline regions_t load_regions(const uint32_t *t) {
+    regions_t r;
+    r.thr0 = _mm512_loadu_ps((const float *)t);
+    r.thr1 = _mm512_loadu_ps((const float *)t + 16);
+    r.rb0 = _mm512_loadu_si512((const void *)(t + 32));
+    r.rb1 = _mm512_loadu_si512((const void *)(t + 48));
+    r.a = _mm512_loadu_ps((const float *)t + 64);
+    r.b = _mm512_loadu_ps((const float *)t + 80);
+    r.lo = _mm512_loadu_ps((const float *)t + 96);
+    r.hi = _mm512_loadu_ps((const float *)t + 112);
+    return r;
+}
+
+static inline __attribute__((always_inline)) __m512i code16_region(
+    const regions_t *R, __m512 x, __m512i zidx, int kind, int floor0, __mmask16 *flag) {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i b = _mm512_castps_si512(x);
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
+    /* |x|, and the float above it for negative lanes (midpoints <= |x| become < it) */
+    __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
+    ab = _mm512_mask_add_epi32(ab, neg, ab, one);
+    const __m512 a = _mm512_castsi512_ps(ab);
+    /* binade index: the exponent less 96, 0 below (a <= 1, so at most 31) */
+    const __m512i t = _mm512_subs_epu16(_mm512_srli_epi32(ab, 23), _mm512_set1_epi32(96));
+    const __m512 thr = _mm512_permutex2var_ps(R->thr0, t, R->thr1);
+    __m512i r = _mm512_permutex2var_epi32(R->rb0, t, R->rb1);
+    r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), r, one);
+    __m512 y = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
+    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_permutexvar_ps(r, R->lo)),
+                      _mm512_permutexvar_ps(r, R->hi));
+    const __m512 near = _mm512_sub_ps(y, _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT |
+                                                                     _MM_FROUND_NO_EXC));
+    *flag |= _mm512_cmp_ps_mask(_mm512_abs_ps(near), _mm512_set1_ps(REGION_EPS), _CMP_LT_OQ);
+    __m512i i = _mm512_cvttps_epi32(y);
+    if (kind == 1) {
+        i = _mm512_mask_sub_epi32(i, neg, _mm512_set1_epi32(254), i);
+        return _mm512_max_epi32(i, _mm512_setzero_si512());
+    }
+    i = _mm512_mask_mov_epi32(i, neg, _mm512_setzero_si512());
+    if (!floor0) return i;
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    return _mm512_mask_add_epi32(i, _mm512_mask_cmpeq_epi32_mask(pos, i, zidx), i, one);
+}
+
+/* 16 codes: the region encoder, or the table search when a lane lies near a midpoint. */
+static inline __attribute__((always_inline)) __m512i code16_fast(
+    const uint32_t *lut, const regions_t *R, const float *s, __m512 dv, __m512i zidx, int kind,
+    int floor0) {
+    __mmask16 flag = 0;
+    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(s), dv);
+    const __m512i i = code16_region(R, x, zidx, kind, floor0, &flag);
+    return flag ? code16(lut, s, dv, zidx, floor0) : i;
+}
+
+/* 64 lanes per iteration, then 16: the region encoder when the map has a region table
+ * (`kind` != 0), else the table search (4 independent gathers in flight). */
 static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *lut,
+                                                               const uint32_t *regions,
                                                                const float *s, int n, float d,
                                                                int zero, uint8_t *out,
-                                                               int floor0) {
+                                                               int floor0, int kind) {
     const __m512 dv = _mm512_set1_ps(d);
     const __m512i zidx = _mm512_set1_epi32(zero);
     int k = 0;
+    if (kind) {
+        const regions_t R = load_regions(regions);
+        for (; k + 16 <= n; k += 16)
+            _mm_storeu_si128((__m128i *)(out + k),
+                             _mm512_cvtepi32_epi8(code16_fast(lut, &R, s + k, dv, zidx, kind,
+                                                              floor0)));
+        return k;
+    }
     for (; k + 64 <= n; k += 64) {
         const __m512i i0 = code16(lut, s + k, dv, zidx, floor0);
         const __m512i i1 = code16(lut, s + k + 16, dv, zidx, floor0);
@@ -385,8 +458,12 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
     uint8_t *restrict out = c;
     int k = 0;
 #ifdef QS_AVX512
-    k = floor0 ? encode_avx512(q->lut, s, n, d, zero, out, 1)
-               : encode_avx512(q->lut, s, n, d, zero, out, 0);
+    const int kind = q->regions[128] == 1 || q->regions[128] == 2 ? (int)q->regions[128] : 0;
+    if (kind == 1) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 0, 1);
+    else if (kind == 2 && floor0) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 1, 2);
+    else if (kind == 2) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 0, 2);
+    else if (floor0) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 1, 0);
+    else k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 0, 0);
 #endif
 #ifdef __AVX2__
     k += floor0 ? encode_avx2(q->lut, s + k, n - k, d, zero, out + k, 1)
@@ -454,15 +531,15 @@ static inline void decode_block(const float *code, const uint8_t *c, float amax,
  * hp: kind-specific hyperparameters (see the optimizers' _kernel_hparams). c2/a2 may be NULL.
  */
 int step8(int kind, float *p, const float *g,
-          uint8_t *c1, float *a1, const float *code1, const float *mid1, const uint32_t *lut1,
+          uint8_t *c1, float *a1, const float *code1, const uint32_t *regions1, const uint32_t *lut1,
           int zero1, int signed1,
-          uint8_t *c2, float *a2, const float *code2, const float *mid2, const uint32_t *lut2,
+          uint8_t *c2, float *a2, const float *code2, const uint32_t *regions2, const uint32_t *lut2,
           int zero2, int signed2,
           int64_t rows, int64_t row_numel, int64_t block, const float *hp, int flags,
           uint64_t seed, int64_t global_offset, int nthreads) {
     if (block > 4096 || block <= 0) return -1;
-    qmap_t q1 = {code1, mid1, lut1, zero1, signed1};
-    qmap_t q2 = {code2, mid2, lut2, zero2, signed2};
+    qmap_t q1 = {code1, regions1, lut1, zero1, signed1};
+    qmap_t q2 = {code2, regions2, lut2, zero2, signed2};
     const int64_t nbr = (row_numel + block - 1) / block;
     const int64_t nblocks = rows * nbr;
     const int has2 = (c2 != NULL);
@@ -591,11 +668,11 @@ int step8(int kind, float *p, const float *g,
 
 /* Encode `rows` x `row_numel` floats with the row-block layout (used to initialise states and by
  * tests to check the kernel's encoder against the torch reference). */
-int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const float *mid,
+int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const uint32_t *regions,
                   const uint32_t *lut, int zero, int is_signed, int64_t rows, int64_t row_numel,
                   int64_t block, int flags, uint64_t seed, int64_t global_offset, int nthreads) {
     if (block > 4096 || block <= 0) return -1;
-    qmap_t q = {code, mid, lut, zero, is_signed};
+    qmap_t q = {code, regions, lut, zero, is_signed};
     const int64_t nbr = (row_numel + block - 1) / block;
     const uint64_t seed1 = mix64(seed);
 #pragma omp parallel for schedule(static) num_threads(nthreads)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -42,10 +42,15 @@ class QMap:
 
     code: Tensor  # (256,) fp32, sorted
     mid: Tensor  # (255,) fp32 midpoints (ties go to the lower code)
-    mid_padded: Tensor  # (256,) the midpoints and +inf, for the kernel's branchless search
+    mid_padded: Tensor  # (256,) the midpoints and +inf (the 4-bit kernel's branchless search)
     lut: Tensor  # (8192,) int32 (read as uint32): qshard.quant._codetable's search table
     zero_idx: int
     signed: bool
+    # (129,) int32: the 8-bit kernel's gather-free encoder ([Note: the region encoder]); all
+    # zeros (the table search) for a map without one, e.g. the 4-bit maps
+    regions: Tensor = field(
+        default_factory=lambda: torch.zeros(_codetable.REGION_TABLE_SIZE, dtype=torch.int32)
+    )
 
 
 @functools.cache
@@ -57,9 +62,20 @@ def qmap(signed: bool) -> QMap:
     lut = _codetable.search_table(code)
     if lut is None:  # the dynamic maps always fit; a refusal means the map or table changed
         raise AssertionError("code map too dense for the kernel's search table")
+    # The gather-free encoder's region table ([Note: the region encoder]); the dynamic maps
+    # always have one (a refusal would leave the kernel on the table search, still exact).
+    regions = _codetable.build_region_table(code)
+    if regions is None:
+        regions = torch.zeros(_codetable.REGION_TABLE_SIZE, dtype=torch.int32)
     mid_padded = torch.cat([mid, torch.tensor([float("inf")])]).contiguous()
     return QMap(
-        code=code, mid=mid, mid_padded=mid_padded, lut=lut, zero_idx=zero_idx, signed=signed
+        code=code,
+        mid=mid,
+        mid_padded=mid_padded,
+        lut=lut,
+        zero_idx=zero_idx,
+        signed=signed,
+        regions=regions,
     )
 
 
@@ -183,7 +199,7 @@ def kernel_quantize_rows(
         codes.data_ptr(),
         absmax.data_ptr(),
         q.code.data_ptr(),
-        q.mid_padded.data_ptr(),
+        q.regions.data_ptr(),
         q.lut.data_ptr(),
         q.zero_idx,
         int(q.signed),

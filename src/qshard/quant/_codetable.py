@@ -31,6 +31,7 @@ maps, always served) treat a refusal as a bug.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -133,3 +134,130 @@ def nearest_reference(v: Tensor, lut: Tensor) -> Tensor:
     sign = torch.where((b >> 31) == 1, 0xFFFF, 0)
     key = (b & 0xFFFF) ^ sign
     return (e >> 16) + (key > (e & 0xFFFF)).long()
+
+
+# --------------------------------------------------------------------------------------------
+# [Note: the region encoder] A gather-free exact encoder for the two dynamic maps (used by the
+# fused 8-bit optimizer kernel's AVX-512 path; the table is built and checked here, in one
+# place). The positive midpoints of a dynamic map are runs of equally spaced values (one run per
+# power of ten) joined by single "bridge" midpoints. Cut [0, 1] at the bridges into at most 16
+# regions; inside region r the count of midpoints below a magnitude a is
+# ``floor(clamp(fma(a, A[r], B[r]), LO[r], HI[r]))``: a line through the run's midpoints
+# (midpoint k sits at y = k + 1 to within 2^-16 of a code step here), clamped to the region's
+# counts. The region is found without a search: each binade [2^(t-31), 2^(t-30)) holds at most
+# one bridge, so ``r = RB[t] + (a > THR[t])`` with t the clamped exponent; the bridge compare is
+# exact. The line is not: a lane whose y lies within REGION_EPS of an integer (near a midpoint)
+# is flagged and its vector re-encoded by the table search above, so the result is exact by
+# construction. Proof sketch: y is monotone in a, and the builder checks that y at every
+# interior midpoint and at the float above it lies within REGION_EPS / 4 of the integer the
+# count steps to; a lane that is not flagged is then at least REGION_EPS * 3/4 from every such
+# step. Negative values of the signed map (symmetric about code 127 = 0, one extra +1.0 code)
+# take ``max(254 - count(nextup(a)), 0)`` (the float above a turns "midpoints <= a" into
+# "midpoints < a", so ties keep going to the lower code); the unsigned map's negatives take 0.
+
+#: Entries of the region table: THR[32], RB[32], A[16], B[16], LO[16], HI[16] (floats and
+#: ints as 32-bit patterns) and a last word: 1 for a signed map, 2 for an unsigned one.
+REGION_TABLE_SIZE = 129
+
+#: Half-width of the band around an integer y in which a lane falls back to the table search.
+REGION_EPS = 2.0**-12
+
+
+def _fma32(a: np.ndarray, m: np.float32, b: np.float32) -> np.ndarray:
+    """fp32 ``fma(a, m, b)`` (the product is exact in float64; the sum may round twice, which
+    the builder's margin of 4 absorbs)."""
+    return (a.astype(np.float64) * np.float64(m) + np.float64(b)).astype(np.float32)
+
+
+def build_region_table(code: Tensor) -> Tensor | None:
+    """The int32 region table of a sorted 256-entry map for [Note: the region encoder], or
+    ``None`` when the map does not have its shape (then the kernel uses the table search)."""
+    c = code.detach().cpu().float().numpy()
+    if c.size != 256:
+        return None
+    if c[127] == 0.0 and np.array_equal(c[126::-1], -c[128:255]):  # the signed dynamic shape
+        kind, zero = 1, 127
+    elif c[0] == 0.0 and bool((c[1:] > 0).all()):
+        kind, zero = 2, 0
+    else:
+        return None
+    mids = ((c[:-1] + c[1:]) / np.float32(2.0)).astype(np.float32)
+    k0 = zero  # midpoints below the zero code's upper midpoint
+    pos = mids[k0:]  # pos[i] lies between c[zero + i] and c[zero + i + 1]
+    gaps = c[zero + 1 :].astype(np.float64) - c[zero:-1]
+    # A midpoint is on a run when its code gap equals a neighbouring gap; the others (and the
+    # first positive midpoint) are bridges.
+    on_run = np.zeros(pos.size, dtype=bool)
+    for j in (-1, 1):
+        nb = np.roll(gaps, -j)
+        same = np.abs(nb / gaps - 1.0) < 1e-3
+        same[0 if j == -1 else -1] = False
+        on_run |= same
+    on_run[0] = False
+    bridges = np.flatnonzero(~on_run)
+    if bridges.size + 1 > 16:
+        return None
+    thr = np.full(32, np.inf, dtype=np.float32)
+    rb = np.zeros(32, dtype=np.int64)
+    for t in range(32):
+        low = 0.0 if t == 0 else 2.0 ** (t - 31)
+        high = 2.0 ** (t - 30)
+        inside = [i for i in bridges if low <= pos[i] < high]
+        if len(inside) > 1 or (t == 0 and inside):
+            return None
+        if inside:
+            thr[t] = pos[inside[0]]
+        rb[t] = int((pos[bridges] < low).sum())
+    lines = np.zeros((4, 16), dtype=np.float32)  # A, B, LO, HI
+    edges = [-1, *bridges.tolist(), pos.size]
+    for r, (s, e) in enumerate(itertools.pairwise(edges)):
+        lo, hi = k0 + s + 1, k0 + e  # counts just above pos[s] and at pos[e]
+        inner = np.arange(s + 1, e)
+        if inner.size >= 2:
+            i1, i2 = int(inner[0]), int(inner[-1])
+            slope = (i2 - i1) / (np.float64(pos[i2]) - np.float64(pos[i1]))
+            icpt = (k0 + i1 + 1) - slope * np.float64(pos[i1])
+        elif inner.size == 1:
+            i1 = int(inner[0])
+            below = np.float64(pos[s]) if s >= 0 else 0.0
+            slope = 1.0 / (np.float64(pos[i1]) - below)
+            icpt = (k0 + i1 + 1) - slope * np.float64(pos[i1])
+        else:
+            slope, icpt = 0.0, lo + 0.5
+        a32, b32 = np.float32(slope), np.float32(icpt)
+        if inner.size:
+            at = pos[inner]
+            above = np.nextafter(at, np.float32(np.inf))
+            want = (k0 + inner + 1).astype(np.float64)
+            for v in (at, above):
+                if float(np.abs(_fma32(v, a32, b32) - want).max()) > REGION_EPS / 4:
+                    return None
+        lines[:, r] = (a32, b32, lo + 0.5, hi + 0.5)
+    out = np.concatenate(
+        [thr.view(np.int32), rb.astype(np.int32), lines.reshape(-1).view(np.int32), [kind]]
+    ).astype(np.int32)
+    return torch.from_numpy(out.copy())
+
+
+def region_reference(v: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
+    """[Note: the region encoder] in torch for tests: (int64 codes of fp32 ``v`` in [-1, 1],
+    bool flags of the lanes that fall back to the table search). Same steps as the C code,
+    with the fma emulated in float64 as the builder does."""
+    t_ = table.numpy()
+    thr, rb = t_[:32].view(np.float32), t_[32:64].astype(np.int64)
+    a_, b_, lo_, hi_ = t_[64:128].view(np.float32).reshape(4, 16)
+    bits = v.contiguous().view(torch.int32).numpy().view(np.uint32).astype(np.int64)
+    neg = bits >> 31 == 1
+    ab = (bits & 0x7FFFFFFF) + neg
+    t = np.maximum((ab >> 23) - 96, 0)
+    a = ab.astype(np.uint32).view(np.float32)
+    r = rb[t] + (a > thr[t])
+    y = (a.astype(np.float64) * a_[r].astype(np.float64) + b_[r]).astype(np.float32)
+    y = np.minimum(np.maximum(y, lo_[r]), hi_[r])
+    flag = np.abs(y - np.rint(y)) < np.float32(REGION_EPS)
+    cnt = np.trunc(y).astype(np.int64)
+    if int(t_[128]) == 1:
+        cnt = np.where(neg, np.maximum(254 - cnt, 0), cnt)
+    else:
+        cnt = np.where(neg, 0, cnt)
+    return torch.from_numpy(cnt), torch.from_numpy(flag)
