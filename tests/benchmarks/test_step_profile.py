@@ -85,7 +85,12 @@ def _rank(rank, phases, wall):
     step = {"phases": phases, "wall": wall, "cpu_main": wall / 2, "cpu_other": wall / 10}
     fast = dict(step, phases={"step::forward": 0.001}, wall=wall / 2)
     outlier = dict(step, phases={"step::optimizer": 10 * wall}, wall=10 * wall)
-    return {"rank": rank, "times": [wall, wall], "steps": [outlier, step, fast]}
+    return {
+        "rank": rank,
+        "times": [wall, wall],
+        "steps": [outlier, step, fast],
+        "link_bytes": 2**20,
+    }
 
 
 def test_report_groups_the_slowest_rank(sp, tmp_path):
@@ -108,7 +113,11 @@ def test_report_groups_the_slowest_rank(sp, tmp_path):
     data = {
         "cores": 2,
         "load": [1.0, 2.0],
-        "results": {"0": {"all": [_rank(0, fast, 0.17), _rank(1, slow, 0.5)]}},
+        "mtu": 1500,
+        "results": {
+            "0": {"all": [_rank(0, fast, 0.17), _rank(1, slow, 0.5)]},
+            "100": {"all": [_rank(0, fast, 0.17), _rank(1, slow, 0.5)]},
+        },
     }
     sp.report(args, data)
     text = (tmp_path / "p.md").read_text()
@@ -116,12 +125,16 @@ def test_report_groups_the_slowest_rank(sp, tmp_path):
     phase, ranges, cpu = (_rows(t) for t in tables)
     # slowest rank: fwd 60, bwd 120, opt 20, quantize 15, wait 240, dequant 30, copy-out 4,
     # FSDP other 3; other = 500 - 492 = 8 ms; main CPU 250, gloo CPU 50.
-    times = ["500", "500", "60", "120", "20", "15", "240", "30", "4", "3", "8", "250", "50"]
-    assert phase == [["unshaped", "all", *times]]
+    times = ["60", "120", "20", "15", "240", "30", "4", "3", "8", "250", "50"]
+    # 1 MiB per step at 100 Mbit/s x 1514/1448: 87.7 ms of link; unshaped: none.
+    assert phase == [
+        ["unshaped", "all", "500", "500", "-", *times],
+        ["100 Mbit/s", "all", "500", "500", "88", *times],
+    ]
     assert ranges[0] == ["unshaped", "all", "qshard::qwz::wait", "0.0", "200.0"]
     assert ["unshaped", "all", "FSDP::pre_forward", "0.0", "3.0"] in ranges
     # all ranks' CPU: (0.17 + 0.5) * 0.6 = 402 ms; over 2 cores 201 ms.
-    assert cpu == [["unshaped", "all", "500", "402", "201"]]
+    assert cpu[0] == ["unshaped", "all", "500", "402", "201"]
     assert "host load average 1.0 at the start and 2.0 at the end" in text
 
 
