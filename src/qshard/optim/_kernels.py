@@ -342,7 +342,7 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
  * `flag` collects the lanes within REGION_EPS of a midpoint, which the caller re-encodes with
  * code16. `kind` (1 signed, 2 unsigned) and `floor0` are constants at every call. */
 typedef struct {
-    __m512 thr0, thr1, a, b, lo, hi;
+    __m512 thr0, thr1, a, b, hi;
     __m512i rb0, rb1;
 } regions_t;
 
@@ -354,7 +354,6 @@ static inline regions_t load_regions(const uint32_t *t) {
     r.rb1 = _mm512_loadu_si512((const void *)(t + 48));
     r.a = _mm512_loadu_ps((const float *)t + 64);
     r.b = _mm512_loadu_ps((const float *)t + 80);
-    r.lo = _mm512_loadu_ps((const float *)t + 96);
     r.hi = _mm512_loadu_ps((const float *)t + 112);
     return r;
 }
@@ -374,8 +373,7 @@ static inline __attribute__((always_inline)) __m512i code16_region(
     __m512i r = _mm512_permutex2var_epi32(R->rb0, t, R->rb1);
     r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), r, one);
     __m512 y = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
-    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_permutexvar_ps(r, R->lo)),
-                      _mm512_permutexvar_ps(r, R->hi));
+    y = _mm512_min_ps(y, _mm512_permutexvar_ps(r, R->hi)); /* no lower clamp: see the Note */
     const __m512 near = _mm512_sub_ps(y, _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT |
                                                                      _MM_FROUND_NO_EXC));
     *flag |= _mm512_cmp_ps_mask(_mm512_abs_ps(near), _mm512_set1_ps(REGION_EPS), _CMP_LT_OQ);
@@ -412,6 +410,17 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
     int k = 0;
     if (kind) {
         const regions_t R = load_regions(regions);
+        /* 64 lanes per iteration, one flag test; a flagged group finishes the block 16 at a time */
+        for (; k + 64 <= n; k += 64) {
+            __mmask16 flag = 0;
+            __m512i i[4];
+            for (int h = 0; h < 4; h++)
+                i[h] = code16_region(&R, _mm512_div_ps(_mm512_loadu_ps(s + k + 16 * h), dv), zidx,
+                                     kind, floor0, &flag);
+            if (flag) break;
+            for (int h = 0; h < 4; h++)
+                _mm_storeu_si128((__m128i *)(out + k + 16 * h), _mm512_cvtepi32_epi8(i[h]));
+        }
         for (; k + 16 <= n; k += 16)
             _mm_storeu_si128((__m128i *)(out + k),
                              _mm512_cvtepi32_epi8(code16_fast(lut, &R, s + k, dv, zidx, kind,
@@ -480,8 +489,49 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
 /* Decode a block: s = code[c] * amax. Eight scalar table loads assembled into a vector beat a
  * vector gather here (measured on AMD Zen 3, where an 8-lane gather costs more than 8 loads);
  * with AVX-512 the table sits in registers. */
-static inline void decode_block(const float *code, const uint8_t *c, float amax, int n, float *s) {
+/* Byte j of code[i] at planes[256 * j + i]: the decoder's VBMI tables (filled once per call). */
+static void code_planes(const float *code, uint8_t *planes) {
+    for (int i = 0; i < 256; i++) {
+        uint32_t u;
+        memcpy(&u, code + i, 4);
+        for (int j = 0; j < 4; j++) planes[256 * j + i] = (uint8_t)(u >> (8 * j));
+    }
+}
+
+static inline void decode_block(const float *code, const uint8_t *planes, const uint8_t *c,
+                                float amax, int n, float *s) {
     int k = 0;
+#if defined(QS_AVX512) && defined(__AVX512VBMI__)
+    /* AVX-512 VBMI: 64 lanes per iteration. Each byte of the fp32 code is a 256-entry byte
+     * table in 4 registers: two 128-entry byte permutes and a blend on index bit 7 look it up
+     * for 64 lanes at once; 8 unpacks interleave the 4 byte planes into 4 x 16 floats. The
+     * unpacks work inside 128-bit lanes, so the indices are first permuted into the order that
+     * makes the unpacked dwords come out in element order. */
+    if (n >= 64) {
+        __m512i pl[16];
+        for (int i = 0; i < 16; i++) pl[i] = _mm512_loadu_si512((const void *)(planes + 64 * i));
+        uint8_t order[64];
+        for (int l = 0; l < 4; l++) /* position 16l + 4q + j holds element 16q + 4l + j */
+            for (int q = 0; q < 4; q++)
+                for (int j = 0; j < 4; j++) order[16 * l + 4 * q + j] = (uint8_t)(16 * q + 4 * l + j);
+        const __m512i perm = _mm512_loadu_si512((const void *)order);
+        const __m512 a5 = _mm512_set1_ps(amax);
+        for (; k + 64 <= n; k += 64) {
+            const __m512i i = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(c + k)));
+            const __mmask64 m7 = _mm512_movepi8_mask(i);
+            __m512i b[4];
+            for (int j = 0; j < 4; j++)
+                b[j] = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(pl[4 * j], i, pl[4 * j + 1]),
+                                              _mm512_permutex2var_epi8(pl[4 * j + 2], i, pl[4 * j + 3]));
+            const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+            const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+            _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l)), a5));
+            _mm512_storeu_ps(s + k + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l)), a5));
+            _mm512_storeu_ps(s + k + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h)), a5));
+            _mm512_storeu_ps(s + k + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), a5));
+        }
+    }
+#endif
 #ifdef QS_AVX512
     /* AVX-512: the 256-entry table in 16 registers, 16 lanes per 8 two-table permutes and a
      * 3-level blend on index bits 5-7 (measured ~3x faster than the scalar loads on Zen 5). */
@@ -545,6 +595,9 @@ int step8(int kind, float *p, const float *g,
     const int has2 = (c2 != NULL);
     const uint64_t seed1 = mix64(seed), seed2 = mix64(seed ^ 0x5555555555555555ull);
     const float canon = (flags & 1) ? 0.0f : -0.0f; /* x + 0.0f turns -0.0 into +0.0 */
+    uint8_t planes1[1024], planes2[1024];
+    code_planes(code1, planes1);
+    if (has2) code_planes(code2, planes2);
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < nblocks; b++) {
         float s1[4096], s2[4096];
@@ -555,8 +608,8 @@ int step8(int kind, float *p, const float *g,
         const float *restrict gg = g + off;
         uint8_t *cc1 = c1 + off;
         uint8_t *cc2 = has2 ? c2 + off : NULL;
-        decode_block(code1, cc1, a1[b], n, s1);
-        if (has2) decode_block(code2, cc2, a2[b], n, s2);
+        decode_block(code1, planes1, cc1, a1[b], n, s1);
+        if (has2) decode_block(code2, planes2, cc2, a2[b], n, s2);
         float m1 = -1.0f, m2 = -1.0f; /* the new absmaxes, when an update found them (NaN stays) */
         int todo = kind;                /* the update still to run (per block: threads share kind) */
 #ifdef __AVX2__

@@ -142,11 +142,13 @@ def nearest_reference(v: Tensor, lut: Tensor) -> Tensor:
 # place). The positive midpoints of a dynamic map are runs of equally spaced values (one run per
 # power of ten) joined by single "bridge" midpoints. Cut [0, 1] at the bridges into at most 16
 # regions; inside region r the count of midpoints below a magnitude a is
-# ``floor(clamp(fma(a, A[r], B[r]), LO[r], HI[r]))``: a line through the run's midpoints
-# (midpoint k sits at y = k + 1 to within 2^-16 of a code step here), clamped to the region's
-# counts. The region is found without a search: each binade [2^(t-31), 2^(t-30)) holds at most
-# one bridge, so ``r = RB[t] + (a > THR[t])`` with t the clamped exponent; the bridge compare is
-# exact. The line is not: a lane whose y lies within REGION_EPS of an integer (near a midpoint)
+# ``floor(min(fma(a, A[r], B[r]), HI[r]))``: a line through the run's midpoints (midpoint k
+# sits at y = k + 1 to within 2^-16 of a code step here), clamped to the region's top count
+# (past the run's last midpoint the line would climb on before the bridge); at the region's
+# bottom the builder checks that the line already starts above the region's first count, so
+# no lower clamp is needed (LO[r] is kept in the table for the record). The region is found
+# without a search: each binade [2^(t-31), 2^(t-30)) holds at most one bridge, so
+# ``r = RB[t] + (a > THR[t])`` with t the clamped exponent; the bridge compare is exact. The line is not: a lane whose y lies within REGION_EPS of an integer (near a midpoint)
 # is flagged and its vector re-encoded by the table search above, so the result is exact by
 # construction. Proof sketch: y is monotone in a, and the builder checks that y at every
 # interior midpoint and at the float above it lies within REGION_EPS / 4 of the integer the
@@ -220,11 +222,17 @@ def build_region_table(code: Tensor) -> Tensor | None:
         elif inner.size == 1:
             i1 = int(inner[0])
             below = np.float64(pos[s]) if s >= 0 else 0.0
-            slope = 1.0 / (np.float64(pos[i1]) - below)
+            slope = 0.5 / (np.float64(pos[i1]) - below)  # y = lo + 0.5 at the lower bridge
             icpt = (k0 + i1 + 1) - slope * np.float64(pos[i1])
         else:
             slope, icpt = 0.0, lo + 0.5
         a32, b32 = np.float32(slope), np.float32(icpt)
+        if s >= 0:
+            # The kernel clamps y above only: just above the lower bridge the line must already
+            # be above lo (a lane in [lo, lo + REGION_EPS) is flagged; below lo would be wrong).
+            first = np.nextafter(pos[s : s + 1], np.float32(np.inf))
+            if float(_fma32(first, a32, b32)[0]) - lo < REGION_EPS / 4:
+                return None
         if inner.size:
             at = pos[inner]
             above = np.nextafter(at, np.float32(np.inf))
@@ -245,7 +253,7 @@ def region_reference(v: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     with the fma emulated in float64 as the builder does."""
     t_ = table.numpy()
     thr, rb = t_[:32].view(np.float32), t_[32:64].astype(np.int64)
-    a_, b_, lo_, hi_ = t_[64:128].view(np.float32).reshape(4, 16)
+    a_, b_, _lo, hi_ = t_[64:128].view(np.float32).reshape(4, 16)
     bits = v.contiguous().view(torch.int32).numpy().view(np.uint32).astype(np.int64)
     neg = bits >> 31 == 1
     ab = (bits & 0x7FFFFFFF) + neg
@@ -253,7 +261,7 @@ def region_reference(v: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     a = ab.astype(np.uint32).view(np.float32)
     r = rb[t] + (a > thr[t])
     y = (a.astype(np.float64) * a_[r].astype(np.float64) + b_[r]).astype(np.float32)
-    y = np.minimum(np.maximum(y, lo_[r]), hi_[r])
+    y = np.minimum(y, hi_[r])
     flag = np.abs(y - np.rint(y)) < np.float32(REGION_EPS)
     cnt = np.trunc(y).astype(np.int64)
     if int(t_[128]) == 1:
