@@ -10,6 +10,17 @@ measured side by side in one run (the configurations alternate step by step, so 
 affects them alike).
 
     python benchmarks/overlap.py --topology 2x2 --steps 8
+
+``--netsim RATES`` (needs root) asks the other overlap question on the emulated cluster of
+``benchmarks/throughput.py`` (2 nodes x 2 ranks, tbf-shaped node links, the same GPT and batch
+shape): does qgZ's deferred reduce-scatter (``ZeroPPConfig.overlap_reduce_scatter``, see
+[Note: deferred qgZ] in qshard/zeropp/_overlap.py) hide its hops behind backward? Per rate it
+trains ``zero3-bf16`` (the 16-bit-wire ZeRO-3), qgZ alone and ZeRO++ (all three features), the
+last two with overlap off and on, and ZeRO-3 and ZeRO++ with ``prefetch_depth=2``, alternating the models step by step in one world so machine
+load falls on all of them alike; a step is barrier -> forward, backward, AdamW step, timed on
+each rank, the slowest rank's time counts. Prints the median and min per model and rate.
+
+    python benchmarks/overlap.py --netsim 100,400 --steps 6
 """
 
 from __future__ import annotations
@@ -60,14 +71,133 @@ def _world(rank: int, world: int, rpn: int, model_kwargs: dict, steps: int) -> d
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+# The --netsim models: ZeroPPConfig keywords, and the model each is compared with (or None).
+NETSIM_MODELS: dict[str, tuple[dict, str | None]] = {
+    "zero3-bf16": ({"wire_dtype": "bf16"}, None),
+    "zero3-bf16 depth 2": ({"wire_dtype": "bf16", "prefetch_depth": 2}, "zero3-bf16"),
+    "qgz sync": ({"qgz": True, "overlap_reduce_scatter": False}, None),
+    "qgz overlap": ({"qgz": True}, "qgz sync"),
+    "all sync": ({"qwz": True, "hpz": True, "qgz": True, "overlap_reduce_scatter": False}, None),
+    "all overlap": ({"qwz": True, "hpz": True, "qgz": True}, "all sync"),
+    "all overlap depth 2": (
+        {"qwz": True, "hpz": True, "qgz": True, "prefetch_depth": 2},
+        "all sync",
+    ),
+}
+
+
+def _netsim_worker(args: argparse.Namespace) -> int:
+    import json
+    import statistics
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from netsim.link import set_link_rate
+    from qshard.comm import Topology
+    from qshard.train.model import GPT, GPTConfig
+    from qshard.zeropp import ZeroPPConfig, shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=3000))
+    rank = dist.get_rank()
+    topo = Topology.from_env()
+    cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, context=128, seed=0)
+    models, opts = {}, {}
+    for name, (kw, _) in NETSIM_MODELS.items():
+        kw = dict(kw)
+        if kw.get("wire_dtype") == "bf16":
+            kw["wire_dtype"] = torch.bfloat16
+        models[name] = shard(GPT(cfg), topology=topo, config=ZeroPPConfig(**kw))
+        opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(rank)
+    out: dict = {}
+    for rate in [int(r) for r in args.netsim.split(",")]:
+        set_link_rate(rate)
+        times: dict = {k: [] for k in models}
+        for step in range(args.steps + 2):  # two untimed warm-up steps
+            idx = torch.randint(0, cfg.vocab_size, (2, cfg.context + 1), generator=g)
+            for name, model in models.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                _, loss = model(idx[:, :-1], idx[:, 1:])
+                loss.backward()
+                opts[name].step()
+                opts[name].zero_grad(set_to_none=True)
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                if step >= 2:
+                    times[name].append(t.item())
+        out[str(rate)] = {k: [statistics.median(v), min(v)] for k, v in times.items()}
+        if rank == 0:
+            print(f"[overlap] {rate} Mbit/s: {out[str(rate)]}", flush=True)
+    if rank == 0:
+        with open(args.result_json, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _netsim(args: argparse.Namespace, argv: list[str]) -> None:
+    from netsim.cluster import needs_root, run_in_cluster
+
+    if needs_root("overlap --netsim") is not None:
+        sys.exit(77)
+    run = run_in_cluster(
+        __file__,
+        argv,
+        nodes=2,
+        ranks_per_node=2,
+        rate_mbit=int(args.netsim.split(",")[0]),
+        rank_timeout_s=3000,
+        prefix="qov",
+    )
+    if run.rc != 0 or run.data is None:
+        sys.exit(f"overlap --netsim: the emulated cluster run failed with status {run.rc}")
+    report = Report("Overlap of qgZ's reduce-scatter with backward (emulated 2 nodes x 2 ranks)")
+    report.note(
+        f"GPT {args.n_layer} layers, width {args.n_embd}, context 128, 2 sequences per rank, "
+        f"torch AdamW; models alternate step by step; {args.steps} timed steps after 2 warm-up "
+        f"steps per rate; host load average {run.load[0]:.1f} at the start, {run.load[1]:.1f} "
+        "at the end (the machine is shared: times are indicative, ratios are side by side)."
+    )
+    rows = []
+    for rate, res in run.data.items():
+        base = res["zero3-bf16"][0]
+        for name, (med, mn) in res.items():
+            ref = NETSIM_MODELS[name][1] if name in NETSIM_MODELS else None
+            gain = f"{res[ref][0] / med:.2f}x ({ref})" if ref in res else "-"
+            rows.append([rate, name, f"{med:.3f}", f"{mn:.3f}", f"{base / med:.2f}x", gain])
+    report.table(
+        "Step time (s, slowest rank)",
+        ["Mbit/s", "model", "median s", "min s", "vs zero3-bf16", "speed-up vs"],
+        rows,
+    )
+    report.write(args.out_md)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--topology", default="2x2", help="NODESxRANKS_PER_NODE")
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument(
+        "--netsim", metavar="RATES", help="Mbit/s list: qgZ overlap on the emulated cluster"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result-json", help=argparse.SUPPRESS)
     add_report_args(parser)
     args = parser.parse_args(argv)
+    if args.netsim and args.worker:
+        sys.exit(_netsim_worker(args))
+    if args.netsim:
+        _netsim(args, argv)
+        return
 
     from qshard.testing import run_world
 

@@ -29,6 +29,7 @@ def test_defaults_are_plain_fsdp2():
         ({"weight_block_size": 100}, "multiple of 8"),
         ({"grad_block_size": 0}, "multiple of 8"),
         ({"pipeline_stages": 0}, "pipeline_stages"),
+        ({"prefetch_depth": 0}, "prefetch_depth"),
         ({"wire_dtype": torch.float64}, "wire_dtype"),
     ],
 )

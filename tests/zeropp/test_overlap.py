@@ -79,6 +79,7 @@ def _case_trajectories(topo, rank, res):
         ("qgz", {}),
         ("qgz_k2_int8", {"pipeline_stages": 2, "grad_bits": 8}),
         ("all", {"qwz": True, "hpz": True}),
+        ("all_depth2", {"qwz": True, "hpz": True, "prefetch_depth": 2}),
     ):
         sync = _trajectory(topo, rank, False, **kw)
         over = _trajectory(topo, rank, True, **kw)
@@ -232,6 +233,15 @@ def _case_direct_call(topo, rank, res):
     while not r.finish(block=False):
         pass
     res["stepwise_equal"] = torch.equal(out2, ref)
+    # prefetch_depth=2 (the trajectory case checks it changes no bits): what each block asks
+    # FSDP2 to prefetch, 3 blocks.
+    st = [b._get_fsdp_state() for b in _model(topo, True, prefetch_depth=2).blocks]
+    res["depth2_lists"] = (
+        len(st[0]._states_to_forward_prefetch),
+        len(st[1]._states_to_forward_prefetch),
+        len(st[2]._states_to_backward_prefetch),
+        len(st[0]._states_to_backward_prefetch),
+    )
 
 
 def _run(rank: int, world: int) -> dict:
@@ -255,7 +265,7 @@ def _run(rank: int, world: int) -> dict:
 def test_deferred_qgz_matches_synchronous_2x2():
     out = run_world(_run, 4, timeout_s=600)
     for rank, r in enumerate(out):
-        for name in ("qgz", "qgz_k2_int8", "all"):
+        for name in ("qgz", "qgz_k2_int8", "all", "all_depth2"):
             for what in ("loss", "grads", "params", "bytes"):
                 assert r[f"{name}_{what}"], (rank, name, what)
             over, sync = r[f"{name}_overlapped"]
@@ -273,3 +283,4 @@ def test_deferred_qgz_matches_synchronous_2x2():
         assert r["error_queue_empty"] and r["error_mid_queue_empty"], rank
         assert r["error_recovers"], rank
         assert r["direct_sync"] and r["stepwise_equal"], rank
+        assert r["depth2_lists"] == (2, 1, 2, 0), r["depth2_lists"]

@@ -45,6 +45,11 @@ class ZeroPPConfig:
         prefetch: prefetch the next block's all-gather explicitly and run unshards
             asynchronously, so communication (and qwZ's dequantization, done in the work
             handle's ``wait()``) overlaps the current block's compute. Numerics unchanged.
+        prefetch_depth: with ``prefetch``, how many blocks ahead each block prefetches (1: the
+            next one). FSDP2 issues a block's prefetch only after waiting for its own
+            all-gather, so with depth 1 the link idles while the gathered block is dequantized
+            and copied out; depth 2 keeps the next gather queued behind the one in flight, at
+            the memory of one more unsharded block.
         record: install recording comms for FSDP2's own collectives when a feature is off,
             so the active :class:`~qshard.comm.CommLedger` measures the baseline with the same
             ruler. They call the same plain collectives (numerics unchanged).
@@ -76,6 +81,7 @@ class ZeroPPConfig:
     overlap_reduce_scatter: bool = True
     wire_dtype: torch.dtype | None = None
     prefetch: bool = True
+    prefetch_depth: int = 1
     record: bool = True
     hsdp: bool = False
     replicate_bits: int | None = None
@@ -110,6 +116,8 @@ class ZeroPPConfig:
                     f"{name} must be a positive multiple of 8 (INT4 packs two codes a byte and "
                     f"scales stay 4-byte aligned on the wire); got {v!r}"
                 )
+        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be an int >= 1; got {self.prefetch_depth!r}")
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be an int >= 1; got {self.pipeline_stages!r}")
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:

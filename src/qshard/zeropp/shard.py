@@ -6,7 +6,6 @@ The one place qshard touches FSDP2 modules: every hook and comm it installs is s
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -175,8 +174,8 @@ def shard(
     * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``
       (one per unit, overlapping the rest of backward if ``overlap_reduce_scatter``), else the
       recording plain one;
-    * with ``prefetch``: each block prefetches the next one in forward and the previous one
-      in backward, and unshards run asynchronously.
+    * with ``prefetch``: each block prefetches the next ``prefetch_depth`` blocks in forward
+      and the previous ones in backward, and unshards run asynchronously.
 
     HSDP (``config.hsdp`` or a 2-D ``mesh`` with dims :data:`HSDP_MESH_DIMS`): shard inside a
     node, replicate across nodes. With a full-precision replicate reduction it is
@@ -279,9 +278,13 @@ def shard(
 
 def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig) -> None:
     if config.prefetch and len(block_list) > 1:
-        for prev, nxt in itertools.pairwise(block_list):
-            prev.set_modules_to_forward_prefetch([nxt])  # type: ignore[union-attr]
-            nxt.set_modules_to_backward_prefetch([prev])  # type: ignore[union-attr]
+        depth = config.prefetch_depth
+        for i, block in enumerate(block_list):
+            # Forward runs blocks in list order, backward in reverse: prefetch the next `depth`.
+            if ahead := block_list[i + 1 : i + 1 + depth]:
+                block.set_modules_to_forward_prefetch(ahead)  # type: ignore[union-attr]
+            if behind := block_list[max(0, i - depth) : i][::-1]:
+                block.set_modules_to_backward_prefetch(behind)  # type: ignore[union-attr]
         root._set_unshard_async_op(True)  # type: ignore[union-attr]
 
 
