@@ -374,18 +374,19 @@ static inline __attribute__((always_inline)) __m512i code16_region(
     r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), r, one);
     __m512 y = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
     y = _mm512_min_ps(y, _mm512_permutexvar_ps(r, R->hi)); /* no lower clamp: see the Note */
-    const __m512 near = _mm512_sub_ps(y, _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT |
-                                                                     _MM_FROUND_NO_EXC));
+    /* y - rint(y) in one instruction (exact), flagged when within REGION_EPS of an integer */
+    const __m512 near = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT);
     *flag |= _mm512_cmp_ps_mask(_mm512_abs_ps(near), _mm512_set1_ps(REGION_EPS), _CMP_LT_OQ);
     __m512i i = _mm512_cvttps_epi32(y);
     if (kind == 1) {
         i = _mm512_mask_sub_epi32(i, neg, _mm512_set1_epi32(254), i);
         return _mm512_max_epi32(i, _mm512_setzero_si512());
     }
-    i = _mm512_mask_mov_epi32(i, neg, _mm512_setzero_si512());
-    if (!floor0) return i;
+    /* unsigned: x <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
+     * to at least 1 (the zero code is 0 in an unsigned map with a region table) */
+    (void)zidx;
     const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    return _mm512_mask_add_epi32(i, _mm512_mask_cmpeq_epi32_mask(pos, i, zidx), i, one);
+    return floor0 ? _mm512_maskz_max_epi32(pos, i, one) : _mm512_maskz_mov_epi32(pos, i);
 }
 
 /* 16 codes: the region encoder, or the table search when a lane lies near a midpoint. */
