@@ -15,9 +15,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qshard.quant.blockwise import dequantize_blocks, pack_int4, quantize_blocks, unpack_int4
+from qshard.quant.blockwise import (
+    _dequantize_into,
+    _quantize_into,
+    dequantize_blocks,
+    pack_int4,
+    qmax_for_bits,
+    quantize_blocks,
+    unpack_int4,
+)
 
 __all__ = ["RowCodec"]
+
+
+def _in_place(x: Tensor) -> bool:
+    # CPU fp32/bf16/fp16 rows: every path of the quant core writes caller-given buffers.
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and x.is_contiguous()
+    )
 
 
 class RowCodec:
@@ -49,6 +66,20 @@ class RowCodec:
             return x.to(self.wire_dtype).contiguous().view(torch.uint8).view(rows, -1)
         self._check(m)
         bs = self.block_size
+        if _in_place(x):
+            # [Note: wire rows in place] Each row's scales and codes are written straight
+            # into its wire row by the quant core's kernels (INT4 packed there), instead of
+            # quantizing into temporaries, packing INT4 with torch ops and concatenating:
+            # the same bytes with three fewer passes over memory.
+            out = torch.empty((rows, self.row_bytes(m)), dtype=torch.uint8, device=x.device)
+            nb, qmax = m // bs, qmax_for_bits(self.bits)
+            for r in range(rows):
+                scales = out[r, : 4 * nb].view(torch.float32)
+                codes = out[r, 4 * nb :].view(nb, bs * self.bits // 8)
+                if self.bits == 8:
+                    codes = codes.view(torch.int8)
+                _quantize_into(x[r].view(nb, bs), qmax, "nearest", None, codes, scales)
+            return out
         codes, scales = quantize_blocks(x.reshape(-1, bs), bits=self.bits)
         scale_bytes = scales.view(rows, m // bs).view(torch.uint8)
         if self.bits == 4:
@@ -65,6 +96,17 @@ class RowCodec:
             return buf.contiguous().view(self.wire_dtype).view(rows, m).to(dtype)
         bs = self.block_size
         nb = m // bs
+        if buf.device.type == "cpu" and buf.is_contiguous():
+            # See [Note: wire rows in place]: each row decoded straight from its wire bytes.
+            out = torch.empty((rows, m), dtype=dtype, device=buf.device)
+            qmax = qmax_for_bits(self.bits)
+            for r in range(rows):
+                scales = buf[r, : 4 * nb].view(torch.float32)
+                codes = buf[r, 4 * nb :].view(nb, bs * self.bits // 8)
+                if self.bits == 8:
+                    codes = codes.view(torch.int8)
+                _dequantize_into(codes, scales, qmax, out[r].view(nb, bs))
+            return out
         scales = buf[:, : 4 * nb].contiguous().view(torch.float32).reshape(-1)
         code_bytes = buf[:, 4 * nb :].contiguous()
         if self.bits == 4:
