@@ -153,6 +153,7 @@ def _measure(variant, args, topology, corpus, rank, world):
     from netsim.link import NodeLinkMeter
     from qshard.train.data import batch_for_step
 
+    load = os.getloadavg()[0]  # the host's, as this row starts
     torch.manual_seed(args.seed)
     model = tp._build(variant, args, topology)
     opt, warmup, steps = tp._optimizer(variant, model, args)
@@ -201,7 +202,7 @@ def _measure(variant, args, topology, corpus, rank, world):
         for (excl, wall), (main, other) in zip(_profile_ranges(prof), cpu, strict=True)
     ]
     busiest = max(max(b.tx, b.rx) for b in per_node) / steps
-    mine = {"rank": rank, "times": times, "steps": prof_steps, "link_bytes": busiest}
+    mine = {"rank": rank, "times": times, "steps": prof_steps, "link_bytes": busiest, "load": load}
     del prof
     per_rank: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(per_rank, mine)
@@ -358,7 +359,8 @@ def report(args: argparse.Namespace, data: dict) -> None:
         "did not overlap compute. "
         "'main CPU' is the rank's main-thread CPU time, 'gloo CPU' its other threads' (and the "
         "kernel's network work charged to it); wall time above CPU time is time the rank was "
-        "blocked or waiting for a core."
+        "blocked or waiting for a core. 'load': the host's 1-minute load average as the row "
+        "started."
     )
     heads = [name for name, _ in GROUPS]
     rows = []
@@ -381,6 +383,7 @@ def report(args: argparse.Namespace, data: dict) -> None:
                     f"{other * 1e3:.0f}",
                     f"{slow['cpu_main'] * 1e3:.0f}",
                     f"{slow['cpu_other'] * 1e3:.0f}",
+                    f"{ranks[0]['load']:.1f}" if "load" in ranks[0] else "-",
                 ]
             )
             labels = sorted(
@@ -404,6 +407,7 @@ def report(args: argparse.Namespace, data: dict) -> None:
             "other",
             "main CPU",
             "gloo CPU",
+            "load",
         ],
         rows,
     )

@@ -209,6 +209,7 @@ def _measure(variant, args, topology, corpus, rank, world):
     from qshard.comm import CommLedger, recording
     from qshard.train.data import batch_for_step
 
+    load = os.getloadavg()[0]  # the host's (not namespaced): what else ran as this row started
     torch.manual_seed(args.seed)
     model = _build(variant, args, topology)
     opt, warmup, steps = _optimizer(variant, model, args)
@@ -258,6 +259,7 @@ def _measure(variant, args, topology, corpus, rank, world):
             for e in summary.entries
         ],
         "warmup": warmup,
+        "load": load,
         "steps": steps,
         "loss_first": losses[0],
         "loss_last": losses[-1],
@@ -452,7 +454,9 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             if "load" in data
             else ". "
         )
-        + "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
+        + "The load column is the host's 1-minute load average as the row started (an x limit "
+        "below 1 means the load changed between the unshaped pass and the row). "
+        "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
         "Link MiB/step: the busiest node's eth0 tx bytes over the timed steps; ledger: "
         "CommLedger's inter-node bytes of the busiest node (it records each collective as the "
         "backend runs it: gloo's reduce-scatter is an all-reduce that keeps a slice, the 16-bit "
@@ -501,6 +505,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{ledger / 2**20:.2f}" if ledger else "-",
                     f"{ratio:.3f}" if ledger else "-",
                     f"{r['loss_last']:.3f}",
+                    f"{r['load']:.1f}" if "load" in r else "-",
                 ]
             )
             if variant == "all" and rate != UNSHAPED and int(rate) == 100 and base:
@@ -530,6 +535,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             "ledger MiB/step",
             "ledger/link",
             "last loss",
+            "load",
         ],
         rows,
     )

@@ -107,8 +107,11 @@ def test_throughput_limit_column_and_issue_targets(tmp_path):
             },
         },
     }
+    data["results"]["400"]["all"]["load"] = 7.3
     tp.report(args, data, wall_s=10.0)
     text = md.read_text()
+    assert "| 1.000       | 4.000     | 7.3  |" in text  # the row's load; "-" where unknown
+    assert "| 1.000       | 4.000     | -    |" in text
     # zero3-bf16 at 100: link 15 MiB -> 1.3156 s > compute 0.6 s; 1.5 / 1.3156 = 1.14x.
     assert "| 100      | zero3-bf16 | 1.500    | 1.316   | 1.14x   |" in text
     assert "| unshaped | all        | 0.400    | -       | -       |" in text

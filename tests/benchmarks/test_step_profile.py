@@ -116,7 +116,7 @@ def test_report_groups_the_slowest_rank(sp, tmp_path):
         "mtu": 1500,
         "results": {
             "0": {"all": [_rank(0, fast, 0.17), _rank(1, slow, 0.5)]},
-            "100": {"all": [_rank(0, fast, 0.17), _rank(1, slow, 0.5)]},
+            "100": {"all": [dict(_rank(0, fast, 0.17), load=3.5), _rank(1, slow, 0.5)]},
         },
     }
     sp.report(args, data)
@@ -128,8 +128,8 @@ def test_report_groups_the_slowest_rank(sp, tmp_path):
     times = ["60", "120", "20", "15", "240", "30", "4", "3", "8", "250", "50"]
     # 1 MiB per step at 100 Mbit/s x 1514/1448: 87.7 ms of link; unshaped: none.
     assert phase == [
-        ["unshaped", "all", "500", "500", "-", *times],
-        ["100 Mbit/s", "all", "500", "500", "88", *times],
+        ["unshaped", "all", "500", "500", "-", *times, "-"],
+        ["100 Mbit/s", "all", "500", "500", "88", *times, "3.5"],
     ]
     assert ranges[0] == ["unshaped", "all", "qshard::qwz::wait", "0.0", "200.0"]
     assert ["unshaped", "all", "FSDP::pre_forward", "0.0", "3.0"] in ranges
