@@ -32,8 +32,8 @@ time)``, printed as ``limit s`` next to the median and ``x limit`` = median / li
 - compute-only step: with ``--limit`` (default) the launch first runs every variant with the
   links unshaped (``set_link_rate(0)``: no tbf at all), the same model, ranks, kernels,
   collectives and bytes, so the link is never the bottleneck and communication is off the
-  critical path as far as this machine allows; its median step time is the variant's compute
-  floor. It still holds the CPU cost of moving the bytes (gloo's copies, the TCP stack on
+  critical path as far as this machine allows; its median step time (the ``unshaped`` rows) is
+  the variant's compute floor. It still holds the CPU cost of moving the bytes (gloo's copies, the TCP stack on
   loopback and the bridge: on 2 cores the unshaped bridge carries 3-6 Gbit/s) and the ranks'
   waits on each other, as any step on these cores does.
 - link time: the busiest direction of the busiest node link, ``max(node tx, node rx)`` bytes per
@@ -47,7 +47,8 @@ A step at its limit either keeps the link busy all the time or runs as fast as w
 
 Needs root (network namespaces); run from the repository root, e.g.
 
-    python benchmarks/throughput.py --rates 100,200,400 --steps 10 --out-md docs/results/throughput.md
+    python benchmarks/throughput.py --rates 100,200,400 --steps 10 \
+        --out-md docs/results/throughput.md --out-json docs/results/throughput.json
 
 ``--out-json FILE`` also writes the raw numbers with the limits and targets; ``--from-json FILE``
 rebuilds the report from such a file without a cluster.
