@@ -47,7 +47,7 @@ A step at its limit either keeps the link busy all the time or runs as fast as w
 
 Needs root (network namespaces); run from the repository root, e.g.
 
-    python benchmarks/throughput.py --rates 100,200,400 --steps 10 \
+    python benchmarks/throughput.py --rates 100,200,400 --steps 10
         --out-md docs/results/throughput.md --out-json docs/results/throughput.json
 
 ``--out-json FILE`` also writes the raw numbers with the limits and targets; ``--from-json FILE``
