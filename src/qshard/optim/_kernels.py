@@ -51,7 +51,7 @@ import ctypes
 import torch
 
 from qshard._native import NativeLibrary
-from qshard.quant._codetable import NEAREST_C, REGION_EPS
+from qshard.quant._codetable import NEAREST_C
 
 __all__: list[str] = []  # private module
 
@@ -214,7 +214,6 @@ _SOURCE = (
 #endif
 """
     + NEAREST_C
-    + f"#define REGION_EPS {float(REGION_EPS).hex()}f\n"
     + r"""
 
 typedef struct {
@@ -358,35 +357,51 @@ static inline regions_t load_regions(const uint32_t *t) {
     return r;
 }
 
-static inline __attribute__((always_inline)) __m512i code16_region(
-    const regions_t *R, __m512 x, __m512i zidx, int kind, int floor0, __mmask16 *flag) {
+static inline __attribute__((always_inline)) __m512i region_z(const regions_t *R, __m512 x,
+                                                              int kind, __mmask16 *flag,
+                                                              __mmask16 *m) {
+    /* The bits of z = 768 + y (B and HI carry the 768): in [768, 1024) the float's bits 14-21
+     * are the code and bits 0-13 the fraction of y in units of 2^-14. `m`: the negative lanes
+     * (signed map) or the positive ones (unsigned map), for the finish. */
     const __m512i one = _mm512_set1_epi32(1);
     const __m512i b = _mm512_castps_si512(x);
-    const __mmask16 neg = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
-    /* |x|, and the float above it for negative lanes (midpoints <= |x| become < it) */
     __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
-    ab = _mm512_mask_add_epi32(ab, neg, ab, one);
+    if (kind == 1) {
+        /* the float above |x| for negative lanes (midpoints <= |x| become < it) */
+        *m = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
+        ab = _mm512_mask_add_epi32(ab, *m, ab, one);
+    } else {
+        *m = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    }
     const __m512 a = _mm512_castsi512_ps(ab);
     /* binade index: the exponent less 96, 0 below (a <= 1, so at most 31) */
     const __m512i t = _mm512_subs_epu16(_mm512_srli_epi32(ab, 23), _mm512_set1_epi32(96));
     const __m512 thr = _mm512_permutex2var_ps(R->thr0, t, R->thr1);
     __m512i r = _mm512_permutex2var_epi32(R->rb0, t, R->rb1);
     r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), r, one);
-    __m512 y = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
-    y = _mm512_min_ps(y, _mm512_permutexvar_ps(r, R->hi)); /* no lower clamp: see the Note */
-    /* y - rint(y) in one instruction (exact), flagged when within REGION_EPS of an integer */
-    const __m512 near = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT);
-    *flag |= _mm512_cmp_ps_mask(_mm512_abs_ps(near), _mm512_set1_ps(REGION_EPS), _CMP_LT_OQ);
-    __m512i i = _mm512_cvttps_epi32(y);
-    if (kind == 1) {
-        i = _mm512_mask_sub_epi32(i, neg, _mm512_set1_epi32(254), i);
-        return _mm512_max_epi32(i, _mm512_setzero_si512());
-    }
+    __m512 z = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
+    z = _mm512_min_ps(z, _mm512_permutexvar_ps(r, R->hi)); /* no lower clamp: see the Note */
+    const __m512i zi = _mm512_castps_si512(z);
+    /* flagged: the fraction within 4 units of 2^-14 of an integer (REGION_EPS = 2^-12) */
+    *flag |= _mm512_testn_epi32_mask(_mm512_add_epi32(zi, _mm512_set1_epi32(4)),
+                                     _mm512_set1_epi32(0x3FF8));
+    return zi;
+}
+
+/* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
+ * `flag` collects the lanes near a midpoint, which the caller re-encodes with code16. `kind`
+ * (1 signed, 2 unsigned) and `floor0` are constants at every call. */
+static inline __attribute__((always_inline)) __m512i code16_region(
+    const regions_t *R, __m512 x, int kind, int floor0, __mmask16 *flag) {
+    __mmask16 m;
+    const __m512i zi = region_z(R, x, kind, flag, &m);
+    const __m512i i = _mm512_and_si512(_mm512_srli_epi32(zi, 14), _mm512_set1_epi32(255));
+    if (kind == 1) /* negative lanes: max(254 - count, 0) */
+        return _mm512_max_epi32(_mm512_mask_sub_epi32(i, m, _mm512_set1_epi32(254), i),
+                                _mm512_setzero_si512());
     /* unsigned: x <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
      * to at least 1 (the zero code is 0 in an unsigned map with a region table) */
-    (void)zidx;
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    return floor0 ? _mm512_maskz_max_epi32(pos, i, one) : _mm512_maskz_mov_epi32(pos, i);
+    return floor0 ? _mm512_maskz_max_epi32(m, i, _mm512_set1_epi32(1)) : _mm512_maskz_mov_epi32(m, i);
 }
 
 /* 16 codes: the region encoder, or the table search when a lane lies near a midpoint. */
@@ -395,7 +410,7 @@ static inline __attribute__((always_inline)) __m512i code16_fast(
     int floor0) {
     __mmask16 flag = 0;
     const __m512 x = _mm512_div_ps(_mm512_loadu_ps(s), dv);
-    const __m512i i = code16_region(R, x, zidx, kind, floor0, &flag);
+    const __m512i i = code16_region(R, x, kind, floor0, &flag);
     return flag ? code16(lut, s, dv, zidx, floor0) : i;
 }
 
@@ -411,16 +426,33 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
     int k = 0;
     if (kind) {
         const regions_t R = load_regions(regions);
-        /* 64 lanes per iteration, one flag test; a flagged group finishes the block 16 at a time */
+        /* 64 lanes per iteration, one flag test (a flagged group finishes the block 16 at a
+         * time), finished on bytes: a multishift takes bits 14-21 of every dword, two byte
+         * permutes and an insert gather the 64 codes, and one masked byte op applies the sign
+         * rule (254 - count saturating at 0) or the unsigned floor to all of them. */
+        const __m512i ctrl = _mm512_set1_epi64(14 | (46 << 8));
+        uint8_t pick[64];
+        for (int p = 0; p < 64; p++)
+            pick[p] = (uint8_t)(p < 32 ? (p >= 16 ? 64 : 0) + 8 * ((p & 15) >> 1) + (p & 1) : 0);
+        const __m512i idx = _mm512_loadu_si512((const void *)pick);
         for (; k + 64 <= n; k += 64) {
-            __mmask16 flag = 0;
-            __m512i i[4];
+            __mmask16 flag = 0, m[4];
+            __m512i z[4];
             for (int h = 0; h < 4; h++)
-                i[h] = code16_region(&R, _mm512_div_ps(_mm512_loadu_ps(s + k + 16 * h), dv), zidx,
-                                     kind, floor0, &flag);
+                z[h] = _mm512_multishift_epi64_epi8(
+                    ctrl, region_z(&R, _mm512_div_ps(_mm512_loadu_ps(s + k + 16 * h), dv), kind,
+                                   &flag, &m[h]));
             if (flag) break;
-            for (int h = 0; h < 4; h++)
-                _mm_storeu_si128((__m128i *)(out + k + 16 * h), _mm512_cvtepi32_epi8(i[h]));
+            const __m512i lo = _mm512_permutex2var_epi8(z[0], idx, z[1]);
+            const __m512i hi = _mm512_permutex2var_epi8(z[2], idx, z[3]);
+            __m512i w = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+            const __mmask64 mm = _mm512_kunpackd(
+                (__mmask64)_mm512_kunpackw((__mmask32)m[3], (__mmask32)m[2]),
+                (__mmask64)_mm512_kunpackw((__mmask32)m[1], (__mmask32)m[0]));
+            if (kind == 1) w = _mm512_mask_subs_epu8(w, mm, _mm512_set1_epi8((char)254), w);
+            else if (floor0) w = _mm512_maskz_max_epu8(mm, w, _mm512_set1_epi8(1));
+            else w = _mm512_maskz_mov_epi8(mm, w);
+            _mm512_storeu_si512((void *)(out + k), w);
         }
         for (; k + 16 <= n; k += 16)
             _mm_storeu_si128((__m128i *)(out + k),

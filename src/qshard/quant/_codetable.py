@@ -141,20 +141,24 @@ def nearest_reference(v: Tensor, lut: Tensor) -> Tensor:
 # fused 8-bit optimizer kernel's AVX-512 path; the table is built and checked here, in one
 # place). The positive midpoints of a dynamic map are runs of equally spaced values (one run per
 # power of ten) joined by single "bridge" midpoints. Cut [0, 1] at the bridges into at most 16
-# regions; inside region r the count of midpoints below a magnitude a is
-# ``floor(min(fma(a, A[r], B[r]), HI[r]))``: a line through the run's midpoints (midpoint k
-# sits at y = k + 1 to within 2^-16 of a code step here), clamped to the region's top count
-# (past the run's last midpoint the line would climb on before the bridge); at the region's
-# bottom the builder checks that the line already starts above the region's first count, so
-# no lower clamp is needed (LO[r] is kept in the table for the record). The region is found
-# without a search: each binade [2^(t-31), 2^(t-30)) holds at most one bridge, so
-# ``r = RB[t] + (a > THR[t])`` with t the clamped exponent; the bridge compare is exact. The line is not: a lane whose y lies within REGION_EPS of an integer (near a midpoint)
-# is flagged and its vector re-encoded by the table search above, so the result is exact by
-# construction. Proof sketch: y is monotone in a, and the builder checks that y at every
-# interior midpoint and at the float above it lies within REGION_EPS / 4 of the integer the
-# count steps to; a lane that is not flagged is then at least REGION_EPS * 3/4 from every such
-# step. Negative values of the signed map (symmetric about code 127 = 0, one extra +1.0 code)
-# take ``max(254 - count(nextup(a)), 0)`` (the float above a turns "midpoints <= a" into
+# regions; inside region r the count of midpoints below a magnitude a is the integer part of
+# ``y = min(fma(a, A[r], B[r]), HI[r])``: a line through the run's midpoints (midpoint k sits at
+# y = k + 1 to within 2^-16 here), clamped to the region's top count (past the run's last
+# midpoint the line would climb on before the bridge). At the region's bottom the builder
+# checks that the line already starts above the region's first count, so no lower clamp is
+# needed (LO[r] is kept in the table for the record). The region is found without a search:
+# each binade [2^(t-31), 2^(t-30)) holds at most one bridge, so ``r = RB[t] + (a > THR[t])``
+# with t the clamped exponent; the bridge compare is exact. The kernel adds Z_OFFSET = 768 to
+# y (inside B and HI): in [768, 1024) the fp32 bits 14-21 of z are the count and bits 0-13 its
+# fraction in units of 2^-14, so no conversion is needed. The line is not exact: a lane whose z
+# lies within 4 units (REGION_EPS = 2^-12) of an integer is flagged and its vector re-encoded
+# by the table search above. Why that is exact: z is monotone in a, the builder checks that z
+# at every interior midpoint and at the float above it lies within 1 unit of the integer the
+# count steps to (the kernel's fused rounding may differ from the builder's by 1 more), so a
+# lane 5 or more units from every integer cannot lie on the wrong side of a midpoint; and the
+# kernel's codes are compared with the table's for every fp32 in [-1, 1] (a slow test).
+# Negative values of the signed map (symmetric about code 127 = 0, one extra +1.0 code) take
+# ``max(254 - count(nextup(a)), 0)`` (the float above a turns "midpoints <= a" into
 # "midpoints < a", so ties keep going to the lower code); the unsigned map's negatives take 0.
 
 #: Entries of the region table: THR[32], RB[32], A[16], B[16], LO[16], HI[16] (floats and
@@ -163,6 +167,10 @@ REGION_TABLE_SIZE = 129
 
 #: Half-width of the band around an integer y in which a lane falls back to the table search.
 REGION_EPS = 2.0**-12
+
+#: Added to y so that z = y + 768 lies in [768, 1024), where the fp32 bits 14-21 are the code
+#: and bits 0-13 the fraction in units of 2^-14 (REGION_EPS is 4 of them).
+Z_OFFSET = 768.0
 
 
 def _fma32(a: np.ndarray, m: np.float32, b: np.float32) -> np.ndarray:
@@ -226,21 +234,23 @@ def build_region_table(code: Tensor) -> Tensor | None:
             icpt = (k0 + i1 + 1) - slope * np.float64(pos[i1])
         else:
             slope, icpt = 0.0, lo + 0.5
-        a32, b32 = np.float32(slope), np.float32(icpt)
+        # the kernel computes z = y + Z_OFFSET: the offset is in B (and HI), so the check below
+        # is of the kernel's own fp32 values
+        a32, b32 = np.float32(slope), np.float32(icpt + Z_OFFSET)
         if s >= 0:
             # The kernel clamps y above only: just above the lower bridge the line must already
             # be above lo (a lane in [lo, lo + REGION_EPS) is flagged; below lo would be wrong).
             first = np.nextafter(pos[s : s + 1], np.float32(np.inf))
-            if float(_fma32(first, a32, b32)[0]) - lo < REGION_EPS / 4:
+            if float(_fma32(first, a32, b32)[0]) - Z_OFFSET - lo < REGION_EPS / 4:
                 return None
         if inner.size:
             at = pos[inner]
             above = np.nextafter(at, np.float32(np.inf))
-            want = (k0 + inner + 1).astype(np.float64)
+            want = (k0 + inner + 1 + Z_OFFSET).astype(np.float64)
             for v in (at, above):
                 if float(np.abs(_fma32(v, a32, b32) - want).max()) > REGION_EPS / 4:
                     return None
-        lines[:, r] = (a32, b32, lo + 0.5, hi + 0.5)
+        lines[:, r] = (a32, b32, lo + 0.5, hi + 0.5 + Z_OFFSET)
     out = np.concatenate(
         [thr.view(np.int32), rb.astype(np.int32), lines.reshape(-1).view(np.int32), [kind]]
     ).astype(np.int32)
@@ -260,10 +270,10 @@ def region_reference(v: Tensor, table: Tensor) -> tuple[Tensor, Tensor]:
     t = np.maximum((ab >> 23) - 96, 0)
     a = ab.astype(np.uint32).view(np.float32)
     r = rb[t] + (a > thr[t])
-    y = (a.astype(np.float64) * a_[r].astype(np.float64) + b_[r]).astype(np.float32)
-    y = np.minimum(y, hi_[r])
-    flag = np.abs(y - np.rint(y)) < np.float32(REGION_EPS)
-    cnt = np.trunc(y).astype(np.int64)
+    z = (a.astype(np.float64) * a_[r].astype(np.float64) + b_[r]).astype(np.float32)
+    z = np.minimum(z, hi_[r]).view(np.uint32).astype(np.int64)
+    flag = ((z + 4) & 0x3FF8) == 0  # within 4 units of 2^-14 (REGION_EPS) of an integer
+    cnt = (z >> 14) & 0xFF
     if int(t_[128]) == 1:
         cnt = np.where(neg, np.maximum(254 - cnt, 0), cnt)
     else:
