@@ -142,3 +142,75 @@ def _rows(table: str) -> list[list[str]]:
     """The body rows of a markdown table, as stripped cells."""
     lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
     return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+
+
+def _profiled_labels(rank: int, world: int) -> dict[str, list[str]]:
+    """One profiled training step of a tiny GPT per variant on 2 nodes x 1 rank: the range
+    labels step_profile would see on this rank."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from qshard.comm import Topology
+    from qshard.train.model import GPT, GPTConfig
+    from qshard.zeropp import ZeroPPConfig, shard
+
+    topo = Topology(world_size=world, ranks_per_node=1)
+    configs = {
+        "zero3-bf16": ZeroPPConfig(wire_dtype=torch.bfloat16),
+        "qwz+qgz": ZeroPPConfig(qwz=True, qgz=True),
+    }
+    sys.path.insert(0, str(BENCH))
+    import step_profile as sp
+
+    out = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = shard(
+            GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, context=16, vocab_size=64)),
+            topology=topo,
+            config=config,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+
+        def step(model=model, opt=opt, x=x) -> None:
+            with record_function("step::forward"):
+                _, loss = model(x, x)
+            with record_function("step::backward"):
+                loss.backward()
+            with record_function("step::optimizer"):
+                opt.step()
+                opt.zero_grad()
+
+        step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("step"):
+            step()
+        ((excl, wall),) = sp._profile_ranges(prof)
+        assert sum(excl.values()) <= wall * 1.001
+        out[name] = sorted(excl)
+    return out
+
+
+def test_a_zeropp_step_shows_qshard_ranges():
+    """The ranges step_profile groups are really set by qshard's comms in a training step (a
+    refactor that drops them would silently turn comm time into 'compute')."""
+    from qshard.testing import run_world
+
+    labels = run_world(_profiled_labels, 2, timeout_s=240)[0]
+    assert {
+        "qshard::all_gather::quantize",
+        "qshard::all_gather::finish",
+        "qshard::reduce_scatter::quantize",
+        "qshard::reduce_scatter::finish",
+        "step::forward",
+        "step::backward",
+        "step::optimizer",
+        "FSDP::all_gather_copy_out",
+    } <= set(labels["zero3-bf16"])
+    assert {
+        "qshard::qwz::quantize",
+        "qshard::qwz::finish",
+        "qshard::qgz::reorder",
+        "qshard::qgz::quantize_inter",
+        "qshard::qgz::reduce_inter",
+    } <= set(labels["qwz+qgz"])
