@@ -45,9 +45,10 @@ def test_unknown_and_positional_options_are_errors():
         ZeroPPConfig(True)  # type: ignore[misc]
     with pytest.raises(TypeError, match="qwz must be a bool"):
         ZeroPPConfig(qwz=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="overlap_reduce_scatter must be a bool"):
+    with pytest.raises(TypeError, match="overlap_reduce_scatter must be None or a bool"):
         ZeroPPConfig(qgz=True, overlap_reduce_scatter="yes")  # type: ignore[arg-type]
-    assert ZeroPPConfig().overlap_reduce_scatter  # the default: qgZ overlaps backward
+    # the default: on with any ZeRO++ feature, off for plain ZeRO-3 (shard() decides)
+    assert ZeroPPConfig().overlap_reduce_scatter is None
 
 
 def test_find_blocks():

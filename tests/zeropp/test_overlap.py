@@ -30,9 +30,15 @@ def _batch(rank: int, step: int):
     return idx[:, :-1], idx[:, 1:]
 
 
-def _model(topo: Topology, overlap: bool, mp: MixedPrecisionPolicy | None = None, **kw):
-    cfg = ZeroPPConfig(qgz=True, overlap_reduce_scatter=overlap, **kw)
+def _model(topo: Topology, overlap: bool | None, mp: MixedPrecisionPolicy | None = None, **kw):
+    kw.setdefault("qgz", True)
+    cfg = ZeroPPConfig(overlap_reduce_scatter=overlap, **kw)
     return shard(GPT(CFG), topology=topo, config=cfg, mp_policy=mp)
+
+
+def _overlapped(summary) -> int:
+    """Deferred reduce-scatter calls of a step: qgZ's and the plain ones."""
+    return summary.event("qgz_overlapped") + summary.event("reduce_scatter_overlapped")
 
 
 def _grads(model) -> list[torch.Tensor]:
@@ -67,7 +73,7 @@ def _trajectory(topo, rank, overlap, steps=4, **kw):
         out["grads"].append(_grads(model))
         s = ledger.step()
         out["bytes"].append(_bytes(s))
-        out["overlapped"].append(s.event("qgz_overlapped"))
+        out["overlapped"].append(_overlapped(s))
         opt.step()
         opt.zero_grad(set_to_none=True)
     out["params"] = [p.to_local().detach().clone() for p in model.parameters()]
@@ -80,6 +86,11 @@ def _case_trajectories(topo, rank, res):
         ("qgz_k2_int8", {"pipeline_stages": 2, "grad_bits": 8}),
         ("all", {"qwz": True, "hpz": True}),
         ("all_depth2", {"qwz": True, "hpz": True, "prefetch_depth": 2}),
+        # The plain reduce-scatter deferred (ZeRO++ features without qgZ, and forced on ZeRO-3).
+        ("hpz", {"hpz": True, "qgz": False}),
+        ("qwz", {"qwz": True, "qgz": False}),
+        ("hpz_bf16_wire", {"hpz": True, "qgz": False, "wire_dtype": torch.bfloat16}),
+        ("zero3_forced", {"qgz": False}),
     ):
         sync = _trajectory(topo, rank, False, **kw)
         over = _trajectory(topo, rank, True, **kw)
@@ -88,6 +99,17 @@ def _case_trajectories(topo, rank, res):
         res[f"{name}_params"] = _equal(over["params"], sync["params"])
         res[f"{name}_bytes"] = over["bytes"] == sync["bytes"]
         res[f"{name}_overlapped"] = (over["overlapped"], sync["overlapped"])
+
+
+def _case_defaults(topo, rank, res):
+    """overlap_reduce_scatter=None: on with a ZeRO++ feature, off for plain ZeRO-3."""
+    for name, kw in (
+        ("default_zero3", {"qgz": False}),
+        ("default_hpz", {"qgz": False, "hpz": True}),
+    ):
+        model, ledger = _model(topo, None, **kw), CommLedger(topo)
+        _backward(model, ledger, rank, 0)
+        res[name] = _overlapped(ledger.step())
 
 
 def _case_accumulation(topo, rank, res):
@@ -250,6 +272,7 @@ def _run(rank: int, world: int) -> dict:
     res: dict = {}
     for case in (
         _case_trajectories,
+        _case_defaults,
         _case_accumulation,
         _case_hook,
         _case_mixed_precision,
@@ -262,14 +285,27 @@ def _run(rank: int, world: int) -> dict:
     return res
 
 
+TRAJECTORIES = (
+    "qgz",
+    "qgz_k2_int8",
+    "all",
+    "all_depth2",
+    "hpz",
+    "qwz",
+    "hpz_bf16_wire",
+    "zero3_forced",
+)
+
+
 def test_deferred_qgz_matches_synchronous_2x2():
     out = run_world(_run, 4, timeout_s=600)
     for rank, r in enumerate(out):
-        for name in ("qgz", "qgz_k2_int8", "all", "all_depth2"):
+        for name in TRAJECTORIES:
             for what in ("loss", "grads", "params", "bytes"):
                 assert r[f"{name}_{what}"], (rank, name, what)
             over, sync = r[f"{name}_overlapped"]
             assert over == [UNITS] * 4 and sync == [0] * 4, (rank, name, over, sync)
+        assert r["default_zero3"] == 0 and r["default_hpz"] == UNITS, rank
         assert r["accum_no_sync_then_sync"] and r["accum_into_existing"], rank
         assert r["accum_events"] == (UNITS, 0), (rank, r["accum_events"])
         assert r["hook_seen"] and r["hook_grads"], rank

@@ -97,6 +97,11 @@ class DeferredWork(dist.distributed_c10d.Work):
             self._done = True
         return True
 
+    @property
+    def pending(self) -> list[dist.Work]:
+        """The collectives not waited for yet (empty once :meth:`wait` ran)."""
+        return list(self._works)
+
     def is_completed(self) -> bool:
         return self._done
 

@@ -115,9 +115,10 @@ class OverlapQueue:
         except Exception as exc:
             self._items.clear()
             raise RuntimeError(
-                f"a deferred qgZ reduce-scatter failed ({type(exc).__name__}: {exc}); the "
-                "gradients of this backward are incomplete. ZeroPPConfig("
-                "overlap_reduce_scatter=False) runs qgZ synchronously inside FSDP2's call"
+                f"a deferred reduce-scatter failed (deferred qgZ / plain; "
+                f"{type(exc).__name__}: {exc}); the gradients of this backward are incomplete. "
+                "ZeroPPConfig(overlap_reduce_scatter=False) runs the reduce-scatter "
+                "synchronously inside FSDP2's call"
             ) from exc
 
 

@@ -30,13 +30,16 @@ class ZeroPPConfig:
         grad_block_size: elements per qgZ quantization block.
         pipeline_stages: qgZ chunks pipelined through the two hops (1 = no pipelining); the
             inter-node hop of chunk ``k`` overlaps the intra-node hop of chunk ``k+1``.
-        overlap_reduce_scatter: let qgZ's reduce-scatter return from FSDP2's call after
-            starting its intra-node hop, and finish both hops while the next blocks' backward
-            runs; every pending reduce-scatter is finished before ``backward()`` returns (see
-            [Note: deferred qgZ] in ``qshard/zeropp/_overlap.py``). Used only where FSDP2 does
-            nothing with the output but view it (no accumulation into an existing gradient,
-            post-accumulate-grad hook, dtype cast or post-divide); elsewhere qgZ runs
-            synchronously. Numerics and bytes unchanged.
+        overlap_reduce_scatter: let the gradient reduce-scatter (qgZ's two hops, or the plain
+            one) return from FSDP2's call after issuing its collective, and finish it while the
+            next blocks' backward runs; every pending reduce-scatter is finished before
+            ``backward()`` returns (see [Note: deferred qgZ] in ``qshard/zeropp/_overlap.py``).
+            Used only where FSDP2 does nothing with the output but view it (no accumulation
+            into an existing gradient, post-accumulate-grad hook, dtype cast or post-divide);
+            elsewhere the call is synchronous. ``None`` (default): on whenever a ZeRO++ feature
+            is on, off for plain ZeRO-3 (which keeps FSDP2's synchronous reduce-scatter and
+            costs what it always cost); ``True`` / ``False`` force it. Numerics and bytes
+            unchanged.
         wire_dtype: ``None`` sends unquantized collectives in the parameter / reduce dtype;
             ``torch.bfloat16`` or ``torch.float16`` casts them to 16 bits on the wire while
             computing and reducing in fp32 (the paper's fp16 ZeRO-3 baseline, on hardware
@@ -78,7 +81,7 @@ class ZeroPPConfig:
     grad_bits: int = 4
     grad_block_size: int = 256
     pipeline_stages: int = 1
-    overlap_reduce_scatter: bool = True
+    overlap_reduce_scatter: bool | None = None
     wire_dtype: torch.dtype | None = None
     prefetch: bool = True
     prefetch_depth: int = 1
@@ -94,7 +97,6 @@ class ZeroPPConfig:
             "qwz",
             "hpz",
             "qgz",
-            "overlap_reduce_scatter",
             "prefetch",
             "record",
             "hsdp",
@@ -116,6 +118,12 @@ class ZeroPPConfig:
                     f"{name} must be a positive multiple of 8 (INT4 packs two codes a byte and "
                     f"scales stay 4-byte aligned on the wire); got {v!r}"
                 )
+        if self.overlap_reduce_scatter is not None and not isinstance(
+            self.overlap_reduce_scatter, bool
+        ):
+            raise TypeError(
+                f"overlap_reduce_scatter must be None or a bool; got {self.overlap_reduce_scatter!r}"
+            )
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be an int >= 1; got {self.prefetch_depth!r}")
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:

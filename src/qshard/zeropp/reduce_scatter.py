@@ -127,7 +127,37 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
     the ring reduce-scatter's bytes), so on gloo the plain path is recorded as an all-reduce.
     Other backends (NCCL) run a ring reduce-scatter and are recorded as one. The paper's
     analytic ring baseline is printed beside the ledger by ``benchmarks/comm_volume.py``.
+
+    With ``unit`` and ``overlap`` (what :func:`qshard.zeropp.shard` installs when a ZeRO++
+    feature is on and ``overlap_reduce_scatter`` allows it), a call that FSDP2 lets finish late
+    (see [Note: deferred qgZ] in :mod:`qshard.zeropp._overlap`) issues the collective
+    asynchronously and returns; the wait (and the 16-bit wire's fp32 sum) runs at a later
+    reduce-scatter call, or in the drain at the end of backward (ledger event
+    ``reduce_scatter_overlapped``). Same collective, same bits.
     """
+
+    def __init__(
+        self,
+        *,
+        wire_dtype: torch.dtype | None = None,
+        unit: nn.Module | None = None,
+        overlap: bool = False,
+        queue: OverlapQueue | None = None,
+    ) -> None:
+        super().__init__(wire_dtype=wire_dtype)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool; got {overlap!r}")
+        self.unit = unit
+        self.overlap = overlap
+        self.queue = queue if queue is not None else OverlapQueue()
+
+    def _deferrable(self, output_tensor: torch.Tensor, async_op: bool, world: int) -> bool:
+        return (
+            self.overlap
+            and not async_op
+            and world > 1
+            and defer_reason(self.unit, output_tensor) is None
+        )
 
     def _plain(self, output_tensor, input_tensor, group, op, ranks, async_op):
         wire = self.wire_dtype
@@ -169,7 +199,37 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         op: object,
         async_op: bool = False,
     ) -> dist.Work | None:
-        return self._plain(output_tensor, input_tensor, group, op, group_ranks(group), async_op)
+        ranks = group_ranks(group)
+        if self._deferrable(output_tensor, async_op, len(ranks)):
+            self.queue.prepare()
+            work = self._plain(output_tensor, input_tensor, group, op, ranks, True)
+            self.queue.push(_Waiting(work))
+            if (ledger := active_ledger()) is not None:
+                ledger.count("reduce_scatter_overlapped")
+            return None
+        return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
+
+
+class _Waiting:
+    """A plain reduce-scatter in flight: issued at the call, waited for (and finished) later."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+
+    def issue(self) -> None:
+        pass  # issued when called
+
+    def finish(self, *, block: bool) -> bool:
+        work = self.work
+        if not block:
+            inner = work.pending if isinstance(work, DeferredWork) else [work]
+            if not all(w.is_completed() for w in inner):
+                return False
+        with record_function("qshard::reduce_scatter::wait"):
+            work.wait()
+        return True
 
 
 class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
@@ -221,9 +281,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         overlap: bool = False,
         queue: OverlapQueue | None = None,
     ) -> None:
-        super().__init__(wire_dtype=wire_dtype)
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool; got {overlap!r}")
+        super().__init__(wire_dtype=wire_dtype, unit=unit, overlap=overlap, queue=queue)
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be 4, 8 or None; got {bits}")
         if block_size < 8 or block_size % 8:
@@ -241,9 +299,6 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         # of codes (checked in the sm_90 PTX: byte-wise loads otherwise). Both paths pad alike,
         # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
         self._pad_blocks = 1 if bits is None else 4
-        self.unit = unit
-        self.overlap = overlap
-        self.queue = queue if queue is not None else OverlapQueue()
 
     def __call__(
         self,
@@ -266,12 +321,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             self.queue.drain()  # older deferred reductions issue their collectives first
             return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
         scale = op_scale(op, len(ranks))
-        if (
-            self.overlap
-            and not async_op
-            and self.topology.world_size > 1
-            and not _triton.serves(input_tensor)
-            and defer_reason(self.unit, output_tensor) is None
+        if self._deferrable(output_tensor, async_op, len(ranks)) and not _triton.serves(
+            input_tensor
         ):
             self.queue.prepare()
             self._count_topology_events()

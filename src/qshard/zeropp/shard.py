@@ -171,9 +171,9 @@ def shard(
     * all-gather: :class:`~qshard.zeropp.QuantizedAllGather` if ``qwz``, else the recording
       plain one (16-bit wire if ``wire_dtype``);
     * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``);
-    * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``
-      (one per unit, overlapping the rest of backward if ``overlap_reduce_scatter``), else the
-      recording plain one;
+    * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``,
+      else the recording plain one; one per unit, overlapping the rest of backward when
+      ``overlap_reduce_scatter`` (by default: with any ZeRO++ feature) allows it;
     * with ``prefetch``: each block prefetches the next ``prefetch_depth`` blocks in forward
       and the previous ones in backward, and unshards run asynchronously.
 
@@ -249,6 +249,9 @@ def shard(
     # One qgZ comm per FSDP unit (deferral checks what FSDP2 does after the unit's call), one
     # progress queue for all of them (they share the process groups; see [Note: deferred qgZ]).
     queue = OverlapQueue()
+    overlap = config.overlap_reduce_scatter
+    if overlap is None:
+        overlap = config.any_feature  # the ZeRO-3 baseline keeps FSDP2's synchronous call
 
     def make_reduce_scatter(module: FSDPModule):
         if config.qgz:
@@ -258,11 +261,13 @@ def shard(
                 block_size=config.grad_block_size,
                 pipeline_stages=config.pipeline_stages,
                 unit=module,
-                overlap=config.overlap_reduce_scatter,
+                overlap=overlap,
                 queue=queue,
             )
-        if config.record or config.wire_dtype is not None:
-            return RecordingReduceScatter(wire_dtype=config.wire_dtype)
+        if config.record or config.wire_dtype is not None or overlap:
+            return RecordingReduceScatter(
+                wire_dtype=config.wire_dtype, unit=module, overlap=overlap, queue=queue
+            )
         return None
 
     fsdp_modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
