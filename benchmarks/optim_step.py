@@ -29,7 +29,15 @@ triad into a third array also pays the write-allocate reads of it and measured ~
 bandwidth on this host. ``limit x fused`` is the bound over the fused fp32 step's median time
 (the best ratio the state format allows), ``x limit`` the median step time over the bound.
 
+With ``--phases`` it times instead where AdamW8bit's step goes: variants of the fused kernel
+built from the same C source with one phase taken out by a ``-DQS_PHASE_*`` define (see the
+timing hooks in ``qshard.optim._kernels``; each writes wrong values, so it is timing only),
+side by side with the full kernel and the fused fp32 step in interleaved rounds. A phase's cost
+is the median over rounds of (full step - variant); phases overlap in the core, so the costs
+need not add up to the step.
+
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
+    python benchmarks/optim_step.py --phases --sizes 10M --threads 1 --cpu-time
     python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md results/optim_step.md
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
@@ -51,7 +59,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Report, add_report_args
-from qshard.optim import AdamW4bit, AdamW8bit, optimizer_state_bytes
+from qshard import _native
+from qshard.optim import AdamW4bit, AdamW8bit, _kernels, optimizer_state_bytes
 
 
 def _parse_size(s: str) -> int:
@@ -208,6 +217,88 @@ def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) 
     )
 
 
+#: (what is taken out, -D flags) of the --phases variants; the first is the full kernel.
+_PHASES: list[tuple[str, tuple[str, ...]]] = [
+    ("nothing (the full 8-bit step)", ()),
+    ("decode of m and v", ("-DQS_PHASE_NO_DECODE",)),
+    ("Adam update + absmax (and the p, g traffic)", ("-DQS_PHASE_NO_UPDATE",)),
+    ("sqrt and division in the update", ("-DQS_PHASE_NO_DIVSQRT",)),
+    ("division by the absmax in the encoder", ("-DQS_PHASE_ENCODE_MUL",)),
+    ("encode of m and v", ("-DQS_PHASE_NO_ENCODE",)),
+    (
+        "decode, update and encode (left: loads, stores, loop)",
+        ("-DQS_PHASE_NO_DECODE", "-DQS_PHASE_NO_UPDATE", "-DQS_PHASE_NO_ENCODE"),
+    ),
+]
+
+
+def _time_phases(report: Report, size: int, args: argparse.Namespace) -> None:
+    """One table: AdamW8bit with each phase taken out of the kernel, vs the full kernel."""
+    libs = []
+    for i, (_, defines) in enumerate(_PHASES):
+        lib = _native.build_library(
+            f"optim8bit_phase{i}", _kernels._SOURCE, (*_native.DEFAULT_FLAGS, *defines)
+        )
+        _kernels._declare(lib)
+        libs.append(lib)
+    cols = 1024
+    rows = max(size // cols, 1)
+    numel = rows * cols
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(rows, cols, generator=gen)
+    grad = torch.randn(rows, cols, generator=gen) * 1e-2
+    cpu_time = args.cpu_time and torch.get_num_threads() == 1
+    clock = time.process_time if cpu_time else time.perf_counter
+    load_before = os.getloadavg()
+    saved = _kernels.library
+    try:
+        fused_p = torch.nn.Parameter(base.clone())
+        fused_p.grad = grad.clone()
+        fused = torch.optim.AdamW([fused_p], lr=1e-3, fused=True)
+        opts = []
+        for _ in libs:
+            p = torch.nn.Parameter(base.clone())
+            p.grad = grad.clone()
+            opt = AdamW8bit([p], lr=1e-3)
+            _kernels.library = lambda: libs[0]  # real states: warm up with the full kernel
+            for _ in range(args.warmup):
+                opt.step()
+            opts.append(opt)
+        for _ in range(args.warmup):
+            fused.step()
+        samples: list[list[float]] = [[] for _ in opts]
+        fused_t: list[float] = []
+        for _ in range(args.repeat):
+            t0 = clock()
+            fused.step()
+            fused_t.append(clock() - t0)
+            for i, opt in enumerate(opts):
+                _kernels.library = lambda lib=libs[i]: lib
+                t0 = clock()
+                opt.step()
+                samples[i].append(clock() - t0)
+    finally:
+        _kernels.library = saved
+    full = samples[0]
+    rows_out = []
+    for (what, _), times in zip(_PHASES, samples):
+        ns = statistics.median(times) / numel * 1e9
+        ratio = statistics.median(t / f for t, f in zip(times, fused_t))
+        cost = statistics.median(a - b for a, b in zip(full, times)) / numel * 1e9
+        share = cost / (statistics.median(full) / numel * 1e9)
+        rows_out.append((what, ns, ratio, cost, share))
+    report.table(
+        f"Where AdamW8bit's step goes: {numel / 1e6:.1f}M parameters, "
+        f"{torch.get_num_threads()} threads, {'CPU' if cpu_time else 'wall'} time",
+        ["taken out", "ns/param", "x fused fp32", "phase cost ns/param", "share of the step"],
+        rows_out,
+    )
+    report.note(
+        f"Fused fp32 AdamW: {statistics.median(fused_t) / numel * 1e9:.3f} ns/param. "
+        f"Load average before {_load(load_before)}, after {_load(os.getloadavg())}."
+    )
+
+
 def _load(avg: tuple[float, float, float]) -> str:
     return "/".join(f"{x:.2f}" for x in avg) + " (1/5/15 min)"
 
@@ -236,6 +327,11 @@ def main(argv: list[str] | None = None) -> None:
         "shared machine); tables with more threads always use wall time (CPU time would be "
         "the sum over threads)",
     )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="time AdamW8bit's kernel with each phase taken out instead (module docstring)",
+    )
     add_report_args(ap)
     args = ap.parse_args(argv)
     if args.warmup < 1:
@@ -246,6 +342,16 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--threads takes comma-separated integers; got {args.threads!r}")
     if any(t < 0 for t in thread_counts):
         ap.error("--threads must be >= 0")
+    if args.phases:
+        report = Report("Optimizer step: where AdamW8bit's fused kernel spends its time (CPU)")
+        if not _kernels.available():
+            ap.error("--phases needs the fused kernel (a C compiler)")
+        for size in (_parse_size(s) for s in args.sizes.split(",")):
+            for threads in thread_counts:
+                torch.set_num_threads(threads or torch.get_num_threads())
+                _time_phases(report, size, args)
+        report.write(args.out_md)
+        return
     report = Report("Optimizer step: 8-bit AdamW vs fp32 AdamW (CPU)")
     report.note(
         "Threads and clock of each table: in its title (the machine line gives the default)."

@@ -140,9 +140,14 @@ static inline __attribute__((always_inline)) void adam_block(
             const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(b1wz, _mm512_sub_ps(gi, m0)));
             const __m512 v = _mm512_add_ps(_mm512_mul_ps(v0, b2z),
                                            _mm512_mul_ps(_mm512_mul_ps(b2wz, gi), gi));
+#ifndef QS_PHASE_NO_DIVSQRT
             const __m512 den = _mm512_add_ps(_mm512_@VEC@_ps(_mm512_sqrt_ps(v), bcz), epsz);
             _mm512_storeu_ps(pp + k,
                              _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_div_ps(m, den))));
+#else /* timing variant only (benchmarks/optim_step.py --phases): wrong values */
+            const __m512 den = _mm512_add_ps(_mm512_@VEC@_ps(v, bcz), epsz);
+            _mm512_storeu_ps(pp + k, _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_mul_ps(m, den))));
+#endif
             _mm512_storeu_ps(s1 + k, m);
             _mm512_storeu_ps(s2 + k, v);
             z1 = _mm512_max_epu32(z1, _mm512_and_si512(_mm512_castps_si512(m), absz));
@@ -204,6 +209,21 @@ static inline __attribute__((always_inline)) void adam_block(
 }
 """
 
+# Byte-permute indices of the AVX-512 VBMI paths, as C constants (built once per call they cost
+# ~0.5 ns/param: byte stores then a vector load that cannot be forwarded).
+# DECODE_ORDER: position 16l + 4q + j holds element 16q + 4l + j, so the decoder's in-lane
+# unpacks come out in element order. ENCODE_PICK: bytes 0 and 1 of every qword of the first
+# source (positions 0-15) then of the second (16-31), the multishifted codes.
+_DECODE_ORDER = [16 * q + 4 * lane + j for lane in range(4) for q in range(4) for j in range(4)]
+_ENCODE_PICK = [(64 if p >= 16 else 0) + 8 * ((p & 15) >> 1) + (p & 1) for p in range(32)]
+_BYTE_TABLES_C = (
+    "static const uint8_t DECODE_ORDER[64] __attribute__((aligned(64))) = {"
+    + ", ".join(map(str, _DECODE_ORDER))
+    + "};\nstatic const uint8_t ENCODE_PICK[64] __attribute__((aligned(64))) = {"
+    + ", ".join(map(str, _ENCODE_PICK + [0] * 32))
+    + "};\n"
+)
+
 _SOURCE = (
     r"""
 #include <stdint.h>
@@ -214,6 +234,7 @@ _SOURCE = (
 #endif
 """
     + NEAREST_C
+    + _BYTE_TABLES_C
     + r"""
 
 typedef struct {
@@ -340,6 +361,16 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
 /* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
  * `flag` collects the lanes within REGION_EPS of a midpoint, which the caller re-encodes with
  * code16. `kind` (1 signed, 2 unsigned) and `floor0` are constants at every call. */
+/* Timing hooks (benchmarks/optim_step.py --phases builds variants with -DQS_PHASE_*; every one
+ * writes wrong values and none is ever built for training): QS_PHASE_NO_DECODE, _NO_UPDATE,
+ * _NO_ENCODE skip a phase; _ENCODE_MUL multiplies by the block absmax instead of dividing in
+ * the region encoder; _NO_DIVSQRT takes the square root and the division out of Adam's update. */
+#ifdef QS_PHASE_ENCODE_MUL
+#define QS_NORMALISE(x, d) _mm512_mul_ps((x), (d))
+#else
+#define QS_NORMALISE(x, d) _mm512_div_ps((x), (d))
+#endif
+
 typedef struct {
     __m512 thr0, thr1, a, b, hi;
     __m512i rb0, rb1;
@@ -431,16 +462,13 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
          * permutes and an insert gather the 64 codes, and one masked byte op applies the sign
          * rule (254 - count saturating at 0) or the unsigned floor to all of them. */
         const __m512i ctrl = _mm512_set1_epi64(14 | (46 << 8));
-        uint8_t pick[64];
-        for (int p = 0; p < 64; p++)
-            pick[p] = (uint8_t)(p < 32 ? (p >= 16 ? 64 : 0) + 8 * ((p & 15) >> 1) + (p & 1) : 0);
-        const __m512i idx = _mm512_loadu_si512((const void *)pick);
+        const __m512i idx = _mm512_loadu_si512((const void *)ENCODE_PICK);
         for (; k + 64 <= n; k += 64) {
             __mmask16 flag = 0, m[4];
             __m512i z[4];
             for (int h = 0; h < 4; h++)
                 z[h] = _mm512_multishift_epi64_epi8(
-                    ctrl, region_z(&R, _mm512_div_ps(_mm512_loadu_ps(s + k + 16 * h), dv), kind,
+                    ctrl, region_z(&R, QS_NORMALISE(_mm512_loadu_ps(s + k + 16 * h), dv), kind,
                                    &flag, &m[h]));
             if (flag) break;
             const __m512i lo = _mm512_permutex2var_epi8(z[0], idx, z[1]);
@@ -543,11 +571,7 @@ static inline void decode_block(const float *code, const uint8_t *planes, const 
     if (n >= 64) {
         __m512i pl[16];
         for (int i = 0; i < 16; i++) pl[i] = _mm512_loadu_si512((const void *)(planes + 64 * i));
-        uint8_t order[64];
-        for (int l = 0; l < 4; l++) /* position 16l + 4q + j holds element 16q + 4l + j */
-            for (int q = 0; q < 4; q++)
-                for (int j = 0; j < 4; j++) order[16 * l + 4 * q + j] = (uint8_t)(16 * q + 4 * l + j);
-        const __m512i perm = _mm512_loadu_si512((const void *)order);
+        const __m512i perm = _mm512_loadu_si512((const void *)DECODE_ORDER);
         const __m512 a5 = _mm512_set1_ps(amax);
         for (; k + 64 <= n; k += 64) {
             const __m512i i = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(c + k)));
@@ -631,9 +655,17 @@ int step8(int kind, float *p, const float *g,
     uint8_t planes1[1024], planes2[1024];
     code_planes(code1, planes1);
     if (has2) code_planes(code2, planes2);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
+    {
+    float s1[4096], s2[4096]; /* per thread: the decoded states of the current block */
+#ifdef QS_PHASE_NO_DECODE
+    for (int k = 0; k < 4096; k++) { /* defined stand-ins for the skipped decode */
+        s1[k] = 1e-3f * (float)(k % 7 - 3);
+        s2[k] = 1e-6f * (float)(k % 5 + 1);
+    }
+#endif
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < nblocks; b++) {
-        float s1[4096], s2[4096];
         const int64_t r = b / nbr, j = b % nbr;
         const int64_t off = r * row_numel + j * block;
         const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
@@ -641,10 +673,17 @@ int step8(int kind, float *p, const float *g,
         const float *restrict gg = g + off;
         uint8_t *cc1 = c1 + off;
         uint8_t *cc2 = has2 ? c2 + off : NULL;
+#ifndef QS_PHASE_NO_DECODE
         decode_block(code1, planes1, cc1, a1[b], n, s1);
         if (has2) decode_block(code2, planes2, cc2, a2[b], n, s2);
+#endif
         float m1 = -1.0f, m2 = -1.0f; /* the new absmaxes, when an update found them (NaN stays) */
         int todo = kind;                /* the update still to run (per block: threads share kind) */
+#ifdef QS_PHASE_NO_UPDATE
+        m1 = a1[b];
+        m2 = has2 ? a2[b] : -1.0f;
+        todo = -1;
+#endif
 #ifdef __AVX2__
         if (todo == 0 && has2) {
             const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
@@ -742,13 +781,18 @@ int step8(int kind, float *p, const float *g,
         const int64_t gidx = global_offset + off;
         if (m1 < 0.0f) m1 = block_absmax(s1, n);
         a1[b] = m1;
+#ifndef QS_PHASE_NO_ENCODE
         encode_block(&q1, s1, n, m1, cc1, flags, seed1, gidx);
+#endif
         if (has2) {
             if (m2 < 0.0f) m2 = block_absmax(s2, n);
             a2[b] = m2;
+#ifndef QS_PHASE_NO_ENCODE
             encode_block(&q2, s2, n, m2, cc2, flags, seed2, gidx);
+#endif
         }
     }
+    } /* omp parallel */
     return 0;
 }
 
