@@ -13,11 +13,11 @@ affects them alike).
 
 ``--netsim RATES`` (needs root) asks the other overlap question on the emulated cluster of
 ``benchmarks/throughput.py`` (2 nodes x 2 ranks, tbf-shaped node links, the same GPT and batch
-shape): does qgZ's deferred reduce-scatter (``ZeroPPConfig.overlap_reduce_scatter``, see
-[Note: deferred qgZ] in qshard/zeropp/_overlap.py) hide its hops behind backward? Per rate it
-trains ``zero3-bf16`` (the 16-bit-wire ZeRO-3), qgZ alone and ZeRO++ (all three features), the
-last two with overlap off and on, and ZeRO-3 and ZeRO++ with ``prefetch_depth=2``, alternating the models step by step in one world so machine
-load falls on all of them alike; a step is barrier -> forward, backward, AdamW step, timed on
+shape): does the deferred reduce-scatter (``ZeroPPConfig.overlap_reduce_scatter``, see
+[Note: deferred qgZ] in qshard/zeropp/_overlap.py) hide its transfers behind backward? Per rate
+it trains ``zero3-bf16`` (the 16-bit-wire ZeRO-3), each ZeRO++ feature alone and all three,
+each with ``overlap_reduce_scatter`` off and on, and ZeRO++ with ``prefetch_depth=2``,
+alternating the models step by step in one world so machine load falls on all of them alike; a step is barrier -> forward, backward, AdamW step, timed on
 each rank, the slowest rank's time counts. Prints the median and min per model and rate.
 
     python benchmarks/overlap.py --netsim 100,400 --steps 6
@@ -74,14 +74,17 @@ def _world(rank: int, world: int, rpn: int, model_kwargs: dict, steps: int) -> d
 # The --netsim models: ZeroPPConfig keywords, and the model each is compared with (or None).
 NETSIM_MODELS: dict[str, tuple[dict, str | None]] = {
     "zero3-bf16": ({"wire_dtype": "bf16"}, None),
-    "zero3-bf16 depth 2": ({"wire_dtype": "bf16", "prefetch_depth": 2}, "zero3-bf16"),
+    "qwz sync": ({"qwz": True, "overlap_reduce_scatter": False}, None),
+    "qwz overlap": ({"qwz": True}, "qwz sync"),
+    "hpz sync": ({"hpz": True, "overlap_reduce_scatter": False}, None),
+    "hpz overlap": ({"hpz": True}, "hpz sync"),
     "qgz sync": ({"qgz": True, "overlap_reduce_scatter": False}, None),
     "qgz overlap": ({"qgz": True}, "qgz sync"),
     "all sync": ({"qwz": True, "hpz": True, "qgz": True, "overlap_reduce_scatter": False}, None),
     "all overlap": ({"qwz": True, "hpz": True, "qgz": True}, "all sync"),
     "all overlap depth 2": (
         {"qwz": True, "hpz": True, "qgz": True, "prefetch_depth": 2},
-        "all sync",
+        "all overlap",
     ),
 }
 
@@ -157,7 +160,7 @@ def _netsim(args: argparse.Namespace, argv: list[str]) -> None:
     )
     if run.rc != 0 or run.data is None:
         sys.exit(f"overlap --netsim: the emulated cluster run failed with status {run.rc}")
-    report = Report("Overlap of qgZ's reduce-scatter with backward (emulated 2 nodes x 2 ranks)")
+    report = Report("Overlap of the reduce-scatter with backward (emulated 2 nodes x 2 ranks)")
     report.note(
         f"GPT {args.n_layer} layers, width {args.n_embd}, context 128, 2 sequences per rank, "
         f"torch AdamW; models alternate step by step; {args.steps} timed steps after 2 warm-up "

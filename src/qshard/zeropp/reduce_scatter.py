@@ -152,10 +152,13 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         self.queue = queue if queue is not None else OverlapQueue()
 
     def _deferrable(self, output_tensor: torch.Tensor, async_op: bool, world: int) -> bool:
+        # CPU only: on CUDA FSDP2 orders its buffers' reuse by stream events recorded right
+        # after the call, which a collective still in flight past the call would escape.
         return (
             self.overlap
             and not async_op
             and world > 1
+            and output_tensor.device.type == "cpu"
             and defer_reason(self.unit, output_tensor) is None
         )
 
