@@ -181,6 +181,8 @@ _BUILDS = {
     # the AVX2 paths (table gathers, 32-lane encoder, scalar-load decoder) a CPU without
     # AVX-512 runs; on an AVX-512 host the default build runs the 16-lane paths instead
     "avx2": ("-mno-avx512f",),
+    # AVX-512 without VBMI: the 16-lane region encoder and float-permute decoder
+    "avx512-no-vbmi": ("-mno-avx512vbmi", "-mno-avx512vbmi2"),
 }
 
 

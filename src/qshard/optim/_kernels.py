@@ -12,36 +12,45 @@ through :mod:`ctypes` with raw pointers (no torch headers, so the build takes ab
 optimizers use the torch reference path in :mod:`qshard.optim._qstate`, logged once.
 
 Encoding is exact nearest over the sorted 256-entry code: the index is the number of code
-midpoints strictly below the normalised value (ties go to the lower code). It takes no search:
-an 8192-entry table indexed by sign, clamped exponent and 7 mantissa bits holds, per bucket, the
-count of midpoints below it (bits 16-31) and a 16-bit compare key of the (at most one) midpoint
-inside it (bits 0-15), so the code is one table load and one integer compare. The table, its
-builder and the C primitives ``nearest_code`` / ``nearest_code8`` are those of
-:mod:`qshard.quant._codetable` (``NEAREST_C`` is concatenated into the source below), shared
-with the dynamic-map quantizer; this kernel keeps its own 32-lane encode loop. This is the rule
-of :func:`qshard.quant.dynamic.quantize_codebook` (tested value for value).
+midpoints strictly below the normalised value (ties go to the lower code), the rule of
+:func:`qshard.quant.dynamic.quantize_codebook` (tested value for value). Two exact encoders:
 
-Where the time goes (AMD EPYC Zen 3, AVX2, one thread, per element of an Adam step; measured by
-timing variants with a phase removed): encoding the two states ~50% (a division by the block
-absmax and one table gather per 8 lanes each), the update ~25% (a square root and two
-divisions), decoding ~20%, the rest loads, stores and loop overhead. Choices made by measurement: the decoder
-assembles 8 scalar table loads into a vector (with AVX2 gathers the whole step was ~15%
-slower on Zen 3); the encoder handles 32 lanes per iteration (4 independent gathers in
-flight, 3 packs + 1 permute to bytes); Adam's update finds both new absmaxes in the same pass.
-Multiplying by a reciprocal with an FMA correction instead of dividing (exact, but 3-5
-operations) was no faster. Every vector path writes the same bits as the scalar loops, which
-are what a CPU without AVX2 runs (tested against a ``-mno-avx2`` build).
+* the table search (every CPU): an 8192-entry table indexed by sign, clamped exponent and 7
+  mantissa bits holds, per bucket, the count of midpoints below it and a 16-bit compare key of
+  the (at most one) midpoint inside it, so the code is one table load and one integer compare.
+  The table, its builder and the C primitives ``nearest_code`` / ``nearest_code8`` are those of
+  :mod:`qshard.quant._codetable` (``NEAREST_C`` is concatenated into the source below), shared
+  with the dynamic-map quantizer. With AVX2 the loads are 8-lane gathers, with AVX-512 16-lane.
+* the region encoder (AVX-512 with VBMI, the two dynamic maps): no gather. The map's positive
+  midpoints are runs of equally spaced values joined by "bridge" midpoints; the binade and one
+  exact compare pick the run, an fma line inside it gives the count, and a lane that lands
+  within 2^-12 of an integer (near a midpoint) is re-encoded by the table search, so the codes
+  are the table's (for every fp32 in [-1, 1], a slow test). Its table is built and checked in
+  :mod:`qshard.quant._codetable` ([Note: the region encoder]) and travels as ``QMap.regions``.
 
-With AVX-512 (F + BW; AMD Zen 5 here) three 16-lane paths run first: the decoder looks the
-256-entry code up in registers (8 two-table permutes and a 3-level blend on index bits 5-7,
-~3x faster than the scalar loads), Adam's update and both absmaxes, and the encoder (16-lane
-gathers). Same bits as before and as the scalar build; measured side by side in one process
-(1 thread, CPU time, load 34-48): 0.78-0.81x the AVX2-only kernel at 10M and 50M, each of the
-three paths worth 7-13% at 50M. The encoder's table gathers still dominate: ~0.4 ns per element
-with 8 or 16 lanes on Zen 5, i.e. ~0.8 ns per parameter for Adam's two states, about a whole
-fused fp32 AdamW step. An exact gather-free encoder by binary search over the midpoints in
-registers (8 levels of permutes and compares) measured 0.79 ns per element, 2x the gather, and
-was not kept.
+Choices made by measurement (AMD EPYC Zen 5, AVX-512 F/BW/VL/VBMI, one thread, side by side in
+one process; the host is shared, so ratios, not absolute times, are what carry over):
+
+* decoding: with VBMI each byte of the fp32 code is a 256-entry byte table in 4 registers, so
+  64 lanes take 8 byte permutes, 4 blends and 8 unpacks (0.03 ns per element L1-resident; the
+  16-lane float-permute decoder before it cost ~0.3 ns per parameter more in the full step).
+  Without VBMI: the table in 16 registers and 8 two-table permutes per 16 lanes (AVX-512 F), or
+  8 scalar loads per vector (AVX2: faster than a gather on Zen 3).
+* Adam's update also finds both new absmaxes (on the bit patterns, see the Note below), saving
+  two passes; its square root and two divisions are kept exact (torch's rounding).
+* encoding: the region encoder replaced the 16-lane gathers (~0.4 ns per element each on Zen 5)
+  and works on 64 lanes per flag test, finishing the codes on bytes (multishift, byte permutes,
+  one masked saturating byte op for the sign rule); ~0.2 ns per element L1-resident. The
+  division by the block absmax is kept (a reciprocal would need a correction step to stay
+  exact and the phase costs ~5% of the step).
+* the parameter, gradient and codes of the block after next are prefetched before the encoder
+  runs (it touches no memory): 0.84x the step time at 10M.
+
+Where the step's time goes now, and the measured ratios to torch's fused fp32 AdamW:
+docs/optim8bit.md ("Where the time goes"; ``benchmarks/optim_step.py --phases`` times kernel
+variants built with one phase taken out by the ``QS_PHASE_*`` defines below). Every vector path
+writes the same bits as the scalar loops, which are what a CPU without AVX2 runs (tests build
+the source with ``-mno-avx2`` and with ``-mno-avx512f`` and compare every byte).
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import ctypes
 import torch
 
 from qshard._native import NativeLibrary
-from qshard.quant._codetable import NEAREST_C
+from qshard.quant._codetable import NEAREST_C, REGION_C
 
 __all__: list[str] = []  # private module
 
@@ -358,9 +367,6 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
     return _mm512_mask_add_epi32(i, _mm512_mask_cmpeq_epi32_mask(pos, i, zidx), i, one);
 }
 
-/* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
- * `flag` collects the lanes within REGION_EPS of a midpoint, which the caller re-encodes with
- * code16. `kind` (1 signed, 2 unsigned) and `floor0` are constants at every call. */
 /* Timing hooks (benchmarks/optim_step.py --phases builds variants with -DQS_PHASE_*; every one
  * writes wrong values and none is ever built for training): QS_PHASE_NO_DECODE, _NO_UPDATE,
  * _NO_ENCODE skip a phase; _ENCODE_MUL multiplies by the block absmax instead of dividing in
@@ -371,70 +377,9 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
 #define QS_NORMALISE(x, d) _mm512_div_ps((x), (d))
 #endif
 
-typedef struct {
-    __m512 thr0, thr1, a, b, hi;
-    __m512i rb0, rb1;
-} regions_t;
-
-static inline regions_t load_regions(const uint32_t *t) {
-    regions_t r;
-    r.thr0 = _mm512_loadu_ps((const float *)t);
-    r.thr1 = _mm512_loadu_ps((const float *)t + 16);
-    r.rb0 = _mm512_loadu_si512((const void *)(t + 32));
-    r.rb1 = _mm512_loadu_si512((const void *)(t + 48));
-    r.a = _mm512_loadu_ps((const float *)t + 64);
-    r.b = _mm512_loadu_ps((const float *)t + 80);
-    r.hi = _mm512_loadu_ps((const float *)t + 112);
-    return r;
-}
-
-static inline __attribute__((always_inline)) __m512i region_z(const regions_t *R, __m512 x,
-                                                              int kind, __mmask16 *flag,
-                                                              __mmask16 *m) {
-    /* The bits of z = 768 + y (B and HI carry the 768): in [768, 1024) the float's bits 14-21
-     * are the code and bits 0-13 the fraction of y in units of 2^-14. `m`: the negative lanes
-     * (signed map) or the positive ones (unsigned map), for the finish. */
-    const __m512i one = _mm512_set1_epi32(1);
-    const __m512i b = _mm512_castps_si512(x);
-    __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
-    if (kind == 1) {
-        /* the float above |x| for negative lanes (midpoints <= |x| become < it) */
-        *m = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
-        ab = _mm512_mask_add_epi32(ab, *m, ab, one);
-    } else {
-        *m = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    }
-    const __m512 a = _mm512_castsi512_ps(ab);
-    /* binade index: the exponent less 96, 0 below (a <= 1, so at most 31) */
-    const __m512i t = _mm512_subs_epu16(_mm512_srli_epi32(ab, 23), _mm512_set1_epi32(96));
-    const __m512 thr = _mm512_permutex2var_ps(R->thr0, t, R->thr1);
-    __m512i r = _mm512_permutex2var_epi32(R->rb0, t, R->rb1);
-    r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), r, one);
-    __m512 z = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
-    z = _mm512_min_ps(z, _mm512_permutexvar_ps(r, R->hi)); /* no lower clamp: see the Note */
-    const __m512i zi = _mm512_castps_si512(z);
-    /* flagged: the fraction within 4 units of 2^-14 of an integer (REGION_EPS = 2^-12) */
-    *flag |= _mm512_testn_epi32_mask(_mm512_add_epi32(zi, _mm512_set1_epi32(4)),
-                                     _mm512_set1_epi32(0x3FF8));
-    return zi;
-}
-
-/* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
- * `flag` collects the lanes near a midpoint, which the caller re-encodes with code16. `kind`
- * (1 signed, 2 unsigned) and `floor0` are constants at every call. */
-static inline __attribute__((always_inline)) __m512i code16_region(
-    const regions_t *R, __m512 x, int kind, int floor0, __mmask16 *flag) {
-    __mmask16 m;
-    const __m512i zi = region_z(R, x, kind, flag, &m);
-    const __m512i i = _mm512_and_si512(_mm512_srli_epi32(zi, 14), _mm512_set1_epi32(255));
-    if (kind == 1) /* negative lanes: max(254 - count, 0) */
-        return _mm512_max_epi32(_mm512_mask_sub_epi32(i, m, _mm512_set1_epi32(254), i),
-                                _mm512_setzero_si512());
-    /* unsigned: x <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
-     * to at least 1 (the zero code is 0 in an unsigned map with a region table) */
-    return floor0 ? _mm512_maskz_max_epi32(m, i, _mm512_set1_epi32(1)) : _mm512_maskz_mov_epi32(m, i);
-}
-
+"""
+    + REGION_C
+    + r"""
 /* 16 codes: the region encoder, or the table search when a lane lies near a midpoint. */
 static inline __attribute__((always_inline)) __m512i code16_fast(
     const uint32_t *lut, const regions_t *R, const float *s, __m512 dv, __m512i zidx, int kind,
@@ -457,6 +402,7 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
     int k = 0;
     if (kind) {
         const regions_t R = load_regions(regions);
+#ifdef __AVX512VBMI__
         /* 64 lanes per iteration, one flag test (a flagged group finishes the block 16 at a
          * time), finished on bytes: a multishift takes bits 14-21 of every dword, two byte
          * permutes and an insert gather the 64 codes, and one masked byte op applies the sign
@@ -482,6 +428,7 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
             else w = _mm512_maskz_mov_epi8(mm, w);
             _mm512_storeu_si512((void *)(out + k), w);
         }
+#endif
         for (; k + 16 <= n; k += 16)
             _mm_storeu_si128((__m128i *)(out + k),
                              _mm512_cvtepi32_epi8(code16_fast(lut, &R, s + k, dv, zidx, kind,

@@ -161,6 +161,77 @@ def nearest_reference(v: Tensor, lut: Tensor) -> Tensor:
 # ``max(254 - count(nextup(a)), 0)`` (the float above a turns "midpoints <= a" into
 # "midpoints < a", so ties keep going to the lower code); the unsigned map's negatives take 0.
 
+#: C text of the region encoder's 16-lane core (AVX-512 F/BW; included by the fused 8-bit
+#: kernel, :mod:`qshard.optim._kernels`, which adds the loops and the table-search fallback):
+#: ``regions_t`` / ``load_regions`` hold the table in registers, ``region_z`` returns the bits of
+#: z and the flags, ``code16_region`` the finished codes of 16 lanes.
+REGION_C = r"""
+typedef struct {
+    __m512 thr0, thr1, a, b, hi;
+    __m512i rb0, rb1;
+} regions_t;
+
+static inline regions_t load_regions(const uint32_t *t) {
+    regions_t r;
+    r.thr0 = _mm512_loadu_ps((const float *)t);
+    r.thr1 = _mm512_loadu_ps((const float *)t + 16);
+    r.rb0 = _mm512_loadu_si512((const void *)(t + 32));
+    r.rb1 = _mm512_loadu_si512((const void *)(t + 48));
+    r.a = _mm512_loadu_ps((const float *)t + 64);
+    r.b = _mm512_loadu_ps((const float *)t + 80);
+    r.hi = _mm512_loadu_ps((const float *)t + 112);
+    return r;
+}
+
+static inline __attribute__((always_inline)) __m512i region_z(const regions_t *R, __m512 x,
+                                                              int kind, __mmask16 *flag,
+                                                              __mmask16 *m) {
+    /* The bits of z = 768 + y (B and HI carry the 768): in [768, 1024) the float's bits 14-21
+     * are the code and bits 0-13 the fraction of y in units of 2^-14. `m`: the negative lanes
+     * (signed map) or the positive ones (unsigned map), for the finish. */
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i b = _mm512_castps_si512(x);
+    __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
+    if (kind == 1) {
+        /* the float above |x| for negative lanes (midpoints <= |x| become < it) */
+        *m = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
+        ab = _mm512_mask_add_epi32(ab, *m, ab, one);
+    } else {
+        *m = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    }
+    const __m512 a = _mm512_castsi512_ps(ab);
+    /* binade index: the exponent less 96, 0 below (a <= 1, so at most 31) */
+    const __m512i t = _mm512_subs_epu16(_mm512_srli_epi32(ab, 23), _mm512_set1_epi32(96));
+    const __m512 thr = _mm512_permutex2var_ps(R->thr0, t, R->thr1);
+    __m512i r = _mm512_permutex2var_epi32(R->rb0, t, R->rb1);
+    r = _mm512_mask_add_epi32(r, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), r, one);
+    __m512 z = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(r, R->a), _mm512_permutexvar_ps(r, R->b));
+    z = _mm512_min_ps(z, _mm512_permutexvar_ps(r, R->hi)); /* no lower clamp: see the Note */
+    const __m512i zi = _mm512_castps_si512(z);
+    /* flagged: the fraction within 4 units of 2^-14 of an integer (REGION_EPS = 2^-12) */
+    *flag |= _mm512_testn_epi32_mask(_mm512_add_epi32(zi, _mm512_set1_epi32(4)),
+                                     _mm512_set1_epi32(0x3FF8));
+    return zi;
+}
+
+/* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
+ * `flag` collects the lanes near a midpoint, which the caller re-encodes with code16. `kind`
+ * (1 signed, 2 unsigned) and `floor0` are constants at every call. */
+static inline __attribute__((always_inline)) __m512i code16_region(
+    const regions_t *R, __m512 x, int kind, int floor0, __mmask16 *flag) {
+    __mmask16 m;
+    const __m512i zi = region_z(R, x, kind, flag, &m);
+    const __m512i i = _mm512_and_si512(_mm512_srli_epi32(zi, 14), _mm512_set1_epi32(255));
+    if (kind == 1) /* negative lanes: max(254 - count, 0) */
+        return _mm512_max_epi32(_mm512_mask_sub_epi32(i, m, _mm512_set1_epi32(254), i),
+                                _mm512_setzero_si512());
+    /* unsigned: x <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
+     * to at least 1 (the zero code is 0 in an unsigned map with a region table) */
+    return floor0 ? _mm512_maskz_max_epi32(m, i, _mm512_set1_epi32(1)) : _mm512_maskz_mov_epi32(m, i);
+}
+
+"""
+
 #: Entries of the region table: THR[32], RB[32], A[16], B[16], LO[16], HI[16] (floats and
 #: ints as 32-bit patterns) and a last word: 1 for a signed map, 2 for an unsigned one.
 REGION_TABLE_SIZE = 129
