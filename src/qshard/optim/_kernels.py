@@ -21,28 +21,29 @@ midpoints strictly below the normalised value (ties go to the lower code), the r
   The table, its builder and the C primitives ``nearest_code`` / ``nearest_code8`` are those of
   :mod:`qshard.quant._codetable` (``NEAREST_C`` is concatenated into the source below), shared
   with the dynamic-map quantizer. With AVX2 the loads are 8-lane gathers, with AVX-512 16-lane.
-* the region encoder (AVX-512 with VBMI, the two dynamic maps): no gather. The map's positive
-  midpoints are runs of equally spaced values joined by "bridge" midpoints; the binade and one
-  exact compare pick the run, an fma line inside it gives the count, and a lane that lands
-  within 2^-12 of an integer (near a midpoint) is re-encoded by the table search, so the codes
-  are the table's (for every fp32 in [-1, 1], a slow test). Its table is built and checked in
+* the region encoder (AVX-512 F/BW, 64 lanes at a time with VBMI; the two dynamic maps): no
+  gather. The map's positive midpoints are runs of equally spaced values joined by "bridge"
+  midpoints; the binade and one exact compare pick the run, an fma line inside it gives the
+  count, and a lane that lands within 2^-12 of an integer (near a midpoint) is re-encoded by
+  the table search, so the codes are the table's (for every fp32 in [-1, 1], a slow test). Its table is built and checked in
   :mod:`qshard.quant._codetable` ([Note: the region encoder]) and travels as ``QMap.regions``.
 
 Choices made by measurement (AMD EPYC Zen 5, AVX-512 F/BW/VL/VBMI, one thread, side by side in
 one process; the host is shared, so ratios, not absolute times, are what carry over):
 
 * decoding: with VBMI each byte of the fp32 code is a 256-entry byte table in 4 registers, so
-  64 lanes take 8 byte permutes, 4 blends and 8 unpacks (0.03 ns per element L1-resident; the
-  16-lane float-permute decoder before it cost ~0.3 ns per parameter more in the full step).
+  64 lanes take 8 byte permutes, 4 blends and 8 unpacks (the 16-lane float-permute decoder
+  before it cost ~0.3 ns per parameter more in the full step, a variant build side by side).
   Without VBMI: the table in 16 registers and 8 two-table permutes per 16 lanes (AVX-512 F), or
   8 scalar loads per vector (AVX2: faster than a gather on Zen 3).
 * Adam's update also finds both new absmaxes (on the bit patterns, see the Note below), saving
   two passes; its square root and two divisions are kept exact (torch's rounding).
 * encoding: the region encoder replaced the 16-lane gathers (~0.4 ns per element each on Zen 5)
   and works on 64 lanes per flag test, finishing the codes on bytes (multishift, byte permutes,
-  one masked saturating byte op for the sign rule); ~0.2 ns per element L1-resident. The
-  division by the block absmax is kept (a reciprocal would need a correction step to stay
-  exact and the phase costs ~5% of the step).
+  one masked saturating byte op for the sign rule): 0.78x the step with the gathers, then
+  0.91x for the byte finish. It is still the largest phase (~45% of the step). The division
+  by the block absmax is kept (a reciprocal would need a correction step to stay exact, and
+  the division costs ~4% of the step).
 * the parameter, gradient and codes of the block after next are prefetched before the encoder
   runs (it touches no memory): 0.84x the step time at 10M.
 
@@ -50,7 +51,8 @@ Where the step's time goes now, and the measured ratios to torch's fused fp32 Ad
 docs/optim8bit.md ("Where the time goes"; ``benchmarks/optim_step.py --phases`` times kernel
 variants built with one phase taken out by the ``QS_PHASE_*`` defines below). Every vector path
 writes the same bits as the scalar loops, which are what a CPU without AVX2 runs (tests build
-the source with ``-mno-avx2`` and with ``-mno-avx512f`` and compare every byte).
+the source with ``-mno-avx2``, ``-mno-avx512f`` and ``-mno-avx512vbmi`` and compare every
+byte).
 """
 
 from __future__ import annotations
@@ -521,18 +523,23 @@ static inline void decode_block(const float *code, const uint8_t *planes, const 
         const __m512i perm = _mm512_loadu_si512((const void *)DECODE_ORDER);
         const __m512 a5 = _mm512_set1_ps(amax);
         for (; k + 64 <= n; k += 64) {
-            const __m512i i = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(c + k)));
+            const __m512i i =
+                _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(c + k)));
             const __mmask64 m7 = _mm512_movepi8_mask(i);
             __m512i b[4];
             for (int j = 0; j < 4; j++)
-                b[j] = _mm512_mask_blend_epi8(m7, _mm512_permutex2var_epi8(pl[4 * j], i, pl[4 * j + 1]),
-                                              _mm512_permutex2var_epi8(pl[4 * j + 2], i, pl[4 * j + 3]));
-            const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
-            const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
-            _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l)), a5));
-            _mm512_storeu_ps(s + k + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l)), a5));
-            _mm512_storeu_ps(s + k + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h)), a5));
-            _mm512_storeu_ps(s + k + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h)), a5));
+                b[j] = _mm512_mask_blend_epi8(
+                    m7, _mm512_permutex2var_epi8(pl[4 * j], i, pl[4 * j + 1]),
+                    _mm512_permutex2var_epi8(pl[4 * j + 2], i, pl[4 * j + 3]));
+            const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]);
+            const __m512i w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+            const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]);
+            const __m512i w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+            const __m512i d[4] = {
+                _mm512_unpacklo_epi16(w01l, w23l), _mm512_unpackhi_epi16(w01l, w23l),
+                _mm512_unpacklo_epi16(w01h, w23h), _mm512_unpackhi_epi16(w01h, w23h)};
+            for (int q = 0; q < 4; q++)
+                _mm512_storeu_ps(s + k + 16 * q, _mm512_mul_ps(_mm512_castsi512_ps(d[q]), a5));
         }
     }
 #endif
@@ -585,10 +592,10 @@ static inline void decode_block(const float *code, const uint8_t *planes, const 
  * hp: kind-specific hyperparameters (see the optimizers' _kernel_hparams). c2/a2 may be NULL.
  */
 int step8(int kind, float *p, const float *g,
-          uint8_t *c1, float *a1, const float *code1, const uint32_t *regions1, const uint32_t *lut1,
-          int zero1, int signed1,
-          uint8_t *c2, float *a2, const float *code2, const uint32_t *regions2, const uint32_t *lut2,
-          int zero2, int signed2,
+          uint8_t *c1, float *a1, const float *code1, const uint32_t *regions1,
+          const uint32_t *lut1, int zero1, int signed1,
+          uint8_t *c2, float *a2, const float *code2, const uint32_t *regions2,
+          const uint32_t *lut2, int zero2, int signed2,
           int64_t rows, int64_t row_numel, int64_t block, const float *hp, int flags,
           uint64_t seed, int64_t global_offset, int nthreads) {
     if (block > 4096 || block <= 0) return -1;

@@ -227,7 +227,8 @@ static inline __attribute__((always_inline)) __m512i code16_region(
                                 _mm512_setzero_si512());
     /* unsigned: x <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
      * to at least 1 (the zero code is 0 in an unsigned map with a region table) */
-    return floor0 ? _mm512_maskz_max_epi32(m, i, _mm512_set1_epi32(1)) : _mm512_maskz_mov_epi32(m, i);
+    return floor0 ? _mm512_maskz_max_epi32(m, i, _mm512_set1_epi32(1))
+                  : _mm512_maskz_mov_epi32(m, i);
 }
 
 """
