@@ -73,3 +73,28 @@ def test_in_place_rows_equal_composition(bits, dtype, rows, m, fastpath):
             assert _bits_equal(got, _composed_decode(codec, buf, m, out_dtype))
     finally:
         _fastpath.set_fastpath(was)
+
+
+@pytest.mark.parametrize("sizes", [(5,), (1, 64, 65, 300, 7), (128, 128), (0, 3, 0, 70)])
+def test_qwz_segments_equal_index_layout(sizes):
+    """qwZ's padded row ([Note: qwZ block layout]) by slice copies == the index_copy /
+    index_select of every element it replaces; padding stays zero."""
+    from qshard.zeropp.all_gather import _pack_segments, _padded_layout, _spread_segments
+
+    bs, n, world = 64, sum(sizes), 3
+    padded, segments = _padded_layout(sizes, bs)
+    starts, offset = [], 0
+    for size in sizes:
+        starts.append(torch.arange(offset, offset + size))
+        offset += -(-size // bs) * bs
+    assert padded == (offset if len(sizes) > 1 else -(-n // bs) * bs)
+    if segments is None:
+        return
+    positions = torch.cat(starts)
+    x = torch.randn(1, n, generator=torch.Generator().manual_seed(n))
+    row = _spread_segments(x, padded, segments)
+    assert torch.equal(row, x.new_zeros(1, padded).index_copy_(1, positions, x))
+    values = torch.randn(world, padded, generator=torch.Generator().manual_seed(1))
+    out = torch.empty(world, n)
+    _pack_segments(values, out, segments)
+    assert torch.equal(out, values.index_select(1, positions))

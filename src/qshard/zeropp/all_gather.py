@@ -26,6 +26,40 @@ _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+#: Per parameter: (start in the padded row, start in the flat input, size).
+_Segments = tuple[tuple[int, int, int], ...]
+
+
+def _padded_layout(sizes: Sequence[int], block_size: int) -> tuple[int, _Segments | None]:
+    """The padded row of [Note: qwZ block layout]: every segment starts on a block boundary.
+    Returns (padded length, segments), or (length, None) for a single segment."""
+    n = sum(sizes)
+    if len(sizes) <= 1:
+        return -(-n // block_size) * block_size, None
+    segments, offset, start = [], 0, 0
+    for size in sizes:
+        segments.append((offset, start, size))
+        offset += -(-size // block_size) * block_size
+        start += size
+    return offset, tuple(segments)
+
+
+def _spread_segments(x: torch.Tensor, padded: int, segments: _Segments) -> torch.Tensor:
+    """``(1, n)`` -> ``(1, padded)``: each segment copied to its block-aligned start, zeros
+    between (one slice copy per parameter instead of an index_copy over every element)."""
+    out = x.new_zeros(1, padded)
+    for p, i, size in segments:
+        out[:, p : p + size].copy_(x[:, i : i + size])
+    return out
+
+
+def _pack_segments(values: torch.Tensor, out: torch.Tensor, segments: _Segments) -> None:
+    """``(rows, padded)`` -> ``out`` ``(rows, n)``: the inverse of :func:`_spread_segments`, row
+    by row (slice copies instead of an index_select: ~20x cheaper, measured on a GPT block)."""
+    for p, i, size in segments:
+        out[:, i : i + size].copy_(values[:, p : p + size])
+
+
 class RecordingAllGather(WireComm, AllGather):
     """FSDP2's plain all-gather, recorded in the active ledger (tags ``fwd_all_gather`` /
     ``bwd_all_gather``).
@@ -144,22 +178,14 @@ class QuantizedAllGather(RecordingAllGather):
         self.topology = topology
         self.codec = RowCodec(bits=bits, block_size=block_size)
         self._segment_sizes = segment_sizes
-        self._layouts: dict[tuple[int, ...], tuple[int, torch.Tensor | None]] = {}
+        self._layouts: dict[tuple[int, ...], tuple[int, _Segments | None]] = {}
 
-    def _layout(self, n: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
-        """(padded length, positions of the input's elements in the padded row or None)."""
+    def _layout(self, n: int) -> tuple[int, _Segments | None]:
+        """(padded length, the segments of the padded row, or None for one segment)."""
         sizes = self._segment_sizes() if callable(self._segment_sizes) else self._segment_sizes
-        bs = self.codec.block_size
         sizes = tuple(sizes) if sizes is not None and sum(sizes) == n else (n,)
         if sizes not in self._layouts:
-            if len(sizes) <= 1:
-                self._layouts[sizes] = (-(-n // bs) * bs, None)
-            else:
-                starts, offset = [], 0
-                for size in sizes:
-                    starts.append(torch.arange(offset, offset + size))
-                    offset += -(-size // bs) * bs
-                self._layouts[sizes] = (offset, torch.cat(starts).to(device))
+            self._layouts[sizes] = _padded_layout(sizes, self.codec.block_size)
         return self._layouts[sizes]
 
     def __call__(
@@ -183,11 +209,11 @@ class QuantizedAllGather(RecordingAllGather):
             return self._plain(output_tensor, input_tensor, group, ranks, async_op)
         world = len(ranks)
         n = input_tensor.numel()
-        padded, positions = self._layout(n, input_tensor.device)
+        padded, segments = self._layout(n)
         with record_function("qshard::qwz::quantize"):
             x = input_tensor.reshape(1, n)
-            if positions is not None:
-                x = x.new_zeros(1, padded).index_copy_(1, positions, x)
+            if segments is not None:
+                x = _spread_segments(x, padded, segments)
             elif padded != n:
                 x = torch.cat([x, x.new_zeros(1, padded - n)], dim=1)
             payload = self.codec.encode(x).view(-1)
@@ -203,9 +229,10 @@ class QuantizedAllGather(RecordingAllGather):
 
         def dequantize() -> None:
             values = self.codec.decode(gathered.view(world, -1), padded, dtype=output_tensor.dtype)
-            if positions is not None:
-                values = values.index_select(1, positions)
-            elif padded != n:
+            if segments is not None:
+                _pack_segments(values, output_tensor.view(world, n), segments)
+                return
+            if padded != n:
                 values = values[:, :n]
             output_tensor.view(world, n).copy_(values)
 
