@@ -155,24 +155,36 @@ def test_fused_step_equals_torch_reference_bit_for_bit(case, monkeypatch):
         _assert_bits_equal(a, b, (cls.__name__, kw, shape))
 
 
-def _scalar_library():
-    """The kernel source built without AVX/AVX2/FMA: the scalar loops a CPU without AVX2 runs."""
+_BUILDS = {
+    "scalar": ("-mno-avx", "-mno-avx2", "-mno-fma"),  # the loops a CPU without AVX2 runs
+    "avx2": ("-mno-avx512f",),  # the 8-lane paths (and the prefetch) without AVX-512
+}
+
+
+def _variant_library(build):
+    """The kernel source built with the flags of ``_BUILDS[build]`` added."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the -mno-avx2 build is an x86 check")
-    flags = (*_native.DEFAULT_FLAGS, "-mno-avx", "-mno-avx2", "-mno-fma")
-    lib = _native.build_library("optim4bit_test_scalar", _kernels4._SOURCE, flags)
+        pytest.skip("the -mno-avx2 / -mno-avx512f builds are x86 checks")
+    flags = (*_native.DEFAULT_FLAGS, *_BUILDS[build])
+    lib = _native.build_library(f"optim4bit_test_{build}", _kernels4._SOURCE, flags)
     _kernels4._declare(lib)
     return lib
 
 
-def test_scalar_build_writes_the_same_bits(monkeypatch):
-    """The vector paths (register-permute decoder, gather encoder and nibble packer) are exact
-    rewrites of the scalar loops."""
-    scalar = _scalar_library()
+def _scalar_library():
+    """The kernel source built without AVX/AVX2/FMA (the nonfinite tests use it too)."""
+    return _variant_library("scalar")
+
+
+@pytest.mark.parametrize("build", sorted(_BUILDS))
+def test_variant_builds_write_the_same_bits(build, monkeypatch):
+    """The vector paths (register-permute decoder, compare encoders and nibble packer) are exact
+    rewrites of the scalar loops, and the AVX2 paths of the AVX-512 ones."""
+    lib = _variant_library(build)
     for cls, kw in _CASES:
         for shape in _SHAPES:
-            a, b = _step_both(cls, kw, shape, monkeypatch, scalar, steps=2)
-            _assert_bits_equal(a, b, (cls.__name__, kw, shape, "scalar"))
+            a, b = _step_both(cls, kw, shape, monkeypatch, lib, steps=2)
+            _assert_bits_equal(a, b, (cls.__name__, kw, shape, build))
 
 
 def test_openmp_threads_and_concurrent_callers_write_the_same_bits():

@@ -16,7 +16,9 @@ reciprocal, so results equal the torch reference :func:`qshard.optim._qstate4.ad
 bit for bit; the vector paths write exactly the bits of the scalar loops (tested against a
 ``-mno-avx2`` build). Gradients are always read with -0.0 as +0.0. A block whose new m or v
 holds NaN or Inf stores a NaN absmax and the code of 0.0 (the 8-bit kernel's [Note: non-finite
-state blocks]), so it decodes to NaN.
+state blocks]), so it decodes to NaN. The parameter, gradient and codes 1024 elements ahead
+are prefetched before the encoders run (they touch no memory): 0.86x the step at 10M with one
+thread side by side (256 to 4096 ahead measured the same within noise; load 7-8).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ _SOURCE = (
     + NEAREST_C
     + NONFINITE_C
     + r"""
+
+#ifndef QS_AHEAD4
+#define QS_AHEAD4 1024 /* elements */
+#endif
 
 /* Nibble k of a packed row segment. */
 static inline int nib(const uint8_t *c, int k) { return (c[k >> 1] >> ((k & 1) * 4)) & 15; }
@@ -235,6 +241,24 @@ int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float 
         else adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 0, &m1, &m2);
         a1[b] = m1;
         a2[b] = m2;
+#ifdef __AVX2__
+        /* Prefetch the parameter, gradient and both code rows QS_AHEAD4 elements ahead: the
+         * encoders below touch no memory, so without this DRAM idles while they run (the 8-bit
+         * kernel's prefetch). Ahead in the flat stream, rows included; a hint, it never faults. */
+        {
+            const int64_t ahead = off + QS_AHEAD4, cahead = coff + QS_AHEAD4 / 2;
+            if (ahead + n <= rows * row_numel && cahead + (n >> 1) <= rows * nbytes) {
+                for (int l = 0; l < n; l += 16) {
+                    _mm_prefetch((const char *)(p + ahead + l), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(g + ahead + l), _MM_HINT_T0);
+                }
+                for (int l = 0; l < (n >> 1); l += 64) {
+                    _mm_prefetch((const char *)(c1 + cahead + l), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(c2 + cahead + l), _MM_HINT_T0);
+                }
+            }
+        }
+#endif
         encode4(lut1, mid1, linear1, s1, n, m1, c1 + coff);
         encode4(lut2, mid2, linear2, s2, n, m2, c2 + coff);
     }
