@@ -62,6 +62,7 @@ import ctypes
 import torch
 
 from qshard._native import NativeLibrary
+from qshard.optim._kernel_common import NONFINITE_C, adam_block_c
 from qshard.quant._codetable import NEAREST_C, REGION_C
 
 __all__: list[str] = []  # private module
@@ -84,141 +85,6 @@ MAX_BLOCK = 4096
 
 # nearest_code / nearest_code8 (the exact nearest-code encoder and its search table) come from
 # qshard.quant._codetable, shared with the dynamic-map quantizer.
-
-#: The block absmax on bit patterns, shared with the 4-bit kernel (``_kernels4``).
-NONFINITE_C = r"""
-/* [Note: non-finite state blocks] The block absmax is the maximum of |x| taken on the bit
- * patterns: for non-negative floats the integer order is the float order, and NaN and Inf are
- * >= 0x7F800000, so one integer maximum finds both the absmax and whether the block holds a
- * non-finite value (a float max skips NaNs and would store a finite absmax for a NaN state).
- * Such a block stores a NaN absmax and zero codes, so it decodes to NaN everywhere: the quant
- * core's [Note: non-finite blocks], and what the torch reference (_qstate.quantize_rows) does. */
-static inline float absmax_of_bits(uint32_t m) {
-    if (m >= 0x7F800000u) m = 0x7FC00000u; /* NaN or Inf somewhere: the block is NaN */
-    float f;
-    memcpy(&f, &m, 4);
-    return f;
-}
-
-static inline uint32_t abs_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u & 0x7FFFFFFFu;
-}
-
-"""
-
-
-def adam_block_c(*, bias_correction: str) -> str:
-    """C text of ``adam_block``, the Adam / AdamW update of one decoded block, shared by the 8-bit
-    and the 4-bit kernel: it also returns both new absmaxes (on the bit patterns, as
-    ``block_absmax``: a NaN or Inf makes them NaN), saving two passes. The operations and their
-    order are those of the torch references (mode 1: decoupled decay of p, 2: L2 weight decay
-    into g, 0: neither; ``canon``: 0.0f turns -0.0 into +0.0); 16-lane (AVX-512), 8-lane (AVX2)
-    and scalar loops give the same bits. The kernels keep v's bias correction in ``hp[6]`` in two
-    forms: ``bias_correction="div"`` divides ``sqrt(v)`` by it (8-bit: ``sqrt(1 - b2^t)``),
-    ``"mul"`` multiplies by it (4-bit: its reciprocal)."""
-    ops = {"div": ("div", "/"), "mul": ("mul", "*")}
-    if bias_correction not in ops:
-        raise ValueError(f"bias_correction must be 'div' or 'mul'; got {bias_correction!r}")
-    vec, scalar = ops[bias_correction]
-    return _ADAM_BLOCK_C.replace("@VEC@", vec).replace("@SCALAR@", scalar)
-
-
-_ADAM_BLOCK_C = r"""
-static inline __attribute__((always_inline)) void adam_block(
-    float *restrict pp, const float *restrict gg, float *restrict s1, float *restrict s2, int n,
-    const float *hp, float canon, int mode, float *amax1, float *amax2) {
-    const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
-    const float wd = hp[4], step_size = hp[5], bc2 = hp[6], decay = hp[7];
-    uint32_t r1 = 0, r2 = 0; /* the integer maximum does not depend on the lanes' order */
-    int k = 0;
-#if defined(__AVX512F__)
-    {
-        const __m512 canz = _mm512_set1_ps(canon), b1wz = _mm512_set1_ps(b1w);
-        const __m512 b2z = _mm512_set1_ps(b2), b2wz = _mm512_set1_ps(b2w);
-        const __m512 epsz = _mm512_set1_ps(eps), wdz = _mm512_set1_ps(wd);
-        const __m512 stz = _mm512_set1_ps(step_size), bcz = _mm512_set1_ps(bc2);
-        const __m512 decz = _mm512_set1_ps(decay);
-        const __m512i absz = _mm512_set1_epi32(0x7FFFFFFF);
-        __m512i z1 = _mm512_setzero_si512(), z2 = _mm512_setzero_si512();
-        for (; k + 16 <= n; k += 16) {
-            const __m512 m0 = _mm512_loadu_ps(s1 + k), v0 = _mm512_loadu_ps(s2 + k);
-            const __m512 p0 = _mm512_loadu_ps(pp + k);
-            __m512 gi = _mm512_add_ps(_mm512_loadu_ps(gg + k), canz), pi = p0;
-            if (mode == 1) pi = _mm512_mul_ps(p0, decz);
-            if (mode == 2) gi = _mm512_add_ps(gi, _mm512_mul_ps(wdz, p0));
-            const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(b1wz, _mm512_sub_ps(gi, m0)));
-            const __m512 v = _mm512_add_ps(_mm512_mul_ps(v0, b2z),
-                                           _mm512_mul_ps(_mm512_mul_ps(b2wz, gi), gi));
-#ifndef QS_PHASE_NO_DIVSQRT
-            const __m512 den = _mm512_add_ps(_mm512_@VEC@_ps(_mm512_sqrt_ps(v), bcz), epsz);
-            _mm512_storeu_ps(pp + k,
-                             _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_div_ps(m, den))));
-#else /* timing variant only (benchmarks/optim_step.py --phases): wrong values */
-            const __m512 den = _mm512_add_ps(_mm512_@VEC@_ps(v, bcz), epsz);
-            _mm512_storeu_ps(pp + k, _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_mul_ps(m, den))));
-#endif
-            _mm512_storeu_ps(s1 + k, m);
-            _mm512_storeu_ps(s2 + k, v);
-            z1 = _mm512_max_epu32(z1, _mm512_and_si512(_mm512_castps_si512(m), absz));
-            z2 = _mm512_max_epu32(z2, _mm512_and_si512(_mm512_castps_si512(v), absz));
-        }
-        r1 = _mm512_reduce_max_epu32(z1);
-        r2 = _mm512_reduce_max_epu32(z2);
-    }
-#endif
-#ifdef __AVX2__
-    {
-        const __m256 canv = _mm256_set1_ps(canon), b1wv = _mm256_set1_ps(b1w);
-        const __m256 b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
-        const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
-        const __m256 stv = _mm256_set1_ps(step_size), bcv = _mm256_set1_ps(bc2);
-        const __m256 decv = _mm256_set1_ps(decay);
-        const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
-        __m256i acc1 = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
-        for (; k + 8 <= n; k += 8) {
-            const __m256 m0 = _mm256_loadu_ps(s1 + k), v0 = _mm256_loadu_ps(s2 + k);
-            const __m256 p0 = _mm256_loadu_ps(pp + k);
-            __m256 gi = _mm256_add_ps(_mm256_loadu_ps(gg + k), canv), pi = p0;
-            if (mode == 1) pi = _mm256_mul_ps(p0, decv);
-            if (mode == 2) gi = _mm256_add_ps(gi, _mm256_mul_ps(wdv, p0));
-            const __m256 m = _mm256_add_ps(m0, _mm256_mul_ps(b1wv, _mm256_sub_ps(gi, m0)));
-            const __m256 v = _mm256_add_ps(_mm256_mul_ps(v0, b2v),
-                                           _mm256_mul_ps(_mm256_mul_ps(b2wv, gi), gi));
-            const __m256 den = _mm256_add_ps(_mm256_@VEC@_ps(_mm256_sqrt_ps(v), bcv), epsv);
-            _mm256_storeu_ps(pp + k,
-                             _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
-            _mm256_storeu_ps(s1 + k, m);
-            _mm256_storeu_ps(s2 + k, v);
-            acc1 = _mm256_max_epu32(acc1, _mm256_and_si256(_mm256_castps_si256(m), absmask));
-            acc2 = _mm256_max_epu32(acc2, _mm256_and_si256(_mm256_castps_si256(v), absmask));
-        }
-        uint32_t l1[8], l2[8];
-        _mm256_storeu_si256((__m256i *)l1, acc1);
-        _mm256_storeu_si256((__m256i *)l2, acc2);
-        for (int l = 0; l < 8; l++) {
-            r1 = l1[l] > r1 ? l1[l] : r1;
-            r2 = l2[l] > r2 ? l2[l] : r2;
-        }
-    }
-#endif
-    for (; k < n; k++) {
-        float pi = pp[k], gi = gg[k] + canon;
-        if (mode == 1) pi = pi * decay;
-        if (mode == 2) gi = gi + wd * pi;
-        const float m = s1[k] + b1w * (gi - s1[k]);
-        const float v = s2[k] * b2 + b2w * gi * gi;
-        pp[k] = pi - step_size * (m / (sqrtf(v) @SCALAR@ bc2 + eps));
-        s1[k] = m; s2[k] = v;
-        const uint32_t f1 = abs_bits(m), f2 = abs_bits(v);
-        r1 = f1 > r1 ? f1 : r1;
-        r2 = f2 > r2 ? f2 : r2;
-    }
-    *amax1 = absmax_of_bits(r1);
-    *amax2 = absmax_of_bits(r2);
-}
-"""
 
 # Byte-permute indices of the AVX-512 VBMI paths, as C constants (built once per call they cost
 # ~0.5 ns/param: byte stores then a vector load that cannot be forwarded).

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 
 from qshard._native import NativeLibrary
-from qshard.optim._kernels import NONFINITE_C, adam_block_c
+from qshard.optim._kernel_common import NONFINITE_C, adam_block_c
 from qshard.quant._codetable import NEAREST_C
 
 __all__: list[str] = []  # private module
