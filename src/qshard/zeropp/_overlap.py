@@ -43,6 +43,7 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.fsdp._fully_shard import _fsdp_common
 
 __all__ = ["OverlapQueue", "defer_reason"]
 
@@ -122,6 +123,18 @@ class OverlapQueue:
             ) from exc
 
 
+# Mesh infos after whose reduce-scatter FSDP2 all-reduces (HSDP; DDP-style replicate where this
+# torch has it): looked up by name, since the set differs between torch releases.
+_REPLICATED_MESH_INFOS = tuple(
+    cls
+    for cls in (
+        getattr(_fsdp_common, "DDPMeshInfo", None),
+        getattr(_fsdp_common, "HSDPMeshInfo", None),
+    )
+    if cls is not None
+)
+
+
 def _param_group(unit: nn.Module | None):
     try:
         groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[union-attr]
@@ -138,9 +151,14 @@ def defer_reason(unit: nn.Module | None, output: torch.Tensor) -> str | None:
     group = _param_group(unit)
     if group is None:
         return "the FSDP unit's parameter group is unknown"
-    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
-
-    if isinstance(group.mesh_info, DDPMeshInfo) or group._all_reduce_hook is not None:
+    # FSDP2 internals read here (torch 2.13 names): a torch without one of them is treated as
+    # "cannot tell" and runs the synchronous path, never a deferral on a guess.
+    missing = [a for a in ("mesh_info", "fsdp_params", "_orig_dtype") if not hasattr(group, a)]
+    if missing:
+        return f"this torch's FSDP2 parameter group lacks {missing}"
+    if isinstance(group.mesh_info, _REPLICATED_MESH_INFOS) or getattr(
+        group, "_all_reduce_hook", None
+    ):
         return "an all-reduce follows the reduce-scatter (HSDP or an all-reduce hook)"
     if getattr(group, "force_sum_reduction_for_comms", False):
         return "FSDP2 post-divides the output (force_sum_reduction_for_comms)"
