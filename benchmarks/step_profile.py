@@ -42,7 +42,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -210,24 +209,12 @@ def _measure(variant, args, topology, corpus, rank, world):
 
 
 def worker(args: argparse.Namespace) -> int:
-    import warnings
-
-    import torch
     import torch.distributed as dist
 
+    import throughput as tp
     from netsim.link import set_link_rate
-    from qshard.comm import Topology
-    from qshard.train.data import load_corpus
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.rank_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    topology = Topology.from_env()
-    if rank == 0:
-        load_corpus(min_tokens=args.context + 1)
-    dist.barrier()
-    corpus = load_corpus(min_tokens=args.context + 1)
+    topology, corpus, rank, world = tp.start_worker(args)
     rates = ([0] if args.unshaped else []) + list(args.rate_list)
     results: dict[str, dict[str, list[dict]]] = {}
     for rate in rates:

@@ -268,13 +268,14 @@ def _measure(variant, args, topology, corpus, rank, world):
     return result
 
 
-def worker(args: argparse.Namespace) -> int:
+def start_worker(args: argparse.Namespace):
+    """A cluster rank's start, shared with ``step_profile.py``: one torch thread, the gloo world,
+    the topology and the corpus. Returns ``(topology, corpus, rank, world)``."""
     import warnings
 
     import torch
     import torch.distributed as dist
 
-    from netsim.link import set_link_rate
     from qshard.comm import Topology
     from qshard.train.data import load_corpus
 
@@ -286,7 +287,15 @@ def worker(args: argparse.Namespace) -> int:
     if rank == 0:
         load_corpus(min_tokens=args.context + 1)  # build the cache once, before the others read it
     dist.barrier()
-    corpus = load_corpus(min_tokens=args.context + 1)
+    return topology, load_corpus(min_tokens=args.context + 1), rank, world
+
+
+def worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from netsim.link import set_link_rate
+
+    topology, corpus, rank, world = start_worker(args)
     results: dict[str, dict[str, object]] = {}
     skipped: dict[str, str] = {}
     # Rate 0 = unshaped: the compute-only steps of the limit column, first.
