@@ -78,7 +78,12 @@ def _unsharded_views_identical(model) -> bool:
     return ok
 
 
+def _groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)  # the process groups this rank holds
+
+
 def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
+    groups_at_start = _groups()
     topo = Topology(world_size=world, ranks_per_node=rpn)
     mesh = init_device_mesh("cpu", (world,))
     results: dict = {}
@@ -118,6 +123,7 @@ def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
                 torch.equal(a, b) for a, b in zip(params, results["plain_params"])
             )
     del results["plain_params"]
+    results["groups_added"] = _groups() - groups_at_start
     return results
 
 
@@ -141,6 +147,11 @@ def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
         for name in names:
             assert r[f"{name}_params_agree"], name
             assert r[f"{name}_unsharded_agree"], name
+    # Every shard() of the job shares the topology's two groups and one hpZ secondary mesh
+    # (two groups): FSDP2 alone would build a mesh per unit per call ([Note: one secondary
+    # mesh per job]), 2 per unit here, 6 per hpZ config.
+    for r in out:
+        assert r["groups_added"] <= 4, r["groups_added"]
     r = out[0]
     fwd = ("fwd_all_gather", "all_gather")
     bwd = ("bwd_all_gather", "all_gather")

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from qshard.comm.topology import Topology
+from qshard.zeropp._meshes import cached_hsdp_mesh, shared_post_forward_meshes
 from qshard.zeropp._overlap import OverlapQueue
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
 from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
@@ -170,7 +171,9 @@ def shard(
 
     * all-gather: :class:`~qshard.zeropp.QuantizedAllGather` if ``qwz``, else the recording
       plain one (16-bit wire if ``wire_dtype``);
-    * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``);
+    * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``), every unit
+      of every shard() call sharing one node-sized secondary mesh (two process groups per rank
+      per job, see [Note: one secondary mesh per job] in :mod:`qshard.zeropp._meshes`);
     * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``,
       else the recording plain one; one per unit, overlapping the rest of backward when
       ``overlap_reduce_scatter`` (by default: with any ZeRO++ feature) allows it;
@@ -220,17 +223,18 @@ def shard(
             f"shard() needs a 1-D mesh over all {topology.world_size} ranks (ZeRO-3) or a 2-D "
             f"mesh with dims {HSDP_MESH_DIMS} (HSDP); got {mesh}"
         )
-    if config.qgz and topology.world_size > 1:
-        topology.init_groups()  # collective, every rank at the same point
+    if topology.world_size > 1 and (config.qgz or (config.qwz and topology.num_nodes > 1)):
+        topology.init_groups()  # collective, every rank at the same point (qgZ's hops, qwZ's)
     reshard: bool | int = topology.ranks_per_node if config.hpz else True
     fsdp_kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
 
     block_list = find_blocks(model, blocks)
-    for block in block_list:
-        fully_shard(block, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)
+    with shared_post_forward_meshes():  # hpZ: one secondary mesh, see its Note
+        for block in block_list:
+            fully_shard(block, **fsdp_kwargs)
+        fully_shard(model, **fsdp_kwargs)
     root = model  # now an FSDPModule
 
     def make_all_gather(module: FSDPModule):
@@ -302,8 +306,10 @@ def _shard_hsdp(
     mesh: DeviceMesh | None,
 ) -> FSDPModule:
     """HSDP: see :func:`shard`. The 2-D mesh is checked (or built) here."""
-    if mesh is None:
-        mesh = hsdp_mesh(topology, _device_type(model))
+    if mesh is None:  # built once per job, as hpZ's mesh ([Note: one secondary mesh per job])
+        mesh = cached_hsdp_mesh(
+            _device_type(model), topology.num_nodes, topology.ranks_per_node, HSDP_MESH_DIMS
+        )
     _check_hsdp_mesh(mesh, topology)
     replicate_group = mesh.get_group("replicate")
     native = config.replicate_native
