@@ -54,10 +54,11 @@ def _spread_segments(x: torch.Tensor, padded: int, segments: _Segments) -> torch
 
 
 def _pack_segments(values: torch.Tensor, out: torch.Tensor, segments: _Segments) -> None:
-    """``(rows, padded)`` -> ``out`` ``(rows, n)``: the inverse of :func:`_spread_segments`, row
-    by row (slice copies instead of an index_select: ~20x cheaper, measured on a GPT block)."""
+    """``(..., padded)`` -> ``out`` ``(..., n)``: the inverse of :func:`_spread_segments`, row
+    by row (slice copies instead of an index_select: ~20x cheaper, measured on a GPT block).
+    ``out`` may be a strided view (the hierarchical route's row order, see [Note: qwZ route])."""
     for p, i, size in segments:
-        out[:, i : i + size].copy_(values[:, p : p + size])
+        out[..., i : i + size].copy_(values[..., p : p + size])
 
 
 class RecordingAllGather(WireComm, AllGather):
@@ -146,19 +147,57 @@ class QuantizedAllGather(RecordingAllGather):
     weight of ones never sets the scale of a block of 0.02-sized matrix entries. Without it
     (or when the sizes do not add up to the input) the buffer is cut as one segment.
 
+    [Note: qwZ route] A ring all-gather over all ``P`` ranks (gloo's, a NCCL ring) carries
+    ``(P-1)/P`` of the gathered payload on every node's outgoing link, though only the other
+    nodes' rows, ``(N-1)/N`` of it with ``N`` nodes, have to cross. So a cross-node gather
+    over the topology's whole world in rank order (FSDP2's default 1-D mesh) with more than
+    one rank per node runs in two hops:
+
+    1. inter-node: this rank's wire row is all-gathered among its peers, the ranks with its
+       local rank on every node (``Topology.inter_node_group``): ``N`` rows, in node order;
+       each node sends ``(N-1)/N`` of the payload across nodes in all;
+    2. intra-node: those ``N`` rows are all-gathered inside the node
+       (``Topology.intra_node_group``), so every rank holds all rows, ordered
+       ``[local rank][node]``.
+
+    The rows are decoded in the order they arrived (each row decodes alone, so its values do
+    not depend on where it sits) and written through a permuted view of the output into rank
+    order (``rank = node * ranks_per_node + local_rank``): the output is bit-identical to the
+    flat gather's, with no extra pass over the codes. With one rank per node hop 1 alone is
+    the flat gather; a group that is not the world in rank order (a custom mesh) keeps the
+    flat gather (logged once, counted as ledger event ``qwz_flat_gather``). The ledger records
+    each hop over its own group, so its inter-node bytes are what the links carry.
+
+    [Note: qwZ hop order] Every rank must issue the collectives of one process group in the
+    same order. Hop 1 is issued at the call, hop 2 inside the handle's ``wait()`` (just
+    before dequantizing), never from a future callback or another thread. FSDP2 calls its
+    all-gathers and waits on their handles at the same program points on every rank (block
+    order, its prefetches, the wait in ``finalize_backward`` of a prefetch nobody used), so
+    with several gathers in flight (``prefetch_depth > 1``) the inter-node group sees the
+    hop 1s in call order and the intra-node group the hop 2s in wait order, alike on every
+    rank. qgZ's deferred reduce-scatter issues its hops on the same two groups, also at
+    program points only (its call, a later qgZ call, the drain callback; see
+    [Note: deferred qgZ]), so what a rank has issued on each group is a function of its
+    program point alone, never of timing. A rank blocks only waiting for a collective that
+    every rank issues at an earlier program point (hop 1 at the call, before its wait; hop 2
+    is issued and waited at once), so the waits complete: no cross-group deadlock.
+
     A gather whose group lies inside one node (hpZ's backward gather, handed a node-sized
     group by FSDP2) is not quantized: it is the plain all-gather, in ``wire_dtype`` if set.
 
-    With ``async_op=True`` the collective starts now and the returned handle's ``wait()``
-    dequantizes (see [Note: deferred dequantization]).
+    With ``async_op=True`` the (first) collective starts now and the returned handle's
+    ``wait()`` finishes the transfer and dequantizes (see [Note: deferred dequantization]).
 
     Args:
-        topology: tells intra-node groups from cross-node ones.
+        topology: tells intra-node groups from cross-node ones; its groups carry the two hops
+            (created on first use, collectively; :func:`qshard.zeropp.shard` creates them).
         bits: 8 (the paper) or 4 (two codes per byte).
         block_size: elements per block (multiple of 8).
         wire_dtype: the 16-bit wire format of the unquantized (intra-node) gathers, or None.
         segment_sizes: per-parameter shard sizes of the flat input, or a callable returning
             them (read at call time), or None; see [Note: qwZ block layout].
+        hierarchical: ``False`` always takes the flat one-hop gather (same output bits, more
+            inter-node bytes; the tests' reference); see [Note: qwZ route].
     """
 
     def __init__(
@@ -169,6 +208,7 @@ class QuantizedAllGather(RecordingAllGather):
         block_size: int = 256,
         wire_dtype: torch.dtype | None = None,
         segment_sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
+        hierarchical: bool = True,
     ) -> None:
         super().__init__(wire_dtype=wire_dtype)
         if bits not in (4, 8):
@@ -177,6 +217,7 @@ class QuantizedAllGather(RecordingAllGather):
             raise ValueError(f"block_size must be a positive multiple of 8; got {block_size}")
         self.topology = topology
         self.codec = RowCodec(bits=bits, block_size=block_size)
+        self.hierarchical = bool(hierarchical)
         self._segment_sizes = segment_sizes
         self._layouts: dict[tuple[int, ...], tuple[int, _Segments | None]] = {}
 
@@ -187,6 +228,23 @@ class QuantizedAllGather(RecordingAllGather):
         if sizes not in self._layouts:
             self._layouts[sizes] = _padded_layout(sizes, self.codec.block_size)
         return self._layouts[sizes]
+
+    def _two_hops(self, ranks: list[int]) -> bool:
+        """Whether this cross-node gather over ``ranks`` takes the route of [Note: qwZ route]."""
+        topo = self.topology
+        if not self.hierarchical or topo.ranks_per_node == 1:
+            return False  # one rank per node: hop 1 alone is the flat gather
+        if ranks == list(range(topo.world_size)):
+            return True
+        log_once(
+            f"qwz-flat-{ranks}",
+            f"qwZ gathers over ranks {ranks}, not the topology's world in rank order "
+            f"({topo}): using the flat one-hop gather, which carries more inter-node bytes "
+            "(counted as event 'qwz_flat_gather' in the ledger)",
+        )
+        if (ledger := active_ledger()) is not None:
+            ledger.count("qwz_flat_gather")
+        return False
 
     def __call__(
         self,
@@ -210,6 +268,7 @@ class QuantizedAllGather(RecordingAllGather):
         world = len(ranks)
         n = input_tensor.numel()
         padded, segments = self._layout(n)
+        two_hops = self._two_hops(ranks)
         with record_function("qshard::qwz::quantize"):
             x = input_tensor.reshape(1, n)
             if segments is not None:
@@ -218,22 +277,60 @@ class QuantizedAllGather(RecordingAllGather):
                 x = torch.cat([x, x.new_zeros(1, padded - n)], dim=1)
             payload = self.codec.encode(x).view(-1)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
-        record(
-            "all_gather",
-            group_ranks=ranks,
-            tensor_bytes=gathered.numel(),
-            tag=phase_tag("all_gather"),
-        )
-        with record_function("qshard::qwz::transfer"):  # all of it when sync
-            work = _all_gather(gathered, payload, group=group, async_op=async_op)
+        tag = phase_tag("all_gather")
+        if two_hops:
+            topo = self.topology
+            nodes, per_node = topo.num_nodes, topo.ranks_per_node
+            inter_group, intra_group = topo.inter_node_group, topo.intra_node_group
+            peer_rows = torch.empty(
+                nodes * payload.numel(), dtype=torch.uint8, device=payload.device
+            )
+            # Both hops recorded now, with the call's phase tag, so one gather's bytes always
+            # land in the same ledger step.
+            record(
+                "all_gather",
+                group_ranks=topo.peer_ranks(topo.local_rank),
+                tensor_bytes=peer_rows.numel(),
+                tag=tag,
+            )
+            record(
+                "all_gather",
+                group_ranks=topo.node_ranks(topo.node),
+                tensor_bytes=gathered.numel(),
+                tag=tag,
+            )
+            # Rows arrive [local rank][node]; the output is [node][local rank].
+            rows_shape = (per_node, nodes, -1)
+            dest = output_tensor.view(nodes, per_node, n).transpose(0, 1)
+
+            def intra_hop() -> None:
+                with record_function("qshard::qwz::wait_intra"):  # issue and wait at once
+                    _all_gather(gathered, peer_rows, group=intra_group)
+
+            with record_function("qshard::qwz::transfer"):  # both hops when sync
+                work = _all_gather(peer_rows, payload, group=inter_group, async_op=async_op)
+                if not async_op:
+                    intra_hop()
+            # Async: hop 2 is issued in the handle's wait(), see [Note: qwZ hop order].
+            pending_hop = intra_hop if async_op else None
+        else:
+            record("all_gather", group_ranks=ranks, tensor_bytes=gathered.numel(), tag=tag)
+            rows_shape = (world, -1)
+            dest = output_tensor.view(world, n)
+            pending_hop = None
+            with record_function("qshard::qwz::transfer"):  # all of it when sync
+                work = _all_gather(gathered, payload, group=group, async_op=async_op)
 
         def dequantize() -> None:
+            if pending_hop is not None:
+                pending_hop()
             values = self.codec.decode(gathered.view(world, -1), padded, dtype=output_tensor.dtype)
+            values = values.view(rows_shape)
             if segments is not None:
-                _pack_segments(values, output_tensor.view(world, n), segments)
+                _pack_segments(values, dest, segments)
                 return
             if padded != n:
-                values = values[:, :n]
-            output_tensor.view(world, n).copy_(values)
+                values = values[..., :n]
+            dest.copy_(values)
 
         return _finish(work, dequantize, async_op, "qwz")
