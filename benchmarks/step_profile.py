@@ -1,5 +1,6 @@
 """Where the time of one ZeRO-3 / ZeRO++ training step goes, per phase and rank, on the emulated
-cluster of ``benchmarks/throughput.py`` (the same GPT, batches, optimizer, cluster and variants).
+cluster of ``benchmarks/throughput.py`` (the same GPT, batches, optimizer, cluster and variants;
+``--optimizer`` picks torch AdamW's implementation as there, default ``fused``).
 
 One launch of ``benchmarks/netsim/netsim.sh`` (2 nodes x 2 ranks by default). For every rate of
 ``--rates`` and, with ``--unshaped`` (default), once with the links unshaped (no tbf: the
@@ -47,6 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import throughput as tp  # noqa: E402
 from _common import Report, add_report_args  # noqa: E402
 
 VARIANTS = ("zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
@@ -83,10 +85,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="also profile every variant with the links unshaped (reported as rate 0)",
     )
+    tp.add_optimizer_arg(p)
     p.add_argument("--out-json", metavar="FILE", help="also write the raw per-rank numbers here")
     add_report_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args, variants=VARIANTS)
+    tp.check_optimizer_arg(args)
     return args
 
 
@@ -148,7 +152,6 @@ def _measure(variant, args, topology, corpus, rank, world):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import throughput as tp
     from netsim.link import NodeLinkMeter
     from qshard.train.data import batch_for_step
 
@@ -211,7 +214,6 @@ def _measure(variant, args, topology, corpus, rank, world):
 def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    import throughput as tp
     from netsim.link import set_link_rate
 
     topology, corpus, rank, world = tp.start_worker(args)
@@ -235,7 +237,10 @@ def worker(args: argparse.Namespace) -> int:
     if rank == 0 and args.result_json:
         with open(args.result_json, "w") as f:
             mtu = int(os.environ.get("NETSIM_MTU", "1500"))
-            json.dump({"results": results, "cores": len(os.sched_getaffinity(0)), "mtu": mtu}, f)
+            cores = len(os.sched_getaffinity(0))
+            json.dump(
+                {"results": results, "cores": cores, "mtu": mtu, "optimizer": args.optimizer}, f
+            )
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -323,7 +328,8 @@ def report(args: argparse.Namespace, data: dict) -> None:
     load = data.get("load")
     rep.note(
         f"The throughput GPT ({args.n_layer} layers, width {args.n_embd}, context "
-        f"{args.context}, fp32, torch AdamW), {args.batch_per_rank} sequences per rank, "
+        f"{args.context}, fp32; {tp.optimizer_text(data.get('optimizer', tp.LEGACY_OPTIMIZER))}), "
+        f"{args.batch_per_rank} sequences per rank, "
         f"{args.nodes} nodes x {args.ranks_per_node} ranks on {data.get('cores', '?')} cores; "
         f"{args.steps} timed then {args.steps} profiled steps after {args.warmup} warm-up steps "
         "per variant and rate; 'unshaped' = no tbf on the links"

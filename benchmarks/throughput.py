@@ -21,8 +21,23 @@ on this CPU), shards it, and trains on the same batches of the embedded corpus:
   steps); 0/1 Adam in its phase-B steady state, with a sync every ``--zero-one-interval``
   steps: the timed window is two whole intervals, starting right after a sync.
 
+Every variant but ``hsdp-1bit`` / ``hsdp-01`` (whose own optimizers sync the replicas) steps
+``torch.optim.AdamW(lr=1e-3, weight_decay=0)`` with the implementation ``--optimizer`` names:
+``fused`` (the default: torch's fused kernel, as users run it: torchtitan's optimizer config
+defaults to ``implementation="fused"``, and DeepSpeed builds its own fused multi-tensor Adam for
+an Adam/AdamW config unless ``torch_adam`` is set or ZeRO-Offload picks its CPU Adam),
+``foreach``, or ``default`` (torch's default flags: the for-loop update on CPU, ~10x fused's
+time in docs/results/optim_step.md, 36-125 ms per step in step_profile.md's optimizer column,
+and what every run before this flag used). The choice is in the report's header and the JSON.
+
 Step time is the slowest rank's time from a barrier to the end of ``optimizer.step()``; median and
-min over ``--steps`` timed steps after ``--warmup`` untimed ones. Link bytes are the node's
+min over ``--steps`` timed steps after ``--warmup`` untimed ones. Each rank also reads
+``time.perf_counter()`` as its forward (the model call) and its ``loss.backward()`` end, with no
+extra barrier; per step, each boundary is reduced with MAX over ranks like the step's end, so a
+phase lasts from the last rank's end of the previous phase to the last rank's end of this one and
+the three phases (forward, backward, optimizer step) add up to the step time. (The MAX of each
+phase's own duration would count a rank's lag twice: a rank late out of its forward makes the
+others wait in their backward.) Link bytes are the node's
 ``eth0`` tx counter over the timed steps (read after a barrier), divided by the steps; the ledger
 column is ``CommLedger.gather_summary()``'s inter-node bytes of the busiest node per step.
 
@@ -44,6 +59,33 @@ time)``, printed as ``limit s`` next to the median and ``x limit`` = median / li
   64 KiB) are counted twice: <= 0.1%.
 
 A step at its limit either keeps the link busy all the time or runs as fast as with no link.
+
+The issue's limit assumes every byte can overlap every computation. In a ZeRO-3 step that
+prefetches nothing across the step boundary it cannot: the forward's all-gathers carry the
+weights the previous optimizer step just wrote, so none starts before the step does, and a
+block's forward needs its gather; a backward reduce-scatter cannot start before its block's
+gradients exist, and ``loss.backward()`` returns with every reduction done (the deferred qgZ
+reduce-scatter is drained inside it); the optimizer step needs the gradients and its own
+collectives (1-bit / 0/1 Adam) run inside it. So each phase's bytes can hide only behind that
+phase's compute, and ``phase limit = sum over phases p of max(compute-only time of p, link time
+of p)``, printed as ``phase limit s`` and ``x phase limit`` (median / phase limit), for phases
+forward, backward (through the end of ``loss.backward()``) and optimizer step:
+
+- compute-only time of p: the median over the unshaped pass's timed steps of the phase's time
+  (the MAX-over-ranks boundaries above);
+- link time of p: the row's ledger inter-node bytes of the collectives that run in p (the
+  ledger's tags, mapped by ``PHASE_OF_TAG`` / ``OPTIMIZER_TAG_PREFIXES``: forward-tagged
+  all-gathers to forward; backward-tagged all-gathers, gradient reduce-scatters and HSDP
+  all-reduces to backward; the 1-bit / 0/1 Adam optimizers' collectives to the optimizer step),
+  times the row's measured link/ledger ratio (``link time / ledger inter-node bytes``, the link
+  time above with its header factor), so the phases' link times add up to the limit's link time.
+
+It is a bound for such a schedule, not for every schedule: crossing it would take starting the
+next step's forward gathers during the optimizer step, i.e. holding (or re-gathering) the next
+step's gathered weights through the optimizer step, as a schedule that updates a block and
+immediately re-gathers it could. A row without ledger bytes but with link bytes (``fsdp2``: plain
+FSDP2 records nothing in the ledger) cannot be split and shows ``-``. ``issue_targets()`` keeps
+checking the issue's targets against the issue's limit.
 
 Needs root (network namespaces); run from the repository root, e.g.
 
@@ -70,6 +112,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _common import Report, add_report_args  # noqa: E402
+from _limits import (  # noqa: E402
+    PHASES,
+    UNSHAPED,
+    limits,
+    phase_limits,
+)
 
 HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
 ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
@@ -90,6 +138,16 @@ FEATURES: dict[str, dict[str, object]] = {
 }
 # Variants whose optimizer owns the inter-node sync (the rest use torch AdamW).
 DATA_PARALLEL = {"hsdp-1bit": "OneBitAdam", "hsdp-01": "ZeroOneAdam"}
+# --optimizer: torch AdamW's implementation flags. "default" passes none (torch picks: the
+# for-loop update on CPU).
+ADAMW_FLAGS: dict[str, dict[str, bool]] = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "default": {},
+}
+DEFAULT_OPTIMIZER = "fused"
+# What a JSON written before --optimizer existed ran.
+LEGACY_OPTIMIZER = "default"
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,12 +168,46 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="first run every variant with the links unshaped: the compute-only step of the "
         "limit column (see [Note: the limit column])",
     )
+    add_optimizer_arg(p)
     p.add_argument("--out-json", metavar="FILE", help="also write raw numbers, limits, targets")
     p.add_argument("--from-json", metavar="FILE", help="report from an --out-json file; no run")
     add_report_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args, variants=ALL_VARIANTS)
+    check_optimizer_arg(args)
     return args
+
+
+def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
+    """``--optimizer``, shared with ``step_profile.py``: torch AdamW's implementation."""
+    p.add_argument(
+        "--optimizer",
+        choices=tuple(ADAMW_FLAGS),
+        default=None,
+        help=f"torch AdamW's implementation for every variant but hsdp-1bit / hsdp-01 (default "
+        f"{DEFAULT_OPTIMIZER}; 'default' = torch's default flags, the for-loop on CPU)",
+    )
+
+
+def check_optimizer_arg(args: argparse.Namespace) -> None:
+    """Fill in the default; ``args.optimizer_given`` says whether the command named one (a
+    ``--from-json`` report refuses one that differs from the file's)."""
+    args.optimizer_given = args.optimizer is not None
+    if args.optimizer is None:
+        args.optimizer = DEFAULT_OPTIMIZER
+
+
+def optimizer_text(name: str) -> str:
+    """How the report's header names ``--optimizer name``."""
+    what = {
+        "fused": "fused=True, torch's fused kernel",
+        "foreach": "foreach=True",
+        "default": "torch's default flags: the for-loop update on CPU",
+    }[name]
+    return (
+        f"torch AdamW ({what}; --optimizer {name}) for every variant but hsdp-1bit / hsdp-01 "
+        "(1-bit Adam / 0/1 Adam)"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +267,8 @@ def _optimizer(variant: str, model, args: argparse.Namespace):
     import torch
 
     if variant not in DATA_PARALLEL:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        flags = ADAMW_FLAGS[args.optimizer]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, **flags)
         return opt, args.warmup, args.steps
     from qshard import optim as qoptim
 
@@ -218,7 +311,7 @@ def _measure(variant, args, topology, corpus, rank, world):
     meter = NodeLinkMeter()
     global_batch = args.batch_per_rank * world
 
-    def step(i: int) -> float:
+    def step(i: int, marks: list[float] | None = None) -> float:
         x, y = batch_for_step(
             corpus.train,
             step=i,
@@ -229,7 +322,11 @@ def _measure(variant, args, topology, corpus, rank, world):
             world_size=world,
         )
         _, loss = model(x, y)
+        if marks is not None:
+            marks.append(time.perf_counter())
         loss.backward()
+        if marks is not None:
+            marks.append(time.perf_counter())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item()
@@ -237,20 +334,28 @@ def _measure(variant, args, topology, corpus, rank, world):
     with recording(ledger):
         losses = [step(i) for i in range(warmup)]
         ledger.reset()
-        times = []
+        ends = []  # per timed step: seconds from its start to the forward's, backward's, step's end
         meter.start()
         for i in range(warmup, warmup + steps):
             dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(step(i))
-            times.append(time.perf_counter() - t0)
+            marks = [time.perf_counter()]
+            losses.append(step(i, marks))
+            marks.append(time.perf_counter())
+            ends.append([m - marks[0] for m in marks[1:]])
         per_node = meter.stop()
     summary = ledger.gather_summary()
-    # The step's time is its slowest rank's (one reduction for all steps, after the metering).
-    t = torch.tensor(times, dtype=torch.float64)
+    # Each boundary is its slowest rank's, the step's end (its time) included: one reduction
+    # for all steps, after the metering. See the docstring for why not each phase's own MAX.
+    t = torch.tensor(ends, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    fwd_end, bwd_end, step_end = t.unbind(1)
     result = {
-        "times": t.tolist(),
+        "times": step_end.tolist(),
+        "phase_times": {
+            "forward": fwd_end.tolist(),
+            "backward": (bwd_end - fwd_end).tolist(),
+            "optimizer": (step_end - bwd_end).tolist(),
+        },
         "node_tx": [b.tx / steps for b in per_node],
         "node_rx": [b.rx / steps for b in per_node],
         "ledger_inter": summary.inter_node_bytes / steps,
@@ -329,7 +434,16 @@ def worker(args: argparse.Namespace) -> int:
         ).num_params()
         with open(args.result_json, "w") as f:
             mtu = int(os.environ.get("NETSIM_MTU", "1500"))
-            json.dump({"results": results, "skipped": skipped, "n_params": n_params, "mtu": mtu}, f)
+            json.dump(
+                {
+                    "results": results,
+                    "skipped": skipped,
+                    "n_params": n_params,
+                    "mtu": mtu,
+                    "optimizer": args.optimizer,
+                },
+                f,
+            )
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -343,6 +457,14 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
+        measured = data.get("optimizer", LEGACY_OPTIMIZER)
+        if args.optimizer_given and args.optimizer != measured:
+            print(
+                f"throughput: {args.from_json} was measured with --optimizer {measured}; drop "
+                f"--optimizer {args.optimizer} (a report cannot change what ran)",
+                file=sys.stderr,
+            )
+            return 2
         report(args, data, data.get("wall_s", 0.0))
         return 0
     from netsim.cluster import needs_root, run_in_cluster
@@ -368,24 +490,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-UNSHAPED = "0"  # the results key of the unshaped (compute-only) pass
 ZEROPP = ("qwz", "hpz", "qgz", "all")
 # The issue's targets: ZeRO++ (all) over the 16-bit-wire ZeRO-3 per rate, and x limit.
 SPEEDUP_TARGETS = {100: 4.0, 400: 1.4}
 LIMIT_TARGET = 1.2
-
-
-def _rate_name(rate: int | str) -> str:
-    return "unshaped" if str(rate) == UNSHAPED else f"{int(rate)} Mbit/s"
-
-
-def link_seconds(r: dict, rate_mbit: int, mtu: int = 1500) -> float:
-    """Seconds per step the busiest direction of the busiest node link needs at ``rate_mbit``:
-    see [Note: the limit column]."""
-    from netsim.link import wire_overhead
-
-    busiest = max(*r["node_tx"], *r.get("node_rx", r["node_tx"]))
-    return busiest * wire_overhead(mtu) * 8 / (rate_mbit * 1e6)
 
 
 def _overhead(data: dict) -> float:
@@ -394,32 +502,8 @@ def _overhead(data: dict) -> float:
     return wire_overhead(int(data.get("mtu", 1500)))
 
 
-def limits(data: dict) -> dict[str, dict[str, dict[str, object]]]:
-    """Per shaped rate and variant: the compute-only step (the unshaped pass's median), the link
-    time, the limit (their max), which one binds, the median and median / limit. Empty without
-    an unshaped pass."""
-    results, mtu = data["results"], int(data.get("mtu", 1500))
-    unshaped = results.get(UNSHAPED, {})
-    out: dict[str, dict[str, dict[str, object]]] = {}
-    for rate, by_variant in results.items():
-        if rate == UNSHAPED:
-            continue
-        for variant, r in by_variant.items():
-            if variant not in unshaped:
-                continue
-            compute = statistics.median(unshaped[variant]["times"])
-            link = link_seconds(r, int(rate), mtu)
-            limit = max(compute, link)
-            med = statistics.median(r["times"])
-            out.setdefault(rate, {})[variant] = {
-                "compute_s": compute,
-                "link_s": link,
-                "limit_s": limit,
-                "bound": "link" if link >= compute else "compute",
-                "median_s": med,
-                "x_limit": med / limit,
-            }
-    return out
+def _rate_name(rate: int | str) -> str:
+    return "unshaped" if str(rate) == UNSHAPED else f"{int(rate)} Mbit/s"
 
 
 def issue_targets(data: dict, lim: dict) -> list[str]:
@@ -451,12 +535,17 @@ def issue_targets(data: dict, lim: dict) -> list[str]:
 def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
     results, skipped = data["results"], data["skipped"]
     lim = limits(data)
+    try:
+        plim, plim_error = phase_limits(data), None
+    except ValueError as exc:  # an unmapped tag: report the rest, say why this part is missing
+        plim, plim_error = {}, str(exc)
     rep = Report("Throughput: ZeRO-3 vs ZeRO++ vs HSDP on an emulated slow network")
     rep.note(
         f"GPT of {data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width "
         f"{args.n_embd}, context {args.context}), fp32 compute and master weights, "
         f"{args.batch_per_rank} sequences per rank; {args.nodes} nodes x {args.ranks_per_node} "
-        f"ranks (netns + tbf, intra-node over loopback); torch AdamW; {args.steps} timed steps "
+        f"ranks (netns + tbf, intra-node over loopback); "
+        f"{optimizer_text(data.get('optimizer', LEGACY_OPTIMIZER))}; {args.steps} timed steps "
         f"after {args.warmup} warm-up steps per variant and rate; whole run {wall_s:.0f} s"
         + (
             f" (host load average {data['load'][0]:.1f} at the start, {data['load'][1]:.1f} at the "
@@ -484,6 +573,21 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             if lim
             else "No unshaped pass (--no-limit): no limit column."
         )
+        + (
+            " Phase limit = sum over the phases forward, backward (to the end of "
+            "loss.backward()) and optimizer step of max(the phase's compute-only time, its link "
+            "time): no byte overlaps another phase's compute, as in a step that prefetches "
+            "nothing across its boundary (the forward's gathers carry the weights the last "
+            "optimizer step wrote). A phase's compute-only time is its median in the unshaped "
+            "rows, each phase timed on every rank with no extra barrier and its end taken as "
+            "the last rank's (so the phases add up to the step time); its link time is the "
+            "row's link time x the phase's share of the row's ledger bytes (tags: forward "
+            "all-gathers -> forward; backward all-gathers, reduce-scatters, HSDP all-reduces "
+            "-> backward; 1-bit / 0/1 Adam's collectives -> optimizer); x phase limit = "
+            "median / phase limit; '-' where the ledger has no bytes to split (fsdp2)."
+            if plim
+            else ""
+        )
     )
     rows = []
     targets = []
@@ -501,6 +605,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             if hsdp is not None and variant.startswith("hsdp"):
                 vs_hsdp = f"{statistics.median(hsdp['times']) / med:.2f}x"
             row_lim = lim.get(rate, {}).get(variant)
+            row_plim = plim.get(rate, {}).get(variant)
             rows.append(
                 [
                     _rate_name(rate).removesuffix(" Mbit/s"),
@@ -508,6 +613,8 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{med:.3f}",
                     f"{row_lim['limit_s']:.3f}" if row_lim else "-",
                     f"{row_lim['x_limit']:.2f}x" if row_lim else "-",
+                    f"{row_plim['phase_limit_s']:.3f}" if row_plim else "-",
+                    f"{row_plim['x_phase_limit']:.2f}x" if row_plim else "-",
                     f"{mn:.3f}",
                     f"{speed:.2f}x ({speed_min:.2f}x)" if base else "-",
                     vs_hsdp,
@@ -538,6 +645,8 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             "median s",
             "limit s",
             "x limit",
+            "phase limit s",
+            "x phase limit",
             "min s",
             "speed-up vs zero3",
             "vs hsdp",
@@ -567,6 +676,36 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                 for variant, row in by_variant.items()
             ],
         )
+    if plim:
+        rep.table(
+            "The phase limit: compute-only (unshaped) and link time per phase (s per step)",
+            [
+                "Mbit/s",
+                "variant",
+                *(f"{ph[:3]} {part}" for ph in PHASES for part in ("compute", "link")),
+                "phase limit s",
+                "x phase limit",
+                "limit s",
+            ],
+            [
+                [
+                    rate,
+                    variant,
+                    *(
+                        f"{row['phases'][ph][part]:.3f}"
+                        for ph in PHASES
+                        for part in ("compute_s", "link_s")
+                    ),
+                    f"{row['phase_limit_s']:.3f}",
+                    f"{row['x_phase_limit']:.2f}x",
+                    f"{lim[rate][variant]['limit_s']:.3f}" if variant in lim.get(rate, {}) else "-",
+                ]
+                for rate, by_variant in plim.items()
+                for variant, row in by_variant.items()
+            ],
+        )
+    if plim_error:
+        rep.note(f"No phase limit: {plim_error}.")
     first = next(iter(results.values()), {})
     tag_rows = []
     for variant, r in first.items():
@@ -591,7 +730,11 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
     rep.write(args.out_md)
     if args.out_json:
         with open(args.out_json, "w") as f:
-            json.dump(dict(data, wall_s=wall_s, limits=lim, targets=issue + targets), f, indent=1)
+            json.dump(
+                dict(data, wall_s=wall_s, limits=lim, phase_limits=plim, targets=issue + targets),
+                f,
+                indent=1,
+            )
 
 
 def _hsdp_targets(rate: str, variant: str, r: dict, by_variant: dict) -> list[str]:
