@@ -148,6 +148,7 @@ ADAMW_FLAGS: dict[str, dict[str, bool]] = {
 DEFAULT_OPTIMIZER = "fused"
 # What a JSON written before --optimizer existed ran.
 LEGACY_OPTIMIZER = "default"
+SHORT = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}  # the phase table's headings
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -682,7 +683,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             [
                 "Mbit/s",
                 "variant",
-                *(f"{ph[:3]} {part}" for ph in PHASES for part in ("compute", "link")),
+                *(f"{SHORT[ph]} {part}" for ph in PHASES for part in ("compute", "link")),
                 "phase limit s",
                 "x phase limit",
                 "limit s",
