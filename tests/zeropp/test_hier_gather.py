@@ -179,17 +179,24 @@ def _case_fallbacks(rank: int, res: dict) -> None:
         torch.equal(out, flat),
         ranks,
     )
+    # The whole world in another order (a custom mesh's group; new_group sorts its ranks, so
+    # the decision is checked directly): flat, counted.
+    ledger = CommLedger(topo)
+    with recording(ledger):
+        two_hops = QuantizedAllGather(topology=topo)._two_hops([0, 2, 1, 3])
+    res["permuted_world"] = (two_hops, ledger.summary().event("qwz_flat_gather"))
 
 
 CFG = GPTConfig(vocab_size=64, context=16, n_layer=3, n_head=2, n_embd=32, seed=0)
 
 
 def _train(topo: Topology, rank: int, config: ZeroPPConfig, steps: int = 3):
-    """Losses, final parameters and per-step ledger bytes of a few AdamW steps."""
+    """Losses, final parameters, per-step inter-node gather bytes and deferred qgZ calls of a
+    few AdamW steps."""
     model = shard(GPT(CFG), topology=topo, config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ledger = CommLedger(topo)
-    losses, inter = [], []
+    losses, inter, deferred = [], [], 0
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
         idx = torch.randint(0, CFG.vocab_size, (4, CFG.context + 1), generator=g)
@@ -199,10 +206,11 @@ def _train(topo: Topology, rank: int, config: ZeroPPConfig, steps: int = 3):
         s = ledger.step()
         losses.append(loss.item())
         inter.append(s.inter(op="all_gather"))
+        deferred += s.event("qgz_overlapped")
         opt.step()
         opt.zero_grad(set_to_none=True)
     params = [p.to_local().detach().clone() for p in model.parameters()]
-    return losses, params, inter
+    return losses, params, inter, deferred
 
 
 def _case_training(topo: Topology, rank: int, res: dict) -> None:
@@ -222,18 +230,20 @@ def _case_training(topo: Topology, rank: int, res: dict) -> None:
             hier[0] == flat[0],
             all(torch.equal(a, b) for a, b in zip(hier[1], flat[1])),
             all(h < f for h, f in zip(hier[2], flat[2])),
+            hier[3] > 0 and hier[3] == flat[3],  # qgZ's hops really ran deferred, alike
         )
 
 
-def _world(rank: int, world: int) -> dict:
-    topo = Topology(world_size=world, ranks_per_node=2)
+def _world(rank: int, world: int, ranks_per_node: int = 2) -> dict:
+    topo = Topology(world_size=world, ranks_per_node=ranks_per_node)
     topo.init_groups()
     res: dict = {}
     _case_bit_identical(topo, rank, res)
     _case_in_flight(topo, rank, res)
     _case_bytes(topo, rank, res)
-    _case_fallbacks(rank, res)
-    _case_training(topo, rank, res)
+    if world == 4:
+        _case_fallbacks(rank, res)
+        _case_training(topo, rank, res)
     return res
 
 
@@ -248,5 +258,20 @@ def test_hierarchical_gather_2x2():
         assert res["one_rank_per_node"] == (1, True), rank
         assert res["one_node"][0] == 1, rank  # inside one node: the plain gather
         assert res["sub_group"] == (1, 1, True, [rank % 2, rank % 2 + 2]), rank
+        assert res["permuted_world"] == (False, 1), rank
         for name in ("qwz_qgz_depth2", "qwz_qgz_depth1", "all_depth2"):
-            assert res[f"train_{name}"] == (True, True, True), (rank, name)
+            assert res[f"train_{name}"] == (True, True, True, True), (rank, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks_per_node", [2, 3])
+def test_hierarchical_gather_6_ranks(ranks_per_node):
+    """3 nodes x 2 and 2 nodes x 3: nodes != ranks per node, so a row order that swapped the
+    two would show (in 2 x 2 both orders look alike)."""
+    results = run_world(_world, 6, args=(ranks_per_node,), timeout_s=600)
+    nodes = 6 // ranks_per_node
+    for rank, res in enumerate(results):
+        assert res["bit_identical_cases"] == 2 * (len(SIZES) + 1) * 2 * 2 * 2, rank
+        assert res["in_flight_(0, 1, 2)"] and res["in_flight_(2, 0, 1)"], rank
+        assert res["bytes"][True] == pytest.approx((nodes - 1) / nodes)
+        assert res["bytes"][False] == pytest.approx(5 / 6)
