@@ -166,7 +166,13 @@ class QuantizedAllGather(RecordingAllGather):
     flat gather's, with no extra pass over the codes. With one rank per node hop 1 alone is
     the flat gather; a group that is not the world in rank order (a custom mesh) keeps the
     flat gather (logged once, counted as ledger event ``qwz_flat_gather``). The ledger records
-    each hop over its own group, so its inter-node bytes are what the links carry.
+    each hop over its own group, so its inter-node bytes are what the links carry. The price
+    is a second collective's latency: on unshaped loopback links one block unit of the
+    throughput GPT gathered in 1.24-1.27x the flat gather's time (docs/zeropp.md has the
+    numbers); wherever the node link is the bottleneck the bytes saved count for more.
+    Profiler ranges: ``qshard::qwz::transfer`` (issuing hop 1; both hops when synchronous),
+    ``qshard::qwz::wait`` (blocked on hop 1), ``qshard::qwz::wait_intra`` (hop 2, issued and
+    waited inside ``qshard::qwz::finish``, whose own time is the decoding).
 
     [Note: qwZ hop order] Every rank must issue the collectives of one process group in the
     same order. Hop 1 is issued at the call, hop 2 inside the handle's ``wait()`` (just
