@@ -31,22 +31,32 @@ time in docs/results/optim_step.md, 36-125 ms per step in step_profile.md's opti
 and what every run before this flag used). The choice is in the report's header and the JSON.
 
 Step time is the slowest rank's time from a barrier to the end of ``optimizer.step()``; median and
-min over ``--steps`` timed steps after ``--warmup`` untimed ones. Each rank also reads
+min over ``--steps`` timed steps after ``--warmup`` untimed ones. [Note: interleaved rows] With
+``--interleave`` (the default) each rate first builds and warms up every variant (the same seed,
+batches and warm-up count as alone, so the losses do not change), then times them side by side:
+round ``i`` times step ``i`` of every variant that has one left, the order rotating by one
+variant per round (``round_schedule``). One after another (``--no-interleave``, the order before)
+the same variant got slower the later it ran in a launch (``all`` 0.334 s/step first, 0.385 s
+last; cause not found, see docs/netsim.md), a bias that then decided the ratios between rows.
+Everything a row reports stays the variant's own: its step and phase times, the link bytes
+(metered around each of its timed steps and summed), its ledger (recording only inside its own
+steps) and the load as its first timed step started. Each rank also reads
 ``time.perf_counter()`` as its forward (the model call) and its ``loss.backward()`` end, with no
 extra barrier; per step, each boundary is reduced with MAX over ranks like the step's end, so a
 phase lasts from the last rank's end of the previous phase to the last rank's end of this one and
 the three phases (forward, backward, optimizer step) add up to the step time. (The MAX of each
 phase's own duration would count a rank's lag twice: a rank late out of its forward makes the
 others wait in their backward.) Link bytes are the node's
-``eth0`` tx counter over the timed steps (read after a barrier), divided by the steps; the ledger
+``eth0`` tx counter over the timed steps (read after a barrier before and after each), divided
+by the steps; the ledger
 column is ``CommLedger.gather_summary()``'s inter-node bytes of the busiest node per step.
 
 [Note: the limit column] Per variant and shaped rate, ``limit = max(compute-only step, link
 time)``, printed as ``limit s`` next to the median and ``x limit`` = median / limit:
 
 - compute-only step: with ``--limit`` (default) the launch first runs every variant with the
-  links unshaped (``set_link_rate(0)``: no tbf at all), the same model, ranks, kernels,
-  collectives and bytes, so the link is never the bottleneck and communication is off the
+  links unshaped (``set_link_rate(0)``: no tbf at all), timed in the same interleaved rounds as
+  the shaped rows, with the same model, ranks, kernels, collectives and bytes, so the link is never the bottleneck and communication is off the
   critical path as far as this machine allows; its median step time (the ``unshaped`` rows) is
   the variant's compute floor. It still holds the CPU cost of moving the bytes (gloo's copies, the TCP stack on
   loopback and the bridge: on 2 cores the unshaped bridge carries 3-6 Gbit/s) and the ranks'
@@ -105,6 +115,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -168,6 +179,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         default=True,
         help="first run every variant with the links unshaped: the compute-only step of the "
         "limit column (see [Note: the limit column])",
+    )
+    p.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="per rate, build every variant first and alternate their timed steps round by "
+        "round (rotating the order); --no-interleave runs one variant after another",
     )
     add_optimizer_arg(p)
     p.add_argument("--out-json", metavar="FILE", help="also write raw numbers, limits, targets")
@@ -296,82 +314,146 @@ def _optimizer(variant: str, model, args: argparse.Namespace):
     return opt, sync, 2 * h
 
 
-def _measure(variant, args, topology, corpus, rank, world):
-    import torch
-    import torch.distributed as dist
+def round_schedule(steps: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """The interleaved timing order of variants with ``steps[v]`` timed steps each: round ``i``
+    times step ``i`` of every variant that has one, as ``(variant index, step index)`` pairs, in
+    the variant order rotated to start at variant ``i mod V`` (so no variant always runs right
+    after the same one). Every step of every variant appears exactly once."""
+    n = len(steps)
+    return [
+        [(v, i) for v in (*range(i % n, n), *range(i % n)) if i < steps[v]]
+        for i in range(max(steps, default=0))
+    ]
 
-    from netsim.link import NodeLinkMeter
-    from qshard.comm import CommLedger, recording
-    from qshard.train.data import batch_for_step
 
-    load = os.getloadavg()[0]  # the host's (not namespaced): what else ran as this row started
-    torch.manual_seed(args.seed)
-    model = _build(variant, args, topology)
-    opt, warmup, steps = _optimizer(variant, model, args)
-    ledger = CommLedger(topology)
-    meter = NodeLinkMeter()
-    global_batch = args.batch_per_rank * world
+class _Run:
+    """One variant's model, optimizer, ledger and link meter, with what its timed steps measured
+    so far: built and warmed up as ``__init__`` runs, timed one step per :meth:`timed_step` call
+    (each behind a barrier and metered alone, so steps of several variants can alternate), read
+    out by :meth:`result` (collectives: every rank calls it, for the variants in one order)."""
 
-    def step(i: int, marks: list[float] | None = None) -> float:
+    def __init__(self, variant, args, topology, corpus, rank, world):
+        import torch
+
+        from netsim.link import NodeLinkMeter
+        from qshard.comm import CommLedger, recording
+
+        self.args, self.corpus, self.rank, self.world = args, corpus, rank, world
+        torch.manual_seed(args.seed)
+        self.model = _build(variant, args, topology)
+        self.opt, self.warmup, self.steps = _optimizer(variant, self.model, args)
+        self.ledger = CommLedger(topology)
+        self.meter = NodeLinkMeter()
+        self.load: float | None = None
+        self.ends: list[list[float]] = []  # per timed step: its forward's, backward's, step's end
+        self.node_bytes: list[list[int]] = []  # per node: [tx, rx] summed over the timed steps
+        with recording(self.ledger):
+            self.losses = [self._step(i) for i in range(self.warmup)]
+        self.ledger.reset()
+
+    def _step(self, i: int, marks: list[float] | None = None) -> float:
+        from qshard.train.data import batch_for_step
+
         x, y = batch_for_step(
-            corpus.train,
+            self.corpus.train,
             step=i,
-            seed=args.seed,
-            global_batch=global_batch,
-            context=args.context,
-            rank=rank,
-            world_size=world,
+            seed=self.args.seed,
+            global_batch=self.args.batch_per_rank * self.world,
+            context=self.args.context,
+            rank=self.rank,
+            world_size=self.world,
         )
-        _, loss = model(x, y)
+        _, loss = self.model(x, y)
         if marks is not None:
             marks.append(time.perf_counter())
         loss.backward()
         if marks is not None:
             marks.append(time.perf_counter())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    with recording(ledger):
-        losses = [step(i) for i in range(warmup)]
-        ledger.reset()
-        ends = []  # per timed step: seconds from its start to the forward's, backward's, step's end
-        meter.start()
-        for i in range(warmup, warmup + steps):
+    def timed_step(self, i: int) -> None:
+        """Time this variant's timed step ``i`` (0-based, after its warm-up)."""
+        import torch.distributed as dist
+
+        from qshard.comm import recording
+
+        if self.load is None:  # the host's (not namespaced): what else ran as this row started
+            self.load = os.getloadavg()[0]
+        # The meter's barriers sit outside the timed span; every collective of a step has
+        # finished when optimizer.step() returns (no prefetch crosses the step boundary), so
+        # the bytes between start() and stop() are this step's alone.
+        self.meter.start()
+        with recording(self.ledger):
             dist.barrier()
             marks = [time.perf_counter()]
-            losses.append(step(i, marks))
+            self.losses.append(self._step(self.warmup + i, marks))
             marks.append(time.perf_counter())
-            ends.append([m - marks[0] for m in marks[1:]])
-        per_node = meter.stop()
-    summary = ledger.gather_summary()
-    # Each boundary is its slowest rank's, the step's end (its time) included: one reduction
-    # for all steps, after the metering. See the docstring for why not each phase's own MAX.
-    t = torch.tensor(ends, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    fwd_end, bwd_end, step_end = t.unbind(1)
-    result = {
-        "times": step_end.tolist(),
-        "phase_times": {
-            "forward": fwd_end.tolist(),
-            "backward": (bwd_end - fwd_end).tolist(),
-            "optimizer": (step_end - bwd_end).tolist(),
-        },
-        "node_tx": [b.tx / steps for b in per_node],
-        "node_rx": [b.rx / steps for b in per_node],
-        "ledger_inter": summary.inter_node_bytes / steps,
-        "ledger_intra": summary.intra_node_bytes / steps,
-        "ledger_by_tag": [
-            [e.tag, e.op, e.inter_node_bytes / steps, e.intra_node_bytes / steps]
-            for e in summary.entries
-        ],
-        "warmup": warmup,
-        "load": load,
-        "steps": steps,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-    }
-    return result
+        per_node = self.meter.stop()
+        self.ends.append([m - marks[0] for m in marks[1:]])
+        if not self.node_bytes:
+            self.node_bytes = [[0, 0] for _ in per_node]
+        for acc, b in zip(self.node_bytes, per_node, strict=True):
+            acc[0] += b.tx
+            acc[1] += b.rx
+
+    def result(self) -> dict[str, object]:
+        import torch
+        import torch.distributed as dist
+
+        steps = self.steps
+        summary = self.ledger.gather_summary()
+        # Each boundary is its slowest rank's, the step's end (its time) included: one reduction
+        # for all steps, after the metering. See the docstring for why not each phase's own MAX.
+        t = torch.tensor(self.ends, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        fwd_end, bwd_end, step_end = t.unbind(1)
+        return {
+            "times": step_end.tolist(),
+            "phase_times": {
+                "forward": fwd_end.tolist(),
+                "backward": (bwd_end - fwd_end).tolist(),
+                "optimizer": (step_end - bwd_end).tolist(),
+            },
+            "node_tx": [tx / steps for tx, _ in self.node_bytes],
+            "node_rx": [rx / steps for _, rx in self.node_bytes],
+            "ledger_inter": summary.inter_node_bytes / steps,
+            "ledger_intra": summary.intra_node_bytes / steps,
+            "ledger_by_tag": [
+                [e.tag, e.op, e.inter_node_bytes / steps, e.intra_node_bytes / steps]
+                for e in summary.entries
+            ],
+            "warmup": self.warmup,
+            "load": self.load,
+            "steps": steps,
+            "loss_first": self.losses[0],
+            "loss_last": self.losses[-1],
+        }
+
+
+def _measure_rate(variants, args, topology, corpus, rank, world) -> dict[str, dict]:
+    """Every variant's row at the current link rate: with ``--interleave`` all variants are
+    built and warmed up first and their timed steps alternate (:func:`round_schedule`); with
+    ``--no-interleave`` each variant runs all its steps and is freed before the next is built."""
+    if not args.interleave:
+        out = {}
+        for variant in variants:
+            run = _Run(variant, args, topology, corpus, rank, world)
+            for i in range(run.steps):
+                run.timed_step(i)
+            out[variant] = run.result()
+            del run
+            gc.collect()  # the previous variant's model and optimizer go before the next is built
+        return out
+    runs = [_Run(v, args, topology, corpus, rank, world) for v in variants]
+    for step_round in round_schedule([r.steps for r in runs]):
+        for v, i in step_round:
+            runs[v].timed_step(i)
+    out = {v: r.result() for v, r in zip(variants, runs, strict=True)}
+    del runs
+    gc.collect()  # every variant's model and optimizer go before the next rate's are built
+    return out
 
 
 def start_worker(args: argparse.Namespace):
@@ -407,24 +489,25 @@ def worker(args: argparse.Namespace) -> int:
     # Rate 0 = unshaped: the compute-only steps of the limit column, first.
     for rate in ([0] if args.limit else []) + list(args.rate_list):
         set_link_rate(rate)
-        results[str(rate)] = {}
+        variants = []
         for variant in args.variant_list:
-            why = _supported(variant)
-            if why:
+            if why := _supported(variant):
                 skipped[variant] = why
-                continue
-            t0 = time.perf_counter()
-            res = _measure(variant, args, topology, corpus, rank, world)
-            gc.collect()  # the previous variant's model and optimizer go before the next is built
-            results[str(rate)][variant] = res
-            if rank == 0:
-                print(
-                    f"[throughput] {_rate_name(rate)} {variant:>10}: median "
-                    f"{statistics.median(res['times']):.3f} s/step, link "
-                    f"{max(res['node_tx']) / 2**20:.2f} MiB/step, ledger "
-                    f"{res['ledger_inter'] / 2**20:.2f} MiB/step ({time.perf_counter() - t0:.0f} s)",
-                    flush=True,
-                )
+            else:
+                variants.append(variant)
+        t0 = time.perf_counter()
+        results[str(rate)] = _measure_rate(variants, args, topology, corpus, rank, world)
+        if rank != 0:
+            continue
+        for variant, res in results[str(rate)].items():
+            print(
+                f"[throughput] {_rate_name(rate)} {variant:>10}: median "
+                f"{statistics.median(res['times']):.3f} s/step, link "
+                f"{max(res['node_tx']) / 2**20:.2f} MiB/step, ledger "
+                f"{res['ledger_inter'] / 2**20:.2f} MiB/step",
+                flush=True,
+            )
+        print(f"[throughput] {_rate_name(rate)}: {time.perf_counter() - t0:.0f} s", flush=True)
     if rank == 0 and args.result_json:
         from qshard.train.model import GPT, GPTConfig
 
@@ -442,6 +525,7 @@ def worker(args: argparse.Namespace) -> int:
                     "n_params": n_params,
                     "mtu": mtu,
                     "optimizer": args.optimizer,
+                    "interleaved": args.interleave,
                 },
                 f,
             )
@@ -547,7 +631,14 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
         f"{args.batch_per_rank} sequences per rank; {args.nodes} nodes x {args.ranks_per_node} "
         f"ranks (netns + tbf, intra-node over loopback); "
         f"{optimizer_text(data.get('optimizer', LEGACY_OPTIMIZER))}; {args.steps} timed steps "
-        f"after {args.warmup} warm-up steps per variant and rate; whole run {wall_s:.0f} s"
+        f"after {args.warmup} warm-up steps per variant and rate, "
+        + (
+            "the variants' timed steps interleaved round by round (the order rotating; "
+            "benchmarks/throughput.py, [Note: interleaved rows])"
+            if data.get("interleaved")
+            else "one variant after another"
+        )
+        + f"; whole run {wall_s:.0f} s"
         + (
             f" (host load average {data['load'][0]:.1f} at the start, {data['load'][1]:.1f} at the "
             "end: step times are noisy when the machine is shared; bytes are not). "
