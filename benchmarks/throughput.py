@@ -432,17 +432,19 @@ class _Run:
         }
 
 
-def _measure_rate(variants, args, topology, corpus, rank, world) -> dict[str, dict]:
-    """Every variant's row at the current link rate: with ``--interleave`` all variants are
-    built and warmed up first and their timed steps alternate (:func:`round_schedule`); with
-    ``--no-interleave`` each variant runs all its steps and is freed before the next is built."""
+def _measure_rate(variants, args, topology, corpus, rank, world) -> list[tuple[str, dict]]:
+    """Every variant's row at the current link rate, as ``(variant, row)`` in the variant order
+    (a variant named twice runs twice: a check of the order bias): with ``--interleave`` all
+    variants are built and warmed up first and their timed steps alternate
+    (:func:`round_schedule`); with ``--no-interleave`` each variant runs all its steps and is
+    freed before the next is built."""
     if not args.interleave:
-        out = {}
+        out = []
         for variant in variants:
             run = _Run(variant, args, topology, corpus, rank, world)
             for i in range(run.steps):
                 run.timed_step(i)
-            out[variant] = run.result()
+            out.append((variant, run.result()))
             del run
             gc.collect()  # the previous variant's model and optimizer go before the next is built
         return out
@@ -450,7 +452,7 @@ def _measure_rate(variants, args, topology, corpus, rank, world) -> dict[str, di
     for step_round in round_schedule([r.steps for r in runs]):
         for v, i in step_round:
             runs[v].timed_step(i)
-    out = {v: r.result() for v, r in zip(variants, runs, strict=True)}
+    out = [(v, r.result()) for v, r in zip(variants, runs, strict=True)]
     del runs
     gc.collect()  # every variant's model and optimizer go before the next rate's are built
     return out
@@ -496,10 +498,11 @@ def worker(args: argparse.Namespace) -> int:
             else:
                 variants.append(variant)
         t0 = time.perf_counter()
-        results[str(rate)] = _measure_rate(variants, args, topology, corpus, rank, world)
+        rows = _measure_rate(variants, args, topology, corpus, rank, world)
+        results[str(rate)] = dict(rows)  # a variant named twice: its last run's row
         if rank != 0:
             continue
-        for variant, res in results[str(rate)].items():
+        for variant, res in rows:
             print(
                 f"[throughput] {_rate_name(rate)} {variant:>10}: median "
                 f"{statistics.median(res['times']):.3f} s/step, link "

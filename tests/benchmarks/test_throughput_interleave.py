@@ -94,7 +94,7 @@ def test_a_rate_builds_times_and_reads_out_variants_in_the_schedule_order(
     assert args.interleave is interleave
     variants = ["zero3-bf16", "all", "hsdp-01"]
     out = tp._measure_rate(variants, args, None, None, 0, 4)
-    assert out == {v: {"variant": v} for v in variants}  # each row is its own variant's
+    assert out == [(v, {"variant": v}) for v in variants]  # each row is its own variant's
     ev = _Recorder.events
     if interleave:
         steps = [3, 3, 5]
@@ -109,6 +109,17 @@ def test_a_rate_builds_times_and_reads_out_variants_in_the_schedule_order(
             n = _Recorder.steps[v]
             expect += [("build", v), *(("step", v, i) for i in range(n)), ("result", v)]
         assert ev == expect
+
+
+def test_a_variant_named_twice_runs_twice_interleaved(tp, monkeypatch):
+    """The order-bias check (the same variant first and last) keeps both runs' rows."""
+    monkeypatch.setattr(tp, "_Run", _Recorder)
+    monkeypatch.setattr(_Recorder, "events", [])
+    args = tp._args(["--variants", "all,zero3-bf16,all"])
+    out = tp._measure_rate(["all", "zero3-bf16", "all"], args, None, None, 0, 4)
+    assert [v for v, _ in out] == ["all", "zero3-bf16", "all"]
+    assert _Recorder.events.count(("build", "all")) == 2
+    assert _Recorder.events.count(("step", "all", 2)) == 2
 
 
 def test_interleave_defaults_on(tp):
