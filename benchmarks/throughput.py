@@ -46,21 +46,21 @@ extra barrier; per step, each boundary is reduced with MAX over ranks like the s
 phase lasts from the last rank's end of the previous phase to the last rank's end of this one and
 the three phases (forward, backward, optimizer step) add up to the step time. (The MAX of each
 phase's own duration would count a rank's lag twice: a rank late out of its forward makes the
-others wait in their backward.) Link bytes are the node's
-``eth0`` tx counter over the timed steps (read after a barrier before and after each), divided
-by the steps; the ledger
-column is ``CommLedger.gather_summary()``'s inter-node bytes of the busiest node per step.
+others wait in their backward.) Link bytes are the node's ``eth0`` tx counter over the timed
+steps (read after a barrier before and after each), divided by the steps; the ledger column is
+``CommLedger.gather_summary()``'s inter-node bytes of the busiest node per step.
 
 [Note: the limit column] Per variant and shaped rate, ``limit = max(compute-only step, link
 time)``, printed as ``limit s`` next to the median and ``x limit`` = median / limit:
 
 - compute-only step: with ``--limit`` (default) the launch first runs every variant with the
   links unshaped (``set_link_rate(0)``: no tbf at all), timed in the same interleaved rounds as
-  the shaped rows, with the same model, ranks, kernels, collectives and bytes, so the link is never the bottleneck and communication is off the
-  critical path as far as this machine allows; its median step time (the ``unshaped`` rows) is
-  the variant's compute floor. It still holds the CPU cost of moving the bytes (gloo's copies, the TCP stack on
-  loopback and the bridge: on 2 cores the unshaped bridge carries 3-6 Gbit/s) and the ranks'
-  waits on each other, as any step on these cores does.
+  the shaped rows, with the same model, ranks, kernels, collectives and bytes, so the link is
+  never the bottleneck and communication is off the critical path as far as this machine
+  allows; its median step time (the ``unshaped`` rows) is the variant's compute floor. It still
+  holds the CPU cost of moving the bytes (gloo's copies, the TCP stack on loopback and the
+  bridge: on 2 cores the unshaped bridge carries 3-6 Gbit/s) and the ranks' waits on each
+  other, as any step on these cores does.
 - link time: the busiest direction of the busiest node link, ``max(node tx, node rx)`` bytes per
   timed step from the eth0 counters, times ``netsim.link.wire_overhead()`` = (MTU+14)/(MTU-52)
   (1514/1448 at MTU 1500: tbf charges every segment's headers; the TCP payload share 1448/1514 =
