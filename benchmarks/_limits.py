@@ -35,28 +35,33 @@ def limits(data: dict) -> dict[str, dict[str, dict[str, object]]]:
     """Per shaped rate and variant: the compute-only step (the unshaped pass's median), the link
     time, the limit (their max), which one binds, the median and median / limit. Empty without
     an unshaped pass."""
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    for rate, variant, r, u, link in _shaped_rows(data):
+        compute = statistics.median(u["times"])
+        limit = max(compute, link)
+        med = statistics.median(r["times"])
+        out.setdefault(rate, {})[variant] = {
+            "compute_s": compute,
+            "link_s": link,
+            "limit_s": limit,
+            "bound": "link" if link >= compute else "compute",
+            "median_s": med,
+            "x_limit": med / limit,
+        }
+    return out
+
+
+def _shaped_rows(data: dict):
+    """(rate, variant, its row, its unshaped row, its link seconds) of every shaped row that
+    has an unshaped twin."""
     results, mtu = data["results"], int(data.get("mtu", 1500))
     unshaped = results.get(UNSHAPED, {})
-    out: dict[str, dict[str, dict[str, object]]] = {}
     for rate, by_variant in results.items():
         if rate == UNSHAPED:
             continue
         for variant, r in by_variant.items():
-            if variant not in unshaped:
-                continue
-            compute = statistics.median(unshaped[variant]["times"])
-            link = link_seconds(r, int(rate), mtu)
-            limit = max(compute, link)
-            med = statistics.median(r["times"])
-            out.setdefault(rate, {})[variant] = {
-                "compute_s": compute,
-                "link_s": link,
-                "limit_s": limit,
-                "bound": "link" if link >= compute else "compute",
-                "median_s": med,
-                "x_limit": med / limit,
-            }
-    return out
+            if variant in unshaped:
+                yield rate, variant, r, unshaped[variant], link_seconds(r, int(rate), mtu)
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -80,7 +85,7 @@ def phase_of_tag(tag: str) -> str:
         return "optimizer"
     raise ValueError(
         f"ledger tag {tag!r} has no step phase: add it to PHASE_OF_TAG (or a prefix to "
-        "OPTIMIZER_TAG_PREFIXES) in benchmarks/throughput.py, by where in the step its "
+        "OPTIMIZER_TAG_PREFIXES) in benchmarks/_limits.py, by where in the step its "
         "collectives run"
     )
 
@@ -99,36 +104,29 @@ def phase_limits(data: dict) -> dict[str, dict[str, dict[str, object]]]:
     phase's share of its ledger bytes), with each phase's parts, the median and median / phase
     limit. Leaves out rows without an unshaped pass with phase times, and rows whose link bytes
     the ledger does not split (no ledger bytes: fsdp2). Raises ValueError on an unmapped tag."""
-    results, mtu = data["results"], int(data.get("mtu", 1500))
-    unshaped = results.get(UNSHAPED, {})
     out: dict[str, dict[str, dict[str, object]]] = {}
-    for rate, by_variant in results.items():
-        if rate == UNSHAPED:
+    for rate, variant, r, u, link in _shaped_rows(data):
+        if "phase_times" not in u:
             continue
-        for variant, r in by_variant.items():
-            u = unshaped.get(variant)
-            if u is None or "phase_times" not in u:
-                continue
-            link = link_seconds(r, int(rate), mtu)
-            ledger = ledger_by_phase(r)
-            total = sum(ledger.values())
-            if total <= 0 and link > 0:
-                continue
-            phases = {}
-            for ph in PHASES:
-                compute = statistics.median(u["phase_times"][ph])
-                ph_link = link * ledger[ph] / total if total > 0 else 0.0
-                phases[ph] = {
-                    "compute_s": compute,
-                    "link_s": ph_link,
-                    "bound": "link" if ph_link >= compute else "compute",
-                }
-            bound = sum(max(v["compute_s"], v["link_s"]) for v in phases.values())
-            med = statistics.median(r["times"])
-            out.setdefault(rate, {})[variant] = {
-                "phases": phases,
-                "phase_limit_s": bound,
-                "median_s": med,
-                "x_phase_limit": med / bound,
+        ledger = ledger_by_phase(r)
+        total = sum(ledger.values())
+        if total <= 0 and link > 0:
+            continue
+        phases = {}
+        for ph in PHASES:
+            compute = statistics.median(u["phase_times"][ph])
+            ph_link = link * ledger[ph] / total if total > 0 else 0.0
+            phases[ph] = {
+                "compute_s": compute,
+                "link_s": ph_link,
+                "bound": "link" if ph_link >= compute else "compute",
             }
+        bound = sum(max(v["compute_s"], v["link_s"]) for v in phases.values())
+        med = statistics.median(r["times"])
+        out.setdefault(rate, {})[variant] = {
+            "phases": phases,
+            "phase_limit_s": bound,
+            "median_s": med,
+            "x_phase_limit": med / bound,
+        }
     return out

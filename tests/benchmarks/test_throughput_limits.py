@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.test_reports import _load
+from tests.benchmarks.test_reports import _load, _tp_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -30,16 +30,7 @@ def lim():
 
 
 def _run(times, node_tx, by_tag, phase_times=None):
-    r = {
-        "times": times,
-        "node_tx": node_tx,
-        "node_rx": node_tx,
-        "ledger_inter": sum(t[2] for t in by_tag),
-        "ledger_intra": 0.0,
-        "ledger_by_tag": by_tag,
-        "loss_first": 5.0,
-        "loss_last": 4.0,
-    }
+    r = _tp_run(times, node_tx, by_tag)
     if phase_times is not None:
         r["phase_times"] = phase_times
     return r
