@@ -413,7 +413,7 @@ def prebuild_ops(optimizer: str) -> tuple[float, str | None]:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from netsim.cluster import needs_root, run_in_cluster
+    from netsim.cluster import needs_root, run_cluster_args
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault(
@@ -432,15 +432,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     print(f"deepspeed_zero3: DeepSpeed ops ready ({build_s:.0f} s)", flush=True)
     t0 = time.perf_counter()
-    run = run_in_cluster(
-        __file__,
-        argv,
-        nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node,
-        rate_mbit=args.rate_list[0],
-        rank_timeout_s=args.rank_timeout,
-        prefix="qds",
-    )
+    run = run_cluster_args(__file__, argv, args, prefix="qds")
     rc, data = run.rc, run.data
     if data is None:
         print(

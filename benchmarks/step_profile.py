@@ -255,21 +255,13 @@ def _rate_name(rate: int | str) -> str:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    from netsim.cluster import needs_root, run_in_cluster
+    from netsim.cluster import needs_root, run_cluster_args
 
     refused = needs_root("step_profile")
     if refused is not None:
         return refused
     t0 = time.perf_counter()
-    run = run_in_cluster(
-        __file__,
-        argv,
-        nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node,
-        rate_mbit=args.rate_list[0],
-        rank_timeout_s=args.rank_timeout,
-        prefix="qsp",
-    )
+    run = run_cluster_args(__file__, argv, args, prefix="qsp")
     if run.rc != 0 or run.data is None:
         print(
             f"step_profile: the emulated cluster run failed with status {run.rc}", file=sys.stderr

@@ -541,21 +541,13 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             return 2
         report(args, data, data.get("wall_s", 0.0))
         return 0
-    from netsim.cluster import needs_root, run_in_cluster
+    from netsim.cluster import needs_root, run_cluster_args
 
     refused = needs_root("throughput")
     if refused is not None:
         return refused
     t0 = time.perf_counter()
-    run = run_in_cluster(
-        __file__,
-        argv,
-        nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node,
-        rate_mbit=args.rate_list[0],
-        rank_timeout_s=args.rank_timeout,
-        prefix="qtp",
-    )
+    run = run_cluster_args(__file__, argv, args, prefix="qtp")
     if run.rc != 0 or run.data is None:
         print(f"throughput: the emulated cluster run failed with status {run.rc}", file=sys.stderr)
         return run.rc or 1

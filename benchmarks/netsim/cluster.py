@@ -17,7 +17,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ClusterRun", "add_cluster_args", "check_cluster_args", "needs_root", "run_in_cluster"]
+__all__ = [
+    "ClusterRun",
+    "add_cluster_args",
+    "check_cluster_args",
+    "needs_root",
+    "run_cluster_args",
+    "run_in_cluster",
+]
 
 NETSIM = Path(__file__).resolve().parent / "netsim.sh"
 BENCHMARKS = NETSIM.parent.parent
@@ -128,3 +135,19 @@ def run_in_cluster(
         if os.path.exists(result_json):
             os.unlink(result_json)
     return ClusterRun(rc=rc, data=data, load=(load_start, os.getloadavg()[0]))
+
+
+def run_cluster_args(
+    script: str | os.PathLike[str], argv: list[str], args, *, prefix: str
+) -> ClusterRun:
+    """:func:`run_in_cluster` with the cluster of :func:`add_cluster_args`' options (``--nodes``,
+    ``--ranks-per-node``, the first of ``--rates``, ``--rank-timeout``)."""
+    return run_in_cluster(
+        script,
+        argv,
+        nodes=args.nodes,
+        ranks_per_node=args.ranks_per_node,
+        rate_mbit=args.rate_list[0],
+        rank_timeout_s=args.rank_timeout,
+        prefix=prefix,
+    )
