@@ -137,17 +137,22 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total if total else optimizer_state_bytes(opt)
 
 
-def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) -> None:
-    """One table: every candidate on one (size/1024, 1024) parameter, interleaved rounds."""
+def _problem(size: int, args: argparse.Namespace):
+    """The timed problem of one table: a (size/1024, 1024) parameter and gradient (seeded, with
+    the generator for more draws), the clock (process CPU time for one-thread tables with ``--cpu-time``), and the load before."""
     cols = 1024
     rows = max(size // cols, 1)
-    numel = rows * cols
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(rows, cols, generator=gen)
     grad = torch.randn(rows, cols, generator=gen) * 1e-2
     cpu_time = args.cpu_time and torch.get_num_threads() == 1
     clock = time.process_time if cpu_time else time.perf_counter
-    load_before = os.getloadavg()
+    return rows * cols, gen, base, grad, cpu_time, clock, os.getloadavg()
+
+
+def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) -> None:
+    """One table: every candidate on one (size/1024, 1024) parameter, interleaved rounds."""
+    numel, gen, base, grad, cpu_time, clock, load_before = _problem(size, args)
     opts = []
     for cand in candidates:
         one_d = len(cand) > 2 and cand[2]
@@ -241,15 +246,7 @@ def _time_phases(report: Report, size: int, args: argparse.Namespace) -> None:
         )
         _kernels._declare(lib)
         libs.append(lib)
-    cols = 1024
-    rows = max(size // cols, 1)
-    numel = rows * cols
-    gen = torch.Generator().manual_seed(0)
-    base = torch.randn(rows, cols, generator=gen)
-    grad = torch.randn(rows, cols, generator=gen) * 1e-2
-    cpu_time = args.cpu_time and torch.get_num_threads() == 1
-    clock = time.process_time if cpu_time else time.perf_counter
-    load_before = os.getloadavg()
+    numel, _, base, grad, cpu_time, clock, load_before = _problem(size, args)
     saved = _kernels.library
     try:
         fused_p = torch.nn.Parameter(base.clone())
