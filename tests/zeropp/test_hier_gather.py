@@ -13,6 +13,7 @@ same two process groups gives the flat route's losses and parameters bit for bit
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -114,13 +115,16 @@ def _case_in_flight(topo: Topology, rank: int, res: dict) -> None:
         kw = {"topology": topo, "bits": bits, "block_size": block}
         flats.append(_gather(QuantizedAllGather(hierarchical=False, **kw), x, world, False)[0])
         inputs.append((kw, x))
-    for order in ((0, 1, 2), (2, 0, 1)):
-        pending = [_gather(QuantizedAllGather(**kw), x, world, True) for kw, x in inputs]
-        for i in order:
-            pending[i][1].wait()
-        res[f"in_flight_{order}"] = all(
-            torch.equal(out, flat) for (out, _), flat in zip(pending, flats)
-        )
+    for hop2 in ("background", "wait", "call"):  # "auto" is "background" on CPU
+        for order in ((0, 1, 2), (2, 0, 1)):
+            pending = [
+                _gather(QuantizedAllGather(hop2=hop2, **kw), x, world, True) for kw, x in inputs
+            ]
+            for i in order:
+                pending[i][1].wait()
+            res[f"in_flight_{hop2}_{order}"] = all(
+                torch.equal(out, flat) for (out, _), flat in zip(pending, flats)
+            )
 
 
 def _case_bytes(topo: Topology, rank: int, res: dict) -> None:
@@ -217,13 +221,21 @@ def _case_training(topo: Topology, rank: int, res: dict) -> None:
     """qwZ + qgZ without hpZ (the backward's gathers cross nodes too, next to qgZ's deferred
     hops on the same two groups), prefetch depth 1 and 2, and all three features: the two-hop
     route trains exactly as the flat one, with fewer inter-node gather bytes."""
-    for name, kw in (
-        ("qwz_qgz_depth2", {"qgz": True, "prefetch_depth": 2}),
-        ("qwz_qgz_depth1", {"qgz": True}),
-        ("all_depth2", {"qgz": True, "hpz": True, "prefetch_depth": 2}),
+    for name, kw, hop2 in (
+        ("qwz_qgz_depth2", {"qgz": True, "prefetch_depth": 2}, None),
+        ("qwz_qgz_depth1", {"qgz": True}, None),
+        ("all_depth2", {"qgz": True, "hpz": True, "prefetch_depth": 2}, None),
+        ("qwz_qgz_depth2_hop2_wait", {"qgz": True, "prefetch_depth": 2}, "wait"),
     ):
         config = ZeroPPConfig(qwz=True, overlap_reduce_scatter=True, **kw)
-        hier = _train(topo, rank, config)
+        with contextlib.ExitStack() as stack:
+            if hop2 is not None:  # None: "auto", the background issuer on CPU
+                stack.enter_context(
+                    mock.patch.object(
+                        QuantizedAllGather, "_hop2_mode", lambda self, d, mode=hop2: mode
+                    )
+                )
+            hier = _train(topo, rank, config)
         with mock.patch.object(QuantizedAllGather, "_two_hops", lambda self, ranks: False):
             flat = _train(topo, rank, config)
         res[f"train_{name}"] = (
@@ -236,7 +248,7 @@ def _case_training(topo: Topology, rank: int, res: dict) -> None:
 
 def _world(rank: int, world: int, ranks_per_node: int = 2) -> dict:
     topo = Topology(world_size=world, ranks_per_node=ranks_per_node)
-    topo.init_groups()
+    topo.init_groups(side=True)
     res: dict = {}
     _case_bit_identical(topo, rank, res)
     _case_in_flight(topo, rank, res)
@@ -251,7 +263,9 @@ def test_hierarchical_gather_2x2():
     results = run_world(_world, 4, timeout_s=280)
     for rank, res in enumerate(results):
         assert res["bit_identical_cases"] == 2 * (len(SIZES) + 1) * 2 * 2 * 2, rank
-        assert res["in_flight_(0, 1, 2)"] and res["in_flight_(2, 0, 1)"], rank
+        for hop2 in ("background", "wait", "call"):
+            assert res[f"in_flight_{hop2}_(0, 1, 2)"], (rank, hop2)
+            assert res[f"in_flight_{hop2}_(2, 0, 1)"], (rank, hop2)
         # 2 nodes x 2: the two-hop route carries 1/2 of the payload per node link, the ring 3/4
         assert res["bytes"][True] == pytest.approx(0.5)
         assert res["bytes"][False] == pytest.approx(0.75)
@@ -259,7 +273,7 @@ def test_hierarchical_gather_2x2():
         assert res["one_node"][0] == 1, rank  # inside one node: the plain gather
         assert res["sub_group"] == (1, 1, True, [rank % 2, rank % 2 + 2]), rank
         assert res["permuted_world"] == (False, 1), rank
-        for name in ("qwz_qgz_depth2", "qwz_qgz_depth1", "all_depth2"):
+        for name in ("qwz_qgz_depth2", "qwz_qgz_depth1", "all_depth2", "qwz_qgz_depth2_hop2_wait"):
             assert res[f"train_{name}"] == (True, True, True, True), (rank, name)
 
 
@@ -272,6 +286,8 @@ def test_hierarchical_gather_6_ranks(ranks_per_node):
     nodes = 6 // ranks_per_node
     for rank, res in enumerate(results):
         assert res["bit_identical_cases"] == 2 * (len(SIZES) + 1) * 2 * 2 * 2, rank
-        assert res["in_flight_(0, 1, 2)"] and res["in_flight_(2, 0, 1)"], rank
+        for hop2 in ("background", "wait", "call"):
+            assert res[f"in_flight_{hop2}_(0, 1, 2)"], (rank, hop2)
+            assert res[f"in_flight_{hop2}_(2, 0, 1)"], (rank, hop2)
         assert res["bytes"][True] == pytest.approx((nodes - 1) / nodes)
         assert res["bytes"][False] == pytest.approx(5 / 6)
