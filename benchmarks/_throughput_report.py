@@ -99,7 +99,10 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             else ". "
         )
         + "The load column is the host's 1-minute load average as the row started (an x limit "
-        "below 1 means the load changed between the unshaped pass and the row). "
+        "below 1 means the load changed between the unshaped pass and the row). CPU busy: the "
+        "host's non-idle share of all its cores' time over the row's timed steps (/proc/stat, "
+        "every process on the machine counted): near 100% the step is bound by the cores the "
+        "ranks and gloo share, not by the link. "
         "Speed-up is ZeRO-3's median step time over the variant's (min over min in brackets). "
         "Link MiB/step: the busiest node's eth0 tx bytes over the timed steps; ledger: "
         "CommLedger's inter-node bytes of the busiest node (it records each collective as the "
@@ -168,6 +171,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
                     f"{ratio:.3f}" if ledger else "-",
                     f"{r['loss_last']:.3f}",
                     f"{r['load']:.1f}" if "load" in r else "-",
+                    f"{100 * r['cpu_busy']:.0f}%" if r.get("cpu_busy") is not None else "-",
                 ]
             )
             if variant == "all" and rate != UNSHAPED and int(rate) == 100 and base:
@@ -200,6 +204,7 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
             "ledger/link",
             "last loss",
             "load",
+            "CPU busy",
         ],
         rows,
     )

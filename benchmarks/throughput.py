@@ -304,6 +304,19 @@ def _optimizer(variant: str, model, args: argparse.Namespace):
     return opt, sync, 2 * h
 
 
+def host_cpu_jiffies() -> tuple[int, int] | None:
+    """The host's (busy, total) CPU time over all cores since boot, in clock ticks, from
+    ``/proc/stat`` (not namespaced: every process on the machine counts), or None off Linux.
+    Idle and iowait are idle; guest time is already inside user time."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    total = sum(fields)
+    return total - fields[3] - fields[4], total
+
+
 def round_schedule(steps: Sequence[int]) -> list[list[tuple[int, int]]]:
     """The interleaved timing order of variants with ``steps[v]`` timed steps each: round ``i``
     times step ``i`` of every variant that has one, as ``(variant index, step index)`` pairs, in
@@ -335,6 +348,7 @@ class _Run:
         self.ledger = CommLedger(topology)
         self.meter = NodeLinkMeter()
         self.load: float | None = None
+        self.cpu: list[int] | None = [0, 0]  # host (busy, total) ticks over the timed steps
         self.ends: list[list[float]] = []  # per timed step: its forward's, backward's, step's end
         self.node_bytes: list[list[int]] = []  # per node: [tx, rx] summed over the timed steps
         with recording(self.ledger):
@@ -378,8 +392,14 @@ class _Run:
         with recording(self.ledger):
             dist.barrier()
             marks = [time.perf_counter()]
+            cpu0 = host_cpu_jiffies()
             self.losses.append(self._step(self.warmup + i, marks))
             marks.append(time.perf_counter())
+            cpu1 = host_cpu_jiffies()
+        if self.cpu is not None and cpu0 is not None and cpu1 is not None:
+            self.cpu = [a + c1 - c0 for a, c0, c1 in zip(self.cpu, cpu0, cpu1, strict=True)]
+        else:
+            self.cpu = None
         per_node = self.meter.stop()
         self.ends.append([m - marks[0] for m in marks[1:]])
         if not self.node_bytes:
@@ -416,6 +436,7 @@ class _Run:
             ],
             "warmup": self.warmup,
             "load": self.load,
+            "cpu_busy": self.cpu[0] / self.cpu[1] if self.cpu and self.cpu[1] else None,
             "steps": steps,
             "loss_first": self.losses[0],
             "loss_last": self.losses[-1],

@@ -156,3 +156,24 @@ def test_an_interleaved_launch_json_goes_through_report_and_from_json(tp, tmp_pa
     assert "interleaved" not in legacy
     tp.report(tp._args(["--rates", "100", "--out-md", str(old)]), legacy, wall_s=1.0)
     assert "one variant after another" in old.read_text()
+
+
+def test_host_cpu_jiffies_counts_busy_time(tp):
+    """The CPU-busy column's reader: busy <= total, both only grow, and a busy loop in this
+    process shows up as busy time (on Linux; elsewhere the reader says None)."""
+    import os
+    import sys
+    import time
+
+    first = tp.host_cpu_jiffies()
+    if not sys.platform.startswith("linux"):
+        assert first is None
+        return
+    busy0, total0 = first
+    assert 0 <= busy0 <= total0
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    busy1, total1 = tp.host_cpu_jiffies()
+    ticks = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
+    assert total1 >= total0 and busy1 >= busy0 + 0.2 * ticks  # >= 0.2 s of the 0.3 s busy
