@@ -133,11 +133,8 @@ from _throughput_report import (  # noqa: E402, F401  (re-exported: tests, step_
 )
 
 HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
-# all-hop2wait: `all` with qwZ's hop 2 issued in the handle's wait() on the compute thread (the
-# route before the background issuer; an A/B check of [Note: background hop 2], not a default).
-EXTRA_VARIANTS = ("all-hop2wait",)
-DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
-ALL_VARIANTS = (*DEFAULT_VARIANTS, *EXTRA_VARIANTS)
+ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
+DEFAULT_VARIANTS = ALL_VARIANTS
 # ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
 FEATURES: dict[str, dict[str, object]] = {
     "zero3": {},
@@ -146,7 +143,6 @@ FEATURES: dict[str, dict[str, object]] = {
     "hpz": {"hpz": True},
     "qgz": {"qgz": True},
     "all": {"qwz": True, "hpz": True, "qgz": True},
-    "all-hop2wait": {"qwz": True, "hpz": True, "qgz": True, "qwz_hop2": "wait"},
     "hsdp": {"hsdp": True},
     "hsdp-bf16": {"hsdp": True, "wire_dtype": "bf16"},
     "hsdp-int4": {"hsdp": True, "replicate_bits": 4},

@@ -31,7 +31,6 @@ def test_defaults_are_plain_fsdp2():
         ({"pipeline_stages": 0}, "pipeline_stages"),
         ({"prefetch_depth": 0}, "prefetch_depth"),
         ({"wire_dtype": torch.float64}, "wire_dtype"),
-        ({"qwz_hop2": "later"}, "qwz_hop2 must be one of"),
     ],
 )
 def test_validation(kwargs, match):
@@ -39,19 +38,14 @@ def test_validation(kwargs, match):
         ZeroPPConfig(**kwargs)
 
 
-def test_qwz_background_hop2_refuses_non_cpu_devices():
+def test_qwz_hop2_is_issued_at_the_call_on_cuda_only():
     from qshard.comm import Topology
     from qshard.zeropp import QuantizedAllGather
 
-    ag = QuantizedAllGather(topology=Topology(world_size=4, ranks_per_node=2), hop2="background")
-    with pytest.raises(ValueError, match=r"CPU \(gloo\) only.*hop2='auto'"):
-        ag._hop2_mode(torch.device("meta"))
-    auto = QuantizedAllGather(topology=Topology(world_size=4, ranks_per_node=2))
-    assert auto._hop2_mode(torch.device("cpu")) == "background"
-    assert auto._hop2_mode(torch.device("cuda", 0)) == "call"
-    assert auto._hop2_mode(torch.device("meta")) == "wait"
-    with pytest.raises(ValueError, match="hop2 must be one of"):
-        QuantizedAllGather(topology=Topology(world_size=4, ranks_per_node=2), hop2="never")
+    ag = QuantizedAllGather(topology=Topology(world_size=4, ranks_per_node=2))
+    assert ag._hop2_at_call(torch.device("cuda", 0))
+    assert not ag._hop2_at_call(torch.device("cpu"))
+    assert not ag._hop2_at_call(torch.device("meta"))
 
 
 def test_unknown_and_positional_options_are_errors():

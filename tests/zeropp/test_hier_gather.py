@@ -13,7 +13,6 @@ same two process groups gives the flat route's losses and parameters bit for bit
 
 from __future__ import annotations
 
-import contextlib
 from unittest import mock
 
 import pytest
@@ -115,14 +114,15 @@ def _case_in_flight(topo: Topology, rank: int, res: dict) -> None:
         kw = {"topology": topo, "bits": bits, "block_size": block}
         flats.append(_gather(QuantizedAllGather(hierarchical=False, **kw), x, world, False)[0])
         inputs.append((kw, x))
-    for hop2 in ("background", "wait", "call"):  # "auto" is "background" on CPU
+    for at_call in (False, True):  # CPU's route, and CUDA's (hop 2 at the call) forced on CPU
         for order in ((0, 1, 2), (2, 0, 1)):
-            pending = [
-                _gather(QuantizedAllGather(hop2=hop2, **kw), x, world, True) for kw, x in inputs
-            ]
+            with mock.patch.object(
+                QuantizedAllGather, "_hop2_at_call", lambda self, d, on=at_call: on
+            ):
+                pending = [_gather(QuantizedAllGather(**kw), x, world, True) for kw, x in inputs]
             for i in order:
                 pending[i][1].wait()
-            res[f"in_flight_{hop2}_{order}"] = all(
+            res[f"in_flight_{at_call}_{order}"] = all(
                 torch.equal(out, flat) for (out, _), flat in zip(pending, flats)
             )
 
@@ -221,20 +221,15 @@ def _case_training(topo: Topology, rank: int, res: dict) -> None:
     """qwZ + qgZ without hpZ (the backward's gathers cross nodes too, next to qgZ's deferred
     hops on the same two groups), prefetch depth 1 and 2, and all three features: the two-hop
     route trains exactly as the flat one, with fewer inter-node gather bytes."""
-    for name, kw, hop2 in (
-        ("qwz_qgz_depth2", {"qgz": True, "prefetch_depth": 2}, None),
-        ("qwz_qgz_depth1", {"qgz": True}, None),
-        ("all_depth2", {"qgz": True, "hpz": True, "prefetch_depth": 2}, None),
-        ("qwz_qgz_depth2_hop2_wait", {"qgz": True, "prefetch_depth": 2}, "wait"),
+    for name, kw, at_call in (
+        ("qwz_qgz_depth2", {"qgz": True, "prefetch_depth": 2}, False),
+        ("qwz_qgz_depth1", {"qgz": True}, False),
+        ("all_depth2", {"qgz": True, "hpz": True, "prefetch_depth": 2}, False),
+        # CUDA's route (hop 2 at the call, behind hop 1's wait), forced on CPU
+        ("qwz_qgz_depth2_hop2_at_call", {"qgz": True, "prefetch_depth": 2}, True),
     ):
         config = ZeroPPConfig(qwz=True, overlap_reduce_scatter=True, **kw)
-        with contextlib.ExitStack() as stack:
-            if hop2 is not None:  # None: "auto", the background issuer on CPU
-                stack.enter_context(
-                    mock.patch.object(
-                        QuantizedAllGather, "_hop2_mode", lambda self, d, mode=hop2: mode
-                    )
-                )
+        with mock.patch.object(QuantizedAllGather, "_hop2_at_call", lambda self, d, on=at_call: on):
             hier = _train(topo, rank, config)
         with mock.patch.object(QuantizedAllGather, "_two_hops", lambda self, ranks: False):
             flat = _train(topo, rank, config)
@@ -248,7 +243,7 @@ def _case_training(topo: Topology, rank: int, res: dict) -> None:
 
 def _world(rank: int, world: int, ranks_per_node: int = 2) -> dict:
     topo = Topology(world_size=world, ranks_per_node=ranks_per_node)
-    topo.init_groups(side=True)
+    topo.init_groups()
     res: dict = {}
     _case_bit_identical(topo, rank, res)
     _case_in_flight(topo, rank, res)
@@ -263,9 +258,9 @@ def test_hierarchical_gather_2x2():
     results = run_world(_world, 4, timeout_s=280)
     for rank, res in enumerate(results):
         assert res["bit_identical_cases"] == 2 * (len(SIZES) + 1) * 2 * 2 * 2, rank
-        for hop2 in ("background", "wait", "call"):
-            assert res[f"in_flight_{hop2}_(0, 1, 2)"], (rank, hop2)
-            assert res[f"in_flight_{hop2}_(2, 0, 1)"], (rank, hop2)
+        for at_call in (False, True):
+            assert res[f"in_flight_{at_call}_(0, 1, 2)"], (rank, at_call)
+            assert res[f"in_flight_{at_call}_(2, 0, 1)"], (rank, at_call)
         # 2 nodes x 2: the two-hop route carries 1/2 of the payload per node link, the ring 3/4
         assert res["bytes"][True] == pytest.approx(0.5)
         assert res["bytes"][False] == pytest.approx(0.75)
@@ -273,7 +268,12 @@ def test_hierarchical_gather_2x2():
         assert res["one_node"][0] == 1, rank  # inside one node: the plain gather
         assert res["sub_group"] == (1, 1, True, [rank % 2, rank % 2 + 2]), rank
         assert res["permuted_world"] == (False, 1), rank
-        for name in ("qwz_qgz_depth2", "qwz_qgz_depth1", "all_depth2", "qwz_qgz_depth2_hop2_wait"):
+        for name in (
+            "qwz_qgz_depth2",
+            "qwz_qgz_depth1",
+            "all_depth2",
+            "qwz_qgz_depth2_hop2_at_call",
+        ):
             assert res[f"train_{name}"] == (True, True, True, True), (rank, name)
 
 
@@ -286,8 +286,8 @@ def test_hierarchical_gather_6_ranks(ranks_per_node):
     nodes = 6 // ranks_per_node
     for rank, res in enumerate(results):
         assert res["bit_identical_cases"] == 2 * (len(SIZES) + 1) * 2 * 2 * 2, rank
-        for hop2 in ("background", "wait", "call"):
-            assert res[f"in_flight_{hop2}_(0, 1, 2)"], (rank, hop2)
-            assert res[f"in_flight_{hop2}_(2, 0, 1)"], (rank, hop2)
+        for at_call in (False, True):
+            assert res[f"in_flight_{at_call}_(0, 1, 2)"], (rank, at_call)
+            assert res[f"in_flight_{at_call}_(2, 0, 1)"], (rank, at_call)
         assert res["bytes"][True] == pytest.approx((nodes - 1) / nodes)
         assert res["bytes"][False] == pytest.approx(5 / 6)

@@ -169,7 +169,7 @@ class Topology:
             raise RuntimeError(
                 "process groups need torch.distributed: call init_process_group() first"
             )
-        if kind in ("intra", "intra_side"):
+        if kind == "intra":
             all_ranks = [self.node_ranks(n) for n in range(self.num_nodes)]
             mine = self.node
         else:
@@ -193,22 +193,10 @@ class Topology:
             self._groups["inter"] = self._make_groups("inter")
         return self._groups["inter"]
 
-    @property
-    def intra_node_side_group(self) -> dist.ProcessGroup:
-        """A second group over this rank's node, for collectives one background thread issues
-        (their order on a group must not depend on another thread's timing; see
-        ``qshard.zeropp._issuer``). Created on first access (collective)."""
-        if "intra_side" not in self._groups:
-            self._groups["intra_side"] = self._make_groups("intra_side")
-        return self._groups["intra_side"]
-
-    def init_groups(self, *, side: bool = False) -> None:
-        """Create the intra- and inter-node groups now, and with ``side`` the intra-node side
-        group (collective; call on every rank with the same arguments)."""
+    def init_groups(self) -> None:
+        """Create both groups now (collective; call on every rank)."""
         _ = self.intra_node_group
         _ = self.inter_node_group
-        if side:
-            _ = self.intra_node_side_group
 
     def __repr__(self) -> str:
         return (

@@ -10,21 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-__all__ = [
-    "HOP2_MODES",
-    "WIRE_DTYPES",
-    "DeferredWork",
-    "WireComm",
-    "group_ranks",
-    "log_once",
-    "phase_tag",
-]
+__all__ = ["WIRE_DTYPES", "DeferredWork", "WireComm", "group_ranks", "log_once", "phase_tag"]
 
 logger = logging.getLogger("qshard.zeropp")
 _LOGGED: set[str] = set()
-
-#: How qwZ's async two-hop gather issues hop 2 (``ZeroPPConfig.qwz_hop2``).
-HOP2_MODES = ("auto", "wait", "background", "call")
 
 #: The 16-bit wire formats of the paper's ZeRO-3 baseline (compute stays in the param dtype).
 WIRE_DTYPES = (torch.bfloat16, torch.float16)

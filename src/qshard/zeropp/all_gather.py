@@ -17,15 +17,7 @@ from torch.profiler import record_function
 
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
-from qshard.zeropp._common import (
-    HOP2_MODES,
-    DeferredWork,
-    WireComm,
-    group_ranks,
-    log_once,
-    phase_tag,
-)
-from qshard.zeropp._issuer import issuer_for
+from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, phase_tag
 from qshard.zeropp._wire import RowCodec
 
 __all__ = ["QuantizedAllGather", "RecordingAllGather"]
@@ -183,23 +175,20 @@ class QuantizedAllGather(RecordingAllGather):
     waited inside ``qshard::qwz::finish``, whose own time is the decoding).
 
     [Note: qwZ hop order] Every rank must issue the collectives of one process group in the
-    same order. Hop 1 is issued at the call. Hop 2 (``hop2``): with ``"wait"`` inside the
-    handle's ``wait()`` (just before dequantizing); with ``"call"`` (CUDA's default) at the
-    call, right behind hop 1's ``wait()``, which on NCCL makes the stream wait, not the host;
-    with ``"background"`` (CPU's default) by one issuer thread, in call order, on a second
-    intra-node group that nothing else uses ([Note: background hop 2]); never from a future
-    callback or on a group another thread also issues on. FSDP2 calls its
+    same order. Hop 1 is issued at the call. Hop 2 is issued inside the handle's ``wait()``
+    (just before dequantizing) on gloo, whose ``wait()`` blocks the host; on CUDA at the call,
+    right behind hop 1's ``wait()``, which on NCCL makes the stream wait, not the host (not yet
+    run on a GPU). Never from a future callback or another thread. FSDP2 calls its
     all-gathers and waits on their handles at the same program points on every rank (block
     order, its prefetches, the wait in ``finalize_backward`` of a prefetch nobody used), so
     with several gathers in flight (``prefetch_depth > 1``) the inter-node group sees the
-    hop 1s in call order and the intra-node group the hop 2s in wait order (the side group:
-    in call order), alike on every rank. qgZ's deferred reduce-scatter issues its hops on the same two groups, also at
-    program points only (its call, a later qgZ call, the drain callback; see
+    hop 1s in call order and the intra-node group the hop 2s in wait order (CUDA: call
+    order), alike on every rank. qgZ's deferred reduce-scatter issues its hops on the same
+    two groups, also at program points only (its call, a later qgZ call, the drain callback; see
     [Note: deferred qgZ]), so what a rank has issued on each group is a function of its
     program point alone, never of timing. A rank blocks only waiting for a collective that
     every rank issues at an earlier program point (hop 1 at the call, before its wait; hop 2
-    is issued and waited at once, or by the issuer, which itself waits only for hop 1s), so
-    the waits complete: no cross-group deadlock.
+    is issued and waited at once), so the waits complete: no cross-group deadlock.
 
     A gather whose group lies inside one node (hpZ's backward gather, handed a node-sized
     group by FSDP2) is not quantized: it is the plain all-gather, in ``wire_dtype`` if set.
@@ -217,9 +206,6 @@ class QuantizedAllGather(RecordingAllGather):
             them (read at call time), or None; see [Note: qwZ block layout].
         hierarchical: ``False`` always takes the flat one-hop gather (same output bits, more
             inter-node bytes; the tests' reference); see [Note: qwZ route].
-        hop2: ``"auto"``, ``"wait"``, ``"background"`` (CPU only; needs
-            ``topology.init_groups(side=True)`` on every rank first, as ``shard()`` does) or
-            ``"call"``: how an async two-hop gather issues hop 2, see [Note: qwZ hop order].
     """
 
     def __init__(
@@ -231,12 +217,8 @@ class QuantizedAllGather(RecordingAllGather):
         wire_dtype: torch.dtype | None = None,
         segment_sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         hierarchical: bool = True,
-        hop2: str = "auto",
     ) -> None:
         super().__init__(wire_dtype=wire_dtype)
-        if hop2 not in HOP2_MODES:
-            raise ValueError(f"hop2 must be one of {HOP2_MODES}; got {hop2!r}")
-        self.hop2 = hop2
         if bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4; got {bits}")
         if block_size < 8 or block_size % 8:
@@ -255,19 +237,11 @@ class QuantizedAllGather(RecordingAllGather):
             self._layouts[sizes] = _padded_layout(sizes, self.codec.block_size)
         return self._layouts[sizes]
 
-    def _hop2_mode(self, device: torch.device) -> str:
-        """How an async two-hop gather issues hop 2 on ``device``: ``hop2``, or for "auto" "call"
-        on CUDA (``Work.wait()`` is a stream wait there), "background" on CPU (gloo blocks in
-        ``wait()``; [Note: background hop 2]), "wait" elsewhere."""
-        if self.hop2 == "background" and device.type != "cpu":
-            raise ValueError(
-                f"qwZ's background hop 2 runs on CPU (gloo) only; this gather is on {device}: "
-                "use hop2='auto' (ZeroPPConfig(qwz_hop2='auto')), which issues it at the call "
-                "on CUDA"
-            )
-        if self.hop2 != "auto":
-            return self.hop2
-        return {"cuda": "call", "cpu": "background"}.get(device.type, "wait")
+    def _hop2_at_call(self, device: torch.device) -> bool:
+        """Whether an async two-hop gather on ``device`` issues hop 2 at the call (CUDA, where
+        ``Work.wait()`` makes the stream wait, not the host) rather than in the handle's
+        ``wait()`` (gloo, whose ``wait()`` blocks); see [Note: qwZ hop order]."""
+        return device.type == "cuda"
 
     def _two_hops(self, ranks: list[int]) -> bool:
         """Whether this cross-node gather over ``ranks`` takes the route of [Note: qwZ route]."""
@@ -343,37 +317,21 @@ class QuantizedAllGather(RecordingAllGather):
             rows_shape = (per_node, nodes, -1)
             dest = output_tensor.view(nodes, per_node, n).transpose(0, 1)
 
-            mode = self._hop2_mode(payload.device) if async_op else "sync"
+            pending_hop: Callable[[], None] | None = None
             with record_function("qshard::qwz::transfer"):  # both hops when sync
                 work = _all_gather(peer_rows, payload, group=inter_group, async_op=async_op)
-                pending_hop: Callable[[], None] | None = None
-                if mode == "sync":
+                if not async_op:
                     _all_gather(gathered, peer_rows, group=intra_group)
-                elif mode == "call":  # a stream wait: the host goes on ([Note: qwZ hop order])
+                elif self._hop2_at_call(payload.device):  # a stream wait: the host goes on
                     work.wait()
                     work = _all_gather(gathered, peer_rows, group=intra_group, async_op=True)
-                elif mode == "background":  # see [Note: background hop 2]
-                    side = topo.intra_node_side_group
-                    ticket = issuer_for(side).submit(
-                        work,
-                        lambda: _all_gather(gathered, peer_rows, group=side, async_op=True),
-                    )
-                    work = None
-
-                    def wait_background() -> None:
-                        with record_function("qshard::qwz::wait_intra"):
-                            ticket.wait()
-
-                    pending_hop = wait_background
-
-                else:  # "wait": hop 2 issued in the handle's wait(), see [Note: qwZ hop order]
+                else:  # hop 2 issued in the handle's wait(), see [Note: qwZ hop order]
 
                     def issue_and_wait() -> None:
                         with record_function("qshard::qwz::wait_intra"):  # issue, wait at once
                             _all_gather(gathered, peer_rows, group=intra_group)
 
                     pending_hop = issue_and_wait
-
         else:
             record("all_gather", group_ranks=ranks, tensor_bytes=gathered.numel(), tag=tag)
             rows_shape = (world, -1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qshard.zeropp._common import HOP2_MODES, WIRE_DTYPES
+from qshard.zeropp._common import WIRE_DTYPES
 
 __all__ = ["ZeroPPConfig"]
 
@@ -26,13 +26,6 @@ class ZeroPPConfig:
             then inter-node, quantized on the wire, reduced in fp32).
         weight_bits: qwZ code width, 8 (the paper) or 4.
         weight_block_size: elements per qwZ quantization block (one fp32 scale each).
-        qwz_hop2: how qwZ's two-hop cross-node gather ([Note: qwZ route]) issues its
-            intra-node hop once the inter-node hop has arrived: ``"auto"`` (default) picks
-            ``"call"`` on CUDA (issued at the call behind a stream wait) and ``"background"``
-            on CPU (one daemon thread per process issues every hop 2 in call order on a second
-            intra-node group, so gloo's blocking wait stays off the compute thread; see
-            [Note: background hop 2] in ``qshard/zeropp/_issuer.py``); ``"wait"`` issues it in
-            the work handle's ``wait()`` on the compute thread. Numerics and bytes unchanged.
         grad_bits: qgZ code width, 4 (the paper) or 8.
         grad_block_size: elements per qgZ quantization block.
         pipeline_stages: qgZ chunks pipelined through the two hops (1 = no pipelining); the
@@ -85,7 +78,6 @@ class ZeroPPConfig:
     qgz: bool = False
     weight_bits: int = 8
     weight_block_size: int = 256
-    qwz_hop2: str = "auto"
     grad_bits: int = 4
     grad_block_size: int = 256
     pipeline_stages: int = 1
@@ -115,8 +107,6 @@ class ZeroPPConfig:
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
         if self.weight_bits not in (4, 8):
             raise ValueError(f"weight_bits must be 8 or 4; got {self.weight_bits}")
-        if self.qwz_hop2 not in HOP2_MODES:
-            raise ValueError(f"qwz_hop2 must be one of {HOP2_MODES}; got {self.qwz_hop2!r}")
         if self.grad_bits not in (4, 8):
             raise ValueError(f"grad_bits must be 4 or 8; got {self.grad_bits}")
         if self.replicate_bits not in (None, 4, 8):

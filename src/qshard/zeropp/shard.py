@@ -224,10 +224,7 @@ def shard(
             f"mesh with dims {HSDP_MESH_DIMS} (HSDP); got {mesh}"
         )
     if topology.world_size > 1 and (config.qgz or (config.qwz and topology.num_nodes > 1)):
-        # Collective, every rank at the same point (qgZ's hops, qwZ's); on CPU qwZ's background
-        # hop 2 gets its own intra-node group ([Note: background hop 2]).
-        side = config.qwz and config.qwz_hop2 in ("auto", "background")
-        topology.init_groups(side=side and _device_type(model) == "cpu")
+        topology.init_groups()  # collective, every rank at the same point (qgZ's hops, qwZ's)
     reshard: bool | int = topology.ranks_per_node if config.hpz else True
     fsdp_kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
@@ -248,7 +245,6 @@ def shard(
                 block_size=config.weight_block_size,
                 wire_dtype=config.wire_dtype,
                 segment_sizes=_shard_sizes(module),
-                hop2=config.qwz_hop2,
             )
         if config.record or config.wire_dtype is not None:
             return RecordingAllGather(wire_dtype=config.wire_dtype)
