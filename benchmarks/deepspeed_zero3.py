@@ -2,8 +2,9 @@
 and what DeepSpeed's own ZeRO++ options (qwZ, hpZ, qgZ) do on a CPU-only machine.
 
 The same GPT (``qshard.train.model``, fp32 compute and master weights), sizes, batches, seed,
-optimizer (torch AdamW, lr 1e-3, no weight decay) and emulated cluster (``netsim.sh``: 2 nodes x
-2 ranks, tbf-shaped node links) as ``throughput.py``, but sharded by ``deepspeed.initialize``
+optimizer (torch AdamW with ``fused=True``, lr 1e-3, no weight decay; ``--optimizer``) and
+emulated cluster (``netsim.sh``: 2 nodes x 2 ranks, tbf-shaped node links) as
+``throughput.py``, but sharded by ``deepspeed.initialize``
 with ``zero_optimization.stage = 3`` over gloo instead of by FSDP2 / ``qshard.zeropp``. One
 launch runs every variant at every rate:
 
@@ -66,7 +67,9 @@ from _common import Report, add_report_args  # noqa: E402
 # DeepSpeed state behind that changes later engines in the same process (measured: ds-zero3 built
 # after a failed ds-all no longer all-gathers in backward, 28.1 instead of 37.9 MiB/step).
 ALL_VARIANTS = ("ds-zero3", "ds-defaults", "ds-hpz", "ds-qwz", "ds-qgz", "ds-all")
-OPTIMIZERS = ("torch-adamw", "ds-cpu-adam")
+# torch-adamw-fused: torch AdamW(fused=True), throughput.py's default (--optimizer fused);
+# torch-adamw: its default flags (the for-loop on CPU; throughput.py --optimizer default).
+OPTIMIZERS = ("torch-adamw-fused", "torch-adamw", "ds-cpu-adam")
 BASELINE = "ds-zero3"
 SETUP_HINT = (
     "set up DeepSpeed in its own venv (see this script's docstring): python -m venv /tmp/dsvenv; "
@@ -88,8 +91,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="torch-adamw",
-        help="torch-adamw (as throughput.py) or DeepSpeed's JIT-compiled CPU Adam (AdamW mode)",
+        default="torch-adamw-fused",
+        help="torch-adamw-fused (torch AdamW with fused=True, as throughput.py's default), "
+        "torch-adamw (torch's default flags: throughput.py --optimizer default) or DeepSpeed's "
+        "JIT-compiled CPU Adam (AdamW mode)",
     )
     p.add_argument(
         "--persistence-threshold",
@@ -192,7 +197,8 @@ def _make_optimizer(name: str, params):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(params, lr=LR, weight_decay=WEIGHT_DECAY, adamw_mode=True)
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+    fused = {"fused": True} if name == "torch-adamw-fused" else {}
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, **fused)
 
 
 def _measure(variant, args, corpus, rank, world):
@@ -399,7 +405,8 @@ def prebuild_ops(optimizer: str) -> tuple[float, str | None]:
         ):
             if name == "CPUAdamBuilder":
                 return time.perf_counter() - t0, (
-                    "DeepSpeed has no CPU Adam op for this accelerator; use --optimizer torch-adamw"
+                    "DeepSpeed has no CPU Adam op for this accelerator; "
+                    "use --optimizer torch-adamw-fused"
                 )
             continue  # DeepSpeed itself skips the shm op where it is not compatible
         try:
@@ -407,7 +414,7 @@ def prebuild_ops(optimizer: str) -> tuple[float, str | None]:
         except Exception as exc:
             return time.perf_counter() - t0, (
                 f"DeepSpeed's {name} op does not build here ({_first_line(exc)})"
-                + ("; use --optimizer torch-adamw" if name == "CPUAdamBuilder" else "")
+                + ("; use --optimizer torch-adamw-fused" if name == "CPUAdamBuilder" else "")
             )
     return time.perf_counter() - t0, None
 
@@ -455,11 +462,12 @@ def report(args: argparse.Namespace, data: dict, wall_s: float) -> Report:
     ``--out-md`` when given."""
     results, failed = data["results"], data["failed"]
     v = data.get("versions", {})
-    opt = (
-        "torch AdamW"
-        if args.optimizer == "torch-adamw"
-        else "DeepSpeed CPU Adam (JIT-compiled op, AdamW mode)"
-    )
+    opt = {
+        "torch-adamw-fused": "torch AdamW (fused=True, torch's fused kernel, as throughput.py's "
+        "default)",
+        "torch-adamw": "torch AdamW (default flags: the for-loop on CPU; compare with "
+        "throughput.py --optimizer default)",
+    }.get(args.optimizer, "DeepSpeed CPU Adam (JIT-compiled op, AdamW mode)")
     rep = Report("Throughput: DeepSpeed ZeRO-3 on CPU on an emulated slow network")
     load = data.get("load")
     rep.note(

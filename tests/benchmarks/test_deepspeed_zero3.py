@@ -50,7 +50,7 @@ def test_defaults_are_throughput_defaults(ds):
     ):
         assert getattr(a, name) == getattr(b, name), name
     assert a.variant_list == list(ds.ALL_VARIANTS)
-    assert a.optimizer == "torch-adamw"
+    assert a.optimizer == "torch-adamw-fused"  # throughput.py's default (fused torch AdamW)
     assert a.persistence_threshold == 0 and a.reuse_distance == 0
     assert a.prefetch_bucket == 0
 
