@@ -55,6 +55,8 @@ def test_unknown_and_positional_options_are_errors():
         ZeroPPConfig(True)  # type: ignore[misc]
     with pytest.raises(TypeError, match="qwz must be a bool"):
         ZeroPPConfig(qwz=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="reshard_last_block must be a bool"):
+        ZeroPPConfig(reshard_last_block="no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="overlap_reduce_scatter must be None or a bool"):
         ZeroPPConfig(qgz=True, overlap_reduce_scatter="yes")  # type: ignore[arg-type]
     # the default: on with any ZeRO++ feature, off for plain ZeRO-3 (shard() decides)

@@ -53,6 +53,15 @@ class ZeroPPConfig:
             all-gather, so with depth 1 the link idles while the gathered block is dequantized
             and copied out; depth 2 keeps the next gather queued behind the one in flight, at
             the memory of one more unsharded block.
+        reshard_last_block: whether the last of the blocks (in forward order) reshards after
+            forward as the others do. ``False`` (default, as torchtitan wraps its models): it
+            stays unsharded until its backward, which runs first, since resharding it would
+            gather it again right away with nothing to overlap the gather (one block's
+            all-gather per step; with hpZ an intra-node one). Costs that block's unsharded
+            weights between its forward and its backward, and after a forward with no
+            backward (evaluation) until the next step's. ``True``: every block reshards. The
+            root (what ``shard()`` wraps last: embeddings, final norm, head) never reshards
+            after forward, as in FSDP2. Numerics unchanged.
         record: install recording comms for FSDP2's own collectives when a feature is off,
             so the active :class:`~qshard.comm.CommLedger` measures the baseline with the same
             ruler. They call the same plain collectives (numerics unchanged).
@@ -85,6 +94,7 @@ class ZeroPPConfig:
     wire_dtype: torch.dtype | None = None
     prefetch: bool = True
     prefetch_depth: int = 1
+    reshard_last_block: bool = False
     record: bool = True
     hsdp: bool = False
     replicate_bits: int | None = None
@@ -98,6 +108,7 @@ class ZeroPPConfig:
             "hpz",
             "qgz",
             "prefetch",
+            "reshard_last_block",
             "record",
             "hsdp",
             "replicate_error_feedback",

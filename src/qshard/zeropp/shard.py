@@ -171,8 +171,10 @@ def shard(
 
     * all-gather: :class:`~qshard.zeropp.QuantizedAllGather` if ``qwz``, else the recording
       plain one (16-bit wire if ``wire_dtype``);
-    * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``), every unit
-      of every shard() call sharing one node-sized secondary mesh (two process groups per rank
+    * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``) on every
+      block but the last (unless ``reshard_last_block``) and the root, which backward needs
+      first and which stay unsharded from their forward to their backward; every unit of
+      every shard() call sharing one node-sized secondary mesh (two process groups per rank
       per job, see [Note: one secondary mesh per job] in :mod:`qshard.zeropp._meshes`);
     * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``,
       else the recording plain one; one per unit, overlapping the rest of backward when
@@ -232,9 +234,7 @@ def shard(
 
     block_list = find_blocks(model, blocks)
     with shared_post_forward_meshes():  # hpZ: one secondary mesh, see its Note
-        for block in block_list:
-            fully_shard(block, **fsdp_kwargs)
-        fully_shard(model, **fsdp_kwargs)
+        _fully_shard_units(model, block_list, fsdp_kwargs, config)
     root = model  # now an FSDPModule
 
     def make_all_gather(module: FSDPModule):
@@ -285,6 +285,20 @@ def shard(
     return root  # type: ignore[return-value]
 
 
+def _fully_shard_units(
+    model: nn.Module, block_list: list[nn.Module], fsdp_kwargs: dict, config: ZeroPPConfig
+) -> None:
+    """``fully_shard`` each block, then the root. The root never reshards after forward (what
+    FSDP2 does for a root left at its default; an explicit ``reshard_after_forward`` would
+    reshard it), nor, unless ``config.reshard_last_block``, does the last block: backward needs
+    both first, so resharding them would only gather them again with nothing to overlap."""
+    keep = {**fsdp_kwargs, "reshard_after_forward": False}
+    for i, block in enumerate(block_list):
+        last = i == len(block_list) - 1
+        fully_shard(block, **(keep if last and not config.reshard_last_block else fsdp_kwargs))
+    fully_shard(model, **keep)
+
+
 def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig) -> None:
     if config.prefetch and len(block_list) > 1:
         depth = config.prefetch_depth
@@ -317,9 +331,7 @@ def _shard_hsdp(
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
     block_list = find_blocks(model, blocks)
-    for block in block_list:
-        fully_shard(block, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)
+    _fully_shard_units(model, block_list, fsdp_kwargs, config)
     root = model
     record = config.record or config.wire_dtype is not None
     for m in (m for m in root.modules() if isinstance(m, FSDPModule)):
