@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qshard.quant import blockwise
+from qshard.zeropp._common import sum_rows
 from qshard.zeropp._wire import RowCodec
 
 
@@ -98,3 +99,24 @@ def test_qwz_segments_equal_index_layout(sizes):
     out = torch.empty(world, n)
     _pack_segments(values, out, segments)
     assert torch.equal(out, values.index_select(1, positions))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+def test_sum_rows_adds_in_row_order(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    for m in (256, 1001):  # a wire row's length, and a ragged one
+        x = (torch.randn(rows, m, generator=g) * 100).to(dtype)
+        x[:, :3] = -0.0
+        before = x.clone()
+        want = x[0].float().clone()
+        for r in range(1, rows):
+            want = want + x[r].float()  # fp32, one row at a time
+        got = sum_rows(x)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # zero signs too
+        out = torch.full((m,), float("nan"))
+        assert sum_rows(x, out=out) is out and torch.equal(out, want)
+        assert torch.equal(x.view(torch.uint8), before.view(torch.uint8))  # rows not written
+        if m % 256 == 0:  # torch's reduction adds whole vectors in the same order
+            assert torch.equal(got, x.float().sum(dim=0))

@@ -47,7 +47,7 @@ from torch.profiler import record_function
 from qshard import _triton
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
-from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once
+from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, sum_rows
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
 from qshard.zeropp._wire import RowCodec
 
@@ -183,7 +183,7 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
             work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
 
         def reduce() -> None:
-            total = recv.view(world, -1).float().sum(dim=0)
+            total = sum_rows(recv.view(world, -1))
             if scale != 1.0:
                 total.mul_(scale)
             output_tensor.copy_(total)
@@ -525,7 +525,7 @@ class _Reduction:
                 with record_function("qshard::qgz::wait_intra"):
                     work.wait()
                 with record_function("qshard::qgz::reduce_intra"):
-                    partial = codec.decode(recv, nodes * sub).sum(dim=0).view(nodes, sub)
+                    partial = sum_rows(codec.decode(recv, nodes * sub)).view(nodes, sub)
             self.intra[k] = None
             if self.inter_group is None:
                 self.inter[k] = (None, partial.view(-1))
@@ -555,7 +555,7 @@ class _Reduction:
                 with record_function("qshard::qgz::wait_inter"):
                     work.wait()
                 with record_function("qshard::qgz::reduce_inter"):
-                    total = codec.decode(recv, sub).sum(dim=0)
+                    total = sum_rows(codec.decode(recv, sub))
             self.result[k * sub : (k + 1) * sub] = total
             self.inter[k] = None
             self.finished += 1
