@@ -55,8 +55,14 @@ def test_unknown_and_positional_options_are_errors():
         ZeroPPConfig(True)  # type: ignore[misc]
     with pytest.raises(TypeError, match="qwz must be a bool"):
         ZeroPPConfig(qwz=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="reshard_last_block must be a bool"):
-        ZeroPPConfig(reshard_last_block="no")  # type: ignore[arg-type]
+    for bad in (-1, 1.0, True, "2"):
+        with pytest.raises(ValueError, match="keep_last_blocks must be None"):
+            ZeroPPConfig(keep_last_blocks=bad)  # type: ignore[arg-type]
+    # the default holds no more unsharded blocks than the prefetching step's peak
+    assert ZeroPPConfig().kept_blocks == 2
+    assert ZeroPPConfig(prefetch_depth=2).kept_blocks == 3
+    assert ZeroPPConfig(prefetch=False).kept_blocks == 2
+    assert ZeroPPConfig(keep_last_blocks=0).kept_blocks == 0
     with pytest.raises(TypeError, match="overlap_reduce_scatter must be None or a bool"):
         ZeroPPConfig(qgz=True, overlap_reduce_scatter="yes")  # type: ignore[arg-type]
     # the default: on with any ZeRO++ feature, off for plain ZeRO-3 (shard() decides)

@@ -7,8 +7,8 @@
 * With qwZ every rank computes with identical dequantized weights; after training every
   rank's view of the full parameters is identical.
 * The ledger: hpZ's backward gather never leaves the node; qwZ/qgZ shrink the cross-node bytes.
-* The root and (by default) the last block are not gathered again in backward; with
-  ``reshard_last_block=True`` every block is, and the losses are bit-identical either way.
+* The root and the last ``keep_last_blocks`` blocks (by default ``prefetch_depth + 1``: here
+  both blocks) are not gathered again in backward; the losses are bit-identical for any count.
 """
 
 from __future__ import annotations
@@ -99,15 +99,14 @@ def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
 
     configs = {
         "off": ZeroPPConfig(),
-        "hpz": ZeroPPConfig(hpz=True),
+        "hpz": ZeroPPConfig(hpz=True, keep_last_blocks=0),  # a backward gather to check
         "qwz": ZeroPPConfig(qwz=True),
         "qgz": ZeroPPConfig(qgz=True, pipeline_stages=2),
         "all": ZeroPPConfig(qwz=True, hpz=True, qgz=True, pipeline_stages=2),
         "all_int4": ZeroPPConfig(qwz=True, hpz=True, qgz=True, weight_bits=4),
-        "off_rl": ZeroPPConfig(reshard_last_block=True),
-        "all_rl": ZeroPPConfig(
-            qwz=True, hpz=True, qgz=True, pipeline_stages=2, reshard_last_block=True
-        ),
+        "off_k0": ZeroPPConfig(keep_last_blocks=0),
+        "off_k1": ZeroPPConfig(keep_last_blocks=1),
+        "all_k0": ZeroPPConfig(qwz=True, hpz=True, qgz=True, pipeline_stages=2, keep_last_blocks=0),
     }
     for name in names:
         cfg = configs[name]
@@ -124,7 +123,7 @@ def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
         dist.all_gather_object(gathered, [p.sum().item() for p in params])
         results[f"{name}_params_agree"] = all(g == gathered[0] for g in gathered)
         results[f"{name}_unsharded_agree"] = _unsharded_views_identical(model)
-        if name in ("off", "hpz", "off_rl"):
+        if name in ("off", "hpz", "off_k0", "off_k1"):
             results[f"{name}_params_equal_plain"] = all(
                 torch.equal(a, b) for a, b in zip(params, results["plain_params"])
             )
@@ -141,8 +140,8 @@ def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
             assert r["hpz"] == r["plain"], f"rank {rank}: hpZ must be bit-identical"
             assert r["hpz_params_equal_plain"]
         # tolerance: |loss - baseline loss| per step, relative to the initial loss
-        for name, same_as in (("off_rl", "plain"), ("all_rl", "all")):
-            if name in names:  # resharding the last block changes no value
+        for name, same_as in (("off_k0", "plain"), ("off_k1", "plain"), ("all_k0", "all")):
+            if name in names:  # which blocks reshard changes no value
                 assert r[name] == r[same_as], (name, rank)
         for name, tol in (("qwz", 0.01), ("qgz", 0.03), ("all", 0.03), ("all_int4", 0.1)):
             if name not in names:
@@ -166,15 +165,17 @@ def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
     bwd = ("bwd_all_gather", "all_gather")
     if "hpz" in names:
         assert r["hpz_bytes"][bwd][1] == 0  # hpZ: the backward gather stays in the node
-    if "off_rl" in names:
-        # Backward gathers again only what forward resharded: never the root (FSDP2's rule for
-        # a root; an explicit reshard_after_forward would reshard it), and by default not the
-        # last block either: block 0 of the two equal blocks, half of reshard_last_block's.
-        two, one = r["off_rl_bytes"][bwd], r["off_bytes"][bwd]
-        assert two == (2 * one[0], 2 * one[1]) and one[0] > 0, (two, one)
-        assert sum(two) < sum(r["off_bytes"][fwd]), (two, r["off_bytes"][fwd])  # the root
+        assert r["hpz_bytes"][bwd][0] > 0
+    if "off_k0" in names:
+        # Backward gathers again only what forward resharded, never the root (FSDP2's rule for a
+        # root; an explicit reshard_after_forward would reshard it): with keep_last_blocks=0
+        # both equal blocks, with 1 block 0 alone, by default (prefetch_depth + 1 = 2) nothing.
+        both, one = r["off_k0_bytes"][bwd], r["off_k1_bytes"][bwd]
+        assert both == (2 * one[0], 2 * one[1]) and one[0] > 0, (both, one)
+        assert sum(both) < sum(r["off_bytes"][fwd]), (both, r["off_bytes"][fwd])  # the root
+        assert bwd not in r["off_bytes"], r["off_bytes"]
     if nodes > 1 and "qwz" in names and "qgz" in names:
-        assert r["off_bytes"][bwd][1] > 0
+        assert r["off_k1_bytes"][bwd][1] > 0
         # INT8 codes + scales vs fp32 is 1/4 + 1/256; on this toy model (shards of 8 to 1024
         # elements) padding every parameter's shard to whole 256-blocks adds ~60% (see
         # [Note: qwZ block layout]); the collective tests check exact byte counts.
@@ -186,7 +187,7 @@ def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
         assert rs_q < rs_off / 4, (rs_q, rs_off)
 
 
-DEFAULT = ("off", "hpz", "qwz", "qgz", "all", "off_rl", "all_rl")
+DEFAULT = ("off", "hpz", "qwz", "qgz", "all", "off_k0", "off_k1", "all_k0")
 EVERYTHING = (*DEFAULT, "all_int4")
 
 

@@ -53,15 +53,17 @@ class ZeroPPConfig:
             all-gather, so with depth 1 the link idles while the gathered block is dequantized
             and copied out; depth 2 keeps the next gather queued behind the one in flight, at
             the memory of one more unsharded block.
-        reshard_last_block: whether the last of the blocks (in forward order) reshards after
-            forward as the others do. ``False`` (default, as torchtitan wraps its models): it
-            stays unsharded until its backward, which runs first, since resharding it would
-            gather it again right away with nothing to overlap the gather (one block's
-            all-gather per step; with hpZ an intra-node one). Costs that block's unsharded
-            weights between its forward and its backward, and after a forward with no
-            backward (evaluation) until the next step's. ``True``: every block reshards. The
-            root (what ``shard()`` wraps last: embeddings, final norm, head) never reshards
-            after forward, as in FSDP2. Numerics unchanged.
+        keep_last_blocks: how many of the last blocks (in forward order) stay unsharded from
+            their forward to their backward instead of resharding. Backward runs them first, so
+            resharding them would only gather them again right away, with little or nothing to
+            overlap the gathers. ``None`` (default): ``prefetch_depth + 1`` (2 without
+            ``prefetch``: FSDP2's implicit backward prefetch), the unsharded blocks a step holds
+            at its peak anyway (the computing block and the prefetched ones), so the peak does
+            not grow. More trades memory for fewer gathers; ``0`` reshards every block (the
+            least memory between steps after a forward with no backward, e.g. evaluation, where
+            kept blocks stay unsharded until the next step). The root (what ``shard()`` wraps
+            last: embeddings, final norm, head) never reshards after forward, as in FSDP2.
+            Numerics unchanged.
         record: install recording comms for FSDP2's own collectives when a feature is off,
             so the active :class:`~qshard.comm.CommLedger` measures the baseline with the same
             ruler. They call the same plain collectives (numerics unchanged).
@@ -94,7 +96,7 @@ class ZeroPPConfig:
     wire_dtype: torch.dtype | None = None
     prefetch: bool = True
     prefetch_depth: int = 1
-    reshard_last_block: bool = False
+    keep_last_blocks: int | None = None
     record: bool = True
     hsdp: bool = False
     replicate_bits: int | None = None
@@ -108,7 +110,6 @@ class ZeroPPConfig:
             "hpz",
             "qgz",
             "prefetch",
-            "reshard_last_block",
             "record",
             "hsdp",
             "replicate_error_feedback",
@@ -137,6 +138,15 @@ class ZeroPPConfig:
             )
         if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be an int >= 1; got {self.prefetch_depth!r}")
+        if self.keep_last_blocks is not None and (
+            not isinstance(self.keep_last_blocks, int)
+            or isinstance(self.keep_last_blocks, bool)
+            or self.keep_last_blocks < 0
+        ):
+            raise ValueError(
+                f"keep_last_blocks must be None (prefetch_depth + 1) or an int >= 0 (0 reshards "
+                f"every block); got {self.keep_last_blocks!r}"
+            )
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be an int >= 1; got {self.pipeline_stages!r}")
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
@@ -200,6 +210,14 @@ class ZeroPPConfig:
             and self.replicate_bits is None
             and self.wire_dtype is None
         )
+
+    @property
+    def kept_blocks(self) -> int:
+        """How many of the last blocks stay unsharded from forward to backward (see
+        ``keep_last_blocks``)."""
+        if self.keep_last_blocks is not None:
+            return self.keep_last_blocks
+        return (self.prefetch_depth if self.prefetch else 1) + 1
 
     @property
     def any_feature(self) -> bool:

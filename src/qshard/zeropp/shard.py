@@ -172,8 +172,8 @@ def shard(
     * all-gather: :class:`~qshard.zeropp.QuantizedAllGather` if ``qwz``, else the recording
       plain one (16-bit wire if ``wire_dtype``);
     * ``reshard_after_forward=topology.ranks_per_node`` if ``hpz`` (else ``True``) on every
-      block but the last (unless ``reshard_last_block``) and the root, which backward needs
-      first and which stay unsharded from their forward to their backward; every unit of
+      block but the last ``config.kept_blocks`` and the root, which backward needs first and
+      which stay unsharded from their forward to their backward; every unit of
       every shard() call sharing one node-sized secondary mesh (two process groups per rank
       per job, see [Note: one secondary mesh per job] in :mod:`qshard.zeropp._meshes`);
     * reduce-scatter: :class:`~qshard.zeropp.HierarchicalQuantizedReduceScatter` if ``qgz``,
@@ -290,12 +290,12 @@ def _fully_shard_units(
 ) -> None:
     """``fully_shard`` each block, then the root. The root never reshards after forward (what
     FSDP2 does for a root left at its default; an explicit ``reshard_after_forward`` would
-    reshard it), nor, unless ``config.reshard_last_block``, does the last block: backward needs
-    both first, so resharding them would only gather them again with nothing to overlap."""
+    reshard it), nor do the last ``config.kept_blocks`` blocks: backward needs them first, so
+    resharding them would only gather them again with little to overlap."""
     keep = {**fsdp_kwargs, "reshard_after_forward": False}
+    first_kept = len(block_list) - config.kept_blocks
     for i, block in enumerate(block_list):
-        last = i == len(block_list) - 1
-        fully_shard(block, **(keep if last and not config.reshard_last_block else fsdp_kwargs))
+        fully_shard(block, **(keep if i >= first_kept else fsdp_kwargs))
     fully_shard(model, **keep)
 
 
@@ -303,7 +303,9 @@ def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig
     if config.prefetch and len(block_list) > 1:
         depth = config.prefetch_depth
         for i, block in enumerate(block_list):
-            # Forward runs blocks in list order, backward in reverse: prefetch the next `depth`.
+            # Forward runs blocks in list order, backward in reverse: prefetch the next `depth`
+            # (a kept block is unsharded already, and its prefetch a no-op: prefetching past it
+            # would hold one more unsharded block than the step's peak).
             if ahead := block_list[i + 1 : i + 1 + depth]:
                 block.set_modules_to_forward_prefetch(ahead)  # type: ignore[union-attr]
             if behind := block_list[max(0, i - depth) : i][::-1]:
