@@ -144,8 +144,9 @@ def estimate_comm(
     ``wire_bytes`` is the element size of the plain all-gather (4 for fp32 on CPU, 2 for the
     paper's fp16 baseline); ``grad_wire_bytes`` that of the plain reduce-scatter (default the
     same). Block sizes are those of qwZ and qgZ's quantization. As in the paper, backward
-    gathers every weight again; :func:`qshard.zeropp.shard` keeps the root and the last block
-    unsharded through backward, so the ledger of a run records less than ``bwd_all_gather``.
+    gathers every weight again; :func:`qshard.zeropp.shard` keeps the root and the last blocks
+    (``ZeroPPConfig.keep_last_blocks``) unsharded through backward, so the ledger of a run
+    records less than ``bwd_all_gather``.
     """
     p, d = world_size, ranks_per_node
     n = p // d
