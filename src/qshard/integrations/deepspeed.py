@@ -54,7 +54,9 @@ _FULL_STATE = (
 )
 _REGATHER = (
     "FSDP2 frees each unit after its forward and gathers it again for backward (ZeRO-3; hpZ "
-    "keeps that gather inside the node); there is no residency budget"
+    "keeps that gather inside the node), except the root and the last "
+    "ZeroPPConfig.keep_last_blocks blocks (default prefetch_depth + 1), which stay unsharded "
+    "until their backward; there is no residency budget in bytes"
 )
 
 _ZERO_NO_EQUIVALENT: dict[str, str] = {
