@@ -565,14 +565,14 @@ class _Reduction:
             work, recv = self.inter[k]  # type: ignore[misc]
             if not block and work is not None and not work.is_completed():
                 break
+            dst = self.result[k * sub : (k + 1) * sub]
             if work is None:
-                total = recv
+                dst.copy_(recv)
             else:
                 with record_function("qshard::qgz::wait_inter"):
                     work.wait()
                 with record_function("qshard::qgz::reduce_inter"):
-                    total = sum_rows(codec.decode(recv, sub))
-            self.result[k * sub : (k + 1) * sub] = total
+                    sum_rows(codec.decode(recv, sub), out=dst)  # summed in place
             self.inter[k] = None
             self.finished += 1
         if self.finished < self.stages:
