@@ -405,3 +405,72 @@ def test_variance_floor_bounds_steps_of_zero_variance_elements(cls, kw):
     for bad in (-0.1, 1.0, float("nan"), True):
         with pytest.raises(ValueError, match="variance_floor"):
             cls([nn.Parameter(torch.zeros(2))], variance_floor=bad, **kw)
+
+
+# ------------------------------------------------------------------ late parameters
+
+_FREEZE_AT_3 = {
+    "OneBitAdam": {"freeze_step": 3},
+    "ZeroOneAdam": {"var_freeze_step": 3, "local_step_scaler": 2, "local_step_clipper": 2},
+}
+
+
+def _optimizer_class(name: str):
+    from qshard.optim.zero_one_adam import ZeroOneAdam
+
+    return {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam}[name]
+
+
+@pytest.mark.parametrize("name", sorted(_FREEZE_AT_3))
+def test_add_param_group_checks_like_the_constructor(name):
+    """add_param_group took bf16 parameters and a negative lr that the constructor refuses."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    opt = _optimizer_class(name)([nn.Parameter(torch.zeros(3))], **_FREEZE_AT_3[name])
+    with pytest.raises(TypeError, match="fp32"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))]})
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": -1.0})
+    with pytest.raises(ValueError, match="betas"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "betas": (0.9, 1.5)})
+    assert len(opt.param_groups) == 1  # a refused group is not left behind
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 1e-2})
+    assert len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("name", sorted(_FREEZE_AT_3))
+def test_parameters_first_trained_after_the_freeze_are_refused(name):
+    """A parameter that first trains after the variance freeze kept v = 0: 1-bit Adam moved it
+    by ~1e5 per step (lr 1e-2), 0/1 Adam raised KeyError 'lr_sum'. Both now refuse it with an
+    error that names the fix; a parameter that trained before the freeze may be frozen and
+    unfrozen later (0/1 Adam: frozen when phase B began, which also raised KeyError)."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    cls, kw = _optimizer_class(name), _FREEZE_AT_3[name]
+    g = torch.Generator().manual_seed(0)
+    a, b, late = (nn.Parameter(torch.randn(5, generator=g)) for _ in range(3))
+    late.requires_grad_(False)
+    opt = cls([a, b, late], lr=1e-2, **kw)
+    for step in range(1, 13):
+        if step == 3:  # b trained in steps 1-2, frozen through the start of phase B ...
+            b.requires_grad_(False)
+        if step == 8:  # ... and unfrozen in phase B
+            b.requires_grad_(True)
+        for p in (a, b):
+            p.grad = torch.randn(5, generator=g) if p.requires_grad else None
+        before = b.detach().clone()
+        opt.step()
+        assert (b.detach() - before).abs().max() < 1.0, step
+    assert bool(torch.isfinite(b).all())
+    late.requires_grad_(True)
+    late.grad = torch.randn(5, generator=g)
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(RuntimeError, match="after the variance freeze"):
+        opt.step()
+    assert opt.state_dict()["qshard"] == state["qshard"]  # refused before anything changed
+    assert late not in opt.state
+    late.requires_grad_(False)
+    with pytest.raises(ValueError, match="add_param_group after the variance freeze"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2), requires_grad=False)]})

@@ -389,3 +389,34 @@ def zero_one_world(rank: int, world: int) -> dict[str, float]:
 def test_zero_one_adam_world_of_3():
     results = run_world(zero_one_world, 3, timeout_s=300)
     assert results[0] == results[1] == results[2]
+
+
+# ------------------------------------------------------------------ one process
+
+
+def test_parameter_joining_in_phase_a_gets_a_variance_first():
+    """A parameter added in phase A on a step that is not a variance step took its first
+    update with v = 0, a step of ~4.5e6 lr; that step is now a variance step."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    from torch import nn
+
+    lr = 1e-2
+    g = torch.Generator().manual_seed(0)
+    a, b = nn.Parameter(torch.randn(4, generator=g)), nn.Parameter(torch.zeros(4))
+    opt = ZeroOneAdam([a], lr=lr, var_freeze_step=100)
+    steps = variance_update_steps(100, kappa=16)
+    join = next(s for s in range(2, 100) if s not in steps)  # a 1-bit momentum step
+    largest = 0.0
+    for step in range(1, join + 10):
+        if step == join:
+            opt.add_param_group({"params": [b]})
+            full_precision = opt.comm_stats["full_precision"]
+        a.grad = torch.randn(4, generator=g)
+        b.grad = torch.randn(4, generator=g)
+        before = b.detach().clone()
+        opt.step()
+        if step == join:
+            assert opt.comm_stats["full_precision"] == full_precision + 1
+        largest = max(largest, (b.detach() - before).abs().max().item() / lr)
+    assert largest < 100, largest  # measured 11; lr * 1 / eps before

@@ -19,6 +19,15 @@ and loads its own ``state_dict()``. Loading a state saved by another rank, or at
 size, keeps everything replicated and resets the error buffers to zero (with a warning): they
 cannot be re-split meaningfully, and error feedback restarts from zero exactly as at the start
 of compression (the lost residue is at most one step's compression error).
+
+[Note: late parameters] The variance is what keeps a 1-bit step safe: it comes from
+full-precision averages until the freeze and is kept afterwards. A parameter that steps for the
+first time after the freeze (added with ``add_param_group``, or ``requires_grad`` turned on)
+would keep ``v = 0`` and take steps of ``lr * m / eps`` (1e6 * lr and more; 0/1 Adam's phase B
+also had no sync anchor for it and raised a KeyError): both optimizers refuse it with an error.
+A parameter that trained before the freeze may be frozen and unfrozen at any time. In 0/1 Adam's
+phase A, a parameter that joins on a step that is not a variance step makes that step a variance
+step (its first update would divide by ``eps`` as well).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from qshard.comm.compressed import (
     server_error_numel,
 )
 from qshard.comm.ledger import active_ledger
-from qshard.optim._replicate import localize
+from qshard.optim._replicate import _dtensor_type, localize
 
 __all__: list[str] = []
 
@@ -119,15 +128,76 @@ class _DataParallelOneBitOptimizer(Optimizer):
                 )
             self.world_size = dist.get_world_size(self.process_group)
             self._group_ranks = dist.get_process_group_ranks(self.process_group)
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            _validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            for p in group["params"]:
-                self._check_param(p)
+        super().__init__(params, defaults)  # checks every group: see add_param_group
         self._extra: dict[str, Any] = dict(extra_state)
         self._replication_checked = False
 
     # ----------------------------------------------------------------------- parameters
+    def _variance_frozen(self) -> bool:
+        """Whether the next step comes after the variance freeze (subclasses)."""
+        raise NotImplementedError
+
+    def _freeze_name(self) -> str:
+        """The freeze argument and its value, for error messages (subclasses)."""
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As :meth:`torch.optim.Optimizer.add_param_group`, with the constructor's checks
+        (hyperparameters, fp32 parameters) and, once the variance is frozen, no trainable
+        parameters: they would have no variance (see [Note: late parameters])."""
+        name = type(self).__name__
+        constructed = hasattr(self, "_extra")  # the constructor adds its groups through here
+        if constructed:
+            dtensor = _dtensor_type()
+            params = param_group.get("params", [])
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group = {**param_group, "params": params}
+            if self._shards is not None or (
+                dtensor is not None and any(isinstance(p, dtensor) for p in params)
+            ):
+                raise TypeError(
+                    f"{name}.add_param_group: HSDP parameters are localised once, at "
+                    "construction; pass every parameter group to the constructor"
+                )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                self._check_param(p)
+            trainable = any(p.requires_grad for p in group["params"])
+            if constructed and trainable and self._variance_frozen():
+                raise ValueError(
+                    f"{name}.add_param_group after the variance freeze "
+                    f"({self._freeze_name()}; {self._extra['step']} steps done): the new "
+                    "parameters would have no variance estimate and take steps of about "
+                    "lr * m / eps. Give the optimizer every parameter before the freeze (one "
+                    "may keep requires_grad=False until it is needed, but must train for at "
+                    "least one step before the freeze), or train them with another optimizer"
+                )
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _init_state(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> bool:
+        """Create m and v of the parameters that step for the first time; returns whether
+        there were any. Refuses them after the variance freeze: [Note: late parameters]."""
+        new = [p for _, p in pairs if "exp_avg" not in self.state.get(p, {})]
+        if new and self._variance_frozen():
+            raise RuntimeError(
+                f"{type(self).__name__}: {len(new)} parameter(s) (shapes "
+                f"{[tuple(p.shape) for p in new[:4]]}) step for the first time at step "
+                f"{self._extra['step'] + 1}, after the variance freeze ({self._freeze_name()}):"
+                " they have no variance estimate and would take steps of about lr * m / eps. "
+                "Let them train (requires_grad=True) for at least one step before the freeze, "
+                "or train them with another optimizer"
+            )
+        for p in new:
+            state = self.state[p]
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return bool(new)
+
     def _check_param(self, p: torch.Tensor) -> None:
         # DTensors never get here: localize() steps HSDP shards locally and refuses the rest.
         name = type(self).__name__

@@ -90,6 +90,12 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
             extra_state={"step": 0, "full_precision": 0, "compressed": 0, "local": 0},
         )
 
+    def _variance_frozen(self) -> bool:
+        return self._extra["step"] >= self.freeze_step
+
+    def _freeze_name(self) -> str:
+        return f"freeze_step={self.freeze_step}"
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step: average (fp32 or 1-bit) and update every trainable parameter."""
@@ -102,13 +108,9 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         if not params:
             return loss
         self._check_replicated(params)
+        self._init_state(pairs)  # see [Note: late parameters]
         extra = self._extra
         extra["step"] += 1
-        for _, p in pairs:
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
         if extra["step"] <= self.freeze_step:
             grads = self._all_reduce_mean(

@@ -218,6 +218,12 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             local_step_clipper=self.local_step_clipper,
         )
 
+    def _variance_frozen(self) -> bool:
+        return self._extra["step"] >= self.var_freeze_step
+
+    def _freeze_name(self) -> str:
+        return f"var_freeze_step={self.var_freeze_step}"
+
     @property
     def in_sync(self) -> bool:
         """True when every rank holds the same parameters (always in phase A; in phase B right
@@ -236,14 +242,12 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         if not params:
             return loss
         self._check_replicated(params, values_agree=self.in_sync)
+        joined = self._init_state(pairs)  # see [Note: late parameters]
         extra = self._extra
         extra["step"] += 1
         step = extra["step"]
-        for _, p in pairs:
-            state = self.state[p]
-            if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if joined:  # their first update needs a variance (phase A; phase B refused them)
+            extra["next_variance_step"] = step
         if step <= self.var_freeze_step:
             self._phase_a_step(pairs, step)
         else:
@@ -307,10 +311,11 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             # The error buffers held gradient or momentum residue; now they compress the drift
             # (sum(lr * m) * -1, other units), so they restart from zero, as in DeepSpeed.
             self._reset_error_buffers()
-            for _, p in pairs:
+            extra["phase_b_started"] = True
+        for _, p in pairs:  # also a parameter frozen when phase B began, now unfrozen
+            if "sync_anchor" not in self.state[p]:
                 self.state[p]["sync_anchor"] = p.detach().clone()
                 self.state[p]["lr_sum"] = 0.0
-            extra["phase_b_started"] = True
         if extra["phase_b_lrs"] is None:  # also after loading a state saved before this check
             extra["phase_b_lrs"] = [g["lr"] for g in self.param_groups]
         for group, p in pairs:
