@@ -374,6 +374,37 @@ def errors_raised(rank: int, world: int) -> None:
         ZeroOneAdam(model.parameters()).load_state_dict(onebit.state_dict())
 
 
+def frozen_mid_interval_is_synced(rank: int, world: int) -> None:
+    """A parameter frozen (requires_grad=False) between two syncs of phase B kept its local
+    drift: the syncs skipped it, so its replicas stayed different for good and in_sync never
+    came back (synchronize() communicated on every call). Syncs now take it along."""
+    model = make_model()
+    opt = ZeroOneAdam(
+        model.parameters(), lr=5e-3, var_freeze_step=4, local_step_scaler=1, local_step_clipper=2
+    )
+    first = next(iter(model.parameters()))
+    x, y = rank_data(rank, seed=3)
+    syncs = set(sync_steps(20, var_freeze_step=4, local_step_scaler=1, local_step_clipper=2))
+    for step in range(1, 13):
+        local_backward(model, x, y)
+        opt.step()
+        if step == 6:  # a local step: `first` differs across ranks now
+            assert step not in syncs and not opt.in_sync
+            first.requires_grad_(False)
+        if step > 6 and step in syncs:
+            assert opt.in_sync, step
+            assert_replicated(model)
+    assert not opt.in_sync and opt.synchronize() and opt.in_sync
+    assert_replicated(model)
+    assert not opt.synchronize()
+    first.requires_grad_(True)  # and it trains on
+    before = first.detach().clone()
+    _run(model, opt, rank, 3)
+    assert not torch.equal(first.detach(), before)
+    opt.synchronize()
+    assert_replicated(model)
+
+
 def zero_one_world(rank: int, world: int) -> dict[str, float]:
     errors_raised(rank, world)
     phase_b_is_algorithm_1(rank, world)
@@ -383,6 +414,7 @@ def zero_one_world(rank: int, world: int) -> dict[str, float]:
         schedule_in_practice(rank, world, phase_a_compression)
     resume_is_bit_exact(rank, world)
     loads_on_a_smaller_world(rank, world)
+    frozen_mid_interval_is_synced(rank, world)
     return converges_like_adam(rank, world)
 
 

@@ -369,7 +369,16 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         super().load_state_dict(state_dict)
 
     def _sync(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
-        """Average the drift since the last sync; see [Note: sync anchor]."""
+        """Average the drift since the last sync; see [Note: sync anchor]. Parameters frozen
+        (``requires_grad=False``) since their last sync are synced too: their replicas differ
+        by their local steps (the same parameters on every rank, as the model is replicated)."""
+        stepping = {id(p) for _, p in pairs}
+        pairs = pairs + [
+            (g, p)
+            for g in self.param_groups
+            for p in g["params"]
+            if id(p) not in stepping and self.state.get(p, {}).get("lr_sum", 0.0) != 0.0
+        ]
         params = [p for _, p in pairs]
         denoms = [self._denom(g, p) for g, p in pairs]
         for p in params:  # the anchor, decayed as every replica decayed it since the last sync
