@@ -452,3 +452,24 @@ def test_parameter_joining_in_phase_a_gets_a_variance_first():
             assert opt.comm_stats["full_precision"] == full_precision + 1
         largest = max(largest, (b.detach() - before).abs().max().item() / lr)
     assert largest < 100, largest  # measured 11; lr * 1 / eps before
+
+
+def test_masked_elements_stay_put_in_local_steps():
+    """In phase B's local steps the momentum took the raw local gradient, mask ignored: a
+    masked element with a gradient moved by lr * g / eps (-56,099 here) until the next sync.
+    It is now masked as in phase A and in 1-bit Adam."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    from torch import nn
+
+    p = nn.Parameter(torch.ones(6))
+    opt = ZeroOneAdam([p], lr=1e-2, var_freeze_step=3, local_step_scaler=1, local_step_clipper=2)
+    mask = torch.tensor([True, True, True, False, True, False])
+    opt.set_zero_mask(p, mask)
+    local_steps = 0
+    for _ in range(12):
+        p.grad = torch.ones(6)
+        opt.step()
+        local_steps += not opt.in_sync
+        assert torch.equal(p.detach()[~mask], torch.ones(2)), p
+    assert local_steps > 0

@@ -321,7 +321,10 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         for group, p in pairs:
             state = self.state[p]
             beta1, _ = group["betas"]
-            state["exp_avg"].mul_(beta1).add_(self._grad(p), alpha=1 - beta1)
+            grad, mask = self._grad(p), self._mask(p)
+            if mask is not None:  # the local step, too, leaves structural zeros alone
+                grad = grad * mask
+            state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
             self._apply_update(group, p)
             # See [Note: weight decay in the drift].
             keep = 1.0 - group["lr"] * group["weight_decay"]
