@@ -1,8 +1,9 @@
 """End to end: a small GPT trained 20 steps with FSDP2 vs shard() with each ZeRO++ feature.
 
 * shard() with every feature off (recording comms, prefetching on) and hpZ alone must give
-  bit-identical losses to plain ``fully_shard`` per block + root (hpZ's secondary copy can
-  never be stale: its values are the forward's own unsharded weights).
+  bit-identical losses to plain ``fully_shard`` per block + root (hpZ's secondary copy holds
+  the forward's own unsharded weights), also with a ``no_grad`` forward between backward and
+  the optimizer step (kept blocks and hpZ's secondary shards reshard after it).
 * qwZ, qgZ and all three: every step's loss within a stated tolerance of the baseline.
 * With qwZ every rank computes with identical dequantized weights; after training every
   rank's view of the full parameters is identical.
@@ -128,8 +129,47 @@ def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
                 torch.equal(a, b) for a, b in zip(params, results["plain_params"])
             )
     del results["plain_params"]
+    results["eval_before_step"] = _eval_before_step(rank, topo, mesh)
     results["groups_added"] = _groups() - groups_at_start
     return results
+
+
+def _eval_before_step(rank: int, topo: Topology, mesh) -> dict:
+    """backward, a forward under no_grad, then the optimizer step: the kept blocks and hpZ's
+    secondary shards must not carry the old weights into the next forward ([Note: no backward,
+    no kept copy]); plain FSDP2 reshards every block after every forward."""
+
+    def train(model) -> tuple[list[float], list[torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for i, (x, y) in enumerate(_batches(rank)):
+            if i == 4:
+                break
+            _, loss = model(x, y)
+            loss.backward()
+            with torch.no_grad():
+                losses.append((loss.item(), model(x, y)[1].item()))
+            opt.step()
+            opt.zero_grad()
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()  # the root stays unsharded after forward (FSDP2's rule)
+        return losses, _full_params(model)
+
+    base = GPT(CFG)
+    for block in base.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(base, mesh=mesh)
+    want = train(base)
+    out = {}
+    for name, cfg in (
+        ("off", ZeroPPConfig()),
+        ("hpz", ZeroPPConfig(hpz=True)),
+        ("hpz_k0", ZeroPPConfig(hpz=True, keep_last_blocks=0)),
+    ):
+        losses, params = train(shard(GPT(CFG), topology=topo, config=cfg))
+        out[name] = losses == want[0] and all(map(torch.equal, params, want[1]))
+    return out
 
 
 def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
@@ -155,6 +195,7 @@ def _check(out: list[dict], nodes: int, names: tuple[str, ...]) -> None:
         for name in names:
             assert r[f"{name}_params_agree"], name
             assert r[f"{name}_unsharded_agree"], name
+        assert all(r["eval_before_step"].values()), (rank, r["eval_before_step"])
     # Every shard() of the job shares the topology's two groups and one hpZ secondary mesh
     # (two groups): FSDP2 alone would build a mesh per unit per call ([Note: one secondary
     # mesh per job]), 2 per unit here, 6 per hpZ config.

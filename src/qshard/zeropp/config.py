@@ -60,8 +60,9 @@ class ZeroPPConfig:
             ``prefetch``: FSDP2's implicit backward prefetch), the unsharded blocks a step holds
             at its peak anyway (the computing block and the prefetched ones), so the peak does
             not grow. More trades memory for fewer gathers; ``0`` reshards every block (the
-            least memory between steps after a forward with no backward, e.g. evaluation, where
-            kept blocks stay unsharded until the next step). The root (what ``shard()`` wraps
+            least memory after a forward with autograd on and no backward, where kept blocks
+            stay unsharded until the next step; after one under ``torch.no_grad()`` they
+            reshard, see [Note: no backward, no kept copy]). The root (what ``shard()`` wraps
             last: embeddings, final norm, head) never reshards after forward, as in FSDP2.
             Numerics unchanged.
         record: install recording comms for FSDP2's own collectives when a feature is off,

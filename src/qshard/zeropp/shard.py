@@ -291,12 +291,31 @@ def _fully_shard_units(
     """``fully_shard`` each block, then the root. The root never reshards after forward (what
     FSDP2 does for a root left at its default; an explicit ``reshard_after_forward`` would
     reshard it), nor do the last ``config.kept_blocks`` blocks: backward needs them first, so
-    resharding them would only gather them again with little to overlap."""
+    resharding them would only gather them again with little to overlap. A block that does not
+    fully reshard after forward (kept, or hpZ's node-sized secondary shard) does after a forward
+    without autograd: see [Note: no backward, no kept copy]."""
     keep = {**fsdp_kwargs, "reshard_after_forward": False}
     first_kept = len(block_list) - config.kept_blocks
     for i, block in enumerate(block_list):
-        fully_shard(block, **(keep if i >= first_kept else fsdp_kwargs))
+        kwargs = keep if i >= first_kept else fsdp_kwargs
+        fully_shard(block, **kwargs)
+        if kwargs["reshard_after_forward"] is not True:
+            # registered after FSDP2's own post-forward hook, so it runs after it
+            block.register_forward_hook(_reshard_without_backward)
     fully_shard(model, **keep)
+
+
+def _reshard_without_backward(module: nn.Module, args: object, output: object) -> None:
+    """[Note: no backward, no kept copy] A kept block keeps its unsharded weights, and an hpZ
+    block its node-sized secondary shard, from its forward to its backward, which uses them.
+    A forward under ``torch.no_grad()`` / ``inference_mode()`` (evaluation) has no backward, so
+    the copy would outlive the step: FSDP2 reuses a unit's unsharded or secondary copy at its
+    next unshard, so an optimizer step between such a forward and the next one would leave
+    these blocks computing with the old weights (plain FSDP2 reshards every block and gathers
+    the new ones). Resharding them fully here is what plain FSDP2 does after every forward.
+    The root is left to FSDP2's rule (it stays unsharded after any forward; see docs/zeropp.md)."""
+    if not torch.is_grad_enabled():
+        module.reshard()  # type: ignore[operator]
 
 
 def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig) -> None:
