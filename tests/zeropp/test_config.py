@@ -31,11 +31,31 @@ def test_defaults_are_plain_fsdp2():
         ({"pipeline_stages": 0}, "pipeline_stages"),
         ({"prefetch_depth": 0}, "prefetch_depth"),
         ({"wire_dtype": torch.float64}, "wire_dtype"),
+        # floats and bools equal to a valid int pass a membership test, then break the wire
+        # rows' byte arithmetic in the first collective (a TypeError from torch.empty)
+        ({"weight_bits": 8.0}, "weight_bits must be 8 or 4"),
+        ({"grad_bits": 4.0}, "grad_bits must be 4 or 8"),
+        ({"hsdp": True, "replicate_bits": 8.0}, "replicate_bits must be None, 8 or 4"),
+        ({"grad_block_size": 256.0}, "multiple of 8"),
+        ({"pipeline_stages": True}, "pipeline_stages"),
+        ({"prefetch_depth": True}, "prefetch_depth"),
     ],
 )
 def test_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ZeroPPConfig(**kwargs)
+
+
+def test_comms_refuse_float_bits_and_block_sizes():
+    from qshard.comm import Topology
+    from qshard.zeropp import HierarchicalQuantizedReduceScatter, QuantizedAllGather
+
+    topo = Topology(world_size=1, ranks_per_node=1)
+    for cls in (QuantizedAllGather, HierarchicalQuantizedReduceScatter):
+        with pytest.raises(ValueError, match="bits must be"):
+            cls(topology=topo, bits=8.0)
+        with pytest.raises(ValueError, match="block_size must be"):
+            cls(topology=topo, block_size=256.0)
 
 
 def test_qwz_hop2_is_issued_at_the_call_on_cuda_only():

@@ -28,6 +28,10 @@ from qshard.quant.blockwise import (
 __all__ = ["RowCodec"]
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _in_place(x: Tensor) -> bool:
     # CPU fp32/bf16/fp16 rows: every path of the quant core writes caller-given buffers.
     return (
@@ -45,6 +49,12 @@ class RowCodec:
     def __init__(
         self, *, bits: int | None, block_size: int, wire_dtype: torch.dtype | None = None
     ) -> None:
+        # ints only: a float (8.0, 256.0) passes the callers' range checks but not the byte
+        # arithmetic of the rows
+        if bits is not None and not (_is_int(bits) and bits in (4, 8)):
+            raise ValueError(f"bits must be 4, 8 or None; got {bits!r}")
+        if not _is_int(block_size) or block_size < 8 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8; got {block_size!r}")
         self.bits = bits
         self.block_size = block_size
         self.wire_dtype = wire_dtype or torch.float32

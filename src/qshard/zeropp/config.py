@@ -11,6 +11,10 @@ from qshard.zeropp._common import WIRE_DTYPES
 __all__ = ["ZeroPPConfig"]
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroPPConfig:
     """Switches and knobs of ZeRO++ on FSDP2. All features off is plain FSDP2 (ZeRO-3).
@@ -118,15 +122,21 @@ class ZeroPPConfig:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
-        if self.weight_bits not in (4, 8):
-            raise ValueError(f"weight_bits must be 8 or 4; got {self.weight_bits}")
-        if self.grad_bits not in (4, 8):
-            raise ValueError(f"grad_bits must be 4 or 8; got {self.grad_bits}")
-        if self.replicate_bits not in (None, 4, 8):
-            raise ValueError(f"replicate_bits must be None, 8 or 4; got {self.replicate_bits!r}")
+        # ints, not floats or bools: 8.0 == 8 would pass a membership test and break the
+        # wire layout's byte arithmetic in the first collective
+        if not _is_int(self.weight_bits) or self.weight_bits not in (4, 8):
+            raise ValueError(f"weight_bits must be 8 or 4 (an int); got {self.weight_bits!r}")
+        if not _is_int(self.grad_bits) or self.grad_bits not in (4, 8):
+            raise ValueError(f"grad_bits must be 4 or 8 (an int); got {self.grad_bits!r}")
+        if self.replicate_bits is not None and (
+            not _is_int(self.replicate_bits) or self.replicate_bits not in (4, 8)
+        ):
+            raise ValueError(
+                f"replicate_bits must be None, 8 or 4 (an int); got {self.replicate_bits!r}"
+            )
         for name in ("weight_block_size", "grad_block_size", "replicate_block_size"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 8 or v % 8:
+            if not _is_int(v) or v < 8 or v % 8:
                 raise ValueError(
                     f"{name} must be a positive multiple of 8 (INT4 packs two codes a byte and "
                     f"scales stay 4-byte aligned on the wire); got {v!r}"
@@ -137,18 +147,16 @@ class ZeroPPConfig:
             raise TypeError(
                 f"overlap_reduce_scatter must be None or a bool; got {self.overlap_reduce_scatter!r}"
             )
-        if not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
+        if not _is_int(self.prefetch_depth) or self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be an int >= 1; got {self.prefetch_depth!r}")
         if self.keep_last_blocks is not None and (
-            not isinstance(self.keep_last_blocks, int)
-            or isinstance(self.keep_last_blocks, bool)
-            or self.keep_last_blocks < 0
+            not _is_int(self.keep_last_blocks) or self.keep_last_blocks < 0
         ):
             raise ValueError(
                 f"keep_last_blocks must be None (prefetch_depth + 1) or an int >= 0 (0 reshards "
                 f"every block); got {self.keep_last_blocks!r}"
             )
-        if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
+        if not _is_int(self.pipeline_stages) or self.pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be an int >= 1; got {self.pipeline_stages!r}")
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(
