@@ -98,6 +98,17 @@ def test_find_blocks():
         find_blocks(model, [nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="instance of"):
         find_blocks(model, nn.Conv2d)
+    # refused before shard() calls fully_shard, which would fail halfway through the model
+    # (FSDP2's "applied to a module once" assertion, or an invariant error for an outer block
+    # listed before a block inside it); inner-first nesting is what FSDP2 supports
+    with pytest.raises(ValueError, match="model itself"):
+        find_blocks(model, [model])
+    with pytest.raises(ValueError, match="listed twice"):
+        find_blocks(model, [model.blocks[0], model.blocks[0]])
+    inner = next(model.blocks[0].children())
+    with pytest.raises(ValueError, match="list the inner one first"):
+        find_blocks(model, [model.blocks[0], inner])
+    assert find_blocks(model, [inner, model.blocks[0]]) == [inner, model.blocks[0]]
     # nested lists: only the outermost list's children
     outer = nn.Sequential(nn.ModuleList([nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]))]))
     assert find_blocks(outer) == [outer[0][0]]

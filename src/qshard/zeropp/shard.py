@@ -37,7 +37,8 @@ def find_blocks(
     ``_no_split_modules`` (its decoder layers), else the children of every outermost
     ``nn.ModuleList`` (a transformer's layers); a model with neither is refused (pass
     ``blocks=``). A class or tuple of classes: every outermost submodule of those types; a
-    sequence of modules: those, as given.
+    sequence of modules: those, as given (in forward order, each once, never the model itself;
+    a block nested in another one listed before it, as FSDP2 wraps inner units first).
     """
     if blocks is None:
         found = _declared_blocks(model) or _listed_blocks(model)
@@ -66,6 +67,29 @@ def find_blocks(
     for m in mods:
         if not isinstance(m, nn.Module) or id(m) not in owned:
             raise ValueError(f"blocks must be submodules of the model; got {type(m).__name__}")
+    # Checked before any fully_shard, which would otherwise fail halfway (the model left
+    # partly sharded) with FSDP2's assertion or an internal invariant error. A block inside a
+    # later one is fine (FSDP2 nests units wrapped inner first).
+    inside: dict[int, int] = {}  # id of a module -> index of the last block holding it
+    for i, m in enumerate(mods):
+        if m is model:
+            raise ValueError(
+                "blocks must not contain the model itself: shard() wraps the model last, as "
+                "the root (its own parameters: embeddings, final norm, head); list its blocks"
+            )
+        if id(m) in inside:
+            j = inside[id(m)]
+            if mods[j] is m:
+                raise ValueError(
+                    f"blocks[{i}] ({type(m).__name__}) is listed twice (also blocks[{j}]): "
+                    "each block is wrapped once"
+                )
+            raise ValueError(
+                f"blocks[{i}] ({type(m).__name__}) lies inside blocks[{j}] "
+                f"({type(mods[j]).__name__}), listed before it: FSDP2 wraps a nested unit "
+                "before the unit around it, so list the inner one first"
+            )
+        inside.update((id(sub), i) for sub in m.modules())
     return mods
 
 
