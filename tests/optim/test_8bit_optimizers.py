@@ -336,3 +336,18 @@ def test_adagrad_initial_accumulator_value_matches_torch():
     o32.step()
     # The constant initial sum is exact in 8 bits (code 1.0 times the value).
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit, qoptim.Adagrad8bit])
+def test_sparse_gradient_is_refused_before_any_tensor_moves(cls):
+    # An 8-bit tensor ahead of a sparse embedding in the same group: the step used to update it
+    # (and count its step) before raising on the embedding, leaving a half-applied step.
+    lin = nn.Linear(128, 64)
+    emb = nn.Embedding(100, 8, sparse=True)
+    opt = cls([lin.weight, emb.weight])
+    (lin(torch.randn(2, 128)).sum() + emb(torch.tensor([1, 2])).sum()).backward()
+    before = lin.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="sparse=False"):
+        opt.step()
+    assert torch.equal(lin.weight, before)
+    assert not opt.state

@@ -189,13 +189,21 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Refuse before any tensor moves: a quantized tensor is stepped as soon as it is met, so
+        # an error further down the loop would leave a half-applied step.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients (got one for a "
+                        f"parameter of shape {tuple(p.shape)}); build the embedding with "
+                        f"sparse=False, or step those parameters with torch.optim.SparseAdam"
+                    )
         for gi, group in enumerate(self.param_groups):
             full: list[tuple[int, Tensor, dict[str, Any]]] = []  # fp32 state: one batch
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     self._init_state(p, group, state)
