@@ -38,3 +38,28 @@ def test_weight_is_registered_for_32bit_state_by_name():
     # Replacing the parameter (as FSDP2 does) keeps the override: it is keyed by name.
     emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
     assert is_full_precision_param(emb.weight)
+
+
+def test_from_pretrained_keeps_the_table_and_its_32bit_state():
+    # nn.Embedding.from_pretrained passes _weight/_freeze, which StableEmbedding did not take.
+    table = torch.randn(10, 4)
+    emb = StableEmbedding.from_pretrained(table, freeze=False, padding_idx=2)
+    assert torch.equal(emb.weight, table) and emb.weight.requires_grad and emb.padding_idx == 2
+    assert torch.equal(emb.norm.weight, torch.ones(4))
+    assert torch.equal(emb.norm.bias, torch.zeros(4))
+    assert is_full_precision_param(emb.weight)
+    ref = F.layer_norm(table[torch.tensor([1, 2])], (4,), None, None, 1e-5)
+    torch.testing.assert_close(emb(torch.tensor([1, 2])), ref)
+    assert not StableEmbedding.from_pretrained(table).weight.requires_grad  # freeze=True default
+
+
+def test_reset_parameters_after_meta_init_resets_the_norm_too():
+    emb = StableEmbedding(10, 4, padding_idx=1, device="meta")
+    emb.to_empty(device="cpu")
+    with torch.no_grad():
+        emb.norm.weight.fill_(float("nan"))  # what to_empty may leave behind
+        emb.norm.bias.fill_(float("nan"))
+    emb.reset_parameters()
+    assert torch.equal(emb.norm.weight, torch.ones(4))
+    assert torch.equal(emb.norm.bias, torch.zeros(4))
+    assert bool((emb.weight[1] == 0).all()) and bool(torch.isfinite(emb.weight).all())

@@ -23,9 +23,13 @@ class StableEmbedding(nn.Embedding):
     optimizer state for ``weight``.
 
     Args: as ``nn.Embedding`` (``num_embeddings``, ``embedding_dim``, ``padding_idx``,
-    ``max_norm``, ``norm_type``, ``scale_grad_by_freq``, ``sparse``, ``device``, ``dtype``).
+    ``max_norm``, ``norm_type``, ``scale_grad_by_freq``, ``sparse``, ``device``, ``dtype``;
+    ``_weight``/``_freeze`` keyword-only, for ``StableEmbedding.from_pretrained``, which keeps
+    the given table as ``nn.Embedding.from_pretrained`` does and starts a fresh LayerNorm).
     The output has the weight's dtype; the LayerNorm (with affine parameters, kept in fp32)
-    runs on the fp32 lookup.
+    runs on the fp32 lookup. ``reset_parameters`` re-initialises the LayerNorm too (meta-device
+    init: ``to_empty`` then ``reset_parameters``). The qshard optimizers refuse sparse gradients,
+    so use ``sparse=True`` only with an optimizer that takes them.
     """
 
     def __init__(
@@ -39,6 +43,9 @@ class StableEmbedding(nn.Embedding):
         sparse: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        _weight: Tensor | None = None,
+        _freeze: bool = False,
     ) -> None:
         super().__init__(
             num_embeddings,
@@ -48,10 +55,13 @@ class StableEmbedding(nn.Embedding):
             norm_type=norm_type,
             scale_grad_by_freq=scale_grad_by_freq,
             sparse=sparse,
+            _weight=_weight,
+            _freeze=_freeze,
             device=device,
             dtype=dtype,
         )
-        self.norm = nn.LayerNorm(embedding_dim, device=device, dtype=torch.float32)
+        norm_device = device if _weight is None else _weight.device
+        self.norm = nn.LayerNorm(embedding_dim, device=norm_device, dtype=torch.float32)
         register_full_precision_state(self, "weight")
 
     def __setstate__(self, state: dict) -> None:
@@ -62,6 +72,8 @@ class StableEmbedding(nn.Embedding):
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.weight)
         self._fill_padding_idx_with_zero()
+        if "norm" in self._modules:  # absent while nn.Embedding.__init__ runs
+            self.norm.reset_parameters()
 
     def forward(self, input: Tensor) -> Tensor:
         emb = F.embedding(
