@@ -114,6 +114,36 @@ def test_bf16_parameters_take_fp32_math_rounded_once_per_step(flags):
         assert torch.equal(o4.state[p]["exp_avg_sq"], o32.state[q]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("flags", [{}, {"fused": True}])
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: c[0])
+def test_fp64_parameters_keep_fp64(case, flags):
+    # fp64 parameters went through fp32 copies and were rounded to fp32 every step, on the
+    # fp32-state path (state fp32 too) and on the 4-bit path alike.
+    name, cls32, kw = case
+    gen = torch.Generator().manual_seed(9)
+    p = nn.Parameter(torch.randn(300, generator=gen, dtype=torch.float64))
+    q = nn.Parameter(p.detach().clone())
+    o4, o32 = getattr(qoptim, name)([p], **kw, **flags), cls32([q], **kw, **flags)
+    for _ in range(_STEPS):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        q.grad = p.grad.clone()
+        o4.step()
+        o32.step()
+        assert torch.equal(p.detach(), q.detach())
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert o4.state[p][k].dtype == torch.float64
+            assert torch.equal(o4.state[p][k], o32.state[q][k])
+    # 4-bit state, lr 0 and no decay: the parameter keeps every bit
+    w = nn.Parameter(1.0 + 1e-12 * torch.arange(64 * 128, dtype=torch.float64).reshape(64, 128))
+    w0 = w.detach().clone()
+    o = getattr(qoptim, name)([w], lr=0.0, min_4bit_size=0)
+    for _ in range(2):
+        w.grad = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+        o.step()
+    assert "exp_avg_codes" in o.state[w]
+    assert w.dtype == torch.float64 and torch.equal(w.detach(), w0)
+
+
 def test_flags_are_checked_as_torch_checks_them():
     p = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="fused and foreach cannot both be True"):

@@ -205,6 +205,62 @@ def test_bf16_parameters_take_fp32_math_rounded_once_per_step(flags):
         assert torch.equal(o8.state[p][k], o32.state[q][k])
 
 
+@pytest.mark.parametrize("case", [c for c in _PARAMS if c[1] != {"foreach": False}], ids=_id)
+def test_fp64_parameters_equal_torch_optim_in_fp64(case):
+    # fp64 parameters took fp32 copies through the update and were rounded to fp32 every step
+    # (their state fp32 too); torch.optim keeps fp64 parameters and state in fp64.
+    (name, cls32, kw, _), flags = case
+    gen = torch.Generator().manual_seed(7)
+    ps = [
+        nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64)) for s in [(300,), (7, 3)]
+    ]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    o8 = getattr(qoptim, name)(ps, **kw, **flags)
+    o32 = cls32(qs, **kw, **flags)
+    for step in range(_STEPS):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        o8.step()
+        o32.step()
+        for p, q in zip(ps, qs):
+            assert torch.equal(p.detach(), q.detach()), f"step {step} {tuple(p.shape)}"
+            for k, v in o32.state[q].items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    assert o8.state[p][k].dtype == torch.float64 and torch.equal(o8.state[p][k], v)
+    # a checkpoint round trip keeps the fp64 state (and an fp32 one, from before, comes back fp64)
+    sd = o8.state_dict()
+    sd["state"][0] = {k: v.float() if k != "step" else v for k, v in sd["state"][0].items()}
+    o8.load_state_dict(sd)
+    assert all(v.dtype == torch.float64 for k, v in o8.state[ps[0]].items() if k != "step")
+
+
+@pytest.mark.parametrize("name", ["Adam8bit", "SGD8bit", "RMSprop8bit", "Adagrad8bit", "Lion8bit"])
+def test_fp64_parameters_with_8bit_state_are_not_rounded_to_fp32(name):
+    kw = dict(lr=0.0, momentum=0.9) if name in ("SGD8bit", "RMSprop8bit") else dict(lr=0.0)
+    p = nn.Parameter(1.0 + 1e-12 * torch.arange(64 * 128, dtype=torch.float64).reshape(64, 128))
+    p0 = p.detach().clone()
+    gen = torch.Generator().manual_seed(8)
+    o8 = getattr(qoptim, name)([p], min_8bit_size=0, **kw)
+    for _ in range(2):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        o8.step()
+    assert any(k.endswith("_codes") for k in o8.state[p])
+    assert p.dtype == torch.float64 and torch.equal(p.detach(), p0)  # lr 0: not a bit moves
+    # with lr > 0 the fp64 step is the fp32-parameter step (the same 8-bit state) to rounding
+    q = nn.Parameter(p0.float())
+    o_p = getattr(qoptim, name)([p], min_8bit_size=0, **{**kw, "lr": 1e-3})
+    o_q = getattr(qoptim, name)([q], min_8bit_size=0, **{**kw, "lr": 1e-3})
+    for _ in range(3):
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        p.grad, q.grad = g, g.float()
+        o_p.step()
+        o_q.step()
+    torch.testing.assert_close(
+        p.detach() - p0, (q.detach() - p0.float()).double(), rtol=0, atol=1e-5
+    )
+
+
 @pytest.mark.parametrize("name", ["AdamW8bit", "SGD8bit", "Adagrad8bit"])
 def test_fused_step_counters_on_another_device(monkeypatch, name):
     # On CUDA a fused kernel reads the step counters on the parameter's device, while the state
@@ -326,3 +382,19 @@ def test_fsdp2_fp32_state_equals_torch_optim_on_shards():
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-x", "-q"])
+
+
+def test_triton_step_only_takes_its_dtypes(monkeypatch):
+    # The 8-bit Triton kernel reads and writes fp32/bf16 parameters with fp32 math; an fp64 CUDA
+    # parameter went to it too (rounded to fp32 every step). Forced on CPU: serves() patched.
+    from qshard import _triton
+
+    calls = []
+    monkeypatch.setattr(_triton, "serves", lambda t: True)
+    monkeypatch.setattr(_triton, "optim8bit_step", lambda **kw: calls.append(kw["param"].dtype))
+    for dtype in (torch.float64, torch.float16, torch.float32):
+        p = nn.Parameter(torch.randn(64, 128, dtype=dtype))
+        o8 = qoptim.AdamW8bit([p], min_8bit_size=0)
+        p.grad = torch.randn_like(p)
+        o8.step()
+    assert calls == [torch.float32]

@@ -99,6 +99,12 @@ def _global_row_offset(p: Tensor) -> int:
     return int(offset[0]) if len(offset) else 0
 
 
+def _full_state_dtype(p: Tensor) -> torch.dtype:
+    """The dtype of ``p``'s full-precision state and update math: fp64 for an fp64 parameter
+    (as ``torch.optim``; fp32 math would round the parameter to fp32 every step), else fp32."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
 def _steps_off_device(params: list[Tensor]) -> bool:
     """Whether torch's fused kernels need the step counters of ``params`` on another device."""
     return any(p.device.type != "cpu" for p in params)
@@ -179,6 +185,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         for p, st in originals.items():
             for k, v in st.items():
                 if isinstance(v, Tensor) and k != "step":
+                    quantized = k.endswith("_codes") or k.endswith("_absmax")
+                    if v.is_floating_point() and not quantized:  # a full-precision state
+                        v = v.to(dtype=_full_state_dtype(p))
                     self.state[p][k] = v.to(device=p.device)
 
     # -- step -------------------------------------------------------------------------------
@@ -259,9 +268,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         params, grads, back = [], [], []
         for _, p, _ in live:
             p_l, g_l = _local(p), _local(p.grad)
-            if p_l.dtype == torch.float32:
+            if p_l.dtype == _full_state_dtype(p_l):  # fp32 or fp64: as torch.optim
                 params.append(p_l)
-                grads.append(g_l.float())
+                grads.append(g_l.to(p_l.dtype))
             else:  # fp32 math and state for low-precision parameters, as on the 8-bit path
                 p32 = p_l.float()
                 params.append(p32)
@@ -370,7 +379,7 @@ class Optimizer8bit(BlockwiseOptimizer):
         else:
             for name, _ in specs:
                 init = self._initial_state_value(group, name)
-                state[name] = torch.full_like(p, init, dtype=torch.float32)
+                state[name] = torch.full_like(p, init, dtype=_full_state_dtype(p))
 
     # -- step -------------------------------------------------------------------------------
 
@@ -394,8 +403,9 @@ class Optimizer8bit(BlockwiseOptimizer):
         bs = group["block_size"]
         if not eight:
             states = [_local(state[name]) for name, _ in specs]
-            p32 = p_l if p_l.dtype == torch.float32 else p_l.float()
-            self._reference_update(p32, g_l.float(), states, group, step)
+            dt = _full_state_dtype(p_l)
+            p32 = p_l if p_l.dtype == dt else p_l.to(dt)
+            self._reference_update(p32, g_l.to(dt), states, group, step)
             if p32 is not p_l:
                 p_l.copy_(p32)
             return
@@ -403,7 +413,12 @@ class Optimizer8bit(BlockwiseOptimizer):
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
         maps = [_qstate.qmap(signed) for _, signed in specs]
         offset = _global_row_offset(p) * _qstate.row_view(p_l.shape)[1]
-        if _triton.serves(p_l) and p_l.is_contiguous() and not rounding.stochastic:
+        if (
+            _triton.serves(p_l)
+            and p_l.is_contiguous()
+            and p_l.dtype in (torch.float32, torch.bfloat16)  # the kernel's dtypes
+            and not rounding.stochastic
+        ):
             # The Triton twin of step8: same arguments, same numerics (docs/gpu.md).
             two = (
                 {}
@@ -474,10 +489,13 @@ class Optimizer8bit(BlockwiseOptimizer):
             if rc != 0:
                 raise RuntimeError(f"fused 8-bit kernel rejected block_size={bs}")
             return
-        # Reference path: dequantize, pure update in fp32, requantize.
-        states = [_qstate.dequantize_rows(c, a, q, bs) for c, a, q in zip(codes, absmax, maps)]
-        p32 = p_l if p_l.dtype == torch.float32 else p_l.float()
-        g32 = g_l.float()
+        # Reference path: dequantize, pure update in fp32 (fp64 for fp64 parameters), requantize.
+        dt = _full_state_dtype(p_l)
+        states = [
+            _qstate.dequantize_rows(c, a, q, bs).to(dt) for c, a, q in zip(codes, absmax, maps)
+        ]
+        p32 = p_l if p_l.dtype == dt else p_l.to(dt)
+        g32 = g_l.to(dt)
         if rounding.canonical_zero:
             g32 = g32 + 0.0
         self._reference_update(p32, g32, states, group, step)

@@ -192,7 +192,9 @@ def adam4bit_reference(
     shape = param.shape
     m = dequantize_rows4(m_codes, m_absmax, m_map, block_size, shape)
     v = dequantize_rows4(v_codes, v_absmax, v_map, block_size, shape)
-    p = param.float()
+    # fp64 parameters are updated in fp64 (an fp32 copy would round them every step); no
+    # kernel takes them, so this is their only path
+    p = param.double() if param.dtype == torch.float64 else param.float()
     g = grad.float() + 0.0  # -0.0 reads as +0.0
     if decay != 1.0:
         p = p * decay

@@ -28,7 +28,13 @@ from torch.distributed.tensor import DTensor
 
 from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
-from qshard.optim._base8bit import BlockwiseOptimizer, _check_placements, _local, _wrap_like
+from qshard.optim._base8bit import (
+    BlockwiseOptimizer,
+    _check_placements,
+    _full_state_dtype,
+    _local,
+    _wrap_like,
+)
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
 from qshard.optim.adam8bit import adam_group_hparams, torch_adam_group
@@ -152,7 +158,7 @@ class Adam4bit(BlockwiseOptimizer):
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         if not self.uses_4bit_state(p, group):
             for name in _STATES:
-                state[name] = torch.zeros_like(p, dtype=torch.float32)
+                state[name] = torch.zeros_like(p, dtype=_full_state_dtype(p))
             return
         local = _local(p)
         rows, row_numel = row_view(local.shape)
