@@ -351,3 +351,19 @@ def test_sparse_gradient_is_refused_before_any_tensor_moves(cls):
         opt.step()
     assert torch.equal(lin.weight, before)
     assert not opt.state
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.SGD8bit, qoptim.AdamW4bit])
+def test_complex_parameters_are_refused(cls):
+    # The fp32 copy of a complex parameter is its real part: a step zeroed the imaginary part
+    # (torch only warned about the cast).
+    p = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="view_as_real"):
+        cls([p])
+    opt = cls([nn.Parameter(torch.randn(3))])
+    with pytest.raises(ValueError, match="complex"):
+        opt.add_param_group({"params": [p]})
+    assert len(opt.param_groups) == 1  # the refused group is not left behind
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "lr": -1.0})
+    assert len(opt.param_groups) == 1

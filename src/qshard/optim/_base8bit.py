@@ -67,6 +67,18 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _check_real(params: Iterable[Tensor], name: str) -> None:
+    for p in params:
+        if p.is_complex():
+            # the fp32 copy of a complex tensor is its real part: the update would zero the
+            # imaginary part without a word
+            raise ValueError(
+                f"{name} does not take complex parameters (got {p.dtype}, shape "
+                f"{tuple(p.shape)}); register torch.view_as_real(p) as the parameter or use "
+                f"torch.optim for it"
+            )
+
+
 def _check_placements(p: DTensor, what: str = "8-bit optimizer state") -> None:
     for pl in p.placements:
         if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
@@ -167,8 +179,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._validate_common(group)
-        self._validate_group(group)
+        try:
+            self._validate_common(group)
+            self._validate_group(group)
+        except Exception:
+            self.param_groups.pop()  # a refused group must not stay in the optimizer
+            raise
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype.
@@ -335,6 +351,7 @@ class Optimizer8bit(BlockwiseOptimizer):
             )
         if not isinstance(group["lr"], float | int) or group["lr"] < 0:
             raise ValueError(f"{name}: lr must be a float >= 0; got {group['lr']!r}")
+        _check_real(group["params"], name)
         for p in group["params"]:
             if isinstance(p, DTensor):
                 _check_placements(p)

@@ -31,6 +31,7 @@ from qshard.optim import _kernels4, _qstate4
 from qshard.optim._base8bit import (
     BlockwiseOptimizer,
     _check_placements,
+    _check_real,
     _full_state_dtype,
     _local,
     _wrap_like,
@@ -127,6 +128,7 @@ class Adam4bit(BlockwiseOptimizer):
             raise ValueError(f"{name}: betas must be in [0, 1); got {group['betas']}")
         if group["eps"] < 0 or group["weight_decay"] < 0:
             raise ValueError(f"{name}: eps and weight_decay must be >= 0")
+        _check_real(group["params"], name)
         for p in group["params"]:
             if isinstance(p, DTensor):
                 _check_placements(p, f"{name}: 4-bit state")
