@@ -367,3 +367,13 @@ def test_complex_parameters_are_refused(cls):
     with pytest.raises(ValueError, match="lr"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(3))], "lr": -1.0})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.Lion8bit, qoptim.AdamW4bit])
+def test_lr_must_be_a_number_and_not_nan(cls):
+    p = [nn.Parameter(torch.randn(4, 4))]
+    with pytest.raises(ValueError, match=r"float\(lr\)"):  # torch.optim takes a Tensor lr
+        cls(p, lr=torch.tensor(1e-3))
+    with pytest.raises(ValueError, match="lr must be a float >= 0"):  # NaN passed `lr < 0`
+        cls(p, lr=float("nan"))
+    cls(p, lr=1)  # an int is a number

@@ -67,6 +67,16 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _check_lr(lr: Any, name: str) -> None:
+    if isinstance(lr, Tensor):
+        raise ValueError(
+            f"{name}: lr must be a Python float, not a Tensor (the update reads it as a number; "
+            f"pass lr=float(lr)); got {lr!r}"
+        )
+    if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr >= 0:  # NaN too
+        raise ValueError(f"{name}: lr must be a float >= 0; got {lr!r}")
+
+
 def _check_real(params: Iterable[Tensor], name: str) -> None:
     for p in params:
         if p.is_complex():
@@ -349,8 +359,7 @@ class Optimizer8bit(BlockwiseOptimizer):
                 f"{name}: block_size must be an int in 1..{_kernels.MAX_BLOCK} (256 or 2048 are "
                 f"usual); got {bs!r}"
             )
-        if not isinstance(group["lr"], float | int) or group["lr"] < 0:
-            raise ValueError(f"{name}: lr must be a float >= 0; got {group['lr']!r}")
+        _check_lr(group["lr"], name)
         _check_real(group["params"], name)
         for p in group["params"]:
             if isinstance(p, DTensor):

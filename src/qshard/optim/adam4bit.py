@@ -30,6 +30,7 @@ from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
 from qshard.optim._base8bit import (
     BlockwiseOptimizer,
+    _check_lr,
     _check_placements,
     _check_real,
     _full_state_dtype,
@@ -121,8 +122,7 @@ class Adam4bit(BlockwiseOptimizer):
                 f"{name}: second_moment_map must be one of {_qstate4.SECOND_MOMENT_MAPS}; got "
                 f"{group['second_moment_map']!r}"
             )
-        if not isinstance(group["lr"], float | int) or group["lr"] < 0:
-            raise ValueError(f"{name}: lr must be a float >= 0; got {group['lr']!r}")
+        _check_lr(group["lr"], name)
         b1, b2 = group["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"{name}: betas must be in [0, 1); got {group['betas']}")
