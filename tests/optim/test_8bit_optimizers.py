@@ -377,3 +377,28 @@ def test_lr_must_be_a_number_and_not_nan(cls):
     with pytest.raises(ValueError, match="lr must be a float >= 0"):  # NaN passed `lr < 0`
         cls(p, lr=float("nan"))
     cls(p, lr=1)  # an int is a number
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
+def test_state_that_does_not_fit_the_layout_is_refused(cls):
+    # The fused kernels index the state by raw pointer: a group's block_size changed after the
+    # state was made, or state loaded from a parameter of another shape, wrote out of bounds
+    # (the process hung). Now a clear error, before anything moves.
+    size = dict(min_4bit_size=0) if cls is qoptim.AdamW4bit else dict(min_8bit_size=0)
+    p = nn.Parameter(torch.randn(64, 1024))
+    opt = cls([p], **size)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["block_size"] = 16
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="does not fit block_size=16"):
+        opt.step()
+    assert torch.equal(p, before)
+    opt.param_groups[0]["block_size"] = opt.defaults["block_size"]
+    opt.step()  # back to the layout's block size: fine
+    wide = nn.Parameter(torch.randn(64, 2048))  # torch.optim checks group sizes, not shapes
+    opt2 = cls([wide], **size)
+    opt2.load_state_dict(opt.state_dict())
+    wide.grad = torch.randn_like(wide)
+    with pytest.raises(RuntimeError, match="fresh state"):
+        opt2.step()

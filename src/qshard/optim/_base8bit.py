@@ -89,6 +89,37 @@ def _check_real(params: Iterable[Tensor], name: str) -> None:
             )
 
 
+def _check_layout(
+    name: str,
+    p: Tensor,
+    codes: list[Tensor],
+    absmax: list[Tensor],
+    codes_shape: tuple[int, ...],
+    block_size: int,
+) -> None:
+    """Refuse quantized state whose layout no longer fits ``p`` and the group's ``block_size``
+    (the group option changed after the state was made, or state loaded from another shape):
+    the kernels index it by raw pointer, so a mismatch wrote out of bounds."""
+    rows, row_numel = _qstate.row_view(p.shape)
+    want_absmax = (rows, _qstate.blocks_per_row(row_numel, block_size))
+    for c, a in zip(codes, absmax):
+        if (
+            tuple(c.shape) != codes_shape
+            or tuple(a.shape) != want_absmax
+            or c.dtype != torch.uint8
+            or a.dtype != torch.float32
+            or not (c.is_contiguous() and a.is_contiguous())
+        ):
+            raise RuntimeError(
+                f"{name}: the quantized state of a parameter of (local) shape {tuple(p.shape)} "
+                f"does not fit block_size={block_size}: codes {c.dtype} {tuple(c.shape)}, absmax "
+                f"{a.dtype} {tuple(a.shape)}; expected uint8 {codes_shape} and float32 "
+                f"{want_absmax}. The layout is fixed when the state is created: keep the "
+                f"group's block_size (and the checkpoint's parameter shapes), or start from "
+                f"fresh state"
+            )
+
+
 def _check_placements(p: DTensor, what: str = "8-bit optimizer state") -> None:
     for pl in p.placements:
         if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
@@ -437,6 +468,7 @@ class Optimizer8bit(BlockwiseOptimizer):
             return
         codes = [_local(state[f"{n}_codes"]) for n, _ in specs]
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
+        _check_layout(type(self).__name__, p_l, codes, absmax, tuple(p_l.shape), bs)
         maps = [_qstate.qmap(signed) for _, signed in specs]
         offset = _global_row_offset(p) * _qstate.row_view(p_l.shape)[1]
         if (

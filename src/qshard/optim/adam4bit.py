@@ -30,6 +30,7 @@ from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
 from qshard.optim._base8bit import (
     BlockwiseOptimizer,
+    _check_layout,
     _check_lr,
     _check_placements,
     _check_real,
@@ -199,6 +200,8 @@ class Adam4bit(BlockwiseOptimizer):
         qm, qv = self._maps(group)
         bs = group["block_size"]
         rows, row_numel = row_view(p_l.shape)
+        packed = (rows, _qstate4.packed_row(row_numel))
+        _check_layout(type(self).__name__, p_l, codes, absmax, packed, bs)
         hp = adam_group_hparams(group, step, decoupled=self._decoupled, inverse_bc2=True)
         if (
             _triton.serves(p_l)
