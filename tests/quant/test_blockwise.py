@@ -274,3 +274,42 @@ def test_blockquantized_is_plain_tensors():
     assert q.num_blocks == 8 and q.padded_numel == 1024 and q.nbytes() == 1024 + 8 * 4
     with pytest.raises(AttributeError):
         q.bits = 4  # frozen
+
+
+def test_dequantize_refuses_inconsistent_blockquantized():
+    """A hand-built or edited BlockQuantized whose fields disagree used to reach the C kernel
+    with its sizes: scales shorter than the blocks segfaulted, a shape smaller than numel made
+    the kernel write numel values into a smaller result (heap overflow, silently), a bits
+    that does not match the codes failed with a bare view error."""
+    q = quantize_blockwise(torch.randn(300), bits=8, block_size=64)
+    fields = {f: getattr(q, f) for f in BlockQuantized.__dataclass_fields__}
+    bad = {
+        "scales": {"scales": q.scales[:2]},
+        "shape": {"shape": torch.Size((10, 10))},
+        "codes are torch.int8 with 100": {"codes": q.codes[:100]},
+        "expected torch.uint8": {"bits": 4},
+        "scales has shape": {"block_size": 128},
+    }
+    for match, change in bad.items():
+        with pytest.raises(ValueError, match=f"inconsistent BlockQuantized: .*{match}"):
+            dequantize_blockwise(BlockQuantized(**{**fields, **change}))
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        dequantize_blockwise(BlockQuantized(**{**fields, "bits": 8.0}))
+    assert torch.equal(dequantize_blockwise(BlockQuantized(**fields)), dequantize_blockwise(q))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, torch.complex64])
+def test_dequantize_refuses_non_float_results(dtype):
+    """An integer / bool / complex result silently truncated the values (copy_ casts)."""
+    x = torch.randn(300) * 5
+    q = quantize_blockwise(x, bits=8, block_size=64)
+    with pytest.raises(TypeError, match="floating point"):
+        dequantize_blockwise(q, dtype=dtype)
+    with pytest.raises(TypeError, match="floating point"):
+        dequantize_blockwise(q, out=torch.empty(300, dtype=dtype))
+    codes, scales = quantize_blocks(x.view(3, 100), bits=8)
+    with pytest.raises(TypeError, match="floating point"):
+        dequantize_blocks(codes, scales, bits=8, dtype=dtype)
+    with pytest.raises(TypeError, match="floating point"):
+        dequantize_blocks(codes, scales, bits=8, out=torch.empty(300, dtype=dtype))
+    assert dequantize_blockwise(q, dtype=torch.float64).dtype == torch.float64

@@ -212,3 +212,32 @@ def test_stochastic_rounding_picks_neighbours_without_bias():
     assert bool(((c == lo) | (c == hi)).all())
     gap = (code[hi] - code[lo]).max().item()
     assert (d.mean(0) - x[:256]).abs().max().item() < 5 * gap / (2 * 400**0.5)
+
+
+def test_code_map_and_codes_are_checked():
+    """A NaN in the map passed the sort check and quantized to garbage; codes past a short
+    map made the C dequantizer read past the map; integer results truncated silently."""
+    x = torch.randn(300)
+    with pytest.raises(ValueError, match="finite"):
+        quantize_codebook(x, torch.tensor([-1.0, float("nan"), 1.0]))
+    with pytest.raises(ValueError, match="finite"):
+        dequantize_codebook(
+            torch.zeros(3, dtype=torch.uint8), torch.ones(1), torch.tensor([0.0, float("inf")])
+        )
+    codes, absmax = quantize_codebook(x, dynamic_map(signed=True), block_size=64)
+    short = dynamic_map(signed=True, total_bits=4, max_exponent_bits=3)
+    with pytest.raises(ValueError, match="the map has 16 values"):
+        dequantize_codebook(codes, absmax, short, block_size=64)
+    codes4, absmax4 = quantize_codebook(x, short, block_size=64)
+    assert dequantize_codebook(codes4, absmax4, short, block_size=64).shape == (300,)
+    for dtype in (torch.int32, torch.bool):
+        with pytest.raises(TypeError, match="floating point"):
+            dequantize_codebook(codes, absmax, dynamic_map(signed=True), block_size=64, dtype=dtype)
+        with pytest.raises(TypeError, match="floating point"):
+            dequantize_codebook(
+                codes,
+                absmax,
+                dynamic_map(signed=True),
+                block_size=64,
+                out=torch.empty(300, dtype=dtype),
+            )

@@ -45,3 +45,14 @@ def test_validation():
         pack_signs(torch.arange(4))
     with pytest.raises(TypeError):
         unpack_signs(torch.zeros(2, dtype=torch.int8), 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int32])
+def test_unpack_refuses_non_float_results(dtype):
+    """-1 came back as 255 in uint8 and True in bool."""
+    packed = pack_signs(torch.tensor([1.0, -1.0]))
+    with pytest.raises(TypeError, match="floating point"):
+        unpack_signs(packed, 2, dtype=dtype)
+    with pytest.raises(TypeError, match="floating point"):
+        unpack_signs(packed, 2, out=torch.empty(2, dtype=dtype))
+    assert unpack_signs(packed, 2, dtype=torch.float64).tolist() == [1.0, -1.0]

@@ -40,6 +40,7 @@ INT4 packing follows DeepSpeed's layout: element ``2k`` in the high nibble of by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,8 +74,8 @@ _ROUNDINGS = ("nearest", "stochastic")
 
 def qmax_for_bits(bits: int) -> int:
     """Largest code magnitude for ``bits``: 127 for INT8, 7 for INT4 (symmetric range)."""
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8; got {bits}")
+    if bits not in (4, 8) or not isinstance(bits, int):
+        raise ValueError(f"bits must be 4 or 8; got {bits!r}")
     return (1 << (bits - 1)) - 1
 
 
@@ -284,6 +285,7 @@ def dequantize_blocks(
         _check_out(out, codes2d.numel())
         result = out
     else:
+        check_float_output(dtype)
         result = torch.empty(codes2d.shape, dtype=dtype, device=codes2d.device)
     _dequantize_into(codes2d, scales, qmax, result.view(codes2d.shape))
     return result
@@ -321,6 +323,49 @@ def _check_out(out: Tensor, numel: int) -> None:
             f"out must be a contiguous tensor of {numel} elements; got shape {tuple(out.shape)}"
             f" (contiguous={out.is_contiguous()})"
         )
+    check_float_output(out.dtype, "out")
+
+
+def check_float_output(dtype: torch.dtype, what: str = "dtype") -> None:
+    """Dequantized values are floats: an integer, bool or complex result would silently
+    truncate them (``copy_`` casts), so refuse it."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"dequantized values are floating point; got {what} {dtype} (pass a float dtype such "
+            "as torch.float32, then cast the result yourself if you need another type)"
+        )
+
+
+def _check_quantized(q: BlockQuantized) -> int:
+    """Refuse a :class:`BlockQuantized` whose fields disagree (hand-built or edited): the
+    kernels index its codes and scales by these sizes. Returns the codes per block."""
+    qmax_for_bits(q.bits)
+    _check_block_size(q.block_size, q.bits)
+    per_block = q.block_size if q.bits == 8 else q.block_size // 2
+    want_dtype = torch.int8 if q.bits == 8 else torch.uint8
+    num_blocks = -(-q.numel // q.block_size) if q.numel >= 0 else -1
+    problems = []
+    if q.numel < 0 or math.prod(q.shape) != q.numel:
+        problems.append(f"shape {tuple(q.shape)} does not hold numel={q.numel} elements")
+    if q.scales.dim() != 1 or q.scales.numel() != num_blocks:
+        problems.append(
+            f"scales has shape {tuple(q.scales.shape)}, expected ({num_blocks},) "
+            f"(ceil(numel / block_size))"
+        )
+    if q.codes.dtype != want_dtype or q.codes.numel() != num_blocks * per_block:
+        problems.append(
+            f"codes are {q.codes.dtype} with {q.codes.numel()} elements, expected {want_dtype} "
+            f"with {num_blocks * per_block} (bits={q.bits}, block_size={q.block_size})"
+        )
+    if q.scales.device != q.codes.device:
+        problems.append(f"codes on {q.codes.device} but scales on {q.scales.device}")
+    if problems:
+        raise ValueError(
+            "inconsistent BlockQuantized: "
+            + "; ".join(problems)
+            + " (build it with quantize_blockwise, and keep its fields together)"
+        )
+    return per_block
 
 
 def pack_int4(codes: Tensor) -> Tensor:
@@ -423,29 +468,22 @@ def dequantize_blockwise(
     the values are written there and ``out`` is returned; ``dtype`` must then be ``None`` or
     ``out.dtype``.
     """
+    # the kernels trust these sizes: a hand-built BlockQuantized must not read or write past them
+    per_block = _check_quantized(q)
     if out is not None:
         _check_out(out, q.numel)
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"dtype {dtype} conflicts with out.dtype {out.dtype}; pass one")
         result = out
     else:
-        result = torch.empty(
-            q.shape, dtype=q.dtype if dtype is None else dtype, device=q.codes.device
-        )
+        dtype = q.dtype if dtype is None else dtype
+        check_float_output(dtype)
+        result = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
     flat = result.view(-1)
     bs = q.block_size
-    per_block = bs if q.bits == 8 else bs // 2
     full = q.numel // bs
     qmax = qmax_for_bits(q.bits)
-    if (
-        q.codes.is_contiguous()
-        and q.codes.device.type == "cpu"
-        and q.codes.dtype == (torch.int8 if q.bits == 8 else torch.uint8)
-        # the C kernel trusts these sizes: a hand-built BlockQuantized must not read past them
-        and q.codes.numel() == q.num_blocks * per_block
-        and q.num_blocks == -(-q.numel // bs)
-        and _fastpath.use_native_out(flat)
-    ):
+    if q.codes.is_contiguous() and q.codes.device.type == "cpu" and _fastpath.use_native_out(flat):
         scales = q.scales.float().contiguous()
         _native_kernels.dequantize_int(q.codes, scales, q.numel, bs, qmax, flat)
         return result

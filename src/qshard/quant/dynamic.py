@@ -29,6 +29,7 @@ from torch import Tensor
 
 from qshard._native import advise_huge_pages
 from qshard.quant import _codetable, _fastpath, _native_kernels
+from qshard.quant.blockwise import check_float_output
 
 __all__ = [
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
@@ -120,7 +121,12 @@ def _check_code(code: Tensor) -> None:
             f"code must be a 1-D fp32 map of 2..256 values; got shape {tuple(code.shape)}, "
             f"{code.dtype}"
         )
-    if bool((code[1:] < code[:-1]).any()):
+    unsorted, nonfinite = torch.stack(
+        [(code[1:] < code[:-1]).any(), ~torch.isfinite(code).all()]
+    ).tolist()
+    if nonfinite:  # a NaN passes the sort check and then matches no midpoint
+        raise ValueError(f"code must hold finite values; got {code.tolist()}")
+    if unsorted:
         raise ValueError("code must be sorted ascending (use torch.sort(code).values)")
 
 
@@ -315,13 +321,21 @@ def dequantize_codebook(
     if out is not None:
         if out.numel() != numel or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous tensor of {numel} elements")
+        check_float_output(out.dtype, "out")
         result = out
     else:
+        check_float_output(dtype)
         result = torch.empty(
             shape if shape is not None else (numel,), dtype=dtype, device=codes.device
         )
         if result.numel() != numel:
             raise ValueError(f"shape {tuple(shape)} does not hold {numel} elements")
+    if numel and code.numel() < 256 and int(flat.max()) >= code.numel():
+        # the kernels index the map by the code: a code past a short map would read past it
+        raise ValueError(
+            f"codes hold {int(flat.max())}, but the map has {code.numel()} values; dequantize "
+            "with the map the codes were made with"
+        )
     values = result.view(-1)
     full = numel // block_size
     split = 0
