@@ -47,6 +47,55 @@ def test_from_env(monkeypatch):
         Topology.from_env()
 
 
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
+        ({"WORLD_SIZE": ""}, "WORLD_SIZE='' is not an integer"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+        ({"WORLD_SIZE": "-2", "LOCAL_WORLD_SIZE": "1"}, "WORLD_SIZE=-2 must be >= 1"),
+        ({"WORLD_SIZE": "4", "RANK": "x", "LOCAL_WORLD_SIZE": "2"}, "RANK='x'"),
+        ({"WORLD_SIZE": "4", "RANK": "-1", "LOCAL_WORLD_SIZE": "2"}, "RANK=-1 must be >= 0"),
+        ({"WORLD_SIZE": "4", "RANK": "7", "LOCAL_WORLD_SIZE": "2"}, "RANK=7 is not below WORLD_"),
+        ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "2.0"}, "LOCAL_WORLD_SIZE='2.0'"),
+        ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 must"),
+        ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=3 does not"),
+        ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 does not"),
+        (
+            {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+            "LOCAL_RANK=0 does not match rank 1",
+        ),
+        (
+            {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "one"},
+            "LOCAL_RANK='one'",
+        ),
+    ],
+)
+def test_from_env_names_the_bad_variable(monkeypatch, env, match):
+    """Odd or inconsistent launch variables used to fail with int()'s bare message, with the
+    wrong cause (WORLD_SIZE=0 blamed LOCAL_WORLD_SIZE) or not at all (a LOCAL_RANK that
+    contradicts node-major numbering gave a silently wrong node)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        Topology.from_env()
+
+
+def test_from_env_accepts_torchrun_values(monkeypatch):
+    for rank in range(6):
+        monkeypatch.setenv("WORLD_SIZE", " 6 ")
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+        monkeypatch.setenv("LOCAL_RANK", str(rank % 3))
+        t = Topology.from_env()
+        assert (t.node, t.local_rank) == (rank // 3, rank % 3)
+    # An explicit ranks_per_node (emulated nodes) does not read LOCAL_*.
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert Topology.from_env(ranks_per_node=2).node == 2
+
+
 def _groups_world(rank: int, world_size: int, rpn: int) -> list:
     topo = Topology.from_env(ranks_per_node=rpn)
     topo.init_groups()

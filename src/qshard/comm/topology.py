@@ -75,14 +75,19 @@ class Topology:
         given (to emulate nodes), else ``LOCAL_WORLD_SIZE`` (set by torchrun), else an error:
         it is never guessed from device counts.
         """
-        if dist.is_available() and dist.is_initialized():
+        initialized = dist.is_available() and dist.is_initialized()
+        if initialized:
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
-            world_size = int(os.environ.get("WORLD_SIZE", "1"))
-            rank = int(os.environ.get("RANK", "0"))
+            world_size = _env_int("WORLD_SIZE", 1, minimum=1)
+            rank = _env_int("RANK", 0, minimum=0)
+            if rank >= world_size:
+                raise ValueError(
+                    f"RANK={rank} is not below WORLD_SIZE={world_size}; the launcher's "
+                    "environment is inconsistent (RANK must be in [0, WORLD_SIZE))"
+                )
         if ranks_per_node is None:
-            env = os.environ.get("LOCAL_WORLD_SIZE")
-            if env is None:
+            if os.environ.get("LOCAL_WORLD_SIZE") is None:
                 if world_size == 1:
                     ranks_per_node = 1
                 else:
@@ -92,7 +97,29 @@ class Topology:
                         "Topology.from_env(ranks_per_node=...)"
                     )
             else:
-                ranks_per_node = int(env)
+                ranks_per_node = _env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
+                world = (
+                    f"the process group's world size {world_size}"
+                    if initialized
+                    else f"WORLD_SIZE={world_size}"
+                )
+                if world_size % ranks_per_node:
+                    raise ValueError(
+                        f"LOCAL_WORLD_SIZE={ranks_per_node} does not divide {world} (nodes "
+                        "hold equal numbers of ranks); fix the launch environment or pass "
+                        "Topology.from_env(ranks_per_node=...)"
+                    )
+                local = os.environ.get("LOCAL_RANK")
+                if local is not None:
+                    local_rank = _env_int("LOCAL_RANK", 0, minimum=0)
+                    if local_rank != rank % ranks_per_node:
+                        raise ValueError(
+                            f"LOCAL_RANK={local_rank} does not match rank {rank} under "
+                            f"LOCAL_WORLD_SIZE={ranks_per_node}: qshard numbers ranks node-major "
+                            f"(local rank = rank % ranks_per_node = {rank % ranks_per_node}, as "
+                            "torchrun does); launch with node-major ranks or pass "
+                            "Topology.from_env(ranks_per_node=...)"
+                        )
         return cls(world_size=world_size, ranks_per_node=ranks_per_node, rank=rank)
 
     # ----------------------------------------------------------------- numbering
@@ -215,3 +242,20 @@ class Topology:
 
     def __hash__(self) -> int:
         return hash((self._world_size, self._ranks_per_node, self._rank))
+
+
+def _env_int(name: str, default: int, *, minimum: int) -> int:
+    """Integer environment variable ``name`` (``default`` when unset), with errors naming it."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer; set it to an int >= "
+            f"{minimum} (or unset it)"
+        ) from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={value} must be >= {minimum}")
+    return value
