@@ -58,6 +58,36 @@ def test_single_process_without_process_group(numel):
             torch.testing.assert_close(f1.double(), ref_es[0], **tol)
 
 
+def test_masks_must_be_bool_and_buffers_may_have_any_shape():
+    """A float mask weighted the values (a 0.5 entry came back halved, and counted as half an
+    element in the scale) instead of being refused; a worker error buffer of the right size
+    but 2-D failed with a broadcasting error."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    t = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    ew, es = torch.zeros(padded_numel(6, 1)), torch.zeros(server_error_numel(6, 1))
+    for bad, match in (
+        (torch.tensor([[1.0, 1.0, 0.5], [0.5, 1.0, 1.0]]), "mask != 0"),
+        (torch.ones(2, 3, dtype=torch.int64), "mask != 0"),
+        (torch.ones(6, dtype=torch.bool), "reshape it like the tensor"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            compressed_all_reduce([t], [ew], [es], masks=[bad])
+    assert not ew.any() and not es.any(), "a refused call must not touch the buffers"
+    mask = torch.tensor([[True, False, True], [True, True, False]])
+    ref_ew, ref_es = ew.clone(), es.clone()
+    ew2 = torch.zeros(2, padded_numel(6, 1) // 2)
+    ew_strided = torch.zeros(2 * padded_numel(6, 1))[::2]
+    es2 = torch.zeros(server_error_numel(6, 1), 1)
+    for _ in range(3):
+        (ref,) = compressed_all_reduce([t], [ref_ew], [ref_es], masks=[mask])
+        (a,) = compressed_all_reduce([t], [ew2], [es2], masks=[mask])
+        (b,) = compressed_all_reduce([t], [ew_strided], [es], masks=[mask])
+        assert torch.equal(a, ref) and torch.equal(b, ref)
+        assert torch.equal(ew2.reshape(-1), ref_ew) and torch.equal(ew_strided, ref_ew)
+        assert torch.equal(es2.reshape(-1), ref_es) and torch.equal(es, ref_es)
+
+
 def reference_round(inputs, worker_errors, server_errors, mask):
     """One compressed all-reduce of one tensor, all ranks simulated in float64.
 

@@ -112,13 +112,14 @@ def compressed_all_reduce(
 
     Args:
         tensors: float32 tensors of any shapes (the same shapes on every rank). Not modified.
-        worker_errors: one float32 buffer of ``padded_numel(t.numel(), n)`` elements per tensor,
-            this rank's worker error; updated in place. Start from zeros.
+        worker_errors: one float32 buffer of ``padded_numel(t.numel(), n)`` elements per tensor
+            (any shape, read flat), this rank's worker error; updated in place. Start from zeros.
         server_errors: one float32 buffer of ``server_error_numel(t.numel(), n)`` elements per
-            tensor, this rank's server error; updated in place. Start from zeros.
+            tensor (any shape), this rank's server error; updated in place. Start from zeros.
         masks: optional bool tensor per tensor (shape of the tensor, or ``None``): ``False``
             marks structurally zero elements, which are sent as nothing and come back exactly 0
-            (see [Note: valid elements]). Must be identical on every rank.
+            (see [Note: valid elements]). Must be identical on every rank. Any other dtype is
+            refused (a float mask would weight the values instead of selecting them).
         group: the process group (default: the world; a single process without an initialised
             process group, see [Note: one process]).
         tag: name under which the two collectives are recorded in the active comm ledger.
@@ -155,6 +156,15 @@ def compressed_all_reduce(
                 f"{ew.numel()} and {es.numel()} (allocate them with padded_numel / "
                 f"server_error_numel for this group's size)"
             )
+        mask = masks[i]
+        if mask is not None and (mask.dtype != torch.bool or mask.shape != t.shape):
+            # a float mask would weight the values (0.5 halves them) instead of selecting them
+            fix = "pass mask != 0" if mask.dtype != torch.bool else "reshape it like the tensor"
+            raise ValueError(
+                f"tensor {i}: a mask is a bool tensor of the tensor's shape {tuple(t.shape)} "
+                f"(False: structurally zero); got {mask.dtype} of shape {tuple(mask.shape)} "
+                f"({fix})"
+            )
     width = sum(chunks)  # elements per destination rank; a multiple of 8
     device = tensors[0].device  # every buffer lives where the data is (CPU/gloo, GPU/NCCL)
     seg_ids = torch.repeat_interleave(
@@ -170,10 +180,8 @@ def compressed_all_reduce(
         if mask is None:
             vp[:k] = 1.0
         else:
-            if mask.shape != t.shape:
-                raise ValueError(f"mask shape {tuple(mask.shape)} != tensor {tuple(t.shape)}")
             vp[:k] = mask.reshape(-1).to(torch.float32)
-        xp = ew.clone()
+        xp = ew.reshape(-1).clone()  # buffers of any shape (and strides) with the right numel
         xp[:k] += t.detach().reshape(-1)
         xp.mul_(vp)  # invalid elements carry no value and no error
         x[:, offset : offset + c] = xp.view(n, c)
@@ -221,8 +229,9 @@ def compressed_all_reduce(
     offset = 0
     for ew, es, c in zip(worker_errors, server_errors, chunks):
         part = slice(offset, offset + c)  # no host sync: a where, not an if
-        ew.copy_(torch.where(keep[part], new_worker_error[:, part], ew.view(n, c)).reshape(-1))
-        es.copy_(new_server_error[part])
+        old = ew.reshape(n, c)
+        ew.copy_(torch.where(keep[part], new_worker_error[:, part], old).reshape(ew.shape))
+        es.copy_(new_server_error[part].reshape(es.shape))
         offset += c
 
     payload = torch.empty(row, dtype=torch.uint8, device=device)
