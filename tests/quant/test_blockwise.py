@@ -268,6 +268,15 @@ def test_validation_errors_name_the_fix():
         dequantize_blockwise(quantize_blockwise(x), out=torch.empty(9))
 
 
+def test_quantize_blocks_refuses_empty_blocks():
+    """(rows, 0) failed inside torch.amax with 'Expected reduction dim 1 to have non-zero
+    size'; zero rows stay fine."""
+    with pytest.raises(ValueError, match="at least one element"):
+        quantize_blocks(torch.empty(5, 0), bits=8)
+    codes, scales = quantize_blocks(torch.empty(0, 64), bits=4)
+    assert codes.shape == (0, 64) and scales.shape == (0,)
+
+
 def test_blockquantized_is_plain_tensors():
     q = quantize_blockwise(torch.randn(1000), bits=8, block_size=128)
     assert isinstance(q, BlockQuantized)

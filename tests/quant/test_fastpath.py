@@ -153,6 +153,22 @@ def test_switch_and_threshold(fast_mode):
     assert not _fastpath.use_fastpath(torch.empty(10**6, device="meta"))
     with pytest.raises(ValueError):
         Q.set_fastpath(True, min_numel=-1)
+    with pytest.raises(ValueError, match="int >= 0"):
+        Q.set_fastpath(True, min_numel=2.5)
+
+
+def test_min_numel_environment_variable_names_itself(monkeypatch):
+    """QSHARD_QUANT_FASTPATH_MIN_NUMEL=1e6 made `import qshard` fail with int()'s bare
+    'invalid literal' message."""
+    name = "QSHARD_QUANT_FASTPATH_MIN_NUMEL"
+    for bad in ("1e6", "", "-3", "lots"):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}={bad!r} must be a whole number"):
+            _fastpath._env_min_numel(name, 1 << 18)
+    monkeypatch.setenv(name, " 4096 ")
+    assert _fastpath._env_min_numel(name, 1 << 18) == 4096
+    monkeypatch.delenv(name)
+    assert _fastpath._env_min_numel(name, 1 << 18) == 1 << 18
 
 
 def test_compiled_int8_matches_reference(fast_mode):

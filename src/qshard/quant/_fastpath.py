@@ -51,8 +51,24 @@ def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
 
 
+def _env_min_numel(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"environment variable {name}={raw!r} must be a whole number of elements >= 0 "
+            f"(e.g. {default}); unset it for the default"
+        )
+    return value
+
+
 _enabled = _env_flag("QSHARD_QUANT_FASTPATH", "1")
-_min_numel = int(os.environ.get("QSHARD_QUANT_FASTPATH_MIN_NUMEL", str(1 << 18)))
+_min_numel = _env_min_numel("QSHARD_QUANT_FASTPATH_MIN_NUMEL", 1 << 18)
 
 
 def set_fastpath(enabled: bool, *, min_numel: int | None = None) -> None:
@@ -60,8 +76,8 @@ def set_fastpath(enabled: bool, *, min_numel: int | None = None) -> None:
     (elements) below which the reference path is used. Both paths give the same bits."""
     global _enabled, _min_numel
     if min_numel is not None:
-        if min_numel < 0:
-            raise ValueError(f"min_numel must be >= 0; got {min_numel}")
+        if not isinstance(min_numel, int) or min_numel < 0:
+            raise ValueError(f"min_numel must be an int >= 0; got {min_numel!r}")
         _min_numel = int(min_numel)
     _enabled = bool(enabled)
 

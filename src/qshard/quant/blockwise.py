@@ -202,6 +202,8 @@ def quantize_blocks(
         )
     if x2d.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize_blocks supports {_FLOAT_DTYPES}; got {x2d.dtype}")
+    if x2d.shape[1] == 0:
+        raise ValueError("quantize_blocks needs blocks of at least one element; got 0 columns")
     codes = torch.empty(x2d.shape, dtype=torch.int8, device=x2d.device)
     scales = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
     _quantize_into(x2d, qmax, rounding, generator, codes, scales)
