@@ -207,6 +207,12 @@ def _check_ledger(group, world_rank):
     es = [torch.zeros(server_error_numel(k, n)) for k in numels]
     with recording(ledger):
         compressed_all_reduce(tensors, ew, es, group=group, tag="t")
+    ledger.count("seen")
+    ledger.step()
+    ledger.count("seen", 2)
+    # gather_summary dropped the events (benchmarks/comm_volume.py read them from it).
+    exact = ledger.gather_summary(group)
+    assert exact.events == (("seen", 3),) and exact.rows() == ledger.summary().rows()
     s = ledger.summary()
     width = sum(padded_numel(k, n) for k in numels) // n
     # One row per destination: the fp32 scales, the packed signs, padding to 4 bytes.

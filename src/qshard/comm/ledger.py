@@ -326,7 +326,8 @@ class CommLedger:
     def gather_summary(self, group: object | None = None) -> LedgerSummary:
         """Totals with exact per-node bytes: every rank's share summed per node, busiest node
         reported per entry. Collective over ``group`` (default: the world); needs every rank
-        of the world to call it."""
+        of the world to call it. ``calls``, ``tensor_bytes`` and the events are this rank's,
+        as in :meth:`summary`."""
         import torch.distributed as dist
 
         with self._lock:
@@ -335,6 +336,9 @@ class CommLedger:
                 for key, acc in src.items():
                     merged.setdefault(key, _Acc()).add(acc)
             mine = {key: (a.calls, a.tensor_bytes, a.intra, a.inter) for key, a in merged.items()}
+            events = dict(self._events_total)
+            for name, n in self._events_current.items():
+                events[name] = events.get(name, 0) + n
         gathered: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(gathered, (self.topology.rank, mine), group=group)
         keys: list[tuple[str, str]] = []
@@ -364,7 +368,9 @@ class CommLedger:
                     inter_node_bytes=max(per_node_inter.values()),
                 )
             )
-        return LedgerSummary(entries=tuple(entries), steps=self._steps)
+        return LedgerSummary(
+            entries=tuple(entries), events=tuple(events.items()), steps=self._steps
+        )
 
 
 _ACTIVE: list[CommLedger] = []
