@@ -287,7 +287,7 @@ def dequantize_blocks(
         _check_out(out, codes2d.numel())
         result = out
     else:
-        check_float_output(dtype)
+        _check_float_output(dtype)
         result = torch.empty(codes2d.shape, dtype=dtype, device=codes2d.device)
     _dequantize_into(codes2d, scales, qmax, result.view(codes2d.shape))
     return result
@@ -325,10 +325,10 @@ def _check_out(out: Tensor, numel: int) -> None:
             f"out must be a contiguous tensor of {numel} elements; got shape {tuple(out.shape)}"
             f" (contiguous={out.is_contiguous()})"
         )
-    check_float_output(out.dtype, "out")
+    _check_float_output(out.dtype, "out")
 
 
-def check_float_output(dtype: torch.dtype, what: str = "dtype") -> None:
+def _check_float_output(dtype: torch.dtype, what: str = "dtype") -> None:
     """Dequantized values are floats: an integer, bool or complex result would silently
     truncate them (``copy_`` casts), so refuse it."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -479,7 +479,7 @@ def dequantize_blockwise(
         result = out
     else:
         dtype = q.dtype if dtype is None else dtype
-        check_float_output(dtype)
+        _check_float_output(dtype)
         result = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
     flat = result.view(-1)
     bs = q.block_size

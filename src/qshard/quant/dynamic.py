@@ -29,7 +29,7 @@ from torch import Tensor
 
 from qshard._native import advise_huge_pages
 from qshard.quant import _codetable, _fastpath, _native_kernels
-from qshard.quant.blockwise import check_float_output
+from qshard.quant.blockwise import _check_float_output
 
 __all__ = [
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
@@ -321,10 +321,10 @@ def dequantize_codebook(
     if out is not None:
         if out.numel() != numel or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous tensor of {numel} elements")
-        check_float_output(out.dtype, "out")
+        _check_float_output(out.dtype, "out")
         result = out
     else:
-        check_float_output(dtype)
+        _check_float_output(dtype)
         result = torch.empty(
             shape if shape is not None else (numel,), dtype=dtype, device=codes.device
         )

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from qshard import _triton
 from qshard.quant import _fastpath, _native_kernels
-from qshard.quant.blockwise import check_float_output
+from qshard.quant.blockwise import _check_float_output
 
 __all__ = ["pack_signs", "unpack_signs"]
 
@@ -85,7 +85,7 @@ def unpack_signs(
         result = out
         out = out.view(-1)
         dtype = out.dtype
-    check_float_output(dtype, "out" if result is not None else "dtype")
+    _check_float_output(dtype, "out" if result is not None else "dtype")
     if _triton.serves(flat):  # docs/gpu.md
         values = _triton.unpack_signs(flat.contiguous(), numel, dtype=dtype)
         if result is None:
