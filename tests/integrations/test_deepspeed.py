@@ -158,6 +158,38 @@ def test_deepspeed_defaults_for_absent_keys(tmp_path):
     assert bf16.mp_policy.reduce_dtype == torch.bfloat16  # DeepSpeed reduces bf16 in bf16
 
 
+def test_torch_adam_takes_torch_adamw_default_weight_decay():
+    # DeepSpeed's torch_adam: true builds torch.optim.AdamW(**params): without a weight_decay
+    # that is torch's default 0.01, not FusedAdam's 0.
+    def kwargs(**params):
+        cfg = {"optimizer": {"type": params.pop("type", "AdamW"), "params": params}}
+        return read_deepspeed_config(cfg).optimizer_kwargs
+
+    assert kwargs(torch_adam=True)["weight_decay"] == 0.01
+    assert kwargs(type="Adam", torch_adam=True)["weight_decay"] == 0.01  # Adam is AdamW
+    assert kwargs(torch_adam=True, weight_decay=0)["weight_decay"] == 0
+    assert kwargs(type="Adam", torch_adam=True, adam_w_mode=False)["weight_decay"] == 0  # Adam
+    assert kwargs(torch_adam=False)["weight_decay"] == 0  # FusedAdam's default
+    assert kwargs()["weight_decay"] == 0
+
+
+def test_batch_sizes_must_be_consistent():
+    # DeepSpeed requires train_batch_size = micro batch x accumulation steps x world size.
+    ok = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}
+    t = read_deepspeed_config({**ok, "gradient_accumulation_steps": 4})
+    assert (t.train_batch_size, t.micro_batch_size, t.gradient_accumulation_steps) == (16, 2, 4)
+    for bad, what in (
+        ({**ok, "gradient_accumulation_steps": 3}, "micro_batch_size_per_gpu 2 x gradient_acc"),
+        (
+            {**ok, "train_micro_batch_size_per_gpu": 3},
+            "multiple of train_micro_batch_size_per_gpu 3:",
+        ),
+        ({"train_batch_size": 10, "gradient_accumulation_steps": 4}, "accumulation_steps 4:"),
+    ):
+        with pytest.raises(DeepSpeedConfigError, match=f"train_batch_size: .*{what}"):
+            read_deepspeed_config(bad)
+
+
 def test_one_bit_optimizers_are_mapped():
     t = read_deepspeed_config(ZERO_ONE)
     assert t.optimizer_class is ZeroOneAdam and t.zeropp is None
@@ -213,6 +245,17 @@ def test_every_deepspeed_zero_key_is_handled():
         ({"zero_optimization": {"zero_quantized_weights": True}}, "ZeRO\\+\\+ needs stage 3"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"activation_checkpointing": {"partition_activations": True}}, "partition"),
+        # DeepSpeed's pydantic reads the string "false" as False; truthiness read it as True
+        (
+            {"zero_optimization": {"stage": 3, "overlap_comm": "false"}},
+            "overlap_comm: must be true or false; got 'false'",
+        ),
+        ({"bf16": {"enabled": "false"}}, "bf16.enabled: must be true or false"),
+        ({"fp16": {"enabled": "false"}}, "fp16.enabled: must be true or false"),
+        ({"torch_autocast": {"enabled": "false"}}, "torch_autocast.enabled: must be true or"),
+        ({"optimizer": {"type": "AdamW", "params": [["lr", 1e-3]]}}, "params: must be a JSON"),
+        ({"gradient_clipping": float("nan")}, "gradient_clipping: must be a finite number"),
+        ({"gradient_clipping": float("inf")}, "0: no clipping"),
     ],
 )
 def test_refused_keys_are_named(config, message):

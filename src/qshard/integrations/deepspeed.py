@@ -152,10 +152,16 @@ _ONEBIT_NO_EQUIVALENT = {
     "comm_backend_name": "qshard communicates through torch.distributed's process group",
 }
 _ADAM_NO_EQUIVALENT = {
-    "torch_adam": "qshard uses torch.optim's Adam/AdamW (DeepSpeed's FusedAdam computes the same)",
+    "torch_adam": (
+        "qshard uses torch.optim's Adam/AdamW (DeepSpeed's FusedAdam computes the same); with "
+        "torch_adam and no weight_decay, AdamW gets torch's default 0.01, as in DeepSpeed"
+    ),
     "set_grad_none": "torch optimizers set gradients to None in zero_grad() by default",
 }
 _OPTIMIZER_TYPES = ("adam", "adamw", "onebitadam", "zerooneadam")
+# torch.optim.AdamW's weight_decay default: what DeepSpeed's torch_adam: true path gets when
+# the config gives none (its FusedAdam's default is 0).
+_TORCH_ADAMW_WEIGHT_DECAY = 0.01
 
 # --- the top level ----------------------------------------------------------------------------
 
@@ -350,8 +356,16 @@ class _Reader:
         mp_policy, comm = self.precision(cfg)
         zeropp, hpz_size = self.zeropp(cfg, stage, comm, mp_policy, ranks_per_node)
         clip = cfg.get("gradient_clipping", 0.0)
-        if not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0:
-            raise self.fail("gradient_clipping", f"must be a number >= 0; got {clip!r}")
+        if (
+            not isinstance(clip, (int, float))
+            or isinstance(clip, bool)
+            or not math.isfinite(clip)
+            or clip < 0
+        ):
+            raise self.fail(
+                "gradient_clipping", f"must be a finite number >= 0 (0: no clipping); got {clip!r}"
+            )
+        batch = self.batch_sizes(cfg)
         return DeepSpeedTranslation(
             zeropp=zeropp,
             optimizer=name,
@@ -359,13 +373,38 @@ class _Reader:
             optimizer_kwargs=kwargs,
             mp_policy=mp_policy,
             gradient_clipping=float(clip),
-            train_batch_size=self.positive(cfg, "train_batch_size"),
-            micro_batch_size=self.positive(cfg, "train_micro_batch_size_per_gpu"),
-            gradient_accumulation_steps=self.positive(cfg, "gradient_accumulation_steps"),
+            train_batch_size=batch[0],
+            micro_batch_size=batch[1],
+            gradient_accumulation_steps=batch[2],
             hpz_partition_size=hpz_size,
             communication_data_type=comm,
             no_equivalent=dict(self.no_equivalent),
         )
+
+    def batch_sizes(self, cfg: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+        """``train_batch_size``, the micro batch and the accumulation steps; DeepSpeed requires
+        ``train_batch_size == micro batch x accumulation steps x world size``, so a global
+        batch that is no multiple of the others is wrong at every world size."""
+        batch = self.positive(cfg, "train_batch_size")
+        micro = self.positive(cfg, "train_micro_batch_size_per_gpu")
+        accum = self.positive(cfg, "gradient_accumulation_steps")
+        given = [
+            (name, n)
+            for name, n in (
+                ("train_micro_batch_size_per_gpu", micro),
+                ("gradient_accumulation_steps", accum),
+            )
+            if n is not None
+        ]
+        if batch is not None and given and batch % math.prod(n for _, n in given):
+            what = " x ".join(f"{name} {n}" for name, n in given)
+            raise self.fail(
+                "train_batch_size",
+                f"{batch} is not a multiple of {what}: DeepSpeed requires train_batch_size = "
+                "train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size; "
+                "fix one of them",
+            )
+        return batch, micro, accum
 
     def positive(self, cfg: dict[str, Any], key: str) -> int | None:
         value = cfg.get(key)
@@ -404,7 +443,10 @@ class _Reader:
                 f"{opt.get('type')!r} has no qshard equivalent; use Adam, AdamW, OneBitAdam or "
                 "ZeroOneAdam (qshard.optim.AdamW8bit takes AdamW's arguments)",
             )
-        params = dict(opt.get("params") or {})
+        params = opt.get("params") or {}
+        if not isinstance(params, dict):
+            raise self.fail("optimizer.params", f"must be a JSON object; got {params!r}")
+        params = dict(params)
         if "max_grad_norm" in params:  # DeepSpeed refuses it too
             raise self.fail(
                 "optimizer.params.max_grad_norm", "use the top-level gradient_clipping instead"
@@ -429,6 +471,9 @@ class _Reader:
                 no_equivalent=_ADAM_NO_EQUIVALENT,
             )
             kwargs = self.hyper(params, _ADAM_DEFAULTS)
+            if params.get("torch_adam") and w_mode and "weight_decay" not in params:
+                # DeepSpeed then builds torch.optim.AdamW(**params): torch's default decay.
+                kwargs["weight_decay"] = _TORCH_ADAMW_WEIGHT_DECAY
             return (
                 ("adamw", torch.optim.AdamW, kwargs)
                 if w_mode
@@ -496,7 +541,7 @@ class _Reader:
                 "check_grad_overflow": "bf16 needs no loss scaling, so nothing to check",
             },
         )
-        if fp16.get("enabled", False):
+        if _flag(self, fp16, "enabled", where="fp16"):
             raise self.fail(
                 "fp16.enabled",
                 "qshard has no fp16 loss scaling; use bf16 (bf16.enabled) or fp32 instead",
@@ -512,7 +557,7 @@ class _Reader:
         )
         for name in ("amp", "torch_autocast"):
             section = self.section(cfg, name)
-            if section.get("enabled", False):
+            if _flag(self, section, "enabled", where=name):
                 raise self.fail(
                     f"{name}.enabled",
                     "qshard's mixed precision is FSDP2's MixedPrecisionPolicy: use bf16.enabled",
@@ -534,7 +579,7 @@ class _Reader:
         comm = cfg.get("communication_data_type")
         if comm not in (None, "fp32", "fp16", "bf16"):
             raise self.fail("communication_data_type", f"must be fp32, fp16 or bf16; got {comm!r}")
-        if not bf16.get("enabled", False):
+        if not _flag(self, bf16, "enabled", where="bf16"):
             return None, comm
         # DeepSpeed reduces bf16 gradients in bf16 unless communication_data_type says fp32.
         reduce = torch.float32 if comm == "fp32" else torch.bfloat16
@@ -618,22 +663,33 @@ class _Reader:
             # fp32 compute, 16-bit gradients on the wire (reduced in fp32 here, see the docs).
             wire = torch.float16 if comm == "fp16" else torch.bfloat16
         overlap = zero.get("overlap_comm")
+        if overlap is not None:  # absent / null: DeepSpeed's default at stage 3, on
+            overlap = _flag(self, zero, "overlap_comm")
         return (
             ZeroPPConfig(
                 qwz=qwz,
                 hpz=hpz,
                 qgz=qgz,
-                prefetch=True if overlap is None else bool(overlap),
+                prefetch=True if overlap is None else overlap,
                 wire_dtype=wire,
             ),
             size,
         )
 
 
-def _flag(reader: _Reader, section: dict[str, Any], key: str) -> bool:
-    value = section.get(key, False)
+def _flag(
+    reader: _Reader,
+    section: dict[str, Any],
+    key: str,
+    *,
+    where: str = "zero_optimization",
+    default: bool = False,
+) -> bool:
+    # JSON true/false only: DeepSpeed's pydantic configs read the string "false" as False, so
+    # truthiness (bool("false") is True) would silently invert such a value.
+    value = section.get(key, default)
     if not isinstance(value, bool):
-        raise reader.fail(f"zero_optimization.{key}", f"must be true or false; got {value!r}")
+        raise reader.fail(f"{where}.{key}", f"must be true or false; got {value!r}")
     return value
 
 
