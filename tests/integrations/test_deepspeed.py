@@ -113,6 +113,17 @@ DEEPSPEED_ZERO_KEYS = [
     "enable_sanity_checks",
     "save_muon_momentum_buffer_in_memory",
     "leaf_module",
+    "zeropp_loco_param",
+    "mics_shard_size",
+    "mics_hierarchical_params_gather",
+]
+# Every field of DeepSpeed's DeepSpeedBF16Config (0.19.5).
+DEEPSPEED_BF16_KEYS = [
+    "enabled",
+    "immediate_grad_update",
+    "check_grad_overflow",
+    "bf16_master_weights_and_grads",
+    "bf16_optimizer_states",
 ]
 
 
@@ -219,6 +230,29 @@ def test_every_deepspeed_zero_key_is_handled():
         | set(ds._ZERO_ALIASES)
     )
     assert sorted(set(DEEPSPEED_ZERO_KEYS) - known) == []
+
+
+def test_deepspeed_defaults_of_unmapped_options_are_accepted():
+    # At DeepSpeed's default these options change nothing; set, they are refused by name.
+    zero = {"stage": 3, "mics_shard_size": -1, "mics_hierarchical_params_gather": False}
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+    t = read_deepspeed_config(
+        {"zero_optimization": {**zero, "zeropp_loco_param": None}, "bf16": bf16}
+    )
+    assert t.zeropp is not None and t.mp_policy.param_dtype == torch.bfloat16
+    for key in DEEPSPEED_BF16_KEYS:  # every bf16 key is read (none refused as unknown)
+        read_deepspeed_config({"bf16": {key: False}})
+    for cfg, message in (
+        ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "mics_shard_size: 8.*HSDP"),
+        (
+            {"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}},
+            "zeropp_loco_param.*no LoCo",
+        ),
+        ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "fp32 master weights"),
+        ({"bf16": {"bf16_master_weights_and_grads": True}}, "fp32 master weights"),
+    ):
+        with pytest.raises(DeepSpeedConfigError, match=message):
+            read_deepspeed_config(cfg)
 
 
 @pytest.mark.parametrize(

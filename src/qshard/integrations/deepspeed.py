@@ -129,6 +129,17 @@ _ZERO_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "cpu_offload": (None, "qshard has no CPU/NVMe offload"),
     "cpu_offload_param": (None, "qshard has no CPU/NVMe offload"),
     "zenflow": (None, "qshard has no ZenFlow (offloaded optimizer steps)"),
+    "zeropp_loco_param": (
+        None,
+        "qshard's qgZ has no LoCo error feedback (err_beta, reset_T); plain qgZ is "
+        "zero_quantized_gradients",
+    ),
+    "mics_shard_size": (
+        -1,
+        "qshard has no MiCS; its sharded-inside-a-node, replicated-across-nodes layout is HSDP: "
+        "qshard.shard(..., config=ZeroPPConfig(hsdp=True)) (docs/hsdp.md)",
+    ),
+    "mics_hierarchical_params_gather": (False, "qshard has no MiCS (see mics_shard_size)"),
 }
 
 # --- optimizer --------------------------------------------------------------------------------
@@ -532,6 +543,7 @@ class _Reader:
 
     def precision(self, cfg: dict[str, Any]) -> tuple[MixedPrecisionPolicy | None, str | None]:
         bf16, fp16 = self.section(cfg, "bf16"), self.section(cfg, "fp16")
+        fp32_state = "qshard keeps fp32 master weights, gradients and optimizer state"
         self.sort_keys(
             "bf16.",
             bf16,
@@ -539,6 +551,13 @@ class _Reader:
             no_equivalent={
                 "immediate_grad_update": "FSDP2 writes reduced gradients as they arrive",
                 "check_grad_overflow": "bf16 needs no loss scaling, so nothing to check",
+            },
+            only_default={
+                "bf16_master_weights_and_grads": (False, fp32_state),
+                "bf16_optimizer_states": (
+                    False,
+                    f"{fp32_state} (qshard.optim.AdamW8bit / AdamW4bit shrink the state)",
+                ),
             },
         )
         if _flag(self, fp16, "enabled", where="fp16"):
