@@ -322,6 +322,15 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
     with pytest.raises(ValueError, match="--zeropp off conflicts"):
         config_from_args([*base, "--zeropp", "off"])
     assert config_from_args([*base, "--optim", "adamw8bit"]).optim == "adamw8bit"  # the swap
+    # the file's lr is the schedule's peak: the default floor follows it (a fine-tuning lr
+    # below the app's default --min-lr 3e-4 was refused, naming a flag never given)
+    (tmp_path / "low").mkdir()
+    low_lr = {**ZEROPP, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    low = ["--deepspeed-config", _write(tmp_path / "low", low_lr), *base[2:]]
+    assert config_from_args(low).min_lr == pytest.approx(1e-5)
+    assert config_from_args([*low, "--min-lr", "0"]).min_lr == 0  # given: kept
+    with pytest.raises(ValueError, match=r"--min-lr 0\.0003 must not exceed --lr 0\.0001"):
+        config_from_args([*low, "--min-lr", "3e-4"])
     with pytest.raises(ValueError, match="one node \\(1 ranks\\)"):
         config_from_args([*base[:-1], "1"])
     for change, message in (

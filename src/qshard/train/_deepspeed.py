@@ -6,7 +6,9 @@
 ``--grad-clip``, ``--dtype``, ``--batch-size``) replace those flags' defaults; a flag given
 explicitly with another value is refused, naming both (one exception: ``--optim adamw8bit``
 with the file's Adam/AdamW keeps its hyperparameters and quantizes the state). Flags the file
-does not speak to (model size, steps, schedule, checkpoints) keep theirs. Settings with no
+does not speak to (model size, steps, schedule, checkpoints) keep theirs, except that the
+file's ``lr`` (the schedule's peak) also moves ``--min-lr``'s default with it (the defaults'
+ratio, 1/10) unless ``--min-lr`` is given. Settings with no
 flag (the 1-bit optimizers' schedules, ZeRO++'s prefetch and wire dtype) reach every rank
 through ``TrainConfig.deepspeed_config``, which :mod:`qshard.train._parallel` reads again.
 What the app cannot run (gradient accumulation, Adam with L2 decay, bf16 gradient reduction,
@@ -22,6 +24,7 @@ from qshard.integrations.deepspeed import (
     DeepSpeedTranslation,
     read_deepspeed_config,
 )
+from qshard.train.config import TrainConfig
 
 __all__ = ["apply_deepspeed", "translation"]
 
@@ -126,4 +129,9 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
                 "change the file"
             )
         out[name] = value
+    if "lr" in values and "min_lr" not in explicit:
+        # The app's cosine schedule stays (the file's lr is its peak); its floor keeps the
+        # defaults' ratio, or a file's lr below the default --min-lr would be refused.
+        defaults = TrainConfig()
+        out["min_lr"] = values["lr"] * defaults.min_lr / defaults.lr
     return out
