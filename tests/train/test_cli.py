@@ -67,6 +67,17 @@ def test_defaults_are_the_main_job():
         (["--warmup-steps", "50", "--steps", "50"], "--warmup-steps 50 must be below --steps 50"),
         (["--min-lr", "1", "--lr", "0.1"], "must not exceed --lr"),
         (["--val-fraction", "1.5"], "--val-fraction must be in (0, 1)"),
+        # NaN passed every comparison; inf lr / a timeout past timedelta's range crashed ranks.
+        (["--lr", "nan"], "--lr must be a number; got nan"),
+        (["--lr", "inf"], "--lr must be finite; got inf"),
+        (["--min-lr", "nan"], "--min-lr must be a number"),
+        (["--weight-decay", "nan"], "--weight-decay must be a number"),
+        (["--grad-clip", "nan"], "--grad-clip must be a number"),
+        (["--collective-timeout", "inf"], "--collective-timeout must be > 0 and at most 1e+09"),
+        (["--collective-timeout", "1e30"], "--collective-timeout must be > 0 and at most 1e+09"),
+        (["--seed", str(2**64)], "--seed must be below 2**64"),
+        (["--data", ""], "--data is an empty string; omit it"),  # was: train on the cwd
+        (["--cache-dir", ""], "--cache-dir is an empty string; omit it"),
     ],
 )
 def test_bad_combinations_are_refused_with_the_fix(argv, message, capsys):

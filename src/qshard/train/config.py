@@ -8,6 +8,7 @@ the message, so a bad run fails in the launcher instead of on every rank.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 __all__ = ["DTYPES", "ON_NONFINITE", "OPTIMIZERS", "ZEROPP_FEATURES", "TrainConfig", "parse_zeropp"]
@@ -176,9 +177,12 @@ class TrainConfig:
         positive("eval_batches")
         positive("keep_checkpoints")
         positive("max_restarts", zero_ok=True)
-        if not self.collective_timeout > 0:
+        if self.seed >= 2**64:  # torch.Generator.manual_seed takes 64 bits
+            raise ValueError(f"--seed must be below 2**64; got {self.seed}")
+        if not 0 < self.collective_timeout <= _MAX_TIMEOUT_S:  # also refuses NaN and inf
             raise ValueError(
-                f"--collective-timeout must be > 0 seconds; got {self.collective_timeout}"
+                f"--collective-timeout must be > 0 and at most {_MAX_TIMEOUT_S:g} seconds; "
+                f"got {self.collective_timeout}"
             )
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(
@@ -189,15 +193,26 @@ class TrainConfig:
             positive("ranks_per_node")
         if not self.out:
             raise ValueError("--out must name a run directory")
+        for name, default in (
+            ("data", "the Python standard library"),
+            ("cache_dir", "the default"),
+        ):
+            if getattr(self, name) == "":  # Path("") is the working directory
+                raise ValueError(
+                    f"--{name.replace('_', '-')} is an empty string; omit it to use {default}"
+                )
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"--val-fraction must be in (0, 1); got {self.val_fraction}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd {self.n_embd} must be divisible by --n-head {self.n_head}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 0; got {getattr(self, name)}"
-                )
+            value = getattr(self, name)
+            # NaN fails every comparison, so it is refused by name; grad_clip may be inf (off).
+            if math.isnan(value) or (math.isinf(value) and name != "grad_clip"):
+                what = "a number" if math.isnan(value) else "finite"
+                raise ValueError(f"--{name.replace('_', '-')} must be {what}; got {value}")
+            if value < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {value}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be > 0; got {self.lr}")
         if self.min_lr > self.lr:
@@ -288,6 +303,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+_MAX_TIMEOUT_S = 1e9
+"""The longest ``--collective-timeout`` (~31 years): a ``timedelta`` overflows near 8.6e13 s."""
 
 
 def _largest_divisor_at_most(n: int, bound: int) -> int:
