@@ -7,8 +7,9 @@ import dataclasses
 import json
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from qshard.train.cli import build_parser, config_from_args, main
+from qshard.train.cli import _report, build_parser, config_from_args, main
 from qshard.train.config import TrainConfig, parse_zeropp
 
 
@@ -161,3 +162,31 @@ def test_resume_with_other_model_options_is_refused(tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert "was written with --n-embd 64 (now 32); pass the same options" in capsys.readouterr().err
+
+
+def test_failure_report_names_every_rank_whatever_its_error_file_holds(tmp_path):
+    """The launcher's report of a failed job: ranks that raised first, then killed ones, each
+    with its reason. A rank without an error file (an exception that is not an ``Exception``,
+    e.g. DCP's ``CheckpointException``, escapes ``@record``) has elastic's placeholder
+    ``{"message": "<NONE>"}``: the report crashed on it with ``AttributeError``."""
+    recorded = tmp_path / "error.json"
+    recorded.write_text(
+        json.dumps(
+            {"message": {"message": "RankFailure: rank 2 lost", "extraInfo": {"timestamp": "1"}}}
+        )
+    )
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=-9, error_file=str(tmp_path / "none")),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(tmp_path / "none")),
+        2: ProcessFailure(local_rank=2, pid=102, exitcode=1, error_file=str(recorded)),
+    }
+    text = _report(ChildFailedError("train", failures), TrainConfig(out=str(tmp_path), nproc=4))
+    lines = text.splitlines()
+    assert lines[0] == "qshard train: error: the job failed:"
+    assert (
+        lines[1]
+        == "  rank 1 (pid 101) failed (exit code 1): no error recorded (its traceback is printed above)"
+    )
+    assert lines[2] == "  rank 2 (pid 102) failed (exit code 1): RankFailure: rank 2 lost"
+    assert lines[3] == "  rank 0 (pid 100) was killed by SIGKILL"
+    assert "no complete checkpoint was written" in lines[4]

@@ -266,15 +266,12 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
 
     lines = []
     # Ranks that raised (their messages carry the diagnosis) before ranks that were killed.
-    failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].signal_name() != "", kv[0]))
+    failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[0]))
     for rank, failure in failures:
         if failure.exitcode < 0:
             what = f"was killed by {failure.signal_name()}"
         else:
-            message = failure.message
-            if isinstance(failure.error_file_data, dict):
-                message = failure.error_file_data.get("message", {}).get("message", message)
-            text = str(message).strip().splitlines()
+            text = _failure_message(failure).strip().splitlines()
             what = f"failed (exit code {failure.exitcode}): {text[-1] if text else 'no message'}"
         lines.append(f"  rank {rank} (pid {failure.pid}) {what}")
     latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
@@ -295,6 +292,23 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
     if not config.max_restarts:
         hint += ", or pass --max-restarts N to restart automatically"
     return "\n".join([head + ":", *lines, hint])
+
+
+def _failure_message(failure: Any) -> str:
+    """A failed rank's error text. The error file holds ``{"message": {"message": ...}}`` when
+    ``@record`` wrote it; without one (an exception that is not an ``Exception``, such as DCP's
+    ``CheckpointException``, escapes ``@record``) torch elastic's placeholder is
+    ``{"message": "<NONE>"}`` and the process's own message is all there is."""
+    data = failure.error_file_data
+    inner = data.get("message") if isinstance(data, dict) else None
+    if isinstance(inner, dict) and inner.get("message"):
+        return str(inner["message"])
+    if isinstance(inner, str) and inner and inner != "<NONE>":
+        return inner
+    message = str(failure.message or "")
+    if not message or message.startswith("To enable traceback see"):  # elastic's placeholder
+        return "no error recorded (its traceback is printed above)"
+    return message
 
 
 def _last_logged_step(config: TrainConfig) -> int | None:
