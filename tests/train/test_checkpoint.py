@@ -76,6 +76,22 @@ def _cases(rank: int, world: int, tmp: str) -> dict[str, str]:
     shutil.copytree(path, damaged)
     (damaged / ".metadata").unlink()
     out["damaged"] = _refusal(damaged)
+    # Damaged differently: a truncated shard (DCP raised its CheckpointException, a
+    # BaseException that escaped every `except Exception`), an unreadable or foreign qshard.json.
+    truncated = Path(tmp) / "truncated" / "step_00000001"
+    shutil.copytree(path, truncated)
+    shard = sorted(truncated.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    out["truncated"] = _refusal(truncated)
+    for name, text in (("bad_json", '{"step": 1'), ("json_list", "[1, 2]")):
+        bad = Path(tmp) / name / "step_00000001"
+        shutil.copytree(path, bad)
+        (bad / "qshard.json").write_text(text)
+        out[name] = _refusal(bad)
+    per_rank_cut = Path(tmp) / "per_rank_cut" / "step_00000001"
+    shutil.copytree(per_rank, per_rank_cut)
+    (per_rank_cut / "rank_00000.pt").write_bytes(b"PK\x03\x04 not a whole file")
+    out["per_rank_truncated"] = _refusal(per_rank_cut)
     # keep=1 moves older checkpoints to a .deleting name before removing them.
     path2 = ckpt.save_checkpoint(root, step=2, model=model, optimizer=opt, keep=1)
     out["after_keep"] = ",".join(sorted(p.name for p in root.iterdir()))
@@ -125,6 +141,15 @@ def test_another_model_is_refused_by_name(cases):
 
 def test_a_damaged_checkpoint_is_refused(cases):
     assert "has qshard.json but no DCP .metadata: it is damaged" in cases["damaged"]
+    fix = "move it out of the checkpoints folder to resume from the previous one"
+    assert fix in cases["damaged"]
+    for key, what in (
+        ("truncated", "truncated/step_00000001 cannot be loaded ("),
+        ("bad_json", "qshard.json cannot be read (Expecting ',' delimiter"),
+        ("json_list", "qshard.json holds list, not an object"),
+        ("per_rank_truncated", "rank_00000.pt cannot be loaded ("),
+    ):
+        assert what in cases[key] and fix in cases[key], (key, cases[key])
 
 
 def test_old_checkpoints_and_replaced_saves_leave_nothing_behind(cases):

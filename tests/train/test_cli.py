@@ -190,3 +190,23 @@ def test_failure_report_names_every_rank_whatever_its_error_file_holds(tmp_path)
     assert lines[2] == "  rank 2 (pid 102) failed (exit code 1): RankFailure: rank 2 lost"
     assert lines[3] == "  rank 0 (pid 100) was killed by SIGKILL"
     assert "no complete checkpoint was written" in lines[4]
+
+
+def test_resume_from_a_damaged_checkpoint_fails_before_launch(tmp_path, capsys):
+    """A newest checkpoint with a broken qshard.json (the message was json's own, naming no
+    file, or an AttributeError for a non-object) or without its state files is refused by the
+    launcher, naming the folder and the fix."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
+    ckpt_dir.mkdir(parents=True)
+    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    for text, message in (
+        ('{"step": 10', "qshard.json cannot be read (Expecting ',' delimiter"),
+        ("[10]", "qshard.json holds list, not an object"),
+        ('{"step": 10}', "step_00000010 has qshard.json but no DCP .metadata: it is damaged"),
+    ):
+        (ckpt_dir / "qshard.json").write_text(text)
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "move it out of the checkpoints folder" in err, err

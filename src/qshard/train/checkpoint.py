@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -144,7 +145,10 @@ def save_checkpoint(
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "train": train_state}
-        dcp.save(state, checkpoint_id=partial)
+        try:
+            dcp.save(state, checkpoint_id=partial)
+        except CheckpointException as exc:  # a BaseException, see load_checkpoint
+            raise CheckpointError(f"saving {final} failed: {_last_line(exc)}") from exc
     _faults.fire(_faults.fault_plan(_rank()), step=step, at="save")  # [Note: fault injection]
     _barrier()  # every shard is on disk before the folder may look complete
     if _rank() == 0:
@@ -289,8 +293,34 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``qshard.json`` of a checkpoint (step, world size, run metadata)."""
-    return json.loads((Path(path) / _META).read_text())
+    """The ``qshard.json`` of a checkpoint (step, world size, run metadata); raises
+    :class:`CheckpointError` naming the file when it cannot be read as a JSON object."""
+    file = Path(path) / _META
+    try:
+        info = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{file} cannot be read ({exc}): {_DAMAGED}") from exc
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{file} holds {type(info).__name__}, not an object: {_DAMAGED}")
+    return info
+
+
+_DAMAGED = (
+    "it is damaged (or not qshard's): move it out of the checkpoints folder to resume from the "
+    "previous one, or start a new --out"
+)
+
+
+def _check_files(path: Path, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``qshard.json`` is there but whose state files are not."""
+    if info.get("format") == "per_rank":
+        world = info.get("world_size")
+        names = [f"rank_{r:05d}.pt" for r in range(world if isinstance(world, int) else 1)]
+    else:
+        names = ["DCP .metadata"]
+    missing = [n for n in names if not (path / n.removeprefix("DCP ")).is_file()]
+    if missing:
+        raise CheckpointError(f"{path} has {_META} but no {', '.join(missing)}: {_DAMAGED}")
 
 
 def _state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.dtype]:
@@ -328,10 +358,9 @@ def load_checkpoint(
     if not (path / _META).is_file():
         raise CheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
     info = checkpoint_info(path)
+    _check_files(path, info)
     if info.get("format") == "per_rank":
         return _load_per_rank(path, info, model=model, optimizer=optimizer)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} has {_META} but no DCP .metadata: it is damaged")
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also initializes the state layout
     _check_layout(path, info, _layout(model_sd, optim_sd, optimizer))
     state = {
@@ -339,7 +368,10 @@ def load_checkpoint(
         "optim": optim_sd,
         "train": {"step": torch.tensor(-1, dtype=torch.int64), "rng": _rng_state()},
     }
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as exc:  # a BaseException: it would escape `except Exception`
+        raise CheckpointError(f"{path} cannot be loaded ({_last_line(exc)}): {_DAMAGED}") from exc
     dtypes = _state_dtypes(optimizer)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -362,14 +394,21 @@ def _load_per_rank(
     # the same local rank (node 0's), which needs the same ranks per node (docs/hsdp.md).
     source = _rank() if info["world_size"] == world else _hsdp_shard_index(model)
     file = path / f"rank_{source:05d}.pt"
-    if not file.is_file():
-        raise CheckpointError(f"{path} has {_META} but no {file.name}: it is damaged")
     _check_layout(path, info, _layout(model.state_dict(), optimizer.state_dict(), optimizer))
-    state = torch.load(file, weights_only=False)
+    try:
+        state = torch.load(file, weights_only=False)
+    except Exception as exc:  # a truncated or foreign file
+        raise CheckpointError(f"{file} cannot be loaded ({_last_line(exc)}): {_DAMAGED}") from exc
     _load_model_state(model, state["model"])
     optimizer.load_state_dict(state["optim"])
     torch.set_rng_state(state["train"]["rng"]["cpu"])
     return int(state["train"]["step"])
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of an error (DCP's message is a traceback per failed rank)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else type(exc).__name__
 
 
 def _load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:

@@ -180,7 +180,7 @@ def preflight(config: TrainConfig) -> None:
     """Everything that can be refused before a rank starts: unavailable options, a bad corpus,
     ``--resume`` without a checkpoint. Builds the corpus cache as a side effect."""
     from qshard.train._parallel import missing_features
-    from qshard.train.checkpoint import checkpoint_info, latest_checkpoint
+    from qshard.train.checkpoint import _check_files, checkpoint_info, latest_checkpoint
     from qshard.train.data import load_corpus
 
     problems = missing_features(config)
@@ -210,6 +210,7 @@ def preflight(config: TrainConfig) -> None:
                 f"--resume: {latest} was written with {', '.join(changed)}; pass the same "
                 "options to resume it, or a new --out to start fresh"
             )
+        _check_files(latest, checkpoint_info(latest))
 
 
 def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:
@@ -240,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"qshard train: error: {exc}", file=sys.stderr)
         return 2
+    from qshard.train.checkpoint import CheckpointError
+
     if _under_torchrun():
         from qshard.train.loop import train
 
@@ -247,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         preflight(config)
-    except ValueError as exc:
+    except (ValueError, CheckpointError) as exc:
         print(f"qshard train: error: {exc}", file=sys.stderr)
         return 2
     try:
