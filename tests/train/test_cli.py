@@ -210,3 +210,20 @@ def test_resume_from_a_damaged_checkpoint_fails_before_launch(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "move it out of the checkpoints folder" in err, err
+
+
+def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys):
+    """--resume from a checkpoint at or past --steps trained nothing, said "resumed" and
+    overwrote the finished run's summary with an empty one."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": {}}))
+    (ckpt_dir / ".metadata").write_bytes(b"")
+    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--warmup-steps", "1"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    for steps in ("10", "4"):
+        assert main([*argv, "--steps", steps]) == 2
+        err = capsys.readouterr().err
+        assert f"is at step 10, so --steps {steps} leaves nothing to train" in err, err
+        assert "pass --steps above 10 to continue that run" in err

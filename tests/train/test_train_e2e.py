@@ -247,6 +247,49 @@ def test_ledger_matches_the_analytic_estimate(worlds):
     assert two["zero3_16bit"] / two["ledger_inter"] > 2.5
 
 
+def _reused_run_dir_world(rank, world, tmp):
+    tmp = Path(tmp)
+    _corpus_file(tmp)
+    out: dict = {}
+    run = tmp / "run"
+    first = _config(tmp, world, 1, steps=4, checkpoint_interval=2, keep_checkpoints=5, out=str(run))
+    train(first)
+    # A new run in the same --out (no --resume): it must own the folder's checkpoints. Before,
+    # the first run's step_4 stayed newest: keeping 2 deleted the new run's step_1 as it was
+    # written, and a restart or --resume continued the first run (at its end: nothing to do).
+    second = first.replace(seed=1, steps=3, checkpoint_interval=1, keep_checkpoints=2)
+    train(second)
+    checkpoints = run / "checkpoints"
+    out["names"] = sorted(p.name for p in checkpoints.iterdir())
+    out["latest_seed"] = ckpt.checkpoint_info(ckpt.latest_checkpoint(checkpoints))["config"]["seed"]
+    summary = (run / "summary.json").read_text()
+    export = (run / "model.safetensors").read_bytes()
+    # A restart after the final checkpoint (a rank died exporting): nothing left to train,
+    # the missing export is written, the run's summary is kept.
+    (run / "model.safetensors").unlink()
+    again = train(second.replace(resume=True))
+    out["again_start"] = again["start_step"]
+    exported = run / "model.safetensors"
+    out["export_rewritten"] = exported.is_file() and exported.read_bytes() == export
+    out["summary_kept"] = (run / "summary.json").read_text() == summary
+    # A checkpoint past --steps is refused by name (it trained nothing and reported an empty run).
+    try:
+        train(second.replace(resume=True, steps=2))
+        out["past_steps"] = "trained"
+    except ckpt.CheckpointError as exc:
+        out["past_steps"] = str(exc)
+    return out
+
+
+def test_a_new_run_in_an_old_run_dir_owns_its_checkpoints(tmp_path):
+    result = run_world(_reused_run_dir_world, 1, args=(str(tmp_path),), timeout_s=300)[0]
+    assert result["names"] == ["step_00000002", "step_00000003"]
+    assert result["latest_seed"] == 1
+    assert result["again_start"] == 3
+    assert result["export_rewritten"] and result["summary_kept"]
+    assert "is at step 3, past --steps 2; pass --steps above 3" in result["past_steps"]
+
+
 def test_qshard_train_command_end_to_end(tmp_path):
     """The real launcher: `qshard train` starts 2 ranks with the elastic launcher."""
     _corpus_file(tmp_path)

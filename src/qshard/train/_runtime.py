@@ -19,6 +19,7 @@ __all__ = [
     "is_local_leader",
     "max_over_ranks",
     "mean_over_ranks",
+    "restart_count",
     "set_collective_timeout",
 ]
 
@@ -30,7 +31,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> bool:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = restart_count()
     if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # A restarted group (--max-restarts): torch elastic hands every attempt the same shared
         # store, where the failed attempt's keys (gloo's peer addresses) are still set, so a
@@ -44,6 +45,12 @@ def init_distributed(*, timeout_s: float = 600.0) -> bool:
         return True
     dist.init_process_group(backend, timeout=timeout)
     return True
+
+
+def restart_count() -> int:
+    """Which attempt of the job this is: torch elastic's ``TORCHELASTIC_RESTART_COUNT`` (0
+    for the first, and outside torch elastic)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def set_collective_timeout(timeout_s: float) -> None:

@@ -181,6 +181,21 @@ def _discard(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _discard_all(root: str | os.PathLike[str]) -> list[str]:
+    """Remove every checkpoint under ``root`` (complete, torn and half-deleted ones) and return
+    the names of the complete ones removed; see [Note: fresh runs] in qshard.train.loop."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    complete = _complete_checkpoints(root)
+    for _, path in complete:
+        _discard(path)
+    for child in root.iterdir():
+        if _STEP_DIR.match(child.name) or child.name.startswith(".step_"):
+            shutil.rmtree(child, ignore_errors=True)
+    return [path.name for _, path in complete]
+
+
 # Param-group settings that shape an optimizer's state (see [Note: checkpoint layout]).
 _LAYOUT_GROUP_KEYS = (
     "block_size",

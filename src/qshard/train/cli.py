@@ -199,7 +199,14 @@ def preflight(config: TrainConfig) -> None:
                 f"--resume: no complete checkpoint under {config.out}/checkpoints; "
                 "run without --resume to start fresh"
             )
-        saved = checkpoint_info(latest).get("config", {})
+        info = checkpoint_info(latest)
+        step = info.get("step")
+        if isinstance(step, int) and step >= config.steps:
+            raise ValueError(
+                f"--resume: {latest} is at step {step}, so --steps {config.steps} leaves nothing "
+                f"to train; pass --steps above {step} to continue that run"
+            )
+        saved = info.get("config", {})
         changed = [
             f"--{name.replace('_', '-')} {saved[name]} (now {getattr(config, name)})"
             for name in _RESUME_MUST_MATCH
@@ -210,7 +217,7 @@ def preflight(config: TrainConfig) -> None:
                 f"--resume: {latest} was written with {', '.join(changed)}; pass the same "
                 "options to resume it, or a new --out to start fresh"
             )
-        _check_files(latest, checkpoint_info(latest))
+        _check_files(latest, info)
 
 
 def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:

@@ -13,6 +13,13 @@ The run's parts are built once, each by one function that owns it: the data
 summary (:mod:`qshard.train._summary`), the per-step metrics (:class:`_Recorder`). :func:`_train`
 is the loop over them and reads top to bottom.
 
+[Note: fresh runs] A run without ``--resume`` replaces what an earlier run left in its
+``--out``: metrics, summary, export, and its checkpoints, which rank 0 removes before any rank
+goes on (the first attempt of the job only: a restarted attempt must find this run's). Left in
+place, they were newer than this run's first saves: a restart (``--max-restarts``) or a later
+``--resume`` continued the earlier run instead (ending at once if it had reached ``--steps``),
+and keeping the newest ``--keep-checkpoints`` deleted this run's saves as they were written.
+
 [Note: exact resume] Everything random in a step is derived from ``(seed, step, rank)``: the
 batch, and the dropout RNG (reseeded at the start of each step). Together with the model and
 optimizer state in the checkpoint, a resumed run replays the uninterrupted one bit for bit
@@ -163,7 +170,23 @@ class _Job:
         )
         if job.is_main:
             job.run_dir.mkdir(parents=True, exist_ok=True)
+            if not config.resume and _runtime.restart_count() == 0:
+                _clear_previous_run(job)
         return job
+
+
+def _clear_previous_run(job: _Job) -> None:
+    """Rank 0 of a fresh run: remove what an earlier run left in the run folder ([Note: fresh
+    runs]); the other ranks wait at the corpus barrier that follows."""
+    removed = ckpt._discard_all(job.checkpoints)
+    for name in ("summary.txt", "summary.json", "model.safetensors"):
+        (job.run_dir / name).unlink(missing_ok=True)
+    if removed:
+        print(
+            f"qshard train: a new run in {job.run_dir}: removed the earlier run's checkpoints "
+            f"({', '.join(removed)}); pass --resume to continue a run instead",
+            flush=True,
+        )
 
 
 def _load_data(config: TrainConfig) -> Corpus:
@@ -239,7 +262,13 @@ def _resume(
         raise ckpt.CheckpointError(
             f"--resume: no complete checkpoint under {job.checkpoints}; run without --resume"
         )
-    return ckpt.load_checkpoint(latest, model=model, optimizer=optimizer)
+    step = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer)
+    if step > config.steps:  # the loop would run no step and report an empty run
+        raise ckpt.CheckpointError(
+            f"--resume: {latest} is at step {step}, past --steps {config.steps}; pass --steps "
+            f"above {step} to train further, or a new --out to start fresh"
+        )
+    return step
 
 
 def _save(
@@ -544,8 +573,11 @@ def _finish(
 ) -> TrainResult:
     """Export, gather the measurements, and (rank 0) print and write the summary."""
     start_step = recorder.start_step
+    trained = start_step < config.steps
     export_path = None
-    if config.export and start_step < config.steps:
+    # A restart after the final checkpoint (a rank died exporting) trains nothing, but the
+    # export may be missing still; the file appears atomically, so present means complete.
+    if config.export and (trained or not (job.run_dir / "model.safetensors").is_file()):
         shape = model.config  # type: ignore[union-attr]
         meta = {name: getattr(shape, name) for name in shape.__dataclass_fields__}
         export_path = ckpt.export_safetensors(
@@ -579,6 +611,7 @@ def _finish(
     if job.is_main:
         text = _summary.summary(config, result, measured, steps_run, estimates)
         print(text, flush=True)
-        _summary.write_summary(job.run_dir, text, result)
+        if trained or not (job.run_dir / "summary.json").is_file():  # keep the run's own
+            _summary.write_summary(job.run_dir, text, result)
     recorder.close()
     return result
