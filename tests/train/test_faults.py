@@ -14,6 +14,7 @@ take about a minute each on a loaded 2-core machine, so they are marked slow.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -285,3 +286,18 @@ def test_nan_gradients_stop_the_job_naming_step_and_rank(corpus):
     assert "(local loss non-finite on rank 1); stopped (--on-nonfinite stop" in err
     assert ckpt.latest_checkpoint(out / "checkpoints").name == "step_00000002"
     assert not leftover, leftover
+
+
+def test_summary_loss_mean_leaves_out_skipped_steps():
+    """With --on-nonfinite skip the summary said "mean of last 6 nan": the skipped step's NaN
+    loss was averaged in."""
+    from qshard.train._summary import _loss_line
+
+    losses = {0: 5.5, 1: 5.25, 2: math.nan, 3: 5.0}
+    line = _loss_line(losses, {3: 5.1}, [2])
+    assert line == (
+        "loss 5.5000 (step 0) -> 5.0000 (step 3), mean of last 3 5.2500 (1 skipped), val loss 5.1000"
+    )
+    assert _loss_line({0: 5.5, 1: 5.0}, {}) == (
+        "loss 5.5000 (step 0) -> 5.0000 (step 1), mean of last 2 5.2500"
+    )

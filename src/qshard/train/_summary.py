@@ -150,6 +150,22 @@ def write_summary(run_dir: Path, text: str, result: dict[str, Any]) -> None:
     )
 
 
+def _loss_line(losses: dict[int, float], val_losses: dict[int, float], skipped: Any = ()) -> str:
+    """``loss A (step i) -> B (step j), mean of last N M, val loss V``. The mean is over the
+    last 10 steps that updated: a step skipped as non-finite (``--on-nonfinite skip``) has a
+    NaN/Inf loss that would make it NaN."""
+    first, last = losses[min(losses)], losses[max(losses)]
+    updated = [s for s in sorted(losses) if s not in set(skipped)]
+    tail = [losses[s] for s in updated[-10:]]
+    mean = f"{sum(tail) / len(tail):.4f}" if tail else "n/a"
+    skipped_text = f" ({len(set(skipped))} skipped)" if skipped else ""
+    val_text = f", val loss {val_losses[max(val_losses)]:.4f}" if val_losses else ""
+    return (
+        f"loss {first:.4f} (step {min(losses)}) -> {last:.4f} (step {max(losses)}), "
+        f"mean of last {len(tail)} {mean}{skipped_text}{val_text}"
+    )
+
+
 def summary(
     config: TrainConfig,
     result: dict[str, Any],
@@ -162,14 +178,7 @@ def summary(
     losses = result["losses"]
     lines = []
     if losses:
-        first, last = losses[min(losses)], losses[max(losses)]
-        tail = [losses[s] for s in sorted(losses)[-10:]]
-        val = result["val_losses"]
-        val_text = f", val loss {val[max(val)]:.4f}" if val else ""
-        lines.append(
-            f"loss {first:.4f} (step {min(losses)}) -> {last:.4f} (step {max(losses)}), "
-            f"mean of last {len(tail)} {sum(tail) / len(tail):.4f}{val_text}"
-        )
+        lines.append(_loss_line(losses, result["val_losses"], result.get("skipped_steps", ())))
         tokens = config.batch_size * config.context * len(losses)
         lines.append(
             f"{len(losses)} steps in {result['train_time_s']:.1f} s, "
