@@ -349,3 +349,19 @@ def test_qshard_train_command_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for png in ("loss.png", "bytes.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resumed_metrics_drop_a_torn_last_line(tmp_path):
+    """A metrics.jsonl whose last write was cut short (crash, full disk) made every resume fail
+    on rank 0 with a bare JSONDecodeError."""
+    from qshard.train._metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.2}\n{"step": 2, "lo')
+    writer = MetricsWriter(tmp_path, resume_step=2)
+    writer.write({"step": 2, "loss": 5.0})
+    writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+    path.write_text('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n')  # not a torn write: refused
+    with pytest.raises(ValueError, match=r"metrics\.jsonl line 2 is not a JSON record"):
+        MetricsWriter(tmp_path, resume_step=2)

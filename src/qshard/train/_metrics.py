@@ -51,7 +51,7 @@ class MetricsWriter:
     TensorBoard (``<run>/tensorboard``) when ``torch.utils.tensorboard`` can be imported.
 
     On resume, records at or after the resume step are dropped first, so the file describes one
-    consistent history.
+    consistent history; so is a torn last line (a write cut short by a crash or a full disk).
     """
 
     def __init__(self, run_dir: Path, *, resume_step: int | None = None) -> None:
@@ -61,8 +61,8 @@ class MetricsWriter:
         elif self.path.exists():
             kept = [
                 line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) < resume_step
+                for line in _records(self.path)
+                if json.loads(line).get("step", 0) < resume_step
             ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - held for the run, closed in close()
@@ -87,3 +87,19 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _records(path: Path) -> list[str]:
+    """The record lines of a metrics file, less a torn last line; any other line that is not
+    JSON is an error naming the file."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            json.loads(line)
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                return lines[:-1]
+            raise ValueError(
+                f"{path} line {i + 1} is not a JSON record ({exc}); remove it to resume"
+            ) from exc
+    return lines
