@@ -227,3 +227,18 @@ def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys)
         err = capsys.readouterr().err
         assert f"is at step 10, so --steps {steps} leaves nothing to train" in err, err
         assert "pass --steps above 10 to continue that run" in err
+
+
+def test_resume_of_a_per_rank_checkpoint_with_another_parallel_is_refused(tmp_path, capsys):
+    """0/1 Adam's per-rank files hold each rank's part of the model: replicated (zero3) and HSDP
+    parts differ. Before, the ranks failed with a bare tensor size mismatch."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
+    ckpt_dir.mkdir(parents=True)
+    saved = {"optim": "zero_one_adam", "parallel": "zero3"}
+    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": saved}))
+    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--optim", "zero_one_adam"]
+    argv += ["--zeropp", "off", "--parallel", "hsdp", "--ranks-per-node", "2"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    assert "was written with --parallel zero3 (now hsdp)" in capsys.readouterr().err

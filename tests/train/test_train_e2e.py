@@ -135,6 +135,20 @@ def _two_rank_world(rank, world, tmp):
     dist.barrier()
     dp_resumed = train(dp.replace(out=str(tmp / "dp_resumed"), resume=True))
     out["dp_full"], out["dp_resumed"] = dp_full["losses"], dp_resumed["losses"]
+    # Its per-rank files hold each rank's part of the model: the replicated run's full tensors
+    # do not load into HSDP's shards (under torchrun, where no launcher compares --parallel).
+    # Before: a bare "The size of tensor a (128) must match the size of tensor b (256)".
+    hsdp = dp.replace(parallel="hsdp", ranks_per_node=2, out=str(tmp / "dp_hsdp"), resume=True)
+    if rank == 0:
+        shutil.copytree(
+            tmp / "dp_full/checkpoints/step_00000003", tmp / "dp_hsdp/checkpoints/step_00000003"
+        )
+    dist.barrier()
+    try:
+        train(hsdp)
+        out["dp_to_hsdp"] = "loaded"
+    except ckpt.CheckpointError as exc:
+        out["dp_to_hsdp"] = str(exc)
     return out
 
 
@@ -180,6 +194,12 @@ def test_zero_one_adam_saves_the_synchronised_model(worlds):
     _, _, two = worlds
     assert len(two["dp_final_names"]) > 0
     assert two["dp_final_differ"] == []
+
+
+def test_per_rank_checkpoint_of_another_layout_is_refused(worlds):
+    message = worlds[2]["dp_to_hsdp"]
+    assert "on a rank in the checkpoint" in message, message
+    assert "load only with the layout they were saved with (the same --parallel" in message
 
 
 def test_loss_falls(worlds):

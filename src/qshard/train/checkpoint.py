@@ -414,7 +414,7 @@ def _load_per_rank(
         state = torch.load(file, weights_only=False)
     except Exception as exc:  # a truncated or foreign file
         raise CheckpointError(f"{file} cannot be loaded ({_last_line(exc)}): {_DAMAGED}") from exc
-    _load_model_state(model, state["model"])
+    _load_model_state(model, state["model"], path=path)
     optimizer.load_state_dict(state["optim"])
     torch.set_rng_state(state["train"]["rng"]["cpu"])
     return int(state["train"]["step"])
@@ -426,11 +426,26 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1][:300] if lines else type(exc).__name__
 
 
-def _load_model_state(model: nn.Module, saved: dict[str, Any]) -> None:
+def _local(t: Any) -> Any:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _load_model_state(model: nn.Module, saved: dict[str, Any], *, path: Path) -> None:
     """``model.load_state_dict(saved)``; for HSDP-sharded models the file holds this rank's
     shards as DTensors of the saving job's mesh, which ``copy_`` refuses across jobs, so their
-    local tensors are copied in place."""
+    local tensors are copied in place. A file of another layout (replicated vs HSDP, another
+    number of ranks per node: other shards) is refused before anything is copied."""
     here = model.state_dict()
+    for name, dst in here.items():
+        src = saved.get(name)
+        if isinstance(src, torch.Tensor) and _local(src).shape != _local(dst).shape:
+            raise CheckpointError(
+                f"{path}: model tensor {name} is {list(_local(src).shape)} on a rank in the "
+                f"checkpoint, {list(_local(dst).shape)} here: per-rank checkpoints hold each "
+                "rank's part of the model, so they load only with the layout they were saved "
+                "with (the same --parallel and ranks per node); resume with those, or start a "
+                "new --out"
+            )
     if not any(isinstance(v, DTensor) for v in here.values()):
         model.load_state_dict(saved)
         return

@@ -32,7 +32,14 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from qshard.train import config as config_module
-from qshard.train.config import DTYPES, MODELS, ON_NONFINITE, OPTIMIZERS, TrainConfig
+from qshard.train.config import (
+    DATA_PARALLEL_OPTIMIZERS,
+    DTYPES,
+    MODELS,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    TrainConfig,
+)
 
 __all__ = ["build_parser", "config_from_args", "launch", "main", "resume_after_restart"]
 
@@ -207,9 +214,12 @@ def preflight(config: TrainConfig) -> None:
                 f"to train; pass --steps above {step} to continue that run"
             )
         saved = info.get("config", {})
+        must_match = _RESUME_MUST_MATCH
+        if config.optim in DATA_PARALLEL_OPTIMIZERS:  # per-rank files: each rank's own part
+            must_match += ("parallel",)
         changed = [
             f"--{name.replace('_', '-')} {saved[name]} (now {getattr(config, name)})"
-            for name in _RESUME_MUST_MATCH
+            for name in must_match
             if name in saved and saved[name] != getattr(config, name)
         ]
         if changed:
