@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -227,6 +228,25 @@ def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys)
         err = capsys.readouterr().err
         assert f"is at step 10, so --steps {steps} leaves nothing to train" in err, err
         assert "pass --steps above 10 to continue that run" in err
+
+
+def test_a_fresh_run_over_an_earlier_one_is_refused_before_launch(tmp_path, capsys):
+    """A run without --resume in an --out holding checkpoints: refused, naming --resume and
+    --overwrite, before any rank starts and without touching them (a forgotten --resume must
+    not delete a long run's checkpoints; ./run.sh passes --overwrite)."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": {}}))
+    (ckpt_dir / ".metadata").write_bytes(b"")
+    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--steps", "4", "--warmup-steps", "1"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run's checkpoints (newest: " in err, err
+    assert "--resume" in err and "--overwrite" in err
+    assert (ckpt_dir / "qshard.json").is_file()
+    assert "--overwrite" in (Path(__file__).parents[2] / "run.sh").read_text()
 
 
 def test_resume_of_a_per_rank_checkpoint_with_another_parallel_is_refused(tmp_path, capsys):

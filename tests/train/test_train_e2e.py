@@ -277,7 +277,16 @@ def _reused_run_dir_world(rank, world, tmp):
     # A new run in the same --out (no --resume): it must own the folder's checkpoints. Before,
     # the first run's step_4 stayed newest: keeping 2 deleted the new run's step_1 as it was
     # written, and a restart or --resume continued the first run (at its end: nothing to do).
+    # Without --overwrite it is refused by name, and nothing of the first run is touched.
     second = first.replace(seed=1, steps=3, checkpoint_interval=1, keep_checkpoints=2)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    try:
+        train(second)
+        out["refused"] = "trained"
+    except ckpt.CheckpointError as exc:
+        out["refused"] = str(exc)
+    out["kept"] = sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    second = second.replace(overwrite=True)
     train(second)
     checkpoints = run / "checkpoints"
     out["names"] = sorted(p.name for p in checkpoints.iterdir())
@@ -303,6 +312,8 @@ def _reused_run_dir_world(rank, world, tmp):
 
 def test_a_new_run_in_an_old_run_dir_owns_its_checkpoints(tmp_path):
     result = run_world(_reused_run_dir_world, 1, args=(str(tmp_path),), timeout_s=300)[0]
+    assert "holds an earlier run's checkpoints" in result["refused"], result["refused"]
+    assert "--overwrite" in result["refused"] and result["kept"]
     assert result["names"] == ["step_00000002", "step_00000003"]
     assert result["latest_seed"] == 1
     assert result["again_start"] == 3

@@ -181,6 +181,16 @@ def _discard(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def earlier_run_refusal(out: str, latest: object) -> str:
+    """Why a fresh run in an ``--out`` holding ``latest`` (an earlier run's newest complete
+    checkpoint) is refused; see [Note: fresh runs] in qshard.train.loop."""
+    return (
+        f"--out {out} holds an earlier run's checkpoints (newest: {latest}): pass --resume to "
+        "continue that run, --overwrite to replace it (its checkpoints are removed), or "
+        "another --out"
+    )
+
+
 def _discard_all(root: str | os.PathLike[str]) -> list[str]:
     """Remove every checkpoint under ``root`` (complete, torn and half-deleted ones) and return
     the names of the complete ones removed; see [Note: fresh runs] in qshard.train.loop."""

@@ -187,7 +187,12 @@ def preflight(config: TrainConfig) -> None:
     """Everything that can be refused before a rank starts: unavailable options, a bad corpus,
     ``--resume`` without a checkpoint. Builds the corpus cache as a side effect."""
     from qshard.train._parallel import missing_features
-    from qshard.train.checkpoint import _check_files, checkpoint_info, latest_checkpoint
+    from qshard.train.checkpoint import (
+        _check_files,
+        checkpoint_info,
+        earlier_run_refusal,
+        latest_checkpoint,
+    )
     from qshard.train.data import load_corpus
 
     problems = missing_features(config)
@@ -199,6 +204,10 @@ def preflight(config: TrainConfig) -> None:
         val_fraction=config.val_fraction,
         min_tokens=config.context + 1,
     )
+    if not config.resume and not config.overwrite:
+        earlier = latest_checkpoint(os.path.join(config.out, "checkpoints"))
+        if earlier is not None:
+            raise ValueError(earlier_run_refusal(config.out, earlier))
     if config.resume:
         latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
         if latest is None:

@@ -72,6 +72,10 @@ class TrainConfig:
     """Fraction of files (by path hash) held out for validation."""
     resume: bool = False
     """Continue from the newest checkpoint in ``out`` (error if there is none)."""
+    overwrite: bool = False
+    """Start a new run in an ``out`` that holds an earlier run's checkpoints, removing them
+    (without it such a run is refused: pass ``--resume`` to continue the earlier one; with
+    ``--resume`` it changes nothing)."""
     # --- launch
     nproc: int = 4
     """Ranks to start on this machine (ignored under torchrun, which starts them)."""

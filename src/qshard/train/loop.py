@@ -13,12 +13,15 @@ The run's parts are built once, each by one function that owns it: the data
 summary (:mod:`qshard.train._summary`), the per-step metrics (:class:`_Recorder`). :func:`_train`
 is the loop over them and reads top to bottom.
 
-[Note: fresh runs] A run without ``--resume`` replaces what an earlier run left in its
-``--out``: metrics, summary, export, and its checkpoints, which rank 0 removes before any rank
-goes on (the first attempt of the job only: a restarted attempt must find this run's). Left in
-place, they were newer than this run's first saves: a restart (``--max-restarts``) or a later
-``--resume`` continued the earlier run instead (ending at once if it had reached ``--steps``),
-and keeping the newest ``--keep-checkpoints`` deleted this run's saves as they were written.
+[Note: fresh runs] A run without ``--resume`` in an ``--out`` that holds an earlier run's
+complete checkpoints is refused, unless ``--overwrite`` asks to replace that run: then rank 0
+removes its checkpoints, summary and export before any rank goes on (metrics are truncated in
+any fresh run). Only the first attempt of the job checks and removes: a restarted attempt must
+find this run's own checkpoints. Left in place, the earlier checkpoints were newer than this
+run's first saves: a restart (``--max-restarts``) or a later ``--resume`` continued the earlier
+run instead (ending at once if it had reached ``--steps``), and keeping the newest
+``--keep-checkpoints`` deleted this run's saves as they were written; removed without asking,
+a forgotten ``--resume`` would have deleted a long run's checkpoints.
 
 [Note: exact resume] Everything random in a step is derived from ``(seed, step, rank)``: the
 batch, and the dropout RNG (reseeded at the start of each step). Together with the model and
@@ -168,9 +171,14 @@ class _Job:
             compute_dtype=_runtime.compute_dtype(config, device),
             run_dir=Path(config.out),
         )
+        fresh = not config.resume and _runtime.restart_count() == 0
+        if fresh and not config.overwrite:  # every rank: none may start on a refused run
+            earlier = ckpt.latest_checkpoint(job.checkpoints)
+            if earlier is not None:
+                raise ckpt.CheckpointError(ckpt.earlier_run_refusal(config.out, earlier))
         if job.is_main:
             job.run_dir.mkdir(parents=True, exist_ok=True)
-            if not config.resume and _runtime.restart_count() == 0:
+            if fresh:
                 _clear_previous_run(job)
         return job
 
