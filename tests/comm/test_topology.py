@@ -50,15 +50,21 @@ def test_from_env(monkeypatch):
 @pytest.mark.parametrize(
     ("env", "match"),
     [
-        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not an integer"),
-        ({"WORLD_SIZE": ""}, "WORLD_SIZE='' is not an integer"),
-        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
-        ({"WORLD_SIZE": "-2", "LOCAL_WORLD_SIZE": "1"}, "WORLD_SIZE=-2 must be >= 1"),
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' must be a whole number"),
+        ({"WORLD_SIZE": ""}, "WORLD_SIZE='' must be a whole number"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be a whole number >= 1"),
+        (
+            {"WORLD_SIZE": "-2", "LOCAL_WORLD_SIZE": "1"},
+            "WORLD_SIZE='-2' must be a whole number >= 1",
+        ),
         ({"WORLD_SIZE": "4", "RANK": "x", "LOCAL_WORLD_SIZE": "2"}, "RANK='x'"),
-        ({"WORLD_SIZE": "4", "RANK": "-1", "LOCAL_WORLD_SIZE": "2"}, "RANK=-1 must be >= 0"),
+        (
+            {"WORLD_SIZE": "4", "RANK": "-1", "LOCAL_WORLD_SIZE": "2"},
+            "RANK='-1' must be a whole number >= 0",
+        ),
         ({"WORLD_SIZE": "4", "RANK": "7", "LOCAL_WORLD_SIZE": "2"}, "RANK=7 is not below WORLD_"),
         ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "2.0"}, "LOCAL_WORLD_SIZE='2.0'"),
-        ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE=0 must"),
+        ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0' must"),
         ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "3"}, "LOCAL_WORLD_SIZE=3 does not"),
         ({"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 does not"),
         (

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qshard.quant as Q
+from qshard._env import env_int
 from qshard.quant import _fastpath, _native_kernels
 
 from ._helpers import FAST, float_tensors
@@ -163,12 +164,12 @@ def test_min_numel_environment_variable_names_itself(monkeypatch):
     name = "QSHARD_QUANT_FASTPATH_MIN_NUMEL"
     for bad in ("1e6", "", "-3", "lots"):
         monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=f"{name}={bad!r} must be a whole number"):
-            _fastpath._env_min_numel(name, 1 << 18)
+        with pytest.raises(ValueError, match=f"{name}={bad!r} must be a whole number >= 0"):
+            env_int(name, 1 << 18, minimum=0)
     monkeypatch.setenv(name, " 4096 ")
-    assert _fastpath._env_min_numel(name, 1 << 18) == 4096
+    assert env_int(name, 1 << 18, minimum=0) == 4096
     monkeypatch.delenv(name)
-    assert _fastpath._env_min_numel(name, 1 << 18) == 1 << 18
+    assert env_int(name, 1 << 18, minimum=0) == 1 << 18
 
 
 def test_compiled_int8_matches_reference(fast_mode):

@@ -23,6 +23,11 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from qshard._env import env_int
+
+# The launch variables' errors end with this.
+_UNSET = " (as the launcher sets it), or unset it"
+
 __all__ = ["Topology"]
 
 
@@ -79,8 +84,8 @@ class Topology:
         if initialized:
             world_size, rank = dist.get_world_size(), dist.get_rank()
         else:
-            world_size = _env_int("WORLD_SIZE", 1, minimum=1)
-            rank = _env_int("RANK", 0, minimum=0)
+            world_size = env_int("WORLD_SIZE", 1, minimum=1, hint=_UNSET)
+            rank = env_int("RANK", 0, minimum=0, hint=_UNSET)
             if rank >= world_size:
                 raise ValueError(
                     f"RANK={rank} is not below WORLD_SIZE={world_size}; the launcher's "
@@ -97,7 +102,7 @@ class Topology:
                         "Topology.from_env(ranks_per_node=...)"
                     )
             else:
-                ranks_per_node = _env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
+                ranks_per_node = env_int("LOCAL_WORLD_SIZE", 1, minimum=1, hint=_UNSET)
                 world = (
                     f"the process group's world size {world_size}"
                     if initialized
@@ -111,7 +116,7 @@ class Topology:
                     )
                 local = os.environ.get("LOCAL_RANK")
                 if local is not None:
-                    local_rank = _env_int("LOCAL_RANK", 0, minimum=0)
+                    local_rank = env_int("LOCAL_RANK", 0, minimum=0, hint=_UNSET)
                     if local_rank != rank % ranks_per_node:
                         raise ValueError(
                             f"LOCAL_RANK={local_rank} does not match rank {rank} under "
@@ -242,20 +247,3 @@ class Topology:
 
     def __hash__(self) -> int:
         return hash((self._world_size, self._ranks_per_node, self._rank))
-
-
-def _env_int(name: str, default: int, *, minimum: int) -> int:
-    """Integer environment variable ``name`` (``default`` when unset), with errors naming it."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(
-            f"environment variable {name}={raw!r} is not an integer; set it to an int >= "
-            f"{minimum} (or unset it)"
-        ) from None
-    if value < minimum:
-        raise ValueError(f"environment variable {name}={value} must be >= {minimum}")
-    return value

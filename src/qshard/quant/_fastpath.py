@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from qshard._env import env_int
 from qshard.quant import _native_kernels
 
 __all__ = ["fastpath_enabled", "set_fastpath", "use_fastpath"]
@@ -51,24 +52,10 @@ def _env_flag(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
 
 
-def _env_min_numel(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"environment variable {name}={raw!r} must be a whole number of elements >= 0 "
-            f"(e.g. {default}); unset it for the default"
-        )
-    return value
-
-
 _enabled = _env_flag("QSHARD_QUANT_FASTPATH", "1")
-_min_numel = _env_min_numel("QSHARD_QUANT_FASTPATH_MIN_NUMEL", 1 << 18)
+_min_numel = env_int(
+    "QSHARD_QUANT_FASTPATH_MIN_NUMEL", 1 << 18, minimum=0, hint=" (elements; unset it for 262144)"
+)
 
 
 def set_fastpath(enabled: bool, *, min_numel: int | None = None) -> None:
