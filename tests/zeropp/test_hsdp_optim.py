@@ -7,6 +7,8 @@
   bit-identical after every sync and after ``synchronize()``.
 * Per-rank ``state_dict`` resume is bit-exact; a model saved with DCP and an optimizer state
   saved on 2 nodes load on 1 node, with the documented error-buffer reset.
+* Freezing or unfreezing a parameter on the model after construction acts as on the
+  replicated reference (bit-identical; a frozen parameter does not move).
 * Refusals: ZeRO-3 shards and FSDP2's own 2-D HSDP (whose all-reduce stays on).
 * AdamW8bit on HSDP, native and compressed: replicas agree, tracks torch AdamW.
 """
@@ -128,6 +130,42 @@ def _case_vs_replicated(topo: Topology, kind: str, results: dict) -> None:
         results["synchronized_replicas"] = _same_across(group, _local(model))
 
 
+def _case_freeze(topo: Topology, kind: str, results: dict) -> None:
+    """Freezing / unfreezing on the model's DTensors after the optimizer is built (a parameter
+    frozen at construction unfrozen at step 2, another frozen from step 3) acts as on the
+    replicated reference: bit-identical parameters, the frozen one left alone."""
+    group = topo.inter_node_group
+    model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    params = list(model.parameters())
+    late, frozen = params[1], params[2]
+    late.requires_grad_(False)
+    opt = _make(kind, params)
+    ref_params = [t.clone().requires_grad_(p.requires_grad) for t, p in zip(_local(model), params)]
+    ref = _make(kind, ref_params, group)
+    identical, frozen_kept = True, True
+    for step in range(8):
+        if step == 2:
+            late.requires_grad_(True)
+            ref_params[1].requires_grad_(True)
+        if step == 3:
+            frozen.requires_grad_(False)
+            ref_params[2].requires_grad_(False)
+            before = frozen.to_local().clone()
+        x, y = _batch(topo.rank, step)
+        model(x, y)[1].backward()
+        for rp, p in zip(ref_params, params):
+            rp.grad = None if p.grad is None else p.grad.to_local().clone()
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        ref.zero_grad()
+        identical &= all(torch.equal(a, b) for a, b in zip(_local(model), ref_params))
+        if step >= 3:
+            frozen_kept &= torch.equal(frozen.to_local(), before)
+    results[f"{kind}_freeze_identical"] = identical
+    results[f"{kind}_frozen_kept"] = frozen_kept
+
+
 def _case_resume(topo: Topology, tmp: str, results: dict) -> None:
     """Save at the first local step (phase B, mid interval), run 5 more steps; reload into a
     fresh model and optimizer, replay the same 5 steps: bit-identical."""
@@ -208,6 +246,7 @@ def _run(rank: int, world: int, rpn: int, tmp: str) -> dict:
     results: dict = {}
     for kind in ("zero_one", "onebit"):
         _case_vs_replicated(topo, kind, results)
+        _case_freeze(topo, kind, results)
     _case_resume(topo, tmp, results)
     _case_refusals(topo, results)
     _case_adamw8bit(topo, results)
@@ -245,6 +284,7 @@ def test_hsdp_optimizers_2x2(tmp_path):
             assert r[f"{kind}_same_bytes"], (rank, kind)
             assert r[f"{kind}_replicas"], (rank, kind)
             assert r[f"{kind}_losses"][-1] < 0.9 * r[f"{kind}_losses"][0], r[f"{kind}_losses"]
+            assert r[f"{kind}_freeze_identical"] and r[f"{kind}_frozen_kept"], (rank, kind)
         stats = r["zero_one_stats"]
         assert stats["local"] > 0 and stats["compressed"] > 0, stats
         assert r["local_quiet"] and all(b == 0 for b in r["local_quiet"]), r["local_quiet"]

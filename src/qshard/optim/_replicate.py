@@ -86,12 +86,16 @@ class LocalShards:
 
     def pull(self) -> None:
         """Before a step: re-point each local tensor at its DTensor's storage (should FSDP2
-        have reallocated it) and give it the DTensor's local gradient."""
+        have reallocated it), give it the DTensor's local gradient and its ``requires_grad``
+        (a parameter frozen or unfrozen on the model after construction is frozen or unfrozen
+        here too, as on replicated parameters; the optimizers step only trainable ones)."""
         with torch.no_grad():
             for local, dt in self._pairs:
                 current = dt.to_local()
                 if current.data_ptr() != local.data_ptr() or current.shape != local.shape:
                     local.data = current
+                if local.requires_grad != dt.requires_grad:
+                    local.requires_grad_(dt.requires_grad)
                 local.grad = None if dt.grad is None else dt.grad.to_local()
 
     def zero_grad(self, set_to_none: bool) -> None:
