@@ -9,7 +9,8 @@
   saved on 2 nodes load on 1 node, with the documented error-buffer reset.
 * Freezing or unfreezing a parameter on the model after construction acts as on the
   replicated reference (bit-identical; a frozen parameter does not move).
-* Refusals: ZeRO-3 shards and FSDP2's own 2-D HSDP (whose all-reduce stays on).
+* Refusals: ZeRO-3 shards, FSDP2's own 2-D HSDP (whose all-reduce stays on) and HSDP with a
+  compressed replicate reduction (gradients already cross nodes).
 * AdamW8bit on HSDP, native and compressed: replicas agree, tracks torch AdamW.
 """
 
@@ -202,7 +203,9 @@ def _case_refusals(topo: Topology, results: dict) -> None:
     errors = {}
     zero3 = shard(GPT(CFG), topology=topo)
     native = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(hsdp=True))
-    for name, model in (("zero3", zero3), ("native", native)):
+    int8 = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(hsdp=True, replicate_bits=8))
+    bf16 = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(hsdp=True, wire_dtype=torch.bfloat16))
+    for name, model in (("zero3", zero3), ("native", native), ("int8", int8), ("bf16", bf16)):
         try:
             _make("zero_one", model.parameters())
         except TypeError as e:
@@ -292,6 +295,9 @@ def test_hsdp_optimizers_2x2(tmp_path):
         assert r["saved_mid_interval"] and r["resume_bit_exact"], r["save_at"]
         assert "use HSDP" in r["errors"]["zero3"], r["errors"]
         assert "replicate_reduce=False" in r["errors"]["native"], r["errors"]
+        for name in ("int8", "bf16"):  # their gradients cross nodes already
+            assert "already all-reduced" in r["errors"][name], r["errors"]
+            assert "replicate_reduce=False" in r["errors"][name], r["errors"]
         for name in ("native", "int8"):
             assert r[f"a8_{name}_replicas"], name
             assert r[f"a8_{name}_has_8bit"], name

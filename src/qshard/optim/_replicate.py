@@ -15,7 +15,9 @@ node-sized ``mesh["shard"]`` of a 2-D ``("replicate", "shard")`` mesh (the DTens
 that 1-D slice; its root mesh names both dims). FSDP2's own 2-D HSDP cannot switch its
 all-reduce off and still produce gradients in torch 2.13 (see [Note: HSDP through the
 all-reduce hook] in :mod:`qshard.zeropp.all_reduce`), so its parameters are refused, as are
-ZeRO-3 parameters (sharded across nodes: no rank holds a replica to sync).
+those of a compressed replicate reduction (``replicate_bits`` / ``wire_dtype``: the same 1-D
+DTensors, marked by ``shard()``, whose gradients cross nodes already) and ZeRO-3 parameters
+(sharded across nodes: no rank holds a replica to sync).
 
 The optimizer keeps the *local tensors* of the DTensors as its parameters (views of FSDP2's
 sharded storage, so an in-place update is the DTensor's update), copies each DTensor's local
@@ -68,6 +70,12 @@ def _replicate_group(p, name: str) -> dist.ProcessGroup:
         raise TypeError(
             f"{name} supports HSDP-sharded DTensors (FSDP2 over mesh['shard']); got placements "
             f"{placements} on {mesh}: shard with {_FIX}"
+        )
+    if getattr(p, "_qshard_replicate_reduced", False):  # set by qshard.zeropp.shard()
+        raise TypeError(
+            f"{name}: these HSDP parameters' gradients are already all-reduced across nodes "
+            f"(shard() with replicate_bits or wire_dtype), so {name} would sync them a second "
+            f"time instead of owning the inter-node sync; shard with {_FIX}"
         )
     root = _root_mesh(mesh)
     if root is mesh or tuple(root.mesh_dim_names or ()) != _HSDP_DIMS or dims != ("shard",):

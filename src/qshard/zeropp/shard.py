@@ -378,6 +378,11 @@ def _shard_hsdp(
     block_list = find_blocks(model, blocks)
     _fully_shard_units(model, block_list, fsdp_kwargs, config)
     root = model
+    if not native and config.replicate_reduce:
+        # [Note: 1-bit optimizers on HSDP] in qshard.optim._replicate: these DTensors look like
+        # replicate_reduce=False ones (mesh["shard"]), but their gradients cross nodes already.
+        for p in root.parameters():
+            p._qshard_replicate_reduced = True  # type: ignore[attr-defined]
     record = config.record or config.wire_dtype is not None
     for m in (m for m in root.modules() if isinstance(m, FSDPModule)):
         if record:
