@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from qshard.train._runtime import restart_count
+
 __all__ = [
     "Fault",
     "RankFailure",
@@ -100,10 +102,6 @@ def parse(spec: str) -> tuple[Fault, ...]:
     return tuple(faults)
 
 
-def _restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 _PLAN: tuple[Fault, ...] | None = None
 _PLAN_READ = False
 _STEP = -1  # the step this rank is in, for the diagnosis of a failure
@@ -134,7 +132,7 @@ def fault_plan(rank: int) -> tuple[Fault, ...] | None:
     if not _PLAN_READ:
         spec = os.environ.get(ENV)
         mine = parse(spec) if spec else ()
-        mine = tuple(f for f in mine if f.rank == rank and f.restart == _restart_count())
+        mine = tuple(f for f in mine if f.rank == rank and f.restart == restart_count())
         _PLAN, _PLAN_READ = (mine or None), True
     return _PLAN
 
@@ -173,7 +171,7 @@ def _store() -> dist.Store | None:
 
 
 def _key(kind: str, rank: int) -> str:
-    return f"qshard/{kind}/{_restart_count()}/{rank}"
+    return f"qshard/{kind}/{restart_count()}/{rank}"
 
 
 def register_rank() -> None:

@@ -181,14 +181,17 @@ def _discard(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def earlier_run_refusal(out: str, latest: object) -> str:
-    """Why a fresh run in an ``--out`` holding ``latest`` (an earlier run's newest complete
-    checkpoint) is refused; see [Note: fresh runs] in qshard.train.loop."""
-    return (
-        f"--out {out} holds an earlier run's checkpoints (newest: {latest}): pass --resume to "
-        "continue that run, --overwrite to replace it (its checkpoints are removed), or "
-        "another --out"
-    )
+def refuse_earlier_run(out: str, root: str | os.PathLike[str]) -> None:
+    """Raise :class:`CheckpointError` when ``root`` (the checkpoints of ``--out`` ``out``) holds
+    an earlier run's complete checkpoint: a fresh run without ``--overwrite`` is refused; see
+    [Note: fresh runs] in qshard.train.loop."""
+    latest = latest_checkpoint(root)
+    if latest is not None:
+        raise CheckpointError(
+            f"--out {out} holds an earlier run's checkpoints (newest: {latest}): pass --resume "
+            "to continue that run, --overwrite to replace it (its checkpoints are removed), or "
+            "another --out"
+        )
 
 
 def _discard_all(root: str | os.PathLike[str]) -> list[str]:

@@ -32,6 +32,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from qshard.train import config as config_module
+from qshard.train._runtime import restart_count
 from qshard.train.config import (
     DATA_PARALLEL_OPTIMIZERS,
     DTYPES,
@@ -165,7 +166,7 @@ def resume_after_restart(config: TrainConfig) -> TrainConfig:
     """``config`` with ``resume`` set when this process is a restart of a failed job (torch
     elastic's ``TORCHELASTIC_RESTART_COUNT > 0``) and a complete checkpoint exists; see
     [Note: restarts]. Without one the restart starts from step 0, which replays the same run."""
-    if config.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if config.resume or restart_count() == 0:
         return config
     from qshard.train.checkpoint import latest_checkpoint
 
@@ -190,8 +191,8 @@ def preflight(config: TrainConfig) -> None:
     from qshard.train.checkpoint import (
         _check_files,
         checkpoint_info,
-        earlier_run_refusal,
         latest_checkpoint,
+        refuse_earlier_run,
     )
     from qshard.train.data import load_corpus
 
@@ -205,9 +206,7 @@ def preflight(config: TrainConfig) -> None:
         min_tokens=config.context + 1,
     )
     if not config.resume and not config.overwrite:
-        earlier = latest_checkpoint(os.path.join(config.out, "checkpoints"))
-        if earlier is not None:
-            raise ValueError(earlier_run_refusal(config.out, earlier))
+        refuse_earlier_run(config.out, os.path.join(config.out, "checkpoints"))
     if config.resume:
         latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
         if latest is None:

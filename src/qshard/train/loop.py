@@ -173,9 +173,7 @@ class _Job:
         )
         fresh = not config.resume and _runtime.restart_count() == 0
         if fresh and not config.overwrite:  # every rank: none may start on a refused run
-            earlier = ckpt.latest_checkpoint(job.checkpoints)
-            if earlier is not None:
-                raise ckpt.CheckpointError(ckpt.earlier_run_refusal(config.out, earlier))
+            ckpt.refuse_earlier_run(config.out, job.checkpoints)
         if job.is_main:
             job.run_dir.mkdir(parents=True, exist_ok=True)
             if fresh:
