@@ -1,7 +1,9 @@
 """Checkpoints refuse what they cannot load and never look complete when they are not: a
 checkpoint of another configuration (model shape, optimizer, 8-bit block size) is refused with a
 message naming the difference; a damaged one (shards missing) is refused; a torn save or a torn
-deletion never counts as complete; a restarted job resumes only where a checkpoint exists."""
+deletion never counts as complete; a restarted job resumes only where a checkpoint exists, and
+falls back past damaged ones to the newest that loads on every rank (an explicit resume refuses
+them, naming the newest intact one)."""
 
 from __future__ import annotations
 
@@ -176,3 +178,174 @@ def test_a_restart_resumes_only_where_a_checkpoint_exists(tmp_path, monkeypatch)
     (tmp_path / "checkpoints/step_00000002").mkdir(parents=True)
     (tmp_path / "checkpoints/step_00000002/qshard.json").write_text("{}")
     assert resume_after_restart(config).resume is True
+
+
+def _stamped(step: float):
+    """The small model and optimizer with every parameter set to ``step``: the checkpoint a
+    load came from shows in the weights."""
+    model, opt = _model_and_optimizer()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(step)
+    return model, opt
+
+
+def _weights_step(model) -> float:
+    values = {float(v) for p in model.parameters() for v in p.detach().flatten()[:3]}
+    return values.pop() if len(values) == 1 else float("nan")
+
+
+def _names(root: Path) -> str:
+    return ",".join(sorted(p.name for p in root.iterdir()))
+
+
+def _fallback_cases(rank: int, world: int, tmp: str) -> dict[str, object]:
+    """Two ranks: which checkpoint load_newest picks, and what it moves aside or refuses."""
+    import torch.distributed as dist
+
+    def save(root: Path, steps, **kw) -> None:
+        for step in steps:
+            model, opt = _stamped(step)
+            ckpt.save_checkpoint(root, step=step, model=model, optimizer=opt, keep=9, **kw)
+
+    def damage(path: Path, how: str) -> None:
+        if rank == 0:
+            if how == "truncate":
+                shard = max(path.glob("*.distcp"), key=lambda f: f.stat().st_size)
+                shard.write_bytes(shard.read_bytes()[:1000])
+            elif how == "json":
+                (path / "qshard.json").write_text('{"step": 3')
+            elif how == "metadata":
+                (path / ".metadata").unlink()
+            else:  # only rank 1's own per-rank file: rank 0 loads its file fine
+                (path / "rank_00001.pt").write_bytes(b"PK\x03\x04 not a whole file")
+        dist.barrier()
+
+    def load(root: Path, *, fall_back: bool, **kw) -> dict[str, object]:
+        model, opt = _model_and_optimizer(**kw)
+        try:
+            got = ckpt.load_newest(root, model=model, optimizer=opt, fall_back=fall_back)
+        except ckpt.CheckpointError as exc:
+            kind = type(exc).__name__
+            return {"error": f"{kind}: {exc}", "names": _names(root)}
+        if got is None:
+            return {"none": True, "names": _names(root)}
+        return {
+            "step": got.step,
+            "path": got.path.name,
+            "weights": _weights_step(model),
+            "passed_over": list(got.passed_over),
+            "names": _names(root),
+        }
+
+    out: dict[str, object] = {}
+    base = Path(tmp)
+    # DCP: a shard cut short (found only by loading), a qshard.json that is not JSON, no
+    # .metadata; each newest, with intact checkpoints before it.
+    for how in ("truncate", "json", "metadata"):
+        root = base / f"dcp_{how}"
+        save(root, (1, 2, 3))
+        damage(root / "step_00000003", how)
+        out[f"explicit_{how}"] = load(root, fall_back=False)  # --resume: refused, nothing moved
+        out[f"restart_{how}"] = load(root, fall_back=True)
+    # Per-rank files: rank 1's own file damaged, rank 0's fine: both ranks fall back alike.
+    root = base / "per_rank"
+    save(root, (1, 2), per_rank=True)
+    damage(root / "step_00000002", "rank1")
+    out["per_rank"] = load(root, fall_back=True)
+    # Two damaged in a row, and a name already taken by an earlier damaged folder.
+    root = base / "two"
+    save(root, (1, 2, 3))
+    damage(root / "step_00000003", "truncate")
+    damage(root / "step_00000002", "json")
+    if rank == 0:
+        (root / "step_00000003.damaged").mkdir()
+    dist.barrier()
+    out["two"] = load(root, fall_back=True)
+    # Nothing loads: refused naming every folder, all moved aside; then there is no checkpoint.
+    root = base / "none"
+    save(root, (1,))
+    damage(root / "step_00000001", "metadata")
+    out["none_loads"] = load(root, fall_back=True)
+    out["after_none"] = load(root, fall_back=True)
+    # Another configuration is refused, never passed over.
+    root = base / "config"
+    save(root, (1, 2))
+    out["config"] = load(root, fall_back=True, block_size=128)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fallback(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("fallback"))
+    ranks = run_world(_fallback_cases, 2, args=(tmp,), timeout_s=300)
+    return Path(tmp), ranks
+
+
+def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(fallback):
+    tmp, (r0, r1) = fallback
+    for how, why in (
+        ("truncate", "cannot be loaded ("),
+        ("json", "qshard.json cannot be read (Expecting ',' delimiter"),
+        ("metadata", "has qshard.json but no DCP .metadata"),
+    ):
+        for got in (r0, r1):
+            restart = got[f"restart_{how}"]
+            assert restart["step"] == 2 and restart["weights"] == 2.0, (how, restart)
+            assert restart["names"] == "step_00000001,step_00000002,step_00000003.damaged"
+            (line,) = restart["passed_over"]
+            assert line.startswith(f"{tmp}/dcp_{how}/step_00000003 ("), line
+            assert why in line and line.endswith("moved aside to step_00000003.damaged"), line
+    # The damaged folder is kept whole, only renamed.
+    assert (tmp / "dcp_truncate/step_00000003.damaged/qshard.json").is_file()
+
+
+def test_an_explicit_resume_refuses_a_damaged_newest_checkpoint_naming_the_intact_one(fallback):
+    tmp, (r0, r1) = fallback
+    for how in ("truncate", "json", "metadata"):
+        for got in (r0, r1):
+            refused = got[f"explicit_{how}"]
+            assert refused["error"].startswith("DamagedCheckpointError: "), refused
+            assert "move it out of the checkpoints folder" in refused["error"]
+            assert (
+                "the newest earlier checkpoint that passes the file checks (qshard.json and "
+                f"state files there) is {tmp}/dcp_{how}/step_00000002" in refused["error"]
+            ), refused
+            assert refused["names"] == "step_00000001,step_00000002,step_00000003"
+
+
+def test_one_ranks_damaged_file_takes_every_rank_to_the_same_fallback(fallback):
+    _, (r0, r1) = fallback
+    for got in (r0["per_rank"], r1["per_rank"]):
+        assert got["step"] == 1 and got["weights"] == 1.0, got
+        (line,) = got["passed_over"]
+        assert "rank_00001.pt cannot be loaded (" in line and line.endswith(
+            " on rank 1): moved aside to step_00000002.damaged"
+        ), line
+
+
+def test_several_damaged_checkpoints_are_passed_over_and_none_deleted(fallback):
+    _, (r0, r1) = fallback
+    assert r0["two"] == r1["two"]
+    two = r0["two"]
+    assert two["step"] == 1 and two["weights"] == 1.0
+    assert [line.rsplit(" ", 1)[-1] for line in two["passed_over"]] == [
+        "step_00000003.damaged.2",
+        "step_00000002.damaged",
+    ]
+    assert two["names"] == (
+        "step_00000001,step_00000002.damaged,step_00000003.damaged,step_00000003.damaged.2"
+    )
+    none = r0["none_loads"]
+    assert none["error"].startswith("DamagedCheckpointError: no checkpoint under "), none
+    assert "moved aside to step_00000001.damaged" in none["error"]
+    assert "a further restart (if any is left) starts from step 0" in none["error"]
+    assert r0["after_none"] == {"none": True, "names": "step_00000001.damaged"}
+
+
+def test_a_checkpoint_of_another_configuration_is_not_passed_over(fallback):
+    _, (r0, r1) = fallback
+    for got in (r0["config"], r1["config"]):
+        assert got["error"].startswith("CheckpointError: "), got
+        assert "block_size 256 in the checkpoint, 128 here" in got["error"]
+        assert got["names"] == "step_00000001,step_00000002"

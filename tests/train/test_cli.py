@@ -213,6 +213,31 @@ def test_resume_from_a_damaged_checkpoint_fails_before_launch(tmp_path, capsys):
         assert message in err and "move it out of the checkpoints folder" in err, err
 
 
+def test_resume_from_a_damaged_checkpoint_names_the_newest_intact_one(tmp_path, capsys):
+    """--resume does not fall back (the user decides), but names where it could resume from:
+    the newest earlier checkpoint that passes the file checks (a damaged one in between is not
+    it)."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    checkpoints = tmp_path / "run/checkpoints"
+    for step, files in ((4, {".metadata": ""}), (6, {}), (8, {".metadata": ""})):
+        folder = checkpoints / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "qshard.json").write_text(json.dumps({"step": step, "config": {}}))
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    (checkpoints / "step_00000008/qshard.json").write_text('{"step": 8')
+    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--steps", "50"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "step_00000008/qshard.json cannot be read" in err, err
+    assert (
+        "the newest earlier checkpoint that passes the file checks (qshard.json and state files "
+        f"there) is {checkpoints / 'step_00000004'}" in err
+    ), err
+    assert (checkpoints / "step_00000008").is_dir()  # nothing moved: the user decides
+
+
 def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys):
     """--resume from a checkpoint at or past --steps trained nothing, said "resumed" and
     overwrote the finished run's summary with an empty one."""

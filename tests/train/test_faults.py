@@ -2,7 +2,8 @@
 uninterrupted run's final loss and model, also under torchrun with its own --max-restarts) and
 off (a clean failure naming the rank), a rank SIGSTOPped (the job ends with a message naming
 rank, step and checkpoint; no process is left), a rank killed inside a checkpoint save (the
-restart resumes from the previous complete one), NaN gradients on one rank (skip: every rank
+restart resumes from the previous complete one), a newest checkpoint with a shard cut short (the
+restart moves it aside and falls back to the previous one), NaN gradients on one rank (skip: every rank
 skips the same step; stop: an error naming step and rank), and the fault-spec parser.
 
 Faults come from the ``QSHARD_FAULT`` testing hook (see [Note: fault injection] in
@@ -153,6 +154,7 @@ def test_fault_spec_parses_and_refuses_nonsense():
         ("kill:rank=1", "needs rank= and step="),
         ("kill:rank=1:step=3:when=now", "bad field"),
         ("kill:rank=1:step=3:at=eval", "at= must be one of"),
+        ("corrupt:rank=1:step=4", "corrupt cuts a checkpoint's files: it needs at=save"),
     ]:
         with pytest.raises(ValueError, match=message):
             _faults.parse(bad)
@@ -236,6 +238,40 @@ def test_kill_during_a_save_resumes_from_the_previous_checkpoint(corpus, uninter
         "step_00000004",
         "step_00000006",
     ]  # the restarted run rewrote step 4 whole and removed the torn folder
+    assert not leftover, leftover
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S + 60)
+def test_restart_falls_back_past_a_damaged_newest_checkpoint(corpus, uninterrupted):
+    out = corpus.parent / "damaged_restart"
+    # Rank 1's shard of step_00000004 is cut to half inside its save, which then completes (a
+    # lost write); rank 1 dies before step 5. Before: every restart failed loading step 4.
+    rc, stdout, err, _, leftover = _train(
+        corpus,
+        out,
+        "--max-restarts",
+        "1",
+        fault="corrupt:rank=1:step=4:at=save;kill:rank=1:step=5",
+    )
+    assert rc == 0, err[-3000:]
+    assert "qshard fault injection: corrupt rank 1 at save 4: cut __1_0.distcp" in stdout
+    assert "qshard fault injection: kill rank 1 at step 5 (time " in stdout
+    damaged = out / "checkpoints" / "step_00000004"
+    assert (
+        f"qshard train: WARNING: restart 1: the newest checkpoint could not be loaded: {damaged} (cannot be loaded ("
+        in err
+    ), err[-3000:]
+    assert "moved aside to step_00000004.damaged. Falling back to " in err
+    assert f"{out / 'checkpoints' / 'step_00000002'} (step 2)" in err
+    assert "resumed from step 2" in stdout
+    assert _final(out) == uninterrupted  # same final loss, same exported bytes
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000004.damaged",
+        "step_00000006",
+    ]  # the damaged folder kept for inspection, step 4 rewritten whole
     assert not leftover, leftover
 
 

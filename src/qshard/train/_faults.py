@@ -13,7 +13,10 @@ does not fault again). Kinds:
 * ``kill``: SIGKILL this rank (a crashed host or an OOM kill);
 * ``stop``: SIGSTOP this rank (a hung process: alive, holding its sockets, never answering);
 * ``nan_grad``: this rank's loss is multiplied by NaN before backward, so its local gradients
-  are NaN and travel through the gradient collectives (qgZ included) like a real overflow.
+  are NaN and travel through the gradient collectives (qgZ included) like a real overflow;
+* ``corrupt`` (only ``at=save``): cut the files this rank wrote into checkpoint ``step`` to
+  half their size, after which the save completes: a complete-looking checkpoint with a
+  shard cut short (a lost write, a full disk), found only when it is loaded.
 
 Unset, the hook costs one ``is None`` test per step. Anything malformed is an error at start,
 never a silently ignored fault.
@@ -61,7 +64,7 @@ __all__ = [
 ]
 
 ENV = "QSHARD_FAULT"
-KINDS = ("kill", "stop", "nan_grad")
+KINDS = ("kill", "stop", "nan_grad", "corrupt")
 _PLACES = ("step", "save")
 
 
@@ -98,6 +101,8 @@ def parse(spec: str) -> tuple[Fault, ...]:
             raise ValueError(f"{ENV}: {item!r} needs rank= and step=")
         if fields.get("at", "step") not in _PLACES:
             raise ValueError(f"{ENV}: at= must be one of {_PLACES} in {item!r}")
+        if kind == "corrupt" and fields.get("at") != "save":
+            raise ValueError(f"{ENV}: corrupt cuts a checkpoint's files: it needs at=save")
         faults.append(Fault(kind=kind, **fields))  # type: ignore[arg-type]
     return tuple(faults)
 
@@ -137,9 +142,12 @@ def fault_plan(rank: int) -> tuple[Fault, ...] | None:
     return _PLAN
 
 
-def fire(plan: tuple[Fault, ...] | None, *, step: int, at: str) -> bool:
+def fire(
+    plan: tuple[Fault, ...] | None, *, step: int, at: str, files: tuple[Path, ...] = ()
+) -> bool:
     """Carry out the faults of ``plan`` due at ``(step, at)``; True if a ``nan_grad`` is due
-    (the caller poisons its loss). ``kill`` and ``stop`` do not return normally."""
+    (the caller poisons its loss). ``kill`` and ``stop`` do not return normally; ``corrupt``
+    cuts ``files`` (this rank's files of the checkpoint being saved) to half their size."""
     if plan is None:
         return False
     nan = False
@@ -148,6 +156,15 @@ def fire(plan: tuple[Fault, ...] | None, *, step: int, at: str) -> bool:
             continue
         if f.kind == "nan_grad":
             nan = True
+        elif f.kind == "corrupt":
+            for file in files:
+                os.truncate(file, file.stat().st_size // 2)
+            names = ", ".join(file.name for file in files)
+            print(
+                f"qshard fault injection: corrupt rank {f.rank} at {at} {step}: cut {names} "
+                f"to half (time {time.time():.3f})",
+                flush=True,
+            )
         else:
             print(
                 f"qshard fault injection: {f.kind} rank {f.rank} at {at} {step} "

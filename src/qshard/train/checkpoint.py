@@ -34,15 +34,32 @@ buffers; 0/1 Adam's momentum and parameters between syncs) and a non-tensor entr
 (``rank_00000.pt``...; model, ``optimizer.state_dict()``, step, RNG) inside the same atomic
 folder protocol. At the same world size every rank continues bit for bit; at another world
 size every rank loads rank 0's file.
+
+[Note: restart fallback] A restarted job (``--max-restarts``) resumes from the newest
+checkpoint that loads (:func:`load_newest` with ``fall_back=True``). "Loads" means the real
+load: ``qshard.json`` reads, the state files are there, and the state loads on every rank (DCP
+finds a truncated shard only by reading it; a per-rank file is read by its own rank alone). The
+ranks agree in two steps per candidate, each one ``all_gather_object`` of every rank's outcome:
+the file checks (so no rank enters DCP's collectives alone), then the load; a damaged outcome on
+any rank moves every rank on to the previous checkpoint, so a rank whose own shard is cut short
+takes the others with it. Rank 0 renames a damaged folder to ``step_N.damaged`` (``.damaged.2``
+... when taken), which no lookup matches and nothing here deletes, so it is never picked again
+and stays for inspection. A failed load may have written part of the model and optimizer
+state; the next checkpoint's load overwrites all of it (DCP and ``load_state_dict`` load every
+key). A checkpoint of another configuration is refused, never passed over: an older one of the
+same run would not fit either. An explicit ``--resume`` (``fall_back=False``) refuses a damaged
+newest checkpoint and names the newest earlier one that passes the file checks.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +75,14 @@ from qshard.train import _faults
 
 __all__ = [
     "CheckpointError",
+    "DamagedCheckpointError",
+    "Loaded",
     "checkpoint_info",
+    "damaged_newest_hint",
     "export_safetensors",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_newest",
     "save_checkpoint",
 ]
 
@@ -71,6 +92,13 @@ _META = "qshard.json"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was asked for, or one of another configuration."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A complete-looking checkpoint whose files cannot be read: a ``qshard.json`` that is not a
+    JSON object, missing state files, a shard cut short or overwritten. A restart passes over
+    such a checkpoint ([Note: restart fallback]); one of another configuration is a plain
+    :class:`CheckpointError`."""
 
 
 def _rank() -> int:
@@ -142,6 +170,7 @@ def save_checkpoint(
         torch.save(state, path)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
+        mine = (path,)
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "train": train_state}
@@ -149,7 +178,9 @@ def save_checkpoint(
             dcp.save(state, checkpoint_id=partial)
         except CheckpointException as exc:  # a BaseException, see load_checkpoint
             raise CheckpointError(f"saving {final} failed: {_last_line(exc)}") from exc
-    _faults.fire(_faults.fault_plan(_rank()), step=step, at="save")  # [Note: fault injection]
+        mine = tuple(sorted(partial.glob(f"__{_rank()}_*.distcp")))  # DCP's names for this rank
+    # [Note: fault injection] in qshard.train._faults
+    _faults.fire(_faults.fault_plan(_rank()), step=step, at="save", files=mine)
     _barrier()  # every shard is on disk before the folder may look complete
     if _rank() == 0:
         info = {
@@ -327,9 +358,11 @@ def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         info = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file} cannot be read ({exc}): {_DAMAGED}") from exc
+        raise DamagedCheckpointError(f"{file} cannot be read ({exc}): {_DAMAGED}") from exc
     if not isinstance(info, dict):
-        raise CheckpointError(f"{file} holds {type(info).__name__}, not an object: {_DAMAGED}")
+        raise DamagedCheckpointError(
+            f"{file} holds {type(info).__name__}, not an object: {_DAMAGED}"
+        )
     return info
 
 
@@ -348,7 +381,7 @@ def _check_files(path: Path, info: dict[str, Any]) -> None:
         names = ["DCP .metadata"]
     missing = [n for n in names if not (path / n.removeprefix("DCP ")).is_file()]
     if missing:
-        raise CheckpointError(f"{path} has {_META} but no {', '.join(missing)}: {_DAMAGED}")
+        raise DamagedCheckpointError(f"{path} has {_META} but no {', '.join(missing)}: {_DAMAGED}")
 
 
 def _state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.dtype]:
@@ -380,11 +413,13 @@ def load_checkpoint(
 ) -> int:
     """Load a checkpoint into ``model`` and ``optimizer`` (collective) and return its step.
 
-    Works on a different number of ranks than the save (DCP reshards by global layout).
+    Works on a different number of ranks than the save (DCP reshards by global layout). Raises
+    :class:`DamagedCheckpointError` for unreadable files, :class:`CheckpointError` for a
+    checkpoint of another configuration.
     """
     path = Path(path)
     if not (path / _META).is_file():
-        raise CheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
+        raise DamagedCheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
     info = checkpoint_info(path)
     _check_files(path, info)
     if info.get("format") == "per_rank":
@@ -399,7 +434,9 @@ def load_checkpoint(
     try:
         dcp.load(state, checkpoint_id=path)
     except CheckpointException as exc:  # a BaseException: it would escape `except Exception`
-        raise CheckpointError(f"{path} cannot be loaded ({_last_line(exc)}): {_DAMAGED}") from exc
+        raise DamagedCheckpointError(
+            f"{path} cannot be loaded ({_last_line(exc)}): {_DAMAGED}"
+        ) from exc
     dtypes = _state_dtypes(optimizer)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -426,11 +463,158 @@ def _load_per_rank(
     try:
         state = torch.load(file, weights_only=False)
     except Exception as exc:  # a truncated or foreign file
-        raise CheckpointError(f"{file} cannot be loaded ({_last_line(exc)}): {_DAMAGED}") from exc
+        raise DamagedCheckpointError(
+            f"{file} cannot be loaded ({_last_line(exc)}): {_DAMAGED}"
+        ) from exc
     _load_model_state(model, state["model"], path=path)
     optimizer.load_state_dict(state["optim"])
     torch.set_rng_state(state["train"]["rng"]["cpu"])
     return int(state["train"]["step"])
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Loaded:
+    """What :func:`load_newest` loaded: the checkpoint, its step, and one line per damaged newer
+    checkpoint it passed over (``"<folder> (<why>): moved aside to <name>"``)."""
+
+    path: Path
+    step: int
+    passed_over: tuple[str, ...] = ()
+
+
+def load_newest(
+    root: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fall_back: bool,
+) -> Loaded | None:
+    """Load the newest complete checkpoint under ``root`` (collective); ``None`` if there is
+    none. With ``fall_back`` (a restarted job) a damaged one is moved aside and the previous one
+    tried, until one loads on every rank; without, a damaged one is refused naming the newest
+    earlier one that passes the file checks. See [Note: restart fallback]."""
+    root = Path(root)
+    candidates = _from_rank0([p for _, p in reversed(_complete_checkpoints(root))])
+    passed_over: list[str] = []
+    for i, path in enumerate(candidates):
+        checked = _agree(path, lambda p=path: _check_files(p, checkpoint_info(p)))
+        loaded = (
+            _agree(path, lambda p=path: load_checkpoint(p, model=model, optimizer=optimizer))
+            if checked.ok
+            else checked
+        )
+        if loaded.ok:
+            return Loaded(path=path, step=loaded.step, passed_over=tuple(passed_over))
+        if not loaded.damaged or not fall_back:
+            hint = _earlier_intact_hint(candidates[i + 1 :]) if loaded.damaged else ""
+            raise (DamagedCheckpointError if loaded.damaged else CheckpointError)(
+                loaded.message + hint
+            )
+        aside = _from_rank0(_move_aside(path) if _rank() == 0 else None)
+        passed_over.append(f"{path} ({loaded.why}): moved aside to {aside.name}")
+    if not passed_over:
+        return None
+    raise DamagedCheckpointError(
+        f"no checkpoint under {root} loads: {'; '.join(passed_over)}. Nothing was deleted; a "
+        "further restart (if any is left) starts from step 0"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """Every rank's outcome of one step of :func:`load_newest` on one checkpoint, the same on
+    every rank: ``ok``, or the first failed rank's message (``damaged`` or another
+    configuration)."""
+
+    ok: bool
+    damaged: bool
+    step: int
+    message: str
+    why: str
+
+
+def _agree(path: Path, attempt: Any) -> _Outcome:
+    """Run ``attempt`` on every rank and gather the outcomes (one ``all_gather_object``)."""
+    try:
+        result = attempt()
+        mine: tuple[str, Any] = ("ok", result if isinstance(result, int) else -1)
+    except DamagedCheckpointError as exc:
+        mine = ("damaged", str(exc))
+    except CheckpointError as exc:
+        mine = ("refused", str(exc))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    outcomes: list[Any] = [mine]
+    if world > 1:
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, mine)
+    failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
+    if not failed:
+        return _Outcome(True, False, int(mine[1]), "", "")
+    # A configuration refusal outranks damage: it must reach the user, not be passed over.
+    refused = [(r, o) for r, o in failed if o[0] == "refused"]
+    first_rank, (kind, message) = (refused or failed)[0]
+    ranks = [r for r, o in failed if o[0] == kind]
+    why = _reason(message, path)
+    if world > 1:
+        why += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        if first_rank != _rank():
+            message = f"rank {first_rank}: {message}"
+    return _Outcome(False, kind == "damaged", -1, message, why)
+
+
+def _reason(message: str, path: Path) -> str:
+    """The middle of a damage message: what is wrong, without the folder and the fix."""
+    text = message.split(f": {_DAMAGED}")[0]
+    return text.replace(f"{path}/", "").replace(str(path), "").strip() or message
+
+
+def _from_rank0(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``broadcast_object_list``)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged.2``, ... when taken): a
+    name no lookup matches and nothing here deletes ([Note: restart fallback])."""
+    for n in itertools.count(1):
+        aside = path.with_name(f"{path.name}.damaged" + (f".{n}" if n > 1 else ""))
+        if not aside.exists():
+            break
+    os.rename(path, aside)
+    _fsync_dir(path.parent)
+    return aside
+
+
+def _passes_file_checks(path: Path) -> bool:
+    try:
+        _check_files(path, checkpoint_info(path))
+    except CheckpointError:
+        return False
+    return True
+
+
+def _earlier_intact_hint(earlier: list[Path]) -> str:
+    """``; the newest earlier checkpoint that passes the file checks is X`` (or that there is
+    none), for the refusal of a damaged checkpoint; ``earlier`` is newest first."""
+    intact = next((p for p in earlier if _passes_file_checks(p)), None)
+    if intact is None:
+        return "; no earlier checkpoint passes the file checks"
+    return (
+        f"; the newest earlier checkpoint that passes the file checks ({_META} and state files "
+        f"there) is {intact}"
+    )
+
+
+def damaged_newest_hint(root: str | os.PathLike[str], newest: str | os.PathLike[str]) -> str:
+    """The hint :func:`load_newest` adds to the refusal of a damaged ``newest`` checkpoint under
+    ``root`` (for the launcher's own check of ``--resume``)."""
+    newest = Path(newest)
+    found = [p for _, p in reversed(_complete_checkpoints(Path(root))) if p != newest]
+    return _earlier_intact_hint(found)
 
 
 def _last_line(exc: BaseException) -> str:

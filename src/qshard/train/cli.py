@@ -11,7 +11,8 @@ torchrun's ``--max-restarts`` under torchrun): when a rank fails, the agent stop
 and starts the group again with ``TORCHELASTIC_RESTART_COUNT`` raised. A restarted rank resumes
 from the newest complete checkpoint by itself (:func:`resume_after_restart`), which together
 with the loop's [Note: exact resume] makes the restarted job finish as the uninterrupted one
-would. A job out of restarts ends with a report naming the failed ranks (:func:`_report`).
+would; a newest checkpoint that does not load is moved aside and the previous one loaded
+([Note: restart fallback] in qshard.train.checkpoint). A job out of restarts ends with a report naming the failed ranks (:func:`_report`).
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ def _free_port() -> int:
 def resume_after_restart(config: TrainConfig) -> TrainConfig:
     """``config`` with ``resume`` set when this process is a restart of a failed job (torch
     elastic's ``TORCHELASTIC_RESTART_COUNT > 0``) and a complete checkpoint exists; see
-    [Note: restarts]. Without one the restart starts from step 0, which replays the same run."""
+    [Note: restarts]. Without one the restart starts from step 0, which replays the same run.
+    A restarted rank falls back past damaged checkpoints ([Note: restart fallback] in
+    qshard.train.checkpoint)."""
     if config.resume or restart_count() == 0:
         return config
     from qshard.train.checkpoint import latest_checkpoint
@@ -189,8 +192,10 @@ def preflight(config: TrainConfig) -> None:
     ``--resume`` without a checkpoint. Builds the corpus cache as a side effect."""
     from qshard.train._parallel import missing_features
     from qshard.train.checkpoint import (
+        DamagedCheckpointError,
         _check_files,
         checkpoint_info,
+        damaged_newest_hint,
         latest_checkpoint,
         refuse_earlier_run,
     )
@@ -214,7 +219,16 @@ def preflight(config: TrainConfig) -> None:
                 f"--resume: no complete checkpoint under {config.out}/checkpoints; "
                 "run without --resume to start fresh"
             )
-        info = checkpoint_info(latest)
+
+        def refuse_damaged(exc: DamagedCheckpointError) -> DamagedCheckpointError:
+            # The user decides (no fallback here): name the newest intact one.
+            hint = damaged_newest_hint(os.path.join(config.out, "checkpoints"), latest)
+            return DamagedCheckpointError(f"--resume: {exc}{hint}")
+
+        try:
+            info = checkpoint_info(latest)
+        except DamagedCheckpointError as exc:
+            raise refuse_damaged(exc) from exc
         step = info.get("step")
         if isinstance(step, int) and step >= config.steps:
             raise ValueError(
@@ -235,7 +249,10 @@ def preflight(config: TrainConfig) -> None:
                 f"--resume: {latest} was written with {', '.join(changed)}; pass the same "
                 "options to resume it, or a new --out to start fresh"
             )
-        _check_files(latest, info)
+        try:
+            _check_files(latest, info)
+        except DamagedCheckpointError as exc:
+            raise refuse_damaged(exc) from exc
 
 
 def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:

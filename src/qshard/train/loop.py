@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +81,9 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         return _train(config)
     except Exception as exc:
-        if isinstance(exc, _faults.RankFailure) or not _faults.is_collective_failure(exc):
+        if isinstance(exc, (_faults.RankFailure, ckpt.CheckpointError)):
+            raise  # its message is the diagnosis (a path may well contain "socket")
+        if not _faults.is_collective_failure(exc):
             raise
         # A peer is hung or dead: name it, the step and the checkpoint ([Note: roll call]).
         checkpoints = Path(config.out) / "checkpoints"
@@ -260,21 +263,36 @@ def build(
 def _resume(
     config: TrainConfig, job: _Job, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
-    """The step to start from: 0, or (``--resume``) the newest checkpoint's, loaded."""
+    """The step to start from: 0, or (``--resume``) the newest checkpoint's, loaded. A restarted
+    job falls back past damaged checkpoints, an explicit ``--resume`` refuses them ([Note:
+    restart fallback] in qshard.train.checkpoint)."""
     if not config.resume:
         return 0
-    latest = ckpt.latest_checkpoint(job.checkpoints)
-    if latest is None:
+    loaded = ckpt.load_newest(
+        job.checkpoints,
+        model=model,
+        optimizer=optimizer,
+        fall_back=_runtime.restart_count() > 0,
+    )
+    if loaded is None:
         raise ckpt.CheckpointError(
             f"--resume: no complete checkpoint under {job.checkpoints}; run without --resume"
         )
-    step = ckpt.load_checkpoint(latest, model=model, optimizer=optimizer)
-    if step > config.steps:  # the loop would run no step and report an empty run
-        raise ckpt.CheckpointError(
-            f"--resume: {latest} is at step {step}, past --steps {config.steps}; pass --steps "
-            f"above {step} to train further, or a new --out to start fresh"
+    if loaded.passed_over and job.is_main:
+        print(
+            f"qshard train: WARNING: restart {_runtime.restart_count()}: the newest "
+            f"checkpoint{'s' if len(loaded.passed_over) > 1 else ''} could not be loaded: "
+            f"{'; '.join(loaded.passed_over)}. Falling back to {loaded.path} (step "
+            f"{loaded.step}): the steps after it are trained again",
+            file=sys.stderr,
+            flush=True,
         )
-    return step
+    if loaded.step > config.steps:  # the loop would run no step and report an empty run
+        raise ckpt.CheckpointError(
+            f"--resume: {loaded.path} is at step {loaded.step}, past --steps {config.steps}; "
+            f"pass --steps above {loaded.step} to train further, or a new --out to start fresh"
+        )
+    return loaded.step
 
 
 def _save(
