@@ -1,8 +1,18 @@
-"""Rank 0's outputs: JSONL metrics (and TensorBoard when installed), tables for the terminal."""
+"""Rank 0's outputs: JSONL metrics (and TensorBoard when installed), tables for the terminal.
+
+[Note: non-finite metrics] Python's ``json`` writes NaN and infinities as the bare words
+``NaN`` / ``Infinity``, which are not JSON: jq, JavaScript's ``JSON.parse`` and other strict
+parsers reject the line. :func:`encode_record` writes such a value as ``null`` and names it
+in a ``"nonfinite"`` object of the same shape as the record: ``{"loss": null, ...,
+"nonfinite": {"loss": "NaN"}}`` (``"NaN"``, ``"Infinity"`` or ``"-Infinity"``; a nested
+value's name sits at the same place under ``"nonfinite"``). :func:`decode_record` puts the
+floats back, and reads the bare words of files written before as well.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from pathlib import Path
@@ -10,7 +20,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsWriter", "format_bytes", "peak_memory_bytes", "table"]
+__all__ = [
+    "MetricsWriter",
+    "decode_record",
+    "encode_record",
+    "format_bytes",
+    "peak_memory_bytes",
+    "table",
+]
+
+NONFINITE = "nonfinite"
+"""The key of a record's names of its non-finite values ([Note: non-finite metrics])."""
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -46,12 +66,61 @@ def table(header: list[str], rows: list[list[str]], *, title: str | None = None)
     return "\n".join(out)
 
 
+def encode_record(record: dict[str, Any]) -> str:
+    """One line of strict JSON for ``record``: non-finite floats become ``null``, named under
+    ``"nonfinite"`` ([Note: non-finite metrics])."""
+    names: dict[str, Any] = {}
+    clean = _without_nonfinite(record, names)
+    if names:
+        clean[NONFINITE] = names
+    return json.dumps(clean, allow_nan=False)
+
+
+def _without_nonfinite(obj: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = None
+            names[key] = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        elif isinstance(value, dict):
+            inner: dict[str, Any] = {}
+            out[key] = _without_nonfinite(value, inner)
+            if inner:
+                names[key] = inner
+        else:
+            out[key] = value
+    return out
+
+
+def decode_record(line: str) -> dict[str, Any]:
+    """A record written by :func:`encode_record`, its non-finite floats put back; also reads the
+    bare ``NaN`` / ``Infinity`` of files written before ([Note: non-finite metrics]). Raises
+    ``ValueError`` for a line that is not JSON."""
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError(f"a metrics record is a JSON object, not {type(record).__name__}")
+    names = record.pop(NONFINITE, None)
+    if isinstance(names, dict):
+        _restore_nonfinite(record, names)
+    return record
+
+
+def _restore_nonfinite(obj: dict[str, Any], names: dict[str, Any]) -> None:
+    for key, name in names.items():
+        if isinstance(name, dict) and isinstance(obj.get(key), dict):
+            _restore_nonfinite(obj[key], name)
+        elif name in ("NaN", "Infinity", "-Infinity") and obj.get(key) is None:
+            obj[key] = float(name)
+
+
 class MetricsWriter:
     """Appends one JSON object per step to ``<run>/metrics.jsonl``; mirrors scalars to
     TensorBoard (``<run>/tensorboard``) when ``torch.utils.tensorboard`` can be imported.
 
     On resume, records at or after the resume step are dropped first, so the file describes one
     consistent history; so is a torn last line (a write cut short by a crash or a full disk).
+    Every line is strict JSON ([Note: non-finite metrics]); the records kept on resume are
+    rewritten so, also those of a file written before with bare ``NaN``.
     """
 
     def __init__(self, run_dir: Path, *, resume_step: int | None = None) -> None:
@@ -59,12 +128,9 @@ class MetricsWriter:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
-            kept = [
-                line
-                for line in _records(self.path)
-                if json.loads(line).get("step", 0) < resume_step
-            ]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            records = [decode_record(line) for line in _records(self.path)]
+            kept = [r for r in records if r.get("step", 0) < resume_step]
+            self.path.write_text("".join(encode_record(r) + "\n" for r in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - held for the run, closed in close()
         self._tb: Any = None
         try:
@@ -75,7 +141,7 @@ class MetricsWriter:
             self._tb = None
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(encode_record(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             step = record["step"]
@@ -95,7 +161,7 @@ def _records(path: Path) -> list[str]:
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     for i, line in enumerate(lines):
         try:
-            json.loads(line)
+            decode_record(line)
         except ValueError as exc:
             if i == len(lines) - 1:
                 return lines[:-1]

@@ -9,11 +9,12 @@ Reads each run's ``metrics.jsonl`` and writes, into ``--out`` (default: the firs
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from qshard.train._metrics import decode_record
 
 __all__ = ["load_metrics", "main", "plot_runs"]
 
@@ -25,7 +26,8 @@ def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(
             f"{path} does not exist; pass a run directory written by `qshard train --out DIR`"
         )
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # Non-finite values come back as floats, from this format and the bare NaN of older files.
+    return [decode_record(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _smooth(values: list[float], window: int) -> list[float]:

@@ -1,0 +1,94 @@
+"""metrics.jsonl is strict JSON: non-finite values (a skipped step's NaN loss) are written as
+null and named under "nonfinite"; resume and `qshard report` read them back as floats, and
+still read files written before with Python's bare NaN / Infinity."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from qshard.train._metrics import MetricsWriter, decode_record, encode_record
+from qshard.train.report import load_metrics
+
+
+def _strict(line: str) -> dict:
+    """json.loads as jq or JavaScript parse: NaN, Infinity and -Infinity are errors."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+RECORD = {
+    "step": 3,
+    "loss": math.nan,
+    "lr": 1e-3,
+    "grad_norm": math.inf,
+    "val_loss": -math.inf,
+    "skipped": True,
+    "ledger": {"fwd/all_gather": {"intra": 10.0, "inter": math.nan}, "bwd/rs": {"intra": 1}},
+}
+
+
+def test_every_line_is_strict_json_naming_the_nonfinite_values(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write({"step": 0, "loss": 5.5, "grad_norm": 1.0})
+    writer.write(RECORD)
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first, second = (_strict(line) for line in lines)  # before: ValueError("not JSON: NaN")
+    assert first == {"step": 0, "loss": 5.5, "grad_norm": 1.0}  # no "nonfinite" when all finite
+    assert second["loss"] is None and second["grad_norm"] is None and second["val_loss"] is None
+    assert second["ledger"]["fwd/all_gather"] == {"intra": 10.0, "inter": None}
+    assert second["nonfinite"] == {
+        "loss": "NaN",
+        "grad_norm": "Infinity",
+        "val_loss": "-Infinity",
+        "ledger": {"fwd/all_gather": {"inter": "NaN"}},
+    }
+    assert second["lr"] == 1e-3 and second["skipped"] is True
+
+
+def test_readers_get_the_floats_back(tmp_path):
+    back = decode_record(encode_record(RECORD))
+    assert math.isnan(back["loss"]) and math.isnan(back["ledger"]["fwd/all_gather"]["inter"])
+    assert back["grad_norm"] == math.inf and back["val_loss"] == -math.inf
+    assert "nonfinite" not in back
+    assert {k: v for k, v in back.items() if k not in ("loss", "ledger")} == {
+        k: v for k, v in RECORD.items() if k not in ("loss", "ledger")
+    }
+    writer = MetricsWriter(tmp_path)
+    writer.write(RECORD)
+    writer.close()
+    (record,) = load_metrics(tmp_path)  # qshard report
+    assert math.isnan(record["loss"]) and record["grad_norm"] == math.inf
+
+
+def test_files_written_before_with_bare_nan_still_read(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        '{"step": 0, "loss": 5.5}\n{"step": 1, "loss": NaN, "grad_norm": Infinity}\n'
+        '{"step": 2, "loss": 5.0}\n'
+    )
+    records = load_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2] and math.isnan(records[1]["loss"])
+    # A resume keeps the records before its step and rewrites them as strict JSON.
+    writer = MetricsWriter(tmp_path, resume_step=2)
+    writer.write({"step": 2, "loss": -math.inf})
+    writer.close()
+    lines = [_strict(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert lines[1]["nonfinite"] == {"loss": "NaN", "grad_norm": "Infinity"}
+    assert lines[2] == {"step": 2, "loss": None, "nonfinite": {"loss": "-Infinity"}}
+    records = load_metrics(tmp_path)
+    assert math.isnan(records[1]["loss"]) and records[2]["loss"] == -math.inf
+
+
+def test_a_line_that_is_not_a_record_is_refused():
+    with pytest.raises(ValueError):
+        decode_record('{"step": 1, "lo')
+    with pytest.raises(ValueError, match="JSON object"):
+        decode_record("[1, 2]")
