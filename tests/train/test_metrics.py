@@ -92,3 +92,18 @@ def test_a_line_that_is_not_a_record_is_refused():
         decode_record('{"step": 1, "lo')
     with pytest.raises(ValueError, match="JSON object"):
         decode_record("[1, 2]")
+
+
+def test_summary_json_is_strict_json(tmp_path):
+    """summary.json of a run whose last validation loss was NaN (a skipped run) parses strictly
+    and reads back through decode_record."""
+    from qshard.train._summary import write_summary
+
+    result = {"val_losses": {"10": math.nan, "5": 2.5}, "skipped_steps": [9], "losses": [1.0]}
+    write_summary(tmp_path, "text", result)
+    data = _strict((tmp_path / "summary.json").read_text())
+    assert data["val_losses"] == {"10": None, "5": 2.5}
+    assert data["nonfinite"] == {"val_losses": {"10": "NaN"}}
+    assert "losses" not in data
+    back = decode_record((tmp_path / "summary.json").read_text())
+    assert math.isnan(back["val_losses"]["10"]) and back["skipped_steps"] == [9]

@@ -66,14 +66,14 @@ def table(header: list[str], rows: list[list[str]], *, title: str | None = None)
     return "\n".join(out)
 
 
-def encode_record(record: dict[str, Any]) -> str:
-    """One line of strict JSON for ``record``: non-finite floats become ``null``, named under
-    ``"nonfinite"`` ([Note: non-finite metrics])."""
+def encode_record(record: dict[str, Any], *, indent: int | None = None) -> str:
+    """Strict JSON for ``record`` (one line unless ``indent``): non-finite floats become
+    ``null``, named under ``"nonfinite"`` ([Note: non-finite metrics])."""
     names: dict[str, Any] = {}
     clean = _without_nonfinite(record, names)
     if names:
         clean[NONFINITE] = names
-    return json.dumps(clean, allow_nan=False)
+    return json.dumps(clean, allow_nan=False, indent=indent)
 
 
 def _without_nonfinite(obj: dict[str, Any], names: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,6 @@ the end-of-run summary (terminal text, ``summary.txt``, ``summary.json``)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from qshard.comm import Topology
-from qshard.train._metrics import format_bytes, table
+from qshard.train._metrics import encode_record, format_bytes, table
 from qshard.train._parallel import zeropp_blocks
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
 from qshard.train.estimate import (
@@ -143,11 +142,12 @@ def header(
 
 
 def write_summary(run_dir: Path, text: str, result: dict[str, Any]) -> None:
-    """``summary.txt`` (the text) and ``summary.json`` (the result less per-step series)."""
+    """``summary.txt`` (the text) and ``summary.json`` (the result less per-step series; strict
+    JSON, a NaN validation loss of a skipped run as ``null`` named under ``"nonfinite"``, [Note:
+    non-finite metrics] in qshard.train._metrics)."""
     (run_dir / "summary.txt").write_text(text + "\n")
-    (run_dir / "summary.json").write_text(
-        json.dumps({k: v for k, v in result.items() if k not in ("losses", "ledger")}, indent=1)
-    )
+    kept = {k: v for k, v in result.items() if k not in ("losses", "ledger")}
+    (run_dir / "summary.json").write_text(encode_record(kept, indent=1))
 
 
 def _loss_line(losses: dict[int, float], val_losses: dict[int, float], skipped: Any = ()) -> str:
