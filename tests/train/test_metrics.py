@@ -107,3 +107,12 @@ def test_summary_json_is_strict_json(tmp_path):
     assert "losses" not in data
     back = decode_record((tmp_path / "summary.json").read_text())
     assert math.isnan(back["val_losses"]["10"]) and back["skipped_steps"] == [9]
+
+
+def test_loss_curve_smoothing_skips_a_nonfinite_step():
+    """One skipped step (NaN loss) leaves a gap in the plotted curve, not NaN from there on."""
+    from qshard.train.report import _smooth
+
+    out = _smooth([1.0, 3.0, math.nan, 5.0, 7.0, 9.0], 2)
+    assert out[:2] == [1.0, 2.0] and out[2] == 3.0 and out[3] == 5.0 and out[4:] == [6.0, 8.0]
+    assert math.isnan(_smooth([math.nan], 3)[0])

@@ -9,6 +9,7 @@ Reads each run's ``metrics.jsonl`` and writes, into ``--out`` (default: the firs
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,12 +32,15 @@ def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
+    """The running mean of the finite values among the last ``window`` (NaN where there is
+    none): a skipped step's NaN loss leaves a gap in the curve, not NaN from there on."""
+    out, acc, count = [], 0.0, 0
     for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
+        if math.isfinite(v):
+            acc, count = acc + v, count + 1
+        if i >= window and math.isfinite(values[i - window]):
+            acc, count = acc - values[i - window], count - 1
+        out.append(acc / count if count else math.nan)
     return out
 
 
