@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from qshard.comm import CommLedger, Topology, recording
+from qshard.optim import OneBitAdam
 from qshard.quant.blockwise import qmax_for_bits
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
@@ -210,11 +211,15 @@ def _case_accumulation(topo: Topology, results: dict) -> None:
 
 def _case_no_replicate_reduce(topo: Topology, results: dict) -> None:
     model = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(hsdp=True, replicate_reduce=False))
+    # the optimizer that syncs the replicas must exist before the first backward (the guard of
+    # qshard._replicas refuses one without it); building it sends nothing
+    opt = OneBitAdam(model.parameters(), lr=1e-3)
     ledger = CommLedger(topo)
     x, y = _batch(topo.rank, 0)
     with recording(ledger):
         model(x, y)[1].backward()
     results["noreduce_inter"] = ledger.step().inter_node_bytes
+    del opt
     results["noreduce_mesh"] = tuple(next(model.parameters()).device_mesh.mesh_dim_names)
 
 

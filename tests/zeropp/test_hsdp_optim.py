@@ -12,11 +12,16 @@
 * Refusals: ZeRO-3 shards, FSDP2's own 2-D HSDP (whose all-reduce stays on) and HSDP with a
   compressed replicate reduction (gradients already cross nodes).
 * AdamW8bit on HSDP, native and compressed: replicas agree, tracks torch AdamW.
+* HSDP with ``replicate_reduce=False`` and an optimizer that does not sync the replicas
+  (AdamW8bit / AdamW4bit when built; torch AdamW, one over part of the model, none yet, one
+  built after the 1-bit optimizer was deleted at the first gradient-reducing backward) is
+  refused with the fix; the 1-bit optimizers pass, and the guard is gone after its check.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import warnings
 
@@ -243,10 +248,125 @@ def _case_adamw8bit(topo: Topology, results: dict) -> None:
         )
 
 
+def _backward_error(model, rank: int, step: int = 0) -> str | None:
+    """The error of one forward + backward of ``model``, or None."""
+    x, y = _batch(rank, step)
+    try:
+        model(x, y)[1].backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _hooks_left(model) -> int:
+    """Units of ``model`` that still have an all-reduce hook (FSDP2's private state)."""
+    return sum(
+        g._all_reduce_hook is not None
+        for m in model.modules()
+        if hasattr(m, "set_all_reduce_hook")
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    )
+
+
+def _case_unsynced(topo: Topology, results: dict) -> None:
+    """replicate_reduce=False with an optimizer that does not sync the node replicas is refused:
+    qshard's 8-bit / 4-bit optimizers when built, any other update (torch AdamW, one built too
+    late, one over part of the model, one built after the claiming optimizer was deleted) at
+    the first backward that reduces gradients, before any step; a claimed model runs, and its
+    guard is gone after that first check."""
+    out: dict = {}
+    for name in ("AdamW8bit", "AdamW4bit"):
+        model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+        try:
+            getattr(qoptim, name)(model.parameters(), lr=1e-3)
+        except TypeError as e:
+            out[f"built_{name}"] = str(e)
+    # meta-device model materialised after shard(): FSDP2 re-registers the parameters
+    with torch.device("meta"):
+        meta = GPT(CFG)
+    meta = shard(meta, topology=topo, config=LOCAL_CFG)
+    meta.to_empty(device="cpu")
+    try:
+        qoptim.AdamW8bit(meta.parameters(), lr=1e-3)
+    except TypeError as e:
+        out["built_to_empty"] = str(e)
+    with torch.device("meta"):
+        meta_int8 = GPT(CFG)
+    meta_int8 = shard(meta_int8, topology=topo, config=ZeroPPConfig(hsdp=True, replicate_bits=8))
+    meta_int8.to_empty(device="cpu")
+    try:
+        _make("zero_one", meta_int8.parameters())
+    except TypeError as e:
+        out["onebit_to_empty_int8"] = str(e)
+
+    # torch AdamW: built fine, refused at the first backward (before any step)
+    model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out["torch_adamw"] = _backward_error(model, topo.rank)
+    del opt
+
+    # gradient accumulation: the no-sync backward reduces nothing; the synced one is refused
+    model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.set_requires_gradient_sync(False)
+    out["no_sync"] = _backward_error(model, topo.rank, 0)
+    model.set_requires_gradient_sync(True)
+    out["synced_after_no_sync"] = _backward_error(model, topo.rank, 1)
+    del opt
+
+    # 1-bit Adam over the blocks only, torch AdamW over the rest (embeddings, head, norm)
+    model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    opts = (
+        _make("onebit", list(model.blocks.parameters())),
+        torch.optim.AdamW([p for p in model.parameters() if id(p) not in in_blocks], lr=1e-3),
+    )
+    out["partial"] = _backward_error(model, topo.rank)
+    del opts
+
+    # no optimizer yet at the first backward (one built after it is refused there)
+    model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    out["late"] = _backward_error(model, topo.rank)
+
+    # claimed: accumulation, then steps; the guards are gone after the first check; a torch
+    # AdamW built once the claiming optimizer is deleted is refused at its next backward
+    for kind in ("zero_one", "onebit"):
+        model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+        out[f"{kind}_hooks_before"] = _hooks_left(model)
+        opt = _make(kind, model.parameters())
+        model.set_requires_gradient_sync(False)
+        errors = [_backward_error(model, topo.rank, 0)]
+        model.set_requires_gradient_sync(True)
+        for step in range(1, 4):
+            errors.append(_backward_error(model, topo.rank, step))
+            opt.step()
+            opt.zero_grad()
+        out[f"{kind}_claimed"] = errors
+        out[f"{kind}_hooks_after"] = _hooks_left(model)
+        del opt
+        gc.collect()
+        out[f"{kind}_rearmed"] = _hooks_left(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        out[f"{kind}_after_delete"] = _backward_error(model, topo.rank, 5)
+        del opt
+
+    # two models: the one 0/1 Adam covers trains, the other one (torch AdamW) is refused
+    a = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    b = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    opt_a = _make("zero_one", a.parameters())
+    opt_b = torch.optim.AdamW(b.parameters(), lr=1e-3)
+    out["two_a"] = _backward_error(a, topo.rank)
+    opt_a.step()
+    out["two_b"] = _backward_error(b, topo.rank)
+    del opt_a, opt_b
+    results["unsynced"] = out
+
+
 def _run(rank: int, world: int, rpn: int, tmp: str) -> dict:
     topo = Topology(world_size=world, ranks_per_node=rpn)
     topo.init_groups()
     results: dict = {}
+    _case_unsynced(topo, results)
     for kind in ("zero_one", "onebit"):
         _case_vs_replicated(topo, kind, results)
         _case_freeze(topo, kind, results)
@@ -302,11 +422,35 @@ def test_hsdp_optimizers_2x2(tmp_path):
             assert r[f"a8_{name}_replicas"], name
             assert r[f"a8_{name}_has_8bit"], name
             assert r[f"a8_{name}_diff"] < 0.02, (name, r[f"a8_{name}_diff"])
+        _check_unsynced(r["unsynced"])
     other = run_world(_run_other_nodes, 2, args=(2, str(tmp_path)), timeout_s=300)
     for r in other:
         assert r["warned"] and r["errors_reset"]
         assert all(map(lambda v: v == v, r["losses"]))  # finite, training continues
         assert r["inter"] == 0  # one node: nothing crosses nodes
+
+
+def _check_unsynced(u: dict) -> None:
+    for name in ("built_AdamW8bit", "built_AdamW4bit", "built_to_empty"):
+        msg = u.get(name, "")
+        assert "replicate_reduce=False" in msg and "drift apart" in msg, (name, u)
+        assert "replicate_reduce=True" in msg and "OneBitAdam" in msg, (name, msg)
+    assert "already all-reduced" in u.get("onebit_to_empty_int8", ""), u
+    for name in ("torch_adamw", "synced_after_no_sync", "partial", "late"):
+        msg = u[name] or ""
+        assert "replicas would drift apart" in msg, (name, u)
+        assert "replicate_reduce=True" in msg and "ZeroOneAdam" in msg, (name, msg)
+        assert "before the first backward" in msg, (name, msg)
+    assert u["no_sync"] is None, u["no_sync"]
+    named = u["partial"].split(") were")[0]  # the unclaimed parameters the message names
+    assert "tok_emb" in named and "blocks." not in named, u["partial"]  # the claimed pass
+    for kind in ("zero_one", "onebit"):
+        assert u[f"{kind}_hooks_before"] > 0
+        assert u[f"{kind}_claimed"] == [None] * 4, u[f"{kind}_claimed"]
+        assert u[f"{kind}_hooks_after"] == 0  # checked once: no cost per step afterwards
+        assert u[f"{kind}_rearmed"] == u[f"{kind}_hooks_before"]
+        assert "replicas would drift apart" in (u[f"{kind}_after_delete"] or ""), u
+    assert u["two_a"] is None and "replicas would drift apart" in (u["two_b"] or ""), u
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from qshard import _triton
+from qshard import _replicas, _triton
 from qshard.optim import _kernels, _qstate
 from qshard.optim._overrides import is_full_precision_param
 
@@ -221,6 +221,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            # HSDP with replicate_reduce=False: no gradient crosses nodes and this optimizer
+            # does not sync the replicas ([Note: replica sync] in qshard._replicas)
+            _replicas.refuse_unsynced(group["params"], type(self).__name__)
             self._validate_common(group)
             self._validate_group(group)
         except Exception:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from qshard import _replicas
 from qshard.comm.compressed import (
     _all_gather_single,
     compressed_all_reduce,
@@ -131,6 +132,8 @@ class _DataParallelOneBitOptimizer(Optimizer):
         super().__init__(params, defaults)  # checks every group: see add_param_group
         self._extra: dict[str, Any] = dict(extra_state)
         self._replication_checked = False
+        if self._shards is not None:  # this optimizer syncs their replicas: [Note: replica sync]
+            _replicas.claim(self, self._shards.dtensors())
 
     # ----------------------------------------------------------------------- parameters
     def _variance_frozen(self) -> bool:

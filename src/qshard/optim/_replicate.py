@@ -16,8 +16,10 @@ that 1-D slice; its root mesh names both dims). FSDP2's own 2-D HSDP cannot swit
 all-reduce off and still produce gradients in torch 2.13 (see [Note: HSDP through the
 all-reduce hook] in :mod:`qshard.zeropp.all_reduce`), so its parameters are refused, as are
 those of a compressed replicate reduction (``replicate_bits`` / ``wire_dtype``: the same 1-D
-DTensors, marked by ``shard()``, whose gradients cross nodes already) and ZeRO-3 parameters
-(sharded across nodes: no rank holds a replica to sync).
+DTensors, recorded by ``shard()``, whose gradients cross nodes already) and ZeRO-3 parameters
+(sharded across nodes: no rank holds a replica to sync). An optimizer built here claims its
+DTensors (:func:`qshard._replicas.claim`): ``shard()``'s guard refuses a backward over
+``replicate_reduce=False`` parameters that no such optimizer claims ([Note: replica sync]).
 
 The optimizer keeps the *local tensors* of the DTensors as its parameters (views of FSDP2's
 sharded storage, so an in-place update is the DTensor's update), copies each DTensor's local
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from qshard import _replicas
 
 __all__: list[str] = []
 
@@ -57,7 +61,7 @@ def _root_mesh(mesh):
     return _mesh_resources.get_root_mesh(mesh)
 
 
-def _replicate_group(p, name: str) -> dist.ProcessGroup:
+def _replicate_group(p, name: str, reduced: bool) -> dist.ProcessGroup:
     mesh, placements = p.device_mesh, p.placements
     dims = tuple(mesh.mesh_dim_names or ())
     if dims == _HSDP_DIMS:
@@ -71,7 +75,7 @@ def _replicate_group(p, name: str) -> dist.ProcessGroup:
             f"{name} supports HSDP-sharded DTensors (FSDP2 over mesh['shard']); got placements "
             f"{placements} on {mesh}: shard with {_FIX}"
         )
-    if getattr(p, "_qshard_replicate_reduced", False):  # set by qshard.zeropp.shard()
+    if reduced:  # recorded by qshard.zeropp.shard(): [Note: replica sync]
         raise TypeError(
             f"{name}: these HSDP parameters' gradients are already all-reduced across nodes "
             f"(shard() with replicate_bits or wire_dtype), so {name} would sync them a second "
@@ -106,6 +110,10 @@ class LocalShards:
                     local.requires_grad_(dt.requires_grad)
                 local.grad = None if dt.grad is None else dt.grad.to_local()
 
+    def dtensors(self) -> list[Any]:
+        """The model's DTensor parameters these local tensors stand for."""
+        return [dt for _, dt in self._pairs]
+
     def zero_grad(self, set_to_none: bool) -> None:
         for _, dt in self._pairs:
             if dt.grad is None:
@@ -133,8 +141,9 @@ def localize(
     if not all(isinstance(p, dtensor) for p in flat):
         raise TypeError(f"{name}: either every parameter is an HSDP DTensor or none is; got a mix")
     found: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    kinds = _replicas.replica_sync(flat)
     for p in flat:
-        group = _replicate_group(p, name)
+        group = _replicate_group(p, name, kinds.get(id(p)) == _replicas.REDUCED)
         found.setdefault(tuple(dist.get_process_group_ranks(group)), group)
     if len(found) != 1:
         raise ValueError(

@@ -86,7 +86,10 @@ class ZeroPPConfig:
         replicate_reduce: HSDP only. ``False``: no gradient crosses nodes; each node's
             optimizer steps on its own node-averaged gradients and a data-parallel optimizer
             (:class:`~qshard.optim.ZeroOneAdam`, :class:`~qshard.optim.OneBitAdam`) owns the
-            inter-node sync.
+            inter-node sync. Only those may step these parameters: qshard's 8-bit / 4-bit
+            optimizers refuse them when built, and the first backward that reduces gradients
+            raises if no such optimizer covers every trainable parameter (torch's optimizers
+            included; see [Note: replica sync] in :mod:`qshard._replicas`).
     """
 
     qwz: bool = False

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from qshard import _replicas
 from qshard.comm.topology import Topology
 from qshard.zeropp._meshes import cached_hsdp_mesh, shared_post_forward_meshes
 from qshard.zeropp._overlap import OverlapQueue
@@ -211,8 +212,12 @@ def shard(
     ``fully_shard(mesh=<the 2-D mesh>)`` per block and root (FSDP2's own all-reduce, recorded
     in the ledger by an all-reduce hook); with ``replicate_bits``, a 16-bit ``wire_dtype`` or
     ``replicate_reduce=False`` it is ``fully_shard(mesh=mesh["shard"])`` plus a
-    :class:`~qshard.zeropp.ReplicateAllReduce` hook (or none), see [Note: HSDP through the
-    all-reduce hook] in :mod:`qshard.zeropp.all_reduce`.
+    :class:`~qshard.zeropp.ReplicateAllReduce` hook, see [Note: HSDP through the all-reduce
+    hook] in :mod:`qshard.zeropp.all_reduce`. With ``replicate_reduce=False`` the hook is a
+    one-shot guard instead: the first backward that reduces gradients raises unless
+    :class:`~qshard.optim.OneBitAdam` / :class:`~qshard.optim.ZeroOneAdam` was built over every
+    trainable parameter (any other optimizer would let the node replicas drift apart; see
+    [Note: replica sync] in :mod:`qshard._replicas`), then it removes itself.
 
     With every feature off, ``wire_dtype=None`` and ``prefetch=False`` it is ``fully_shard``
     per block and root, plus recording comms that call FSDP2's own collectives: training is
@@ -378,13 +383,9 @@ def _shard_hsdp(
     block_list = find_blocks(model, blocks)
     _fully_shard_units(model, block_list, fsdp_kwargs, config)
     root = model
-    if not native and config.replicate_reduce:
-        # [Note: 1-bit optimizers on HSDP] in qshard.optim._replicate: these DTensors look like
-        # replicate_reduce=False ones (mesh["shard"]), but their gradients cross nodes already.
-        for p in root.parameters():
-            p._qshard_replicate_reduced = True  # type: ignore[attr-defined]
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
     record = config.record or config.wire_dtype is not None
-    for m in (m for m in root.modules() if isinstance(m, FSDPModule)):
+    for m in units:
         if record:
             m.set_custom_all_gather(RecordingAllGather(wire_dtype=config.wire_dtype))
             m.set_custom_reduce_scatter(RecordingReduceScatter(wire_dtype=config.wire_dtype))
@@ -401,5 +402,11 @@ def _shard_hsdp(
                     error_feedback=config.replicate_error_feedback,
                 )
             )
+    # [Note: replica sync] in qshard._replicas: the 1-D DTensors of a compressed reduction and
+    # of replicate_reduce=False look alike; the record tells them apart, and the latter's units
+    # get a one-shot guard (their all-reduce hook) refusing a backward no 1-bit optimizer syncs.
+    if not native:  # FSDP2's own HSDP needs no record: its DTensors are on the 2-D mesh
+        kind = _replicas.REDUCED if config.replicate_reduce else _replicas.OPTIMIZER
+        _replicas.record_units(units, kind)
     _prefetch(root, block_list, config)
     return root  # type: ignore[return-value]
