@@ -9,10 +9,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from qshard.testing import run_world
-from qshard.train.config import TrainConfig
+from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, OPTIMIZERS, REPLICATE_GRADS, TrainConfig
 from qshard.train.estimate import estimate_hsdp_comm, estimate_memory, memory_by_layout
 
 
@@ -163,6 +164,23 @@ def test_train_hsdp_2x2(tmp_path):
 def test_config_refusals(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         TrainConfig(**kw)
+
+
+@pytest.mark.parametrize("optim", OPTIMIZERS)
+def test_hsdp_sends_no_gradient_only_for_an_optimizer_that_syncs_replicas(tmp_path, optim):
+    """``--parallel hsdp`` turns the inter-node gradient reduction off (replicate_reduce=False)
+    for exactly the optimizers that sync the node replicas themselves, whatever
+    ``--replicate-grads`` says; every other one would be refused by shard()'s guard (or drift)."""
+    from qshard.optim._onebit import _DataParallelOneBitOptimizer
+    from qshard.train._parallel import _OPTIMIZER_CLASSES, _optional, _zeropp_config
+
+    cls = torch.optim.AdamW if optim == "adamw" else _optional(*_OPTIMIZER_CLASSES[optim])
+    syncs = issubclass(cls, _DataParallelOneBitOptimizer)
+    grads = ("fp32",) if optim in DATA_PARALLEL_OPTIMIZERS else REPLICATE_GRADS
+    for g in grads:
+        cfg = _config(tmp_path, 4, 2, parallel="hsdp", zeropp="off", optim=optim, replicate_grads=g)
+        zcfg = _zeropp_config(cfg)
+        assert zcfg.hsdp and zcfg.replicate_reduce is not syncs, (optim, g, zcfg)
 
 
 def test_estimates_show_hsdp_between_zero3_and_replicated():
