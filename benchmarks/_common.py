@@ -29,18 +29,40 @@ __all__ = [
 
 
 def machine_info() -> str:
-    """One line naming the machine, so a number is never separated from where it came from."""
+    """One line naming the machine, so a number is never separated from where it came from. On
+    x86 it names the CPU family/model and the widest vector instruction set, which decides the
+    8-bit kernel's path (AVX-512 region encoder, AVX2 table gathers, or scalar loops)."""
     import torch
 
     cpu = platform.processor() or platform.machine()
+    family = model = ""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "model name":
+                    cpu = value
+                elif key == "cpu family" and not family:
+                    family = value
+                elif key == "model" and not model:
+                    model = value
+                elif key == "flags":
+                    flags = set(value.split())
                     break
     except OSError:
         pass
+    if family:
+        cpu += f" (family {family}, model {model}"
+        if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
+            cpu += ", AVX-512 F/BW/VBMI)"
+        elif "avx512f" in flags:
+            cpu += ", AVX-512 F without VBMI)"
+        elif "avx2" in flags:
+            cpu += ", AVX2, no AVX-512)"
+        else:
+            cpu += ", no AVX2)"
     dev = "no GPU"
     if torch.cuda.is_available():
         dev = torch.cuda.get_device_name(0)
