@@ -9,6 +9,12 @@
   saved on 2 nodes load on 1 node, with the documented error-buffer reset.
 * Freezing or unfreezing a parameter on the model after construction acts as on the
   replicated reference (bit-identical; a frozen parameter does not move).
+* ``torch.distributed.checkpoint``: get_state_dict -> dcp.save -> a fresh model and optimizer
+  -> dcp.load -> set_state_dict continues bit for bit (losses and parameters) like the
+  uninterrupted run, for 1-bit Adam after its freeze and 0/1 Adam through its freeze and local
+  steps, on HSDP and on replicated parameters over all 4 ranks, nested and flattened (as
+  torchtitan saves); a DCP state saved between two 0/1 Adam syncs is refused naming
+  ``synchronize()``. AdamW8bit the same on FSDP2's 2-D HSDP and on ZeRO-3.
 * Refusals: ZeRO-3 shards, FSDP2's own 2-D HSDP (whose all-reduce stays on) and HSDP with a
   compressed replicate reduction (gradients already cross nodes).
 * AdamW8bit on HSDP, native and compressed: replicas agree, tracks torch AdamW.
@@ -29,6 +35,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from qshard import optim as qoptim
 from qshard.comm import CommLedger, Topology, recording
@@ -362,6 +375,119 @@ def _case_unsynced(topo: Topology, results: dict) -> None:
     results["unsynced"] = out
 
 
+def _dcp_round_trip(topo, tmp, build, make, *, save_at, end, flatten, tag):
+    """Train ``build()`` with ``make(params)`` for ``end`` steps; at each step of ``save_at``
+    save model and optimizer with DCP, load them into a fresh pair and train that pair to
+    ``end`` too. Returns, per save step, whether its losses and parameters equal the
+    uninterrupted run's bit for bit."""
+    opts = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model = build()
+    opt = make(model.parameters())
+    ledger = CommLedger(topo)
+    losses, ckpts = {}, {}
+    for step in range(end):
+        if step in save_at:
+            ckpts[step] = os.path.join(tmp, f"{tag}_{step}")
+            msd, osd = get_state_dict(model, opt, options=opts)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpts[step])
+        losses[step] = _step(model, opt, topo.rank, step, ledger)
+    final = [p.detach().clone() for p in model.parameters()]
+    out = {}
+    for start, ckpt in ckpts.items():
+        again = build()
+        opt2 = make(again.parameters())
+        msd, osd = get_state_dict(again, opt2, options=opts)  # the layout (a zero-lr step)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(
+            again,
+            opt2,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=opts,
+        )
+        same = all(_step(again, opt2, topo.rank, s, ledger) == losses[s] for s in range(start, end))
+        same &= all(torch.equal(a, b) for a, b in zip(again.parameters(), final))
+        out[start] = same
+    return out, opt
+
+
+def _case_dcp(topo: Topology, tmp: str, results: dict) -> None:
+    def hsdp():
+        return shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+
+    def replicated():
+        return GPT(CFG)
+
+    for layout, build in (("hsdp", hsdp), ("replicated", replicated)):
+        for flatten in (False, True):
+            tag = f"{layout}_{int(flatten)}"
+            # 1-bit Adam after its freeze (step 4; its error buffers carry on). 0/1 Adam after
+            # its one phase-A 1-bit step (4; variance steps 1, 2, 3, 5), carried through the
+            # freeze (5) and local steps; and right after a phase-B sync (9; syncs at 6, 7, 8,
+            # 9, 11, 13), whose error buffers the later syncs use.
+            r1, _ = _dcp_round_trip(
+                topo,
+                tmp,
+                build,
+                lambda ps: _make("onebit", ps),
+                save_at={6},
+                end=10,
+                flatten=flatten,
+                tag=f"onebit_{tag}",
+            )
+            r01, opt = _dcp_round_trip(
+                topo,
+                tmp,
+                build,
+                lambda ps: _make("zero_one", ps),
+                save_at={4, 9},
+                end=STEPS,
+                flatten=flatten,
+                tag=f"zero_one_{tag}",
+            )
+            results[f"dcp_{tag}"] = {
+                **{f"onebit@{k}": v for k, v in r1.items()},
+                **{f"zero_one@{k}": v for k, v in r01.items()},
+            }
+            results[f"dcp_{tag}_local"] = opt.comm_stats["local"]
+    # Between two syncs every rank has its own momentum and parameters: refused on load.
+    model = hsdp()
+    opt = _make("zero_one", model.parameters())
+    ledger = CommLedger(topo)
+    step = 0
+    while step < 6 or opt.in_sync:
+        _step(model, opt, topo.rank, step, ledger)
+        step += 1
+    msd, osd = get_state_dict(model, opt)
+    ckpt = os.path.join(tmp, "mid_interval")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    again = hsdp()
+    opt2 = _make("zero_one", again.parameters())
+    msd, osd = get_state_dict(again, opt2)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    try:
+        set_state_dict(again, opt2, model_state_dict=msd, optim_state_dict=osd)
+        results["dcp_mid_interval"] = "loaded"
+    except ValueError as e:
+        results["dcp_mid_interval"] = str(e)
+
+
+def _case_dcp_adamw8bit(topo: Topology, tmp: str, results: dict) -> None:
+    for name, cfg in (("native_hsdp", ZeroPPConfig(hsdp=True)), ("zero3", None)):
+
+        def build(cfg=cfg):
+            return shard(GPT(CFG), topology=topo, config=cfg)
+
+        def make(ps):
+            return qoptim.AdamW8bit(ps, lr=3e-3, weight_decay=0.01, min_8bit_size=256)
+
+        out, _ = _dcp_round_trip(
+            topo, tmp, build, make, save_at={3}, end=6, flatten=True, tag=f"a8_{name}"
+        )
+        results[f"dcp_a8_{name}"] = out
+
+
 def _run(rank: int, world: int, rpn: int, tmp: str) -> dict:
     topo = Topology(world_size=world, ranks_per_node=rpn)
     topo.init_groups()
@@ -371,6 +497,8 @@ def _run(rank: int, world: int, rpn: int, tmp: str) -> dict:
         _case_vs_replicated(topo, kind, results)
         _case_freeze(topo, kind, results)
     _case_resume(topo, tmp, results)
+    _case_dcp(topo, tmp, results)
+    _case_dcp_adamw8bit(topo, tmp, results)
     _case_refusals(topo, results)
     _case_adamw8bit(topo, results)
     return results
@@ -391,7 +519,16 @@ def _run_other_nodes(rank: int, world: int, rpn: int, tmp: str) -> dict:
     ]
     ledger = CommLedger(topo)
     losses = [_step(model, opt, rank, s, ledger) for s in range(20, 23)]
+    # A DCP optimizer state of 2 x 2 on 1 x 2: the per-rank error buffers do not fit.
+    fresh = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    osd = get_optimizer_state_dict(fresh, _make("onebit", fresh.parameters()))
+    try:
+        dcp.load({"optim": osd}, checkpoint_id=os.path.join(tmp, "onebit_hsdp_0_6"))
+        dcp_refusal = "loaded"
+    except CheckpointException as e:  # a BaseException carrying each rank's error
+        dcp_refusal = str(e)
     return {
+        "dcp_refusal": dcp_refusal,
         "warned": any("error buffers restart from zero" in str(w.message) for w in caught),
         "errors_reset": not errors_left,
         "losses": losses,
@@ -413,6 +550,17 @@ def test_hsdp_optimizers_2x2(tmp_path):
         assert r["local_quiet"] and all(b == 0 for b in r["local_quiet"]), r["local_quiet"]
         assert r["out_of_sync_before"] and r["synchronized_replicas"]
         assert r["saved_mid_interval"] and r["resume_bit_exact"], r["save_at"]
+        for layout in ("hsdp", "replicated"):
+            for flatten in (0, 1):
+                tag = f"{layout}_{flatten}"
+                assert r[f"dcp_{tag}"] == {
+                    "onebit@6": True,
+                    "zero_one@4": True,
+                    "zero_one@9": True,
+                }, (tag, r)
+                assert r[f"dcp_{tag}_local"] > 0, tag  # the resumed span had local steps
+        assert "synchronize()" in r["dcp_mid_interval"], r["dcp_mid_interval"]
+        assert r["dcp_a8_native_hsdp"] == {3: True} and r["dcp_a8_zero3"] == {3: True}, r
         assert "use HSDP" in r["errors"]["zero3"], r["errors"]
         assert "replicate_reduce=False" in r["errors"]["native"], r["errors"]
         for name in ("int8", "bf16"):  # their gradients cross nodes already
@@ -428,6 +576,7 @@ def test_hsdp_optimizers_2x2(tmp_path):
         assert r["warned"] and r["errors_reset"]
         assert all(map(lambda v: v == v, r["losses"]))  # finite, training continues
         assert r["inter"] == 0  # one node: nothing crosses nodes
+        assert "Size mismatch" in r["dcp_refusal"] and "error" in r["dcp_refusal"], r
 
 
 def _check_unsynced(u: dict) -> None:

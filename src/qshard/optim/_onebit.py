@@ -20,6 +20,25 @@ size, keeps everything replicated and resets the error buffers to zero (with a w
 cannot be re-split meaningfully, and error feedback restarts from zero exactly as at the start
 of compression (the lost residue is at most one step's compression error).
 
+[Note: DCP checkpoints] ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+(and ``set_``, as torchtitan checkpoints) names each parameter's state by matching
+``param_groups`` against ``model.named_parameters()`` and keeps only ``"state"`` and
+``"param_groups"``; DCP then saves one copy of every tensor that is not a DTensor (or of every
+equal DTensor shard) and loads into a template built from a fresh optimizer after one
+zero-lr step. So: ``param_groups`` and ``state`` are keyed by the model's own parameters (on
+HSDP the DTensors: before, the local tensors, and the name lookup raised a bare ``KeyError``);
+every live group holds the extra state under ``"qshard"``, which ``state_dict()`` fills in (it
+was a top-level entry only, which DSD dropped); on HSDP m, v, the sync anchor and the mask are
+exported as DTensors of the parameter's layout, one copy per shard across nodes; the error
+buffers, the only per-rank tensors at a sync, are exported as DTensors with one row per rank
+(``[group size, length]``, on HSDP ``[nodes, ranks per node, longest shard's length]``, zero
+padded), and are allocated with m and v so that the fresh template has them. The round trip at
+the same layout continues bit for bit. Not representable: 0/1 Adam between two syncs, when
+every rank has its own momentum and parameters (DCP would keep one rank's of each, the
+model's parameters included): such a state is refused on load naming ``synchronize()`` and the
+per-rank path. On another number of ranks the error buffers' global shape differs and DCP's
+load refuses them with a size mismatch; the per-rank path covers that case.
+
 [Note: late parameters] The variance is what keeps a 1-bit step safe: it comes from
 full-precision averages until the freeze and is kept afterwards. A parameter that steps for the
 first time after the freeze (added with ``add_param_group``, or ``requires_grad`` turned on)
@@ -32,6 +51,8 @@ step (its first update would divide by ``eps`` as well).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -48,12 +69,17 @@ from qshard.comm.compressed import (
     server_error_numel,
 )
 from qshard.comm.ledger import active_ledger
-from qshard.optim._replicate import _dtensor_type, localize
+from qshard.optim._replicate import _dtensor_type, _root_mesh, localize
 
 __all__: list[str] = []
 
 _EXTRA_KEY = "qshard"
 _ERROR_KEYS = ("worker_error", "server_error")
+_SHARD_KEYS = ("exp_avg", "exp_avg_sq", "sync_anchor", "zero_mask")  # parameter-shaped
+
+
+def _global_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 DEFAULT_VARIANCE_FLOOR = 0.01
@@ -131,7 +157,9 @@ class _DataParallelOneBitOptimizer(Optimizer):
             self._group_ranks = dist.get_process_group_ranks(self.process_group)
         super().__init__(params, defaults)  # checks every group: see add_param_group
         self._extra: dict[str, Any] = dict(extra_state)
+        self._link_extra()
         self._replication_checked = False
+        self._error_mesh: Any = None  # built on the first state_dict(); see _export_error
         if self._shards is not None:  # this optimizer syncs their replicas: [Note: replica sync]
             _replicas.claim(self, self._shards.dtensors())
 
@@ -181,11 +209,31 @@ class _DataParallelOneBitOptimizer(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        if constructed:
+            self._link_extra()
+
+    def _link_extra(self) -> None:
+        # [Note: DCP checkpoints] every live group names the extra state, so that torch's
+        # (flattened) optimizer state dict has a place for it; state_dict() fills it in.
+        for group in self.param_groups:
+            group[_EXTRA_KEY] = self._extra
+
+    # ----------------------------------------------------------------------- state keys
+    def _key(self, p: torch.Tensor) -> torch.Tensor:
+        """The state key of a stepped tensor: the parameter itself, or on HSDP its DTensor."""
+        return p if self._shards is None else self._shards.key(p)
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        return self.state[self._key(p)]
+
+    def _local(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor stepped for a parameter of ``param_groups`` (on HSDP its local shard)."""
+        return p if self._shards is None else self._shards.local(p)
 
     def _init_state(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> bool:
         """Create m and v of the parameters that step for the first time; returns whether
         there were any. Refuses them after the variance freeze: [Note: late parameters]."""
-        new = [p for _, p in pairs if "exp_avg" not in self.state.get(p, {})]
+        new = [p for _, p in pairs if "exp_avg" not in self.state.get(self._key(p), {})]
         if new and self._variance_frozen():
             raise RuntimeError(
                 f"{type(self).__name__}: {len(new)} parameter(s) (shapes "
@@ -196,9 +244,10 @@ class _DataParallelOneBitOptimizer(Optimizer):
                 "or train them with another optimizer"
             )
         for p in new:
-            state = self.state[p]
+            state = self._state(p)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            self._error_buffers(p)  # with m and v: [Note: DCP checkpoints]
         return bool(new)
 
     def _check_param(self, p: torch.Tensor) -> None:
@@ -220,7 +269,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
         sparse variance schedule is far smaller than the step count). With ``floor > 0``,
         ``sqrt(v)`` is raised to at least ``floor`` times the tensor's RMS ``sqrt(mean(v))``
         over its unmasked elements; see [Note: variance floor]."""
-        v = self.state[p]["exp_avg_sq"]
+        v = self._state(p)["exp_avg_sq"]
         if self.bias_correction and variance_updates > 0:
             v = v / (1 - group["betas"][1] ** variance_updates)
         d = v.sqrt()
@@ -231,14 +280,17 @@ class _DataParallelOneBitOptimizer(Optimizer):
         return d.add_(group["eps"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        if self._shards is not None:  # the HSDP DTensors' own gradients
-            self._shards.zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # on HSDP: the DTensors' gradients
+        if self._shards is not None:  # and the local tensors' views of them
+            self._shards.zero_grad()
 
     def _trainable(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
+        """``(group, tensor stepped)`` of every trainable parameter (on HSDP: local shards)."""
         if self._shards is not None:
             self._shards.pull()
-        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        return [
+            (g, self._local(p)) for g in self.param_groups for p in g["params"] if p.requires_grad
+        ]
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         # [Note: missing gradients] Every trainable parameter takes part in every step, so all
@@ -259,9 +311,16 @@ class _DataParallelOneBitOptimizer(Optimizer):
         buffers and their averaged gradient / momentum is exactly 0. Must be the same on every
         rank; kept in ``state_dict()``. ``None`` removes the mask.
         """
-        if not any(param is p for _, p in self._trainable()):
+        trainable = self._trainable()
+        if self._shards is not None:  # the model's DTensor (or its local shard)
+            with contextlib.suppress(KeyError):  # not ours: refused below
+                param = self._local(param)
+            dtensor = _dtensor_type()
+            if mask is not None and dtensor is not None and isinstance(mask, dtensor):
+                mask = mask.to_local()
+        if not any(param is p for _, p in trainable):
             raise ValueError("set_zero_mask: param is not a trainable parameter of this optimizer")
-        state = self.state[param]
+        state = self._state(param)
         if mask is None:
             state.pop("zero_mask", None)
             return
@@ -273,7 +332,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
         state["zero_mask"] = mask.detach().to(device=param.device, dtype=torch.bool).clone()
 
     def _mask(self, p: torch.Tensor) -> torch.Tensor | None:
-        mask = self.state[p].get("zero_mask")
+        mask = self._state(p).get("zero_mask")
         # load_state_dict casts floating state to the param dtype; a mask is stored as bool.
         return None if mask is None else mask.to(torch.bool)
 
@@ -341,7 +400,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
         ]
 
     def _error_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self.state[p]
+        state = self._state(p)
         if "worker_error" not in state:
             numel = p.numel()
             n = self.world_size
@@ -376,25 +435,115 @@ class _DataParallelOneBitOptimizer(Optimizer):
         ``local`` (no communication at all); kept in the state_dict."""
         return {k: self._extra[k] for k in ("full_precision", "compressed", "local")}
 
+    @property
+    def in_sync(self) -> bool:
+        """True when every rank holds the same parameters and momenta (0/1 Adam overrides)."""
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The torch state (per-parameter tensors, including error buffers, masks and 0/1
         Adam's sync anchor) plus the algorithm's counters and schedule positions, the group
-        size and this rank. Per rank: see [Note: per-rank state]."""
+        size and this rank. Per rank: see [Note: per-rank state]; through
+        ``torch.distributed.checkpoint``: see [Note: DCP checkpoints]."""
         sd = super().state_dict()
-        sd[_EXTRA_KEY] = {
+        extra = {
             "algorithm": self._algorithm,
             "world_size": self.world_size,
             "rank": self.rank,
+            "global_world_size": _global_world_size(),
+            "in_sync": self.in_sync,
             **self._extra,
         }
+        sd[_EXTRA_KEY] = extra
+        for group in sd["param_groups"]:
+            group[_EXTRA_KEY] = copy.deepcopy(extra)
+        params = [p for g in self.param_groups for p in g["params"]]
+        sd["state"] = {i: self._export_state(params[i], st) for i, st in sd["state"].items()}
         return sd
 
+    def _export_state(self, key: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """A new dict (the live one is not touched): on HSDP the shard-shaped tensors as
+        DTensors of the parameter's layout, and the error buffers as DTensors with one row per
+        rank (see [Note: DCP checkpoints])."""
+        out = dict(state)
+        p = self._local(key)
+        if "exp_avg" in out and "worker_error" not in out:  # dropped by a load: restart at 0
+            out["worker_error"], out["server_error"] = self._fresh_error_buffers(p)
+        if self._shards is not None:
+            from torch.distributed.tensor import DTensor
+
+            for k in _SHARD_KEYS:
+                v = out.get(k)
+                if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                    out[k] = DTensor.from_local(
+                        v,
+                        key.device_mesh,
+                        key.placements,
+                        run_check=False,
+                        shape=key.shape,
+                        stride=key.stride(),
+                    )
+        for k in _ERROR_KEYS:
+            if isinstance(out.get(k), torch.Tensor):
+                out[k] = self._export_error(key, k, out[k])
+        return out
+
+    def _fresh_error_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        numel, n = p.numel(), self.world_size
+        return (
+            torch.zeros(padded_numel(numel, n), device=p.device),
+            torch.zeros(server_error_numel(numel, n), device=p.device),
+        )
+
+    def _export_error(self, key: torch.Tensor, name: str, buf: torch.Tensor) -> torch.Tensor:
+        """One rank's error buffer as a row of a DTensor over every rank that holds one:
+        ``[group size, length]`` over the data-parallel group, or on HSDP ``[nodes, ranks per
+        node, longest length]`` over the 2-D mesh (shards differ in length; zero-padded)."""
+        if not (dist.is_available() and dist.is_initialized()) or self.process_group is None:
+            return buf  # one process: nothing is per rank
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._shards is None:
+            if self._error_mesh is None:
+                self._error_mesh = DeviceMesh.from_group(self.process_group, buf.device.type)
+            shape = (self.world_size, buf.numel())
+            return DTensor.from_local(
+                buf.reshape(1, -1),
+                self._error_mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=shape,
+                stride=(shape[1], 1),
+            )
+        mesh = _root_mesh(key.device_mesh)
+        shard_dim = key.placements[0].dim
+        size = key.shape[shard_dim]
+        rows = [c.shape[0] for c in torch.empty(size, device="meta").chunk(key.device_mesh.size())]
+        rest = key.numel() // size if size else 0
+        length = server_error_numel if name == "server_error" else padded_numel
+        longest = max(length(r * rest, self.world_size) for r in [*rows, 0])
+        row = buf.new_zeros(1, 1, longest)
+        row[0, 0, : buf.numel()] = buf
+        shape = (mesh.size(0), mesh.size(1), longest)
+        stride = (shape[1] * shape[2], shape[2], 1)
+        return DTensor.from_local(
+            row, mesh, [Shard(0), Shard(1)], run_check=False, shape=shape, stride=stride
+        )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`. At the same world size and rank the run continues bit for
-        bit; otherwise the error buffers restart from zero (see [Note: per-rank state])."""
+        """Load a :meth:`state_dict` (of this rank, or through ``torch.distributed.checkpoint``).
+        At the same world size and rank the run continues bit for bit; otherwise the error
+        buffers restart from zero (see [Note: per-rank state] and [Note: DCP checkpoints])."""
         name = type(self).__name__
         state_dict = dict(state_dict)
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        in_groups = [g.pop(_EXTRA_KEY, None) for g in groups]
         extra = state_dict.pop(_EXTRA_KEY, None)
+        # torch.distributed.checkpoint.state_dict keeps "state" and "param_groups" only.
+        through_dcp = extra is None and in_groups and isinstance(in_groups[0], dict)
+        if through_dcp:
+            extra = in_groups[0]
         if extra is None:
             raise ValueError(
                 f"{name}.load_state_dict: this state_dict has no {_EXTRA_KEY!r} entry; it was "
@@ -405,18 +554,61 @@ class _DataParallelOneBitOptimizer(Optimizer):
         if extra.pop("algorithm") != self._algorithm:
             raise ValueError(f"{name}.load_state_dict: state_dict was saved by another optimizer")
         saved_world, saved_rank = extra.pop("world_size"), extra.pop("rank")
+        saved_global = extra.pop("global_world_size", None)
+        saved_in_sync = extra.pop("in_sync", True)
+        if through_dcp and not saved_in_sync:
+            raise ValueError(
+                f"{name}.load_state_dict: this state went through torch.distributed.checkpoint "
+                "between two syncs of 0/1 Adam's local steps, when every rank holds its own "
+                "momentum and parameters; a DCP checkpoint keeps one copy of each, so the other "
+                "ranks' local steps are lost. Call optimizer.synchronize() on every rank before "
+                "get_optimizer_state_dict / dcp.save, or save optimizer.state_dict() per rank "
+                "(qshard train's per-rank checkpoints)"
+            )
         missing = set(self._extra) - set(extra)
         if missing:
             raise ValueError(f"{name}.load_state_dict: state_dict lacks {sorted(missing)}")
-        super().load_state_dict(state_dict)
+        same_world = saved_world == self.world_size and saved_global in (
+            None,
+            _global_world_size(),
+        )
+        # Per rank, the buffers are this rank's when it saved them; through DCP every rank
+        # read its own row of the per-rank DTensors.
+        own_errors = same_world and (through_dcp or saved_rank == self.rank)
+        saved_params = [p for g in groups for p in g["params"]]
+        here = [p for g in self.param_groups for p in g["params"]]
+        key_of = dict(zip(saved_params, here))
+        state = {
+            k: self._import_state(key_of.get(k), st, own_errors)
+            for k, st in state_dict.get("state", {}).items()
+        }
+        super().load_state_dict({**state_dict, "state": state, "param_groups": groups})
         self._extra = {k: extra[k] for k in self._extra}
-        if saved_world != self.world_size or saved_rank != self.rank:
+        self._link_extra()
+        if not own_errors:
             warnings.warn(
                 f"{name}: state saved by rank {saved_rank} of {saved_world} loaded on rank "
                 f"{self.rank} of {self.world_size}: error buffers restart from zero "
                 "(everything else is kept)",
                 stacklevel=2,
             )
-            for state in self.state.values():
-                for key in _ERROR_KEYS:
-                    state.pop(key, None)
+
+    def _import_state(
+        self, key: torch.Tensor | None, state: dict[str, Any], own_errors: bool
+    ) -> dict[str, Any]:
+        """Saved per-parameter state as the live layout: DTensors to their local tensors,
+        error buffers to this rank's unpadded buffer (or dropped, when not this rank's)."""
+        dtensor = _dtensor_type()
+        out = {}
+        for k, v in state.items():
+            if dtensor is not None and isinstance(v, dtensor):
+                v = v.to_local()
+            if k in _ERROR_KEYS:
+                if not own_errors:
+                    continue
+                if key is not None and isinstance(v, torch.Tensor):
+                    numel, n = self._local(key).numel(), self.world_size
+                    length = (padded_numel if k == "worker_error" else server_error_numel)(numel, n)
+                    v = v.reshape(-1)[:length].clone()
+            out[k] = v
+        return out

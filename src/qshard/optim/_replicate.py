@@ -21,10 +21,12 @@ DTensors, recorded by ``shard()``, whose gradients cross nodes already) and ZeRO
 DTensors (:func:`qshard._replicas.claim`): ``shard()``'s guard refuses a backward over
 ``replicate_reduce=False`` parameters that no such optimizer claims ([Note: replica sync]).
 
-The optimizer keeps the *local tensors* of the DTensors as its parameters (views of FSDP2's
-sharded storage, so an in-place update is the DTensor's update), copies each DTensor's local
-gradient onto them before a step, and clears the DTensors' gradients in ``zero_grad``. Its
-state is plain per-rank tensors, saved per rank (as on replicated parameters).
+The optimizer's ``param_groups`` and ``state`` are keyed by the model's DTensors, as torch.optim's
+are (so ``torch.distributed.checkpoint.state_dict`` maps them to the model's names); it steps
+on their *local tensors* (views of FSDP2's sharded storage, so an in-place update is the
+DTensor's update), copying each DTensor's local gradient onto them before a step. The state
+values are plain local tensors; ``state_dict()`` presents the shard-shaped ones as DTensors of
+the parameter's layout (see [Note: DCP checkpoints] in :mod:`qshard.optim._onebit`).
 """
 
 from __future__ import annotations
@@ -94,7 +96,17 @@ class LocalShards:
     """The optimizer's view of HSDP DTensor parameters: local tensors, synced gradients."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, Any]]) -> None:
-        self._pairs = pairs  # (local tensor the optimizer owns, its DTensor parameter)
+        self._pairs = pairs  # (local tensor the optimizer steps on, its DTensor parameter)
+        self._dtensor_of = {id(local): dt for local, dt in pairs}
+        self._local_of = {id(dt): local for local, dt in pairs}
+
+    def key(self, p: torch.Tensor) -> Any:
+        """The DTensor parameter (the optimizer's state key) of a local tensor or DTensor."""
+        return p if id(p) in self._local_of else self._dtensor_of[id(p)]
+
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        """The local tensor stepped for a DTensor parameter (or the local tensor itself)."""
+        return p if id(p) in self._dtensor_of else self._local_of[id(p)]
 
     def pull(self) -> None:
         """Before a step: re-point each local tensor at its DTensor's storage (should FSDP2
@@ -114,28 +126,31 @@ class LocalShards:
         """The model's DTensor parameters these local tensors stand for."""
         return [dt for _, dt in self._pairs]
 
-    def zero_grad(self, set_to_none: bool) -> None:
-        for _, dt in self._pairs:
-            if dt.grad is None:
-                continue
-            if set_to_none:
-                dt.grad = None
-            else:
-                dt.grad.detach_()
-                dt.grad.zero_()
+    def zero_grad(self) -> None:
+        """Drop the local tensors' gradients (views of the DTensors' gradients, which
+        ``Optimizer.zero_grad`` clears on the parameters themselves)."""
+        for local, _ in self._pairs:
+            local.grad = None
 
 
 def localize(
     params: Iterable[Any], process_group: dist.ProcessGroup | None, name: str
 ) -> tuple[Any, dist.ProcessGroup | None, LocalShards | None]:
-    """``(params, process_group, shards)`` for the optimizer: unchanged when no parameter is a
-    DTensor; else the local tensors (same group structure), the replicate group and the
-    :class:`LocalShards` that keeps them in step with the DTensors. See
+    """``(params, process_group, shards)`` for the optimizer: the parameters (unchanged), the
+    process group (the replicate group when they are HSDP DTensors) and the
+    :class:`LocalShards` of the DTensors (None without DTensors). See
     [Note: 1-bit optimizers on HSDP]."""
     params = list(params)
     dtensor = _dtensor_type()
+    if params and isinstance(params[0], dict):  # lists, not iterators: read here and by torch
+        params = [
+            {**g, "params": [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])}
+            if "params" in g
+            else g
+            for g in params
+        ]
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
-    flat = [p for g in groups for p in (list(g["params"]) if "params" in g else [])]
+    flat = [p for g in groups for p in g.get("params", [])]
     if dtensor is None or not any(isinstance(p, dtensor) for p in flat):
         return params, process_group, None
     if not all(isinstance(p, dtensor) for p in flat):
@@ -157,17 +172,12 @@ def localize(
             f"parameters' replicate group {list(ranks)}; leave process_group=None on HSDP"
         )
     pairs: list[tuple[torch.Tensor, Any]] = []
-    swapped: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
     with torch.no_grad():
         for p in flat:
-            if id(p) not in swapped:
+            if id(p) not in seen:
+                seen.add(id(p))
                 local = p.to_local()
                 local.requires_grad_(p.requires_grad)
-                swapped[id(p)] = local
                 pairs.append((local, p))
-    out_groups = [
-        {**g, "params": [swapped[id(p)] for p in g["params"]]} if "params" in g else g
-        for g in groups
-    ]
-    out = out_groups if isinstance(params[0], dict) else out_groups[0]["params"]
-    return out, group, LocalShards(pairs)
+    return params, group, LocalShards(pairs)

@@ -121,22 +121,22 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
                 if mask is not None:
                     g = g * mask
                 beta1, beta2 = group["betas"]
-                state = self.state[p]
+                state = self._state(p)
                 state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
                 state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
             extra["full_precision"] += 1
         else:
             for group, p in pairs:
                 beta1, _ = group["betas"]
-                self.state[p]["exp_avg"].mul_(beta1).add_(self._grad(p), alpha=1 - beta1)
-            momenta = [self.state[p]["exp_avg"] for p in params]
+                self._state(p)["exp_avg"].mul_(beta1).add_(self._grad(p), alpha=1 - beta1)
+            momenta = [self._state(p)["exp_avg"] for p in params]
             averaged = self._compressed_mean(params, momenta, f"{self._algorithm}/momentum")
             for m, avg in zip(momenta, averaged):
                 m.copy_(avg)
             extra["compressed"] += 1
 
         for group, p in pairs:
-            state = self.state[p]
+            state = self._state(p)
             lr, wd = group["lr"], group["weight_decay"]
             if wd != 0:
                 p.mul_(1 - lr * wd)

@@ -270,7 +270,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             # A sync of the local momenta; see [Note: phase A compression].
             momenta = []
             for (group, p), g in zip(pairs, grads):
-                m = self.state[p]["exp_avg"]
+                m = self._state(p)["exp_avg"]
                 m.mul_(group["betas"][0]).add_(g, alpha=1 - group["betas"][0])
                 momenta.append(m)
             averaged = self._compressed_mean(params, momenta, f"{self._algorithm}/momentum")
@@ -283,7 +283,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             grads = self._compressed_mean(params, grads, f"{self._algorithm}/gradient")
             extra["compressed"] += 1
         for (group, p), g in zip(pairs, grads):
-            state = self.state[p]
+            state = self._state(p)
             beta1, beta2 = group["betas"]
             if variance_step:
                 mask = self._mask(p)
@@ -294,7 +294,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             self._apply_update(group, p)
 
     def _apply_update(self, group: dict[str, Any], p: torch.Tensor) -> None:
-        state = self.state[p]
+        state = self._state(p)
         lr, wd = group["lr"], group["weight_decay"]
         if wd != 0:
             p.mul_(1 - lr * wd)
@@ -312,14 +312,16 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             # (sum(lr * m) * -1, other units), so they restart from zero, as in DeepSpeed.
             self._reset_error_buffers()
             extra["phase_b_started"] = True
-        for _, p in pairs:  # also a parameter frozen when phase B began, now unfrozen
-            if "sync_anchor" not in self.state[p]:
-                self.state[p]["sync_anchor"] = p.detach().clone()
-                self.state[p]["lr_sum"] = 0.0
+        # Also a parameter frozen when phase B began, now unfrozen, and a state loaded through
+        # DCP at a sync (a fresh optimizer's template has no anchor; at a sync it equals p).
+        for _, p in pairs:
+            if "sync_anchor" not in self._state(p):
+                self._state(p)["sync_anchor"] = p.detach().clone()
+                self._state(p)["lr_sum"] = 0.0
         if extra["phase_b_lrs"] is None:  # also after loading a state saved before this check
             extra["phase_b_lrs"] = [g["lr"] for g in self.param_groups]
         for group, p in pairs:
-            state = self.state[p]
+            state = self._state(p)
             beta1, _ = group["betas"]
             grad, mask = self._grad(p), self._mask(p)
             if mask is not None:  # the local step, too, leaves structural zeros alone
@@ -377,22 +379,23 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         by their local steps (the same parameters on every rank, as the model is replicated)."""
         stepping = {id(p) for _, p in pairs}
         pairs = pairs + [
-            (g, p)
+            (g, self._local(p))
             for g in self.param_groups
             for p in g["params"]
-            if id(p) not in stepping and self.state.get(p, {}).get("lr_sum", 0.0) != 0.0
+            if id(self._local(p)) not in stepping
+            and self.state.get(p, {}).get("lr_sum", 0.0) != 0.0
         ]
         params = [p for _, p in pairs]
         denoms = [self._denom(g, p) for g, p in pairs]
         for p in params:  # the anchor, decayed as every replica decayed it since the last sync
-            state = self.state[p]
+            state = self._state(p)
             decay = state.pop("decay", 1.0)
             if decay != 1.0:
                 state["sync_anchor"].mul_(decay)
-        drifts = [(p - self.state[p]["sync_anchor"]).mul_(d) for p, d in zip(params, denoms)]
+        drifts = [(p - self._state(p)["sync_anchor"]).mul_(d) for p, d in zip(params, denoms)]
         averaged = self._compressed_mean(params, drifts, f"{self._algorithm}/drift")
         for p, d, u in zip(params, denoms, averaged):
-            state = self.state[p]
+            state = self._state(p)
             if state["lr_sum"] > 0:
                 state["exp_avg"].copy_(u).div_(-state["lr_sum"])
             p.copy_(state["sync_anchor"].addcdiv_(u, d))

@@ -29,8 +29,9 @@ the step (which is also the data position: batches are a pure function of the st
 :mod:`qshard.train.data`) and rank 0's RNG states.
 
 [Note: per-rank checkpoints] The data-parallel 1-bit optimizers keep per-rank state (error
-buffers; 0/1 Adam's momentum and parameters between syncs) and a non-tensor entry that
-``get_state_dict`` would drop. Their checkpoints are one ``torch.save`` file per rank
+buffers; 0/1 Adam's momentum and parameters between syncs), which DCP can hold only at a sync
+and reload only on the same layout ([Note: DCP checkpoints] in :mod:`qshard.optim._onebit`),
+while a run saves on a fixed step and may resume on another number of nodes. Their checkpoints are one ``torch.save`` file per rank
 (``rank_00000.pt``...; model, ``optimizer.state_dict()``, step, RNG) inside the same atomic
 folder protocol. At the same world size every rank continues bit for bit; at another world
 size every rank loads rank 0's file.
