@@ -309,7 +309,8 @@ class _DataParallelOneBitOptimizer(Optimizer):
         1-bit compression cannot send 0: without a mask, these elements would receive
         ``+-scale`` updates. Masked elements are excluded from compression scales and error
         buffers and their averaged gradient / momentum is exactly 0. Must be the same on every
-        rank; kept in ``state_dict()``. ``None`` removes the mask.
+        rank; kept in ``state_dict()``. ``None`` removes the mask. On HSDP ``param`` is the
+        model's DTensor and ``mask`` its local shard's mask (or a DTensor of it).
         """
         trainable = self._trainable()
         if self._shards is not None:  # the model's DTensor (or its local shard)
