@@ -25,16 +25,14 @@ __all__ = [
     "format_table",
     "machine_info",
     "time_call",
+    "vector_isa",
 ]
 
 
-def machine_info() -> str:
-    """One line naming the machine, so a number is never separated from where it came from. On
-    x86 it names the CPU family/model and the widest vector instruction set, which decides the
-    8-bit kernel's path (AVX-512 region encoder, AVX2 table gathers, or scalar loops)."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
+def _cpuinfo() -> tuple[str, str, str, set[str]]:
+    """(model name, family, model, flags) of the first CPU in /proc/cpuinfo ('' / empty off
+    Linux)."""
+    name = platform.processor() or platform.machine()
     family = model = ""
     flags: set[str] = set()
     try:
@@ -43,7 +41,7 @@ def machine_info() -> str:
                 key, _, value = line.partition(":")
                 key, value = key.strip(), value.strip()
                 if key == "model name":
-                    cpu = value
+                    name = value
                 elif key == "cpu family" and not family:
                     family = value
                 elif key == "model" and not model:
@@ -53,16 +51,34 @@ def machine_info() -> str:
                     break
     except OSError:
         pass
+    return name, family, model, flags
+
+
+def vector_isa() -> str:
+    """The widest x86 vector instruction set the 8-bit kernel can use here ('AVX-512 F/BW/VBMI',
+    'AVX-512 F without VBMI', 'AVX2', 'no AVX2'), '' where /proc/cpuinfo has no flags. It decides
+    the kernel's path: the AVX-512 region encoder, the AVX2 table gathers, or the scalar loops."""
+    flags = _cpuinfo()[3]
+    if not flags:
+        return ""
+    if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
+        return "AVX-512 F/BW/VBMI"
+    if "avx512f" in flags:
+        return "AVX-512 F without VBMI"
+    return "AVX2" if "avx2" in flags else "no AVX2"
+
+
+def machine_info() -> str:
+    """One line naming the machine, so a number is never separated from where it came from; on
+    Linux with the CPU family/model and :func:`vector_isa`."""
+    import torch
+
+    cpu, family, model, _ = _cpuinfo()
     if family:
-        cpu += f" (family {family}, model {model}"
-        if {"avx512f", "avx512bw", "avx512vbmi"} <= flags:
-            cpu += ", AVX-512 F/BW/VBMI)"
-        elif "avx512f" in flags:
-            cpu += ", AVX-512 F without VBMI)"
-        elif "avx2" in flags:
-            cpu += ", AVX2, no AVX-512)"
-        else:
-            cpu += ", no AVX2)"
+        isa = vector_isa()
+        cpu += (
+            f" (family {family}, model {model}, {isa}{'' if 'AVX-512' in isa else ', no AVX-512'})"
+        )
     dev = "no GPU"
     if torch.cuda.is_available():
         dev = torch.cuda.get_device_name(0)

@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args
+from _common import Report, add_report_args, vector_isa
 from qshard import _native
 from qshard.optim import AdamW4bit, AdamW8bit, _kernels, optimizer_state_bytes
 
@@ -296,6 +296,13 @@ def _time_phases(report: Report, size: int, args: argparse.Namespace) -> None:
     )
 
 
+def _cpu_title() -> str:
+    """'CPU, <vector ISA>' for a table title: the ISA picks the kernel's path, so results of
+    hosts that differ in it are different sections of docs/RESULTS.md."""
+    isa = vector_isa()
+    return f"CPU, {isa}" if isa else "CPU"
+
+
 def _load(avg: tuple[float, float, float]) -> str:
     return "/".join(f"{x:.2f}" for x in avg) + " (1/5/15 min)"
 
@@ -340,7 +347,9 @@ def main(argv: list[str] | None = None) -> None:
     if any(t < 0 for t in thread_counts):
         ap.error("--threads must be >= 0")
     if args.phases:
-        report = Report("Optimizer step: where AdamW8bit's fused kernel spends its time (CPU)")
+        report = Report(
+            f"Optimizer step: where AdamW8bit's fused kernel spends its time ({_cpu_title()})"
+        )
         if not _kernels.available():
             ap.error("--phases needs the fused kernel (a C compiler)")
         for size in (_parse_size(s) for s in args.sizes.split(",")):
@@ -349,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                 _time_phases(report, size, args)
         report.write(args.out_md)
         return
-    report = Report("Optimizer step: 8-bit AdamW vs fp32 AdamW (CPU)")
+    report = Report(f"Optimizer step: 8-bit AdamW vs fp32 AdamW ({_cpu_title()})")
     report.note(
         "Threads and clock of each table: in its title (the machine line gives the default)."
     )
