@@ -403,10 +403,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
     def _error_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self._state(p)
         if "worker_error" not in state:
-            numel = p.numel()
-            n = self.world_size
-            state["worker_error"] = torch.zeros(padded_numel(numel, n), device=p.device)
-            state["server_error"] = torch.zeros(server_error_numel(numel, n), device=p.device)
+            state["worker_error"], state["server_error"] = self._fresh_error_buffers(p)
         return state["worker_error"], state["server_error"]
 
     def _compressed_mean(
@@ -489,11 +486,15 @@ class _DataParallelOneBitOptimizer(Optimizer):
                 out[k] = self._export_error(key, k, out[k])
         return out
 
+    def _error_numel(self, name: str, numel: int) -> int:
+        """The length of error buffer ``name`` for a tensor of ``numel`` elements."""
+        length = server_error_numel if name == "server_error" else padded_numel
+        return length(numel, self.world_size)
+
     def _fresh_error_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        numel, n = p.numel(), self.world_size
-        return (
-            torch.zeros(padded_numel(numel, n), device=p.device),
-            torch.zeros(server_error_numel(numel, n), device=p.device),
+        """Zero error buffers (worker, server) for the stepped tensor ``p``."""
+        return tuple(  # type: ignore[return-value]
+            torch.zeros(self._error_numel(k, p.numel()), device=p.device) for k in _ERROR_KEYS
         )
 
     def _export_error(self, key: torch.Tensor, name: str, buf: torch.Tensor) -> torch.Tensor:
@@ -522,8 +523,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
         size = key.shape[shard_dim]
         rows = [c.shape[0] for c in torch.empty(size, device="meta").chunk(key.device_mesh.size())]
         rest = key.numel() // size if size else 0
-        length = server_error_numel if name == "server_error" else padded_numel
-        longest = max(length(r * rest, self.world_size) for r in [*rows, 0])
+        longest = max(self._error_numel(name, r * rest) for r in [*rows, 0])
         row = buf.new_zeros(1, 1, longest)
         row[0, 0, : buf.numel()] = buf
         shape = (mesh.size(0), mesh.size(1), longest)
@@ -608,8 +608,6 @@ class _DataParallelOneBitOptimizer(Optimizer):
                 if not own_errors:
                     continue
                 if key is not None and isinstance(v, torch.Tensor):
-                    numel, n = self._local(key).numel(), self.world_size
-                    length = (padded_numel if k == "worker_error" else server_error_numel)(numel, n)
-                    v = v.reshape(-1)[:length].clone()
+                    v = v.reshape(-1)[: self._error_numel(k, self._local(key).numel())].clone()
             out[k] = v
         return out
