@@ -10,9 +10,9 @@ the machine shifts both alike, the minimum over many rounds is the least disturb
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -24,19 +24,24 @@ from qshard.optim import _kernels, _kernels4
 
 
 def _source_at(rev: str, module_name: str) -> str:
-    text = subprocess.run(
-        ["git", "show", f"{rev}:src/qshard/optim/{module_name}.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(text)
-    spec = importlib.util.spec_from_file_location("base_kernels", f.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    os.unlink(f.name)
-    return module._SOURCE
+    """The C source of ``qshard.optim.<module_name>`` as revision ``rev`` builds it: the whole
+    package of that revision is extracted and imported in a child process (the kernel text is
+    put together from several modules, ``qshard.optim._kernel_common`` and
+    ``qshard.quant._codetable`` among them, so the base module alone next to the working tree's
+    helpers would mix two revisions)."""
+    root = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", root, "archive", rev, "src/qshard"], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        code = f"import qshard.optim.{module_name} as k, sys; sys.stdout.write(k._SOURCE)"
+        env = {**os.environ, "PYTHONPATH": os.path.join(tmp, "src")}
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+        ).stdout
 
 
 def main() -> None:

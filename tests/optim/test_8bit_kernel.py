@@ -6,6 +6,7 @@ against the fp32 update of ``torch.optim``-ordered pure functions from the same 
 from __future__ import annotations
 
 import copy
+import ctypes
 import platform
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from qshard import _native
 from qshard import optim as qoptim
-from qshard.optim import _kernels, _qstate
+from qshard.optim import _kernel_common, _kernels, _qstate
 from qshard.quant import _codetable
 from qshard.quant.dynamic import quantize_codebook
 
@@ -333,3 +334,206 @@ def test_region_encoder_every_float_in_the_unit_interval():
                 finally:
                     _kernels.library = saved
                 assert torch.equal(c1, c2), (signed, start)
+
+
+# ------------------------------------------------------------ exact quotients by a constant
+
+# A checker around the kernels' QUOTIENT_C ([Note: exact quotients by a constant]): for one
+# divisor d, every float x with bit pattern in [lo, hi) (and -x) divided by d both ways;
+# returns the count of results whose bits differ (zeros of either sign count as equal: -0.0
+# gives +0.0, as the Note says).
+_QUOTIENT_CHECK_C = r"""
+int64_t quot_mismatches(float d, uint32_t lo, uint32_t hi, int inf_variant) {
+    const float r = 1.0f / d;
+    int64_t bad = 0;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_set1_ps(d), rv = _mm512_set1_ps(r);
+    const __m512i step = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (uint64_t u = lo; u < hi; u += 16) {
+        const __m512i bits = _mm512_add_epi32(_mm512_set1_epi32((int)u), step);
+        const __mmask16 in = _mm512_cmplt_epu32_mask(bits, _mm512_set1_epi32((int)hi));
+        for (int sgn = 0; sgn < 2; sgn++) {
+            const __m512 x = _mm512_castsi512_ps(
+                _mm512_or_si512(bits, _mm512_set1_epi32(sgn ? (int)0x80000000u : 0)));
+            const __m512 want = _mm512_div_ps(x, dv);
+            const __m512 got = inf_variant ? qs_quot16_inf(x, dv, rv) : qs_quot16(x, dv, rv);
+            const __mmask16 zeros = _mm512_cmp_ps_mask(want, _mm512_setzero_ps(), _CMP_EQ_OQ) &
+                                    _mm512_cmp_ps_mask(got, _mm512_setzero_ps(), _CMP_EQ_OQ);
+            bad += __builtin_popcount(_mm512_mask_cmpneq_epi32_mask(
+                in & ~zeros, _mm512_castps_si512(want), _mm512_castps_si512(got)));
+        }
+    }
+#elif defined(__AVX2__)
+    const __m256 dv = _mm256_set1_ps(d), rv = _mm256_set1_ps(r);
+    for (uint64_t u = lo; u < hi; u += 8) {
+        uint32_t b[8];
+        for (int l = 0; l < 8; l++) b[l] = (uint32_t)(u + l) < hi ? (uint32_t)(u + l) : lo;
+        for (int sgn = 0; sgn < 2; sgn++) {
+            __m256i bits = _mm256_loadu_si256((const __m256i *)b);
+            if (sgn) bits = _mm256_or_si256(bits, _mm256_set1_epi32((int)0x80000000u));
+            const __m256 x = _mm256_castsi256_ps(bits);
+            const __m256 want = _mm256_div_ps(x, dv);
+            const __m256 got = inf_variant ? qs_quot8_inf(x, dv, rv) : qs_quot8(x, dv, rv);
+            const __m256i ne = _mm256_xor_si256(_mm256_castps_si256(want),
+                                                _mm256_castps_si256(got));
+            const __m256 zeros = _mm256_and_ps(_mm256_cmp_ps(want, _mm256_setzero_ps(), _CMP_EQ_OQ),
+                                               _mm256_cmp_ps(got, _mm256_setzero_ps(), _CMP_EQ_OQ));
+            uint32_t o[8];
+            _mm256_storeu_si256((__m256i *)o, _mm256_andnot_si256(_mm256_castps_si256(zeros), ne));
+            for (int l = 0; l < 8; l++) bad += o[l] != 0;
+        }
+    }
+#endif
+    return bad;
+}
+"""
+
+
+def _quotient_checker(build: str):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the exact-quotient helpers are x86 vector code")
+    cpu_flags = ""
+    with open("/proc/cpuinfo") as f:
+        cpu_flags = f.read()
+    need = {"avx512": " avx512f", "avx2": " avx2"}[build]
+    if need not in cpu_flags:
+        pytest.skip(f"this CPU has no{need}")
+    flags = (*_native.DEFAULT_FLAGS, *(("-mno-avx512f",) if build == "avx2" else ()))
+    head = "#include <stdint.h>\n#include <string.h>\n#include <immintrin.h>\n"
+    source = head + _kernel_common.QUOTIENT_C + _QUOTIENT_CHECK_C
+    lib = _native.build_library(f"quotient_check_{build}", source, flags)
+    lib.quot_mismatches.restype = ctypes.c_int64
+    lib.quot_mismatches.argtypes = [ctypes.c_float, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int]
+    return lib
+
+
+def _f32_bits(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float32).view(torch.int32).item()) & 0xFFFFFFFF
+
+
+def _divisors(count: int, seed: int) -> list[float]:
+    """Divisors in the helpers' range: its two ends, and per exponent significands that are all
+    ones, near all ones, near a power of two and random (the hard cases of reciprocals)."""
+    gen = torch.Generator().manual_seed(seed)
+    lo_e, hi_e = -70, 60
+    out = [2.0**lo_e, 2.0**hi_e, float(torch.tensor(2.0**hi_e).nextafter(torch.tensor(0.0)))]
+    for i in range(count):
+        e = int(torch.randint(lo_e, hi_e, (1,), generator=gen))
+        r = int(torch.randint(0, 1 << 23, (1,), generator=gen))
+        man = [0x7FFFFF, 0x7FFFFF - (r & 63), r & 63, r][i % 4]
+        bits = ((e + 127) << 23) | man
+        out.append(float(torch.tensor([bits], dtype=torch.int32).view(torch.float32)))
+    return out
+
+
+def _check_quotients(lib, divisors, binades_below):
+    """Every x of d's own binade up to d and of the binades ``binades_below`` lower (as long as
+    |x| >= 2^-101), both signs, divided by d both ways."""
+    floor_exp = 127 - 101  # biased exponent of 2^-101
+    for d in divisors:
+        top = _f32_bits(d)
+        e = top >> 23
+        ranges = [(e << 23, top + 1)]
+        for k in binades_below:
+            if e - k >= floor_exp:
+                ranges.append(((e - k) << 23, (e - k + 1) << 23))
+        for lo, hi in ranges:
+            for inf_variant in (0, 1):
+                assert lib.quot_mismatches(d, lo, hi, inf_variant) == 0, (d.hex(), lo, hi)
+
+
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+def test_exact_quotients_equal_the_division(build):
+    """[Note: exact quotients by a constant]: x * r corrected by one fma is the division's
+    result bit for bit, for every x of whole binades (d's own up to d, one 17 binades lower and
+    one at the bottom of the range, 2^-101) and divisors of every hard shape across the range."""
+    lib = _quotient_checker(build)
+    divisors = _divisors(24, seed=0)
+    _check_quotients(lib, divisors, binades_below=(17,))
+    # the bottom of the x range for the smallest divisors
+    for d in (2.0**-70, float(torch.tensor(2.0**-69).nextafter(torch.tensor(0.0)))):
+        assert lib.quot_mismatches(d, 26 << 23, 27 << 23, 0) == 0
+    # zeros, infinities and NaN: the division's results (the _inf variant for infinities)
+    for d in divisors[:4]:
+        for x in (0x00000000, 0x7F800000, 0x7FC00000):
+            assert lib.quot_mismatches(d, x, x + 1, 1) == 0, (d, hex(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("build", ["avx512", "avx2"])
+def test_exact_quotients_equal_the_division_many_divisors(build):
+    """As above for 250 more divisors and four binades of x each (~1 min for both builds)."""
+    lib = _quotient_checker(build)
+    _check_quotients(lib, _divisors(250, seed=1), binades_below=(1, 24, 60))
+
+
+def _block(absmax: float, body: list[float]) -> torch.Tensor:
+    """One 256-element row: the absmax, then ``body``, then zeros."""
+    row = torch.zeros(1, 256)
+    row[0, 0] = absmax
+    row[0, 1 : 1 + len(body)] = torch.tensor(body, dtype=torch.float32)
+    return row
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("build", ["default", *_BUILDS])
+def test_encoder_on_blocks_outside_the_exact_quotient_range(signed, build):
+    """Blocks whose absmax lies outside the vector encoders' exact-quotient range (the kernel
+    divides those first) and values whose quotient underflows: the kernel's codes equal the torch
+    reference's, and a positive state never takes the zero code under the unsigned floor, also
+    where value / absmax underflows to 0 (the reference tests the state, not the quotient)."""
+    q = _qstate.qmap(signed)
+    rows = []
+    for absmax in (1e-30, 2.0**-71, 2.0**-70, 0.7, 3e5, 2.0**60, 2.0**61, 1e25, 3e38):
+        body = (q.mid[::7] * absmax).tolist()  # midpoints scaled: ties in the quotient
+        body += [absmax * 1e-7, absmax * 3e-8, 1e-45, 1e-42, 3e-39, 2.0**-126]
+        body = [v for v in body if abs(v) <= absmax]
+        if not signed:
+            body = [abs(v) for v in body]
+        rows.append(_block(absmax, body))
+    x = torch.cat(rows)
+    lib = None if build == "default" else _other_library(build)
+    for floor in (False, True):
+        rnd = _qstate.Rounding(floor_unsigned=floor)
+        saved = _kernels.library
+        if lib is not None:
+            _kernels.library = lambda: lib
+        try:
+            codes, absmax = _qstate.kernel_quantize_rows(x, q, 256, rnd)
+        finally:
+            _kernels.library = saved
+        ref_codes, ref_absmax = _qstate.quantize_rows(x, q, 256, rnd)
+        assert torch.equal(absmax, ref_absmax)
+        assert torch.equal(codes, ref_codes), (floor, (codes != ref_codes).nonzero()[:5])
+        if floor and not signed:
+            assert bool((codes[x > 0] != q.zero_idx).all())
+
+
+def test_update_with_an_overflowing_square_gradient_matches_the_scalar_build(monkeypatch):
+    """A finite gradient whose square overflows (v = inf, m finite): Adam's sqrt(v) / bc2 is the
+    division's inf in the vector loops too (qs_quot16_inf), so the parameter keeps its value
+    this step as torch's does; the next step's NaN block and the untouched elements agree with
+    the scalar loops bit for bit."""
+    scalar = _scalar_library()
+    p1, o1 = _warm(qoptim.AdamW8bit, {"lr": 1e-2}, (13, 333), steps=2)
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    o2 = qoptim.AdamW8bit([p2], lr=1e-2)
+    o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+    g = torch.randn(p1.shape)
+    g[3, 5], g[7, 300], g[12, 0] = 2e21, -1e22, 0.0  # (1 - beta2) * g * g overflows
+    before = p1.detach().clone()
+    for step in range(2):
+        p1.grad, p2.grad = g.clone(), g.clone()
+        o1.step()
+        monkeypatch.setattr(_kernels, "library", lambda: scalar)
+        o2.step()
+        monkeypatch.undo()
+        if step == 0:  # m / inf = 0: only the decoupled decay moves the element
+            decay = torch.tensor(1 - 1e-2 * 1e-2, dtype=torch.float32)
+            assert torch.equal(p1.detach()[3, 5], before[3, 5] * decay)
+        assert torch.equal(p1.detach().view(torch.int32), p2.detach().view(torch.int32)), step
+        for k, v in o1.state[p1].items():
+            w = o2.state[p2][k]
+            if v.dtype == torch.float32:
+                v, w = v.view(torch.int32), w.view(torch.int32)
+            assert torch.equal(v, w), (step, k)

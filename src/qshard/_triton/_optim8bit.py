@@ -101,8 +101,9 @@ def _encode(s, amax, code_ptr, mid_ptr, zero_idx, SIGNED: tl.constexpr, FLAGS: t
             wrong = _signbit(tl.load(code_ptr + i)) != _signbit(x)
             i = tl.where(wrong, i + tl.where(x > 0.0, 1, -1), i)
     else:
-        if FLAGS & 2:  # a positive state never encodes to the zero code (pitfall 1)
-            i = tl.where((x > 0.0) & (i == zero_idx), zero_idx + 1, i)
+        if FLAGS & 2:  # a positive state never encodes to the zero code (pitfall 1), also
+            # where s / absmax underflows to 0 (the torch reference tests the state too)
+            i = tl.where((s > 0.0) & (i == zero_idx), zero_idx + 1, i)
     # A non-finite block (NaN absmax) stores zero codes, as the C kernel does.
     i = tl.where((amax != amax)[:, None], zero_idx, i)
     return i.to(tl.uint8)

@@ -33,6 +33,57 @@ static inline uint32_t abs_bits(float x) {
 """
 
 
+#: Exact quotients by a divisor shared by many values (the 8-bit kernel's block absmax and v's
+#: bias correction), without the divider. Needs <immintrin.h> under AVX2.
+QUOTIENT_C = r"""
+/* [Note: exact quotients by a constant] x / d where d is the same for many x, with r = 1/d
+ * rounded once (one division) and then per value q = x * r, e = x - q * d (exact: one fma) and
+ * the quotient fma(e, r, q). By Markstein's theorem (r within half an ulp of 1/d, q within one
+ * ulp of x/d, the remainder e exact) the result is the correctly rounded x / d, bit for bit what
+ * the division gives, as long as nothing underflows or overflows on the way: d in
+ * [QS_QUOT_LO, QS_QUOT_HI] and |x| >= 2^-101 or x = 0 (below that e loses bits; checked
+ * exhaustively over every x of a binade against the division for thousands of divisors d,
+ * all-ones and near-power-of-two significands included, in tests/optim/test_8bit_kernel.py).
+ * Callers keep the division outside that range. Why: a 16-lane division occupies the divider
+ * ~10 cycles on Intel cores with AVX-512 (and a 16-lane square root ~12), and the 8-bit Adam
+ * step had four divisions and one square root per element; these three fma-class operations
+ * issue on two ports. An infinite x gives NaN here (inf - inf): callers that can see one
+ * mask it (qs_quot16_inf); a quotient must stay below 2^126 in magnitude (the encoders' lie in
+ * [-1, 1]; the update's sqrt(v) / bc2 does for bc2 >= 2^-60). -0.0 gives +0.0 (the encoders map
+ * both zeros to the same code). */
+#define QS_QUOT_LO 0x1p-70f
+#define QS_QUOT_HI 0x1p60f
+static inline int qs_quot_ok(float d) { return d >= QS_QUOT_LO && d <= QS_QUOT_HI; }
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) __m256 qs_quot8(__m256 x, __m256 d, __m256 r) {
+    const __m256 q = _mm256_mul_ps(x, r);
+    return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, d, x), r, q);
+}
+/* as qs_quot8, and an infinite x gives its quotient, +-inf (as the division does) */
+static inline __attribute__((always_inline)) __m256 qs_quot8_inf(__m256 x, __m256 d, __m256 r) {
+    const __m256 q = _mm256_mul_ps(x, r);
+    const __m256 y = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, d, x), r, q);
+    const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000));
+    return _mm256_blendv_ps(y, q, _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), q),
+                                                inf, _CMP_EQ_OQ));
+}
+#endif
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) __m512 qs_quot16(__m512 x, __m512 d, __m512 r) {
+    const __m512 q = _mm512_mul_ps(x, r);
+    return _mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, x), r, q);
+}
+static inline __attribute__((always_inline)) __m512 qs_quot16_inf(__m512 x, __m512 d,
+                                                                  __m512 r) {
+    const __m512 q = _mm512_mul_ps(x, r);
+    const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, x), r, q);
+    const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(_mm512_abs_ps(q), inf, _CMP_EQ_OQ), q);
+}
+#endif
+"""
+
+
 def adam_block_c(*, bias_correction: str) -> str:
     """C text of ``adam_block``, the Adam / AdamW update of one decoded block, shared by the 8-bit
     and the 4-bit kernel: it also returns both new absmaxes (on the bit patterns, as
@@ -40,13 +91,37 @@ def adam_block_c(*, bias_correction: str) -> str:
     order are those of the torch references (mode 1: decoupled decay of p, 2: L2 weight decay
     into g, 0: neither; ``canon``: 0.0f turns -0.0 into +0.0); 16-lane (AVX-512), 8-lane (AVX2)
     and scalar loops give the same bits. The kernels keep v's bias correction in ``hp[6]`` in two
-    forms: ``bias_correction="div"`` divides ``sqrt(v)`` by it (8-bit: ``sqrt(1 - b2^t)``),
-    ``"mul"`` multiplies by it (4-bit: its reciprocal)."""
-    ops = {"div": ("div", "/"), "mul": ("mul", "*")}
+    forms: ``bias_correction="div"`` divides ``sqrt(v)`` by it (8-bit: ``sqrt(1 - b2^t)``; the
+    vector loops by [Note: exact quotients by a constant], so the text needs ``QUOTIENT_C``
+    first), ``"mul"`` multiplies by it (4-bit: its reciprocal)."""
+    ops = {
+        "div": (
+            # sqrt(v) / bc2 without the divider where that is exact (qs_quot_ok, and quotients
+            # below 2^126: sqrt(v) <= 2^64)
+            "    const int bc_quot = qs_quot_ok(bc2) && bc2 >= 0x1p-60f;\n"
+            "    const float rbc2 = 1.0f / bc2;\n",
+            "(bc_quot ? qs_quot16_inf(_mm512_sqrt_ps(v), bcz, rbcz)"
+            " : _mm512_div_ps(_mm512_sqrt_ps(v), bcz))",
+            "(bc_quot ? qs_quot8_inf(_mm256_sqrt_ps(v), bcv, rbcv)"
+            " : _mm256_div_ps(_mm256_sqrt_ps(v), bcv))",
+            "/",
+        ),
+        "mul": (
+            "    const float rbc2 = 0.0f;\n",
+            "_mm512_mul_ps(_mm512_sqrt_ps(v), bcz)",
+            "_mm256_mul_ps(_mm256_sqrt_ps(v), bcv)",
+            "*",
+        ),
+    }
     if bias_correction not in ops:
         raise ValueError(f"bias_correction must be 'div' or 'mul'; got {bias_correction!r}")
-    vec, scalar = ops[bias_correction]
-    return _ADAM_BLOCK_C.replace("@VEC@", vec).replace("@SCALAR@", scalar)
+    setup, vec16, vec8, scalar = ops[bias_correction]
+    return (
+        _ADAM_BLOCK_C.replace("@QUOT_SETUP@", setup)
+        .replace("@SQRT_V_BC16@", vec16)
+        .replace("@SQRT_V_BC8@", vec8)
+        .replace("@SCALAR@", scalar)
+    )
 
 
 _ADAM_BLOCK_C = r"""
@@ -55,7 +130,7 @@ static inline __attribute__((always_inline)) void adam_block(
     const float *hp, float canon, int mode, float *amax1, float *amax2) {
     const float b1w = hp[8], b2 = hp[2], b2w = hp[9], eps = hp[3];
     const float wd = hp[4], step_size = hp[5], bc2 = hp[6], decay = hp[7];
-    uint32_t r1 = 0, r2 = 0; /* the integer maximum does not depend on the lanes' order */
+@QUOT_SETUP@    uint32_t r1 = 0, r2 = 0; /* the integer maximum does not depend on the lanes' order */
     int k = 0;
 #if defined(__AVX512F__)
     {
@@ -63,7 +138,8 @@ static inline __attribute__((always_inline)) void adam_block(
         const __m512 b2z = _mm512_set1_ps(b2), b2wz = _mm512_set1_ps(b2w);
         const __m512 epsz = _mm512_set1_ps(eps), wdz = _mm512_set1_ps(wd);
         const __m512 stz = _mm512_set1_ps(step_size), bcz = _mm512_set1_ps(bc2);
-        const __m512 decz = _mm512_set1_ps(decay);
+        const __m512 decz = _mm512_set1_ps(decay), rbcz = _mm512_set1_ps(rbc2);
+        (void)rbcz;
         const __m512i absz = _mm512_set1_epi32(0x7FFFFFFF);
         __m512i z1 = _mm512_setzero_si512(), z2 = _mm512_setzero_si512();
         for (; k + 16 <= n; k += 16) {
@@ -76,11 +152,11 @@ static inline __attribute__((always_inline)) void adam_block(
             const __m512 v = _mm512_add_ps(_mm512_mul_ps(v0, b2z),
                                            _mm512_mul_ps(_mm512_mul_ps(b2wz, gi), gi));
 #ifndef QS_PHASE_NO_DIVSQRT
-            const __m512 den = _mm512_add_ps(_mm512_@VEC@_ps(_mm512_sqrt_ps(v), bcz), epsz);
+            const __m512 den = _mm512_add_ps(@SQRT_V_BC16@, epsz);
             _mm512_storeu_ps(pp + k,
                              _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_div_ps(m, den))));
 #else /* timing variant only (benchmarks/optim_step.py --phases): wrong values */
-            const __m512 den = _mm512_add_ps(_mm512_@VEC@_ps(v, bcz), epsz);
+            const __m512 den = _mm512_add_ps(_mm512_mul_ps(v, bcz), epsz);
             _mm512_storeu_ps(pp + k, _mm512_sub_ps(pi, _mm512_mul_ps(stz, _mm512_mul_ps(m, den))));
 #endif
             _mm512_storeu_ps(s1 + k, m);
@@ -98,7 +174,8 @@ static inline __attribute__((always_inline)) void adam_block(
         const __m256 b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
         const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
         const __m256 stv = _mm256_set1_ps(step_size), bcv = _mm256_set1_ps(bc2);
-        const __m256 decv = _mm256_set1_ps(decay);
+        const __m256 decv = _mm256_set1_ps(decay), rbcv = _mm256_set1_ps(rbc2);
+        (void)rbcv;
         const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
         __m256i acc1 = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
         for (; k + 8 <= n; k += 8) {
@@ -110,7 +187,7 @@ static inline __attribute__((always_inline)) void adam_block(
             const __m256 m = _mm256_add_ps(m0, _mm256_mul_ps(b1wv, _mm256_sub_ps(gi, m0)));
             const __m256 v = _mm256_add_ps(_mm256_mul_ps(v0, b2v),
                                            _mm256_mul_ps(_mm256_mul_ps(b2wv, gi), gi));
-            const __m256 den = _mm256_add_ps(_mm256_@VEC@_ps(_mm256_sqrt_ps(v), bcv), epsv);
+            const __m256 den = _mm256_add_ps(@SQRT_V_BC8@, epsv);
             _mm256_storeu_ps(pp + k,
                              _mm256_sub_ps(pi, _mm256_mul_ps(stv, _mm256_div_ps(m, den))));
             _mm256_storeu_ps(s1 + k, m);

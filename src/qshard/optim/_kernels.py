@@ -65,7 +65,7 @@ import ctypes
 import torch
 
 from qshard._native import NativeLibrary
-from qshard.optim._kernel_common import NONFINITE_C, adam_block_c
+from qshard.optim._kernel_common import NONFINITE_C, QUOTIENT_C, adam_block_c
 from qshard.quant._codetable import NEAREST_C, REGION_C
 
 __all__: list[str] = []  # private module
@@ -132,7 +132,10 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int64_t gidx) {
+/* The code of x = s / d under `flags`; `positive`: s > 0 (the unsigned floor's test, on the
+ * state itself as in the torch reference: a quotient that underflows to 0 is still floored). */
+static inline int encode(const qmap_t *q, float x, int positive, int flags, uint64_t seed,
+                         int64_t gidx) {
     int i = (int)nearest_code(q->lut, x);
     if (flags & 8) { /* stochastic: round up with probability proportional to the distance */
         int lo = (q->code[i] <= x) ? i : i - 1;
@@ -146,7 +149,7 @@ static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int
         }
     }
     if (!q->is_signed) {
-        if ((flags & 2) && x > 0.0f && i == q->zero_idx) i = q->zero_idx + 1;
+        if ((flags & 2) && positive && i == q->zero_idx) i = q->zero_idx + 1;
     } else if (flags & 4) {
         if (signbit(q->code[i]) != signbit(x)) i += (x > 0.0f) ? 1 : -1;
     }
@@ -155,6 +158,7 @@ static inline int encode(const qmap_t *q, float x, int flags, uint64_t seed, int
 
 """
     + NONFINITE_C
+    + QUOTIENT_C
     + r"""
 static inline float block_absmax(const float *s, int n) {
     int k = 0;
@@ -176,37 +180,39 @@ static inline float block_absmax(const float *s, int n) {
 }
 
 #ifdef __AVX2__
-/* The code of x = s / d on 8 lanes, with the unsigned floor when `floor0` (a constant at every
- * call, so the unused branch compiles away). */
+/* The code of x = s / d on 8 lanes (r = 1/d: [Note: exact quotients by a constant]), with the
+ * unsigned floor when `floor0` (a constant at every call, so the unused branch compiles away):
+ * a positive s never takes the zero code, also where s / d underflows to 0. */
 static inline __attribute__((always_inline)) __m256i code8(const uint32_t *lut, const float *s,
-                                                           __m256 dv, __m256i zidx, int floor0) {
-    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(s), dv);
-    const __m256i i = nearest_code8(lut, x);
+                                                           __m256 dv, __m256 rv, __m256i zidx,
+                                                           int floor0) {
+    const __m256 sv = _mm256_loadu_ps(s);
+    const __m256i i = nearest_code8(lut, qs_quot8(sv, dv, rv));
     if (!floor0) return i;
-    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(sv, _mm256_setzero_ps(), _CMP_GT_OQ));
     return _mm256_sub_epi32(i, _mm256_and_si256(pos, _mm256_cmpeq_epi32(i, zidx)));
 }
 
 /* Nearest codes of s[0..n) / d, 32 then 8 lanes at a time; returns how many were written. Four
  * independent gathers per iteration overlap, and 32 codes pack to bytes in 3 packs + 1 permute. */
 static inline __attribute__((always_inline)) int encode_avx2(const uint32_t *lut, const float *s,
-                                                             int n, float d, int zero,
+                                                             int n, float d, float r, int zero,
                                                              uint8_t *out, int floor0) {
-    const __m256 dv = _mm256_set1_ps(d);
+    const __m256 dv = _mm256_set1_ps(d), rv = _mm256_set1_ps(r);
     const __m256i zidx = _mm256_set1_epi32(zero);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int k = 0;
     for (; k + 32 <= n; k += 32) {
-        const __m256i i0 = code8(lut, s + k, dv, zidx, floor0);
-        const __m256i i1 = code8(lut, s + k + 8, dv, zidx, floor0);
-        const __m256i i2 = code8(lut, s + k + 16, dv, zidx, floor0);
-        const __m256i i3 = code8(lut, s + k + 24, dv, zidx, floor0);
+        const __m256i i0 = code8(lut, s + k, dv, rv, zidx, floor0);
+        const __m256i i1 = code8(lut, s + k + 8, dv, rv, zidx, floor0);
+        const __m256i i2 = code8(lut, s + k + 16, dv, rv, zidx, floor0);
+        const __m256i i3 = code8(lut, s + k + 24, dv, rv, zidx, floor0);
         const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(i0, i1),
                                               _mm256_packus_epi32(i2, i3));
         _mm256_storeu_si256((__m256i *)(out + k), _mm256_permutevar8x32_epi32(w, order));
     }
     for (; k + 8 <= n; k += 8) {
-        const __m256i i = code8(lut, s + k, dv, zidx, floor0);
+        const __m256i i = code8(lut, s + k, dv, rv, zidx, floor0);
         const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(i),
                                            _mm256_extracti128_si256(i, 1));
         _mm_storel_epi64((__m128i *)(out + k), _mm_packus_epi16(w, w));
@@ -219,8 +225,10 @@ static inline __attribute__((always_inline)) int encode_avx2(const uint32_t *lut
 #define QS_AVX512 1
 /* code8 on 16 lanes (nearest_code8's table search with a 16-lane gather). */
 static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut, const float *s,
-                                                            __m512 dv, __m512i zidx, int floor0) {
-    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(s), dv);
+                                                            __m512 dv, __m512 rv, __m512i zidx,
+                                                            int floor0) {
+    const __m512 sv = _mm512_loadu_ps(s);
+    const __m512 x = qs_quot16(sv, dv, rv);
     const __m512i b = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), 16);
     __m512i t = _mm512_subs_epu16(hi, _mm512_set1_epi32(96 << 7)); /* clamps at 0, as in AVX2 */
@@ -234,18 +242,19 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
     const __m512i i = _mm512_mask_add_epi32(
         base, _mm512_cmpgt_epi32_mask(key, _mm512_and_si512(e, low16)), base, one);
     if (!floor0) return i;
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    const __mmask16 pos = _mm512_cmp_ps_mask(sv, _mm512_setzero_ps(), _CMP_GT_OQ);
     return _mm512_mask_add_epi32(i, _mm512_mask_cmpeq_epi32_mask(pos, i, zidx), i, one);
 }
 
 /* Timing hooks (benchmarks/optim_step.py --phases builds variants with -DQS_PHASE_*; every one
  * writes wrong values and none is ever built for training): QS_PHASE_NO_DECODE, _NO_UPDATE,
- * _NO_ENCODE skip a phase; _ENCODE_MUL multiplies by the block absmax instead of dividing in
- * the region encoder; _NO_DIVSQRT takes the square root and the division out of Adam's update. */
+ * _NO_ENCODE skip a phase; _ENCODE_MUL only multiplies by the reciprocal of the block absmax in
+ * the region encoder (no exactness correction); _NO_DIVSQRT takes the square root and the
+ * divisions out of Adam's update. */
 #ifdef QS_PHASE_ENCODE_MUL
-#define QS_NORMALISE(x, d) _mm512_mul_ps((x), (d))
+#define QS_NORMALISE(x, d, r) _mm512_mul_ps((x), (r))
 #else
-#define QS_NORMALISE(x, d) _mm512_div_ps((x), (d))
+#define QS_NORMALISE(x, d, r) qs_quot16((x), (d), (r))
 #endif
 
 """
@@ -253,12 +262,12 @@ static inline __attribute__((always_inline)) __m512i code16(const uint32_t *lut,
     + r"""
 /* 16 codes: the region encoder, or the table search when a lane lies near a midpoint. */
 static inline __attribute__((always_inline)) __m512i code16_fast(
-    const uint32_t *lut, const regions_t *R, const float *s, __m512 dv, __m512i zidx, int kind,
-    int floor0) {
+    const uint32_t *lut, const regions_t *R, const float *s, __m512 dv, __m512 rv, __m512i zidx,
+    int kind, int floor0) {
     __mmask16 flag = 0;
-    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(s), dv);
-    const __m512i i = code16_region(R, x, kind, floor0, &flag);
-    return flag ? code16(lut, s, dv, zidx, floor0) : i;
+    const __m512 sv = _mm512_loadu_ps(s);
+    const __m512i i = code16_region(R, QS_NORMALISE(sv, dv, rv), sv, kind, floor0, &flag);
+    return flag ? code16(lut, s, dv, rv, zidx, floor0) : i;
 }
 
 /* 64 lanes per iteration, then 16: the region encoder when the map has a region table
@@ -266,9 +275,9 @@ static inline __attribute__((always_inline)) __m512i code16_fast(
 static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *lut,
                                                                const uint32_t *regions,
                                                                const float *s, int n, float d,
-                                                               int zero, uint8_t *out,
+                                                               float rd, int zero, uint8_t *out,
                                                                int floor0, int kind) {
-    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 dv = _mm512_set1_ps(d), rv = _mm512_set1_ps(rd);
     const __m512i zidx = _mm512_set1_epi32(zero);
     int k = 0;
     if (kind) {
@@ -283,10 +292,11 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
         for (; k + 64 <= n; k += 64) {
             __mmask16 flag = 0, m[4];
             __m512i z[4];
-            __m512 x[4];
+            __m512 sv[4], x[4];
             __m512i zi[4];
-            for (int h = 0; h < 4; h++) x[h] = QS_NORMALISE(_mm512_loadu_ps(s + k + 16 * h), dv);
-            region_z4(&R, x, kind, &flag, m, zi);
+            for (int h = 0; h < 4; h++) sv[h] = _mm512_loadu_ps(s + k + 16 * h);
+            for (int h = 0; h < 4; h++) x[h] = QS_NORMALISE(sv[h], dv, rv);
+            region_z4(&R, x, sv, kind, &flag, m, zi);
             for (int h = 0; h < 4; h++) z[h] = _mm512_multishift_epi64_epi8(ctrl, zi[h]);
             if (flag) break;
             const __m512i lo = _mm512_permutex2var_epi8(z[0], idx, z[1]);
@@ -303,15 +313,15 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
 #endif
         for (; k + 16 <= n; k += 16)
             _mm_storeu_si128((__m128i *)(out + k),
-                             _mm512_cvtepi32_epi8(code16_fast(lut, &R, s + k, dv, zidx, kind,
-                                                              floor0)));
+                             _mm512_cvtepi32_epi8(code16_fast(lut, &R, s + k, dv, rv, zidx,
+                                                              kind, floor0)));
         return k;
     }
     for (; k + 64 <= n; k += 64) {
-        const __m512i i0 = code16(lut, s + k, dv, zidx, floor0);
-        const __m512i i1 = code16(lut, s + k + 16, dv, zidx, floor0);
-        const __m512i i2 = code16(lut, s + k + 32, dv, zidx, floor0);
-        const __m512i i3 = code16(lut, s + k + 48, dv, zidx, floor0);
+        const __m512i i0 = code16(lut, s + k, dv, rv, zidx, floor0);
+        const __m512i i1 = code16(lut, s + k + 16, dv, rv, zidx, floor0);
+        const __m512i i2 = code16(lut, s + k + 32, dv, rv, zidx, floor0);
+        const __m512i i3 = code16(lut, s + k + 48, dv, rv, zidx, floor0);
         _mm_storeu_si128((__m128i *)(out + k), _mm512_cvtepi32_epi8(i0));
         _mm_storeu_si128((__m128i *)(out + k + 16), _mm512_cvtepi32_epi8(i1));
         _mm_storeu_si128((__m128i *)(out + k + 32), _mm512_cvtepi32_epi8(i2));
@@ -319,7 +329,7 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
     }
     for (; k + 16 <= n; k += 16)
         _mm_storeu_si128((__m128i *)(out + k),
-                         _mm512_cvtepi32_epi8(code16(lut, s + k, dv, zidx, floor0)));
+                         _mm512_cvtepi32_epi8(code16(lut, s + k, dv, rv, zidx, floor0)));
     return k;
 }
 #endif
@@ -339,29 +349,44 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
         d = 1.0f;
     }
     if (flags & (4 | 8)) {
-        for (int k = 0; k < n; k++) c[k] = (uint8_t)encode(q, s[k] / d, flags, seed, gidx0 + k);
+        for (int k = 0; k < n; k++)
+            c[k] = (uint8_t)encode(q, s[k] / d, s[k] > 0.0f, flags, seed, gidx0 + k);
         return;
     }
     const int floor0 = (!q->is_signed && (flags & 2)) ? 1 : 0;
+    if (!qs_quot_ok(d)) {
+        /* outside the range where the vector loops' quotients are exact ([Note: exact quotients
+         * by a constant]): divide here, then encode the quotients with d = 1. A positive value
+         * whose quotient underflows keeps the smallest positive float, which encodes as 0.0
+         * does but stays positive for the unsigned floor (a positive state never takes the zero
+         * code: pitfall 1, the torch reference's rule). */
+        for (int k = 0; k < n; k++) {
+            const float x = s[k] / d;
+            s[k] = (x == 0.0f && s[k] > 0.0f) ? 0x1p-149f : x;
+        }
+        d = 1.0f;
+    }
+    const float r = 1.0f / d;
     const int zero = q->zero_idx;
     uint8_t *restrict out = c;
     int k = 0;
+    (void)r;
 #ifdef QS_AVX512
     const int kind = q->regions[128] == 1 || q->regions[128] == 2 ? (int)q->regions[128] : 0;
-    if (kind == 1) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 0, 1);
-    else if (kind == 2 && floor0) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 1, 2);
-    else if (kind == 2) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 0, 2);
-    else if (floor0) k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 1, 0);
-    else k = encode_avx512(q->lut, q->regions, s, n, d, zero, out, 0, 0);
+    if (kind == 1) k = encode_avx512(q->lut, q->regions, s, n, d, r, zero, out, 0, 1);
+    else if (kind == 2 && floor0) k = encode_avx512(q->lut, q->regions, s, n, d, r, zero, out, 1, 2);
+    else if (kind == 2) k = encode_avx512(q->lut, q->regions, s, n, d, r, zero, out, 0, 2);
+    else if (floor0) k = encode_avx512(q->lut, q->regions, s, n, d, r, zero, out, 1, 0);
+    else k = encode_avx512(q->lut, q->regions, s, n, d, r, zero, out, 0, 0);
 #endif
 #ifdef __AVX2__
-    k += floor0 ? encode_avx2(q->lut, s + k, n - k, d, zero, out + k, 1)
-                : encode_avx2(q->lut, s + k, n - k, d, zero, out + k, 0);
+    k += floor0 ? encode_avx2(q->lut, s + k, n - k, d, r, zero, out + k, 1)
+                : encode_avx2(q->lut, s + k, n - k, d, r, zero, out + k, 0);
 #endif
     for (; k < n; k++) {
         const float x = s[k] / d;
         int i = (int)nearest_code(q->lut, x);
-        i += floor0 & (x > 0.0f) & (i == zero);
+        i += floor0 & (s[k] > 0.0f) & (i == zero);
         out[k] = (uint8_t)i;
     }
 }

@@ -185,11 +185,13 @@ static inline regions_t load_regions(const uint32_t *t) {
 }
 
 static inline __attribute__((always_inline)) __m512i region_z(const regions_t *R, __m512 x,
-                                                              int kind, __mmask16 *flag,
-                                                              __mmask16 *m) {
+                                                              __m512 sx, int kind,
+                                                              __mmask16 *flag, __mmask16 *m) {
     /* The bits of z = 768 + y (B and HI carry the 768): in [768, 1024) the float's bits 14-21
      * are the code and bits 0-13 the fraction of y in units of 2^-14. `m`: the negative lanes
-     * (signed map) or the positive ones (unsigned map), for the finish. */
+     * of x (signed map) or the lanes where `sx` (the value x is the normalised form of: its
+     * positive lanes stay positive where x underflowed to 0) is positive (unsigned map), for
+     * the finish. */
     const __m512i one = _mm512_set1_epi32(1);
     const __m512i b = _mm512_castps_si512(x);
     __m512i ab = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
@@ -198,7 +200,7 @@ static inline __attribute__((always_inline)) __m512i region_z(const regions_t *R
         *m = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
         ab = _mm512_mask_add_epi32(ab, *m, ab, one);
     } else {
-        *m = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+        *m = _mm512_cmp_ps_mask(sx, _mm512_setzero_ps(), _CMP_GT_OQ);
     }
     const __m512 a = _mm512_castsi512_ps(ab);
     /* binade index: the exponent less 96, 0 below (a <= 1, so at most 31) */
@@ -220,8 +222,9 @@ static inline __attribute__((always_inline)) __m512i region_z(const regions_t *R
  * with the chains side by side in program order the core overlaps them (measured side by side
  * in the 8-bit kernel's 64-lane loop: 0.92-0.95x the step of four region_z calls in a row). */
 static inline __attribute__((always_inline)) void region_z4(const regions_t *R, const __m512 *x,
-                                                            int kind, __mmask16 *flag,
-                                                            __mmask16 *m, __m512i *zi) {
+                                                            const __m512 *sx, int kind,
+                                                            __mmask16 *flag, __mmask16 *m,
+                                                            __m512i *zi) {
     const __m512i one = _mm512_set1_epi32(1);
     __m512i ab[4], r[4];
     __m512 thr[4], z[4];
@@ -232,7 +235,7 @@ static inline __attribute__((always_inline)) void region_z4(const regions_t *R, 
             m[h] = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
             ab[h] = _mm512_mask_add_epi32(ab[h], m[h], ab[h], one);
         } else {
-            m[h] = _mm512_cmp_ps_mask(x[h], _mm512_setzero_ps(), _CMP_GT_OQ);
+            m[h] = _mm512_cmp_ps_mask(sx[h], _mm512_setzero_ps(), _CMP_GT_OQ);
         }
     }
     for (int h = 0; h < 4; h++) {
@@ -255,16 +258,16 @@ static inline __attribute__((always_inline)) void region_z4(const regions_t *R, 
 
 /* The codes of 16 lanes by [Note: the region encoder] (qshard.quant._codetable): no gather.
  * `flag` collects the lanes near a midpoint, which the caller re-encodes with code16. `kind`
- * (1 signed, 2 unsigned) and `floor0` are constants at every call. */
+ * (1 signed, 2 unsigned) and `floor0` are constants at every call; `sx` as in region_z. */
 static inline __attribute__((always_inline)) __m512i code16_region(
-    const regions_t *R, __m512 x, int kind, int floor0, __mmask16 *flag) {
+    const regions_t *R, __m512 x, __m512 sx, int kind, int floor0, __mmask16 *flag) {
     __mmask16 m;
-    const __m512i zi = region_z(R, x, kind, flag, &m);
+    const __m512i zi = region_z(R, x, sx, kind, flag, &m);
     const __m512i i = _mm512_and_si512(_mm512_srli_epi32(zi, 14), _mm512_set1_epi32(255));
     if (kind == 1) /* negative lanes: max(254 - count, 0) */
         return _mm512_max_epi32(_mm512_mask_sub_epi32(i, m, _mm512_set1_epi32(254), i),
                                 _mm512_setzero_si512());
-    /* unsigned: x <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
+    /* unsigned: sx <= 0 takes code 0 (every midpoint is positive); the floor lifts the others
      * to at least 1 (the zero code is 0 in an unsigned map with a region table) */
     return floor0 ? _mm512_maskz_max_epi32(m, i, _mm512_set1_epi32(1))
                   : _mm512_maskz_mov_epi32(m, i);
