@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args, vector_isa
+from _common import Report, add_report_args, cpu_vendor, vector_isa
 from qshard import _native
 from qshard.optim import AdamW4bit, AdamW8bit, _kernels, optimizer_state_bytes
 
@@ -297,10 +297,11 @@ def _time_phases(report: Report, size: int, args: argparse.Namespace) -> None:
 
 
 def _cpu_title() -> str:
-    """'CPU, <vector ISA>' for a table title: the ISA picks the kernel's path, so results of
-    hosts that differ in it are different sections of docs/RESULTS.md."""
-    isa = vector_isa()
-    return f"CPU, {isa}" if isa else "CPU"
+    """'CPU, <vendor> <vector ISA>' for a table title: the ISA picks the kernel's path and the
+    vendor's cores price its operations differently, so results of hosts that differ in either
+    are different sections of docs/RESULTS.md."""
+    host = " ".join(x for x in (cpu_vendor(), vector_isa()) if x)
+    return f"CPU, {host}" if host else "CPU"
 
 
 def _load(avg: tuple[float, float, float]) -> str:

@@ -41,9 +41,16 @@ one process; the host is shared, so ratios, not absolute times, are what carry o
 * encoding: the region encoder replaced the 16-lane gathers (~0.4 ns per element each on Zen 5)
   and works on 64 lanes per flag test, finishing the codes on bytes (multishift, byte permutes,
   one masked saturating byte op for the sign rule): 0.78x the step with the gathers, then
-  0.91x for the byte finish. It is still the largest phase (~45% of the step). The division
-  by the block absmax is kept (a reciprocal would need a correction step to stay exact, and
-  the division costs ~4% of the step).
+  0.91x for the byte finish. It is still the largest phase (~35-45% of the step).
+* no divider for divisions by a constant: the encoders' ``s / absmax`` and Adam's
+  ``sqrt(v) / bc2`` are ``q = s * (1/d)`` corrected by one fma, the correctly rounded quotient
+  (``[Note: exact quotients by a constant]`` in :mod:`qshard.optim._kernel_common`; blocks
+  outside its range are divided first). On an Intel Xeon (Emerald Rapids, AVX-512) a 16-lane
+  division occupies the divider ~10 cycles and the step was divider-bound: 0.855x the step
+  time at 10M, one thread (the update's part alone 0.89x). On Zen 5, whose divider is ~4x
+  faster per division, the same change measured 0.97-1.06x in an earlier pass (noise). The
+  unsigned floor tests the state itself (``s > 0``), as the torch reference does, so a
+  quotient that underflows cannot decide it.
 * the parameter, gradient and codes of the block after next are prefetched before the encoder
   runs (it touches no memory): 0.84x the step time at 10M.
 * the 64-lane loop computes the four vectors' z step by step side by side (``region_z4``)
