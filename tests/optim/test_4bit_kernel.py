@@ -19,6 +19,8 @@ from qshard.optim import _kernels4, _qstate4
 from qshard.optim.adam4bit import Adam4bit, AdamW4bit
 from qshard.quant import _codetable
 
+from ._helpers import assert_same_bits
+
 pytestmark = pytest.mark.skipif(not _kernels4.available(), reason="no C compiler for the kernel")
 
 _MAPS = ("signed-dynamic", *_qstate4.SECOND_MOMENT_MAPS)
@@ -136,23 +138,13 @@ def _step_both(cls, kw, shape, monkeypatch, lib_b, steps=3):
     return (p1, o1), (p2, o2)
 
 
-def _assert_bits_equal(a, b, where):
-    (p1, o1), (p2, o2) = a, b
-    assert torch.equal(p1.detach().view(torch.int32), p2.detach().view(torch.int32)), where
-    for k, v in o1.state[p1].items():
-        w = o2.state[p2][k]
-        if v.dtype == torch.float32:
-            v, w = v.view(torch.int32), w.view(torch.int32)
-        assert torch.equal(v, w), (where, k)
-
-
 @pytest.mark.parametrize("case", range(len(_CASES)))
 def test_fused_step_equals_torch_reference_bit_for_bit(case, monkeypatch):
     cls, kw = _CASES[case]
     for shape in _SHAPES:
         a, b = _step_both(cls, kw, shape, monkeypatch, None)
         assert "exp_avg_codes" in a[1].state[a[0]]
-        _assert_bits_equal(a, b, (cls.__name__, kw, shape))
+        assert_same_bits(a, b, (cls.__name__, kw, shape))
 
 
 _BUILDS = {
@@ -184,7 +176,7 @@ def test_variant_builds_write_the_same_bits(build, monkeypatch):
     for cls, kw in _CASES:
         for shape in _SHAPES:
             a, b = _step_both(cls, kw, shape, monkeypatch, lib, steps=2)
-            _assert_bits_equal(a, b, (cls.__name__, kw, shape, build))
+            assert_same_bits(a, b, (cls.__name__, kw, shape, build))
 
 
 def test_openmp_threads_and_concurrent_callers_write_the_same_bits():

@@ -20,6 +20,8 @@ from qshard.optim import _kernel_common, _kernels, _qstate
 from qshard.quant import _codetable
 from qshard.quant.dynamic import quantize_codebook
 
+from ._helpers import assert_same_bits
+
 pytestmark = pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
 
 
@@ -229,12 +231,7 @@ def test_scalar_build_writes_the_same_bits(monkeypatch, extra, build):
             o2.step()
             monkeypatch.undo()
             p1.grad = p2.grad = torch.randn(p1.shape) * torch.rand(()).item() * 3
-        assert torch.equal(p1.detach().view(torch.int32), p2.detach().view(torch.int32)), cls
-        for k, v in o1.state[p1].items():
-            w = o2.state[p2][k]
-            if v.dtype == torch.float32:
-                v, w = v.view(torch.int32), w.view(torch.int32)
-            assert torch.equal(v, w), (cls, k)
+        assert_same_bits((p1, o1), (p2, o2), cls)
 
 
 def _edge_values(q):
@@ -531,9 +528,4 @@ def test_update_with_an_overflowing_square_gradient_matches_the_scalar_build(mon
         if step == 0:  # m / inf = 0: only the decoupled decay moves the element
             decay = torch.tensor(1 - 1e-2 * 1e-2, dtype=torch.float32)
             assert torch.equal(p1.detach()[3, 5], before[3, 5] * decay)
-        assert torch.equal(p1.detach().view(torch.int32), p2.detach().view(torch.int32)), step
-        for k, v in o1.state[p1].items():
-            w = o2.state[p2][k]
-            if v.dtype == torch.float32:
-                v, w = v.view(torch.int32), w.view(torch.int32)
-            assert torch.equal(v, w), (step, k)
+        assert_same_bits((p1, o1), (p2, o2), step)
