@@ -38,12 +38,13 @@ static inline uint32_t abs_bits(float x) {
 QUOTIENT_C = r"""
 /* [Note: exact quotients by a constant] x / d where d is the same for many x, with r = 1/d
  * rounded once (one division) and then per value q = x * r, e = x - q * d (exact: one fma) and
- * the quotient fma(e, r, q). By Markstein's theorem (r within half an ulp of 1/d, q within one
- * ulp of x/d, the remainder e exact) the result is the correctly rounded x / d, bit for bit what
- * the division gives, as long as nothing underflows or overflows on the way: d in
- * [QS_QUOT_LO, QS_QUOT_HI] and |x| >= 2^-101 or x = 0 (below that e loses bits; checked
- * exhaustively over every x of a binade against the division for thousands of divisors d,
- * all-ones and near-power-of-two significands included, in tests/optim/test_8bit_kernel.py).
+ * the quotient fma(e, r, q): Markstein's correction step (r is the correctly rounded 1/d and
+ * e is exact), which gives the correctly rounded x / d, bit for bit what the division gives, as
+ * long as nothing underflows or overflows on the way: d in [QS_QUOT_LO, QS_QUOT_HI] and
+ * |x| >= 2^-101 or x = 0 (below that e loses bits). Checked against the division for every x
+ * of whole binades, both signs: 6.5e10 pairs for 3,000 divisors across the range in a one-off
+ * sweep, and the same sweep for ~280 divisors in tests/optim/test_8bit_kernel.py (all-ones,
+ * near-all-ones and near-power-of-two significands, the range's ends), no difference.
  * Callers keep the division outside that range. Why: a 16-lane division occupies the divider
  * ~10 cycles on Intel cores with AVX-512 (and a 16-lane square root ~12), and the 8-bit Adam
  * step had four divisions and one square root per element; these three fma-class operations
