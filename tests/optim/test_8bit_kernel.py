@@ -389,7 +389,6 @@ int64_t quot_mismatches(float d, uint32_t lo, uint32_t hi, int inf_variant) {
 def _quotient_checker(build: str):
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the exact-quotient helpers are x86 vector code")
-    cpu_flags = ""
     with open("/proc/cpuinfo") as f:
         cpu_flags = f.read()
     need = {"avx512": " avx512f", "avx2": " avx2"}[build]

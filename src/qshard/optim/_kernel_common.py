@@ -49,7 +49,7 @@ QUOTIENT_C = r"""
  * ~10 cycles on Intel cores with AVX-512 (and a 16-lane square root ~12), and the 8-bit Adam
  * step had four divisions and one square root per element; these three fma-class operations
  * issue on two ports. An infinite x gives NaN here (inf - inf): callers that can see one
- * mask it (qs_quot16_inf); a quotient must stay below 2^126 in magnitude (the encoders' lie in
+ * and divide by d > 0 use qs_quot16_inf (x itself where x is infinite); a quotient must stay below 2^126 in magnitude (the encoders' lie in
  * [-1, 1]; the update's sqrt(v) / bc2 does for bc2 >= 2^-60). -0.0 gives +0.0 (the encoders map
  * both zeros to the same code). */
 #define QS_QUOT_LO 0x1p-70f
@@ -60,13 +60,11 @@ static inline __attribute__((always_inline)) __m256 qs_quot8(__m256 x, __m256 d,
     const __m256 q = _mm256_mul_ps(x, r);
     return _mm256_fmadd_ps(_mm256_fnmadd_ps(q, d, x), r, q);
 }
-/* as qs_quot8, and an infinite x gives its quotient, +-inf (as the division does) */
+/* as qs_quot8 for d > 0, and an infinite x gives its quotient, x itself (as the division) */
 static inline __attribute__((always_inline)) __m256 qs_quot8_inf(__m256 x, __m256 d, __m256 r) {
-    const __m256 q = _mm256_mul_ps(x, r);
-    const __m256 y = _mm256_fmadd_ps(_mm256_fnmadd_ps(q, d, x), r, q);
     const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000));
-    return _mm256_blendv_ps(y, q, _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), q),
-                                                inf, _CMP_EQ_OQ));
+    const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    return _mm256_blendv_ps(qs_quot8(x, d, r), x, _mm256_cmp_ps(ax, inf, _CMP_EQ_OQ));
 }
 #endif
 #ifdef __AVX512F__
@@ -76,10 +74,9 @@ static inline __attribute__((always_inline)) __m512 qs_quot16(__m512 x, __m512 d
 }
 static inline __attribute__((always_inline)) __m512 qs_quot16_inf(__m512 x, __m512 d,
                                                                   __m512 r) {
-    const __m512 q = _mm512_mul_ps(x, r);
-    const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, d, x), r, q);
     const __m512 inf = _mm512_castsi512_ps(_mm512_set1_epi32(0x7F800000));
-    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(_mm512_abs_ps(q), inf, _CMP_EQ_OQ), q);
+    const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(x), inf, _CMP_EQ_OQ);
+    return _mm512_mask_mov_ps(qs_quot16(x, d, r), big, x);
 }
 #endif
 """
@@ -101,14 +98,14 @@ def adam_block_c(*, bias_correction: str) -> str:
             # below 2^126: sqrt(v) <= 2^64)
             "    const int bc_quot = qs_quot_ok(bc2) && bc2 >= 0x1p-60f;\n"
             "    const float rbc2 = 1.0f / bc2;\n",
-            "(bc_quot ? qs_quot16_inf(_mm512_sqrt_ps(v), bcz, rbcz)"
+            "(bc_quot ? qs_quot16_inf(_mm512_sqrt_ps(v), bcz, _mm512_set1_ps(rbc2))"
             " : _mm512_div_ps(_mm512_sqrt_ps(v), bcz))",
-            "(bc_quot ? qs_quot8_inf(_mm256_sqrt_ps(v), bcv, rbcv)"
+            "(bc_quot ? qs_quot8_inf(_mm256_sqrt_ps(v), bcv, _mm256_set1_ps(rbc2))"
             " : _mm256_div_ps(_mm256_sqrt_ps(v), bcv))",
             "/",
         ),
         "mul": (
-            "    const float rbc2 = 0.0f;\n",
+            "",
             "_mm512_mul_ps(_mm512_sqrt_ps(v), bcz)",
             "_mm256_mul_ps(_mm256_sqrt_ps(v), bcv)",
             "*",
@@ -139,8 +136,7 @@ static inline __attribute__((always_inline)) void adam_block(
         const __m512 b2z = _mm512_set1_ps(b2), b2wz = _mm512_set1_ps(b2w);
         const __m512 epsz = _mm512_set1_ps(eps), wdz = _mm512_set1_ps(wd);
         const __m512 stz = _mm512_set1_ps(step_size), bcz = _mm512_set1_ps(bc2);
-        const __m512 decz = _mm512_set1_ps(decay), rbcz = _mm512_set1_ps(rbc2);
-        (void)rbcz;
+        const __m512 decz = _mm512_set1_ps(decay);
         const __m512i absz = _mm512_set1_epi32(0x7FFFFFFF);
         __m512i z1 = _mm512_setzero_si512(), z2 = _mm512_setzero_si512();
         for (; k + 16 <= n; k += 16) {
@@ -175,8 +171,7 @@ static inline __attribute__((always_inline)) void adam_block(
         const __m256 b2v = _mm256_set1_ps(b2), b2wv = _mm256_set1_ps(b2w);
         const __m256 epsv = _mm256_set1_ps(eps), wdv = _mm256_set1_ps(wd);
         const __m256 stv = _mm256_set1_ps(step_size), bcv = _mm256_set1_ps(bc2);
-        const __m256 decv = _mm256_set1_ps(decay), rbcv = _mm256_set1_ps(rbc2);
-        (void)rbcv;
+        const __m256 decv = _mm256_set1_ps(decay);
         const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
         __m256i acc1 = _mm256_setzero_si256(), acc2 = _mm256_setzero_si256();
         for (; k + 8 <= n; k += 8) {
