@@ -10,6 +10,7 @@ the machine shifts both alike, the minimum over many rounds is the least disturb
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import subprocess
 import sys
@@ -44,6 +45,18 @@ def _source_at(rev: str, module_name: str) -> str:
         ).stdout
 
 
+def _declare_like(lib: ctypes.CDLL, like: ctypes.CDLL) -> None:
+    """Give ``lib`` the argument and result types ``like`` declares, for the functions it has
+    (the benchmark steps one tensor, through ``step8`` / ``step4``, which every revision has)."""
+    for fname, f in vars(like).items():
+        if isinstance(f, ctypes._CFuncPtr):
+            try:
+                g = getattr(lib, fname)
+            except AttributeError:
+                continue
+            g.argtypes, g.restype = f.argtypes, f.restype
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", default="HEAD~1", help="git revision of the base kernel")
@@ -55,10 +68,13 @@ def main() -> None:
     classes = (qoptim.AdamW8bit, qoptim.Lion8bit) if args.bits == 8 else (qoptim.AdamW4bit,)
     libs = {}
     base_src = _source_at(args.base, kernels.__name__.rsplit(".", 1)[1])
-    for name, src in (("base", base_src), ("tree", kernels._SOURCE)):
+    for name, src in (("tree", kernels._SOURCE), ("base", base_src)):
         tag = f"optim{args.bits}bit_cost_{name}"
         lib = _native.build_library(tag, src, _native.DEFAULT_FLAGS)
-        kernels._declare(lib)
+        if name == "tree":
+            kernels._declare(lib)
+        else:  # the tree's signatures of the entry points the base has (an older one lacks some)
+            _declare_like(lib, libs["tree"])
         libs[name] = lib
     torch.set_num_threads(1)
     print(f"{args.bits}-bit, numel {args.numel}, {args.rounds} interleaved rounds, 1 thread")

@@ -1,6 +1,7 @@
 """C text shared by the fused 8-bit and 4-bit optimizer kernels (:mod:`qshard.optim._kernels`,
 :mod:`qshard.optim._kernels4`): the block absmax on bit patterns with its non-finite rule
-(``NONFINITE_C``) and the Adam / AdamW update of one decoded block (``adam_block_c``). Plain
+(``NONFINITE_C``), a thread's share of a multi-tensor call (``THREAD_SHARE_C``) and the Adam /
+AdamW update of one decoded block (``adam_block_c``). Plain
 strings, concatenated into each kernel's source; this module compiles nothing and imports no
 other part of qshard.
 """
@@ -30,6 +31,25 @@ static inline uint32_t abs_bits(float x) {
     return u & 0x7FFFFFFFu;
 }
 
+"""
+
+
+#: A thread's share of a multi-tensor call's blocks (both kernels; [Note: multi-tensor step]).
+THREAD_SHARE_C = r"""
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+/* [lo, hi): the blocks of `total` (all tensors' in a row) this thread of the parallel region
+ * steps, an even split in order; each thread then walks the tensors its range overlaps. */
+static inline void qs_thread_share(int64_t total, int64_t *lo, int64_t *hi) {
+    int id = 0, nt = 1;
+#ifdef _OPENMP
+    id = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    *lo = total * id / nt;
+    *hi = total * (id + 1) / nt;
+}
 """
 
 

@@ -31,12 +31,16 @@ from __future__ import annotations
 import ctypes
 
 from qshard._native import NativeLibrary
-from qshard.optim._kernel_common import NONFINITE_C, adam_block_c
+from qshard.optim._kernel_common import NONFINITE_C, THREAD_SHARE_C, adam_block_c
 from qshard.quant._codetable import NEAREST_C
 
 __all__: list[str] = []  # private module
 
 MAX_BLOCK = 4096
+
+#: int64 words per tensor of ``adam4bit_multi`` (its ``tensor4_t``: p, g, c1, a1, c2, a2 as
+#: addresses, rows, row_numel, the address of the tensor's hp).
+TENSOR4_FIELDS = 9
 
 _SOURCE = (
     r"""
@@ -49,6 +53,7 @@ _SOURCE = (
 """
     + NEAREST_C
     + NONFINITE_C
+    + THREAD_SHARE_C
     + r"""
 
 #ifndef QS_AHEAD4
@@ -256,21 +261,35 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     + r"""
 
 /*
- * One Adam/AdamW step over `rows` rows of `row_numel` elements with 4-bit m (c1/a1, map code1,
- * table lut1) and v (c2/a2, code2, lut2): codes (rows, ceil(row_numel/2)) bytes, absmax
- * (rows, ceil(row_numel/block)). hp: the 8-bit Adam kernel's 10 hyperparameters.
+ * One Adam/AdamW step over `ntensors` tensors with 4-bit m (map code1, table lut1) and v (code2,
+ * lut2), in one call ([Note: multi-tensor step] in qshard.optim._kernels): each tensor is one
+ * row of TENSOR4_FIELDS int64 words (tensor4_t: p, g, c1, a1, c2, a2 as addresses, rows,
+ * row_numel, the address of its hp: the 8-bit Adam kernel's 10 hyperparameters); codes (rows,
+ * ceil(row_numel/2)) bytes, absmax (rows, ceil(row_numel/block)).
  */
-int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float *code1,
-                  const float *mid1, const uint32_t *lut1, int linear1, uint8_t *c2, float *a2,
-                  const float *code2, const float *mid2, const uint32_t *lut2, int linear2,
-                  int64_t rows, int64_t row_numel, int64_t block,
-                  const float *hp, int nthreads) {
-    if (block > 4096 || block <= 0 || (block & 1)) return -1;
+typedef struct {
+    int64_t p, g, c1, a1, c2, a2, rows, row_numel, hp;
+} tensor4_t;
+
+static inline int64_t tensor4_blocks(const tensor4_t *X, int64_t block) {
+    return X->rows * ((X->row_numel + block - 1) / block);
+}
+
+/* Blocks [b0, b1) of one tensor (its fields constant over the loop, as in the 8-bit kernel). */
+static inline __attribute__((always_inline)) void adam4_blocks(
+    const tensor4_t *X, const float *code1, const float *mid1, const uint32_t *lut1, int linear1,
+    const float *code2, const float *mid2, const uint32_t *lut2, int linear2, int64_t block,
+    int64_t b0, int64_t b1) {
+    float *p = (float *)(intptr_t)X->p;
+    const float *g = (const float *)(intptr_t)X->g;
+    uint8_t *c1 = (uint8_t *)(intptr_t)X->c1, *c2 = (uint8_t *)(intptr_t)X->c2;
+    float *a1 = (float *)(intptr_t)X->a1, *a2 = (float *)(intptr_t)X->a2;
+    const float *hp = (const float *)(intptr_t)X->hp;
+    const int64_t rows = X->rows, row_numel = X->row_numel;
     const int64_t nbr = (row_numel + block - 1) / block;
     const int64_t nbytes = (row_numel + 1) / 2;
     const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < rows * nbr; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         float s1[4096], s2[4096];
         const int64_t r = b / nbr, j = b % nbr;
         const int64_t off = r * row_numel + j * block;
@@ -305,7 +324,45 @@ int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float 
         encode4(lut1, mid1, linear1, s1, n, m1, c1 + coff);
         encode4(lut2, mid2, linear2, s2, n, m2, c2 + coff);
     }
+}
+
+int adam4bit_multi(const int64_t *tensors, int64_t ntensors, const float *code1,
+                   const float *mid1, const uint32_t *lut1, int linear1, const float *code2,
+                   const float *mid2, const uint32_t *lut2, int linear2, int64_t block,
+                   int nthreads) {
+    if (block > 4096 || block <= 0 || (block & 1) || ntensors < 0) return -1;
+    const tensor4_t *T = (const tensor4_t *)tensors;
+    int64_t nblocks = 0;
+    for (int64_t t = 0; t < ntensors; t++) {
+        if (T[t].rows < 0 || T[t].row_numel < 0) return -1;
+        nblocks += tensor4_blocks(T + t, block);
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+    int64_t lo, hi, first = 0;
+    qs_thread_share(nblocks, &lo, &hi);
+    for (int64_t t = 0; t < ntensors && first < hi; t++) {
+        const int64_t last = first + tensor4_blocks(T + t, block);
+        if (last > lo)
+            adam4_blocks(T + t, code1, mid1, lut1, linear1, code2, mid2, lut2, linear2, block,
+                         (lo > first ? lo : first) - first, (hi < last ? hi : last) - first);
+        first = last;
+    }
+    }
     return 0;
+}
+
+/* One tensor: adam4bit_multi with one row (tests and benchmarks). */
+int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float *code1,
+                  const float *mid1, const uint32_t *lut1, int linear1, uint8_t *c2, float *a2,
+                  const float *code2, const float *mid2, const uint32_t *lut2, int linear2,
+                  int64_t rows, int64_t row_numel, int64_t block,
+                  const float *hp, int nthreads) {
+    const tensor4_t one = {(int64_t)(intptr_t)p, (int64_t)(intptr_t)g, (int64_t)(intptr_t)c1,
+                           (int64_t)(intptr_t)a1, (int64_t)(intptr_t)c2, (int64_t)(intptr_t)a2,
+                           rows, row_numel, (int64_t)(intptr_t)hp};
+    return adam4bit_multi((const int64_t *)&one, 1, code1, mid1, lut1, linear1, code2, mid2,
+                          lut2, linear2, block, nthreads);
 }
 
 /* Encode rows x row_numel floats with the 4-bit layout (tests: the encoder vs the torch one). */
@@ -355,6 +412,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.adam4bit_step.restype = i32
     lib.adam4bit_step.argtypes = [p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, i64, i64, i64]
     lib.adam4bit_step.argtypes += [p, i32]
+    lib.adam4bit_multi.restype = i32
+    lib.adam4bit_multi.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i64, i32]
     lib.quantize_rows4.restype = i32
     lib.quantize_rows4.argtypes = [p, p, p, p, p, i32, i64, i64, i64, i32]
     lib.dequantize_rows4.restype = i32

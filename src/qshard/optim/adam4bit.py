@@ -35,6 +35,9 @@ from qshard.optim._base8bit import (
     _check_placements,
     _check_real,
     _full_state_dtype,
+    _hparam_table,
+    _kernel_takes,
+    _layout_fits,
     _local,
     _wrap_like,
 )
@@ -183,6 +186,73 @@ class Adam4bit(BlockwiseOptimizer):
             group, params, grads, states[0], states[1], steps, decoupled=self._decoupled
         )
 
+    def _multi_tensor_row(
+        self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
+    ) -> list[int] | None:
+        """Taken: fp32 contiguous CPU tensors with a gradient alike. Entry: p, g, both states'
+        codes and absmax, rows, row_numel (``adam4bit_multi``'s ``tensor4_t`` up to its hp)."""
+        p_l, g_l = _local(p), _local(p.grad)
+        if _kernels4.library() is None or not _kernel_takes(p_l, g_l):
+            return None
+        codes = [_local(state[f"{n}_codes"]) for n in _STATES]
+        absmax = [_local(state[f"{n}_absmax"]) for n in _STATES]
+        rows = p_l.shape[0]
+        row_numel = p_l.numel() // rows
+        packed = (rows, _qstate4.packed_row(row_numel))
+        nbr = blocks_per_row(row_numel, group["block_size"])
+        if not _layout_fits(packed, codes, absmax, (rows, nbr)):
+            _check_layout(type(self).__name__, p_l, codes, absmax, packed, group["block_size"])
+            return None  # (not reached: the check says what does not fit)
+        return [
+            p_l.data_ptr(),
+            g_l.data_ptr(),
+            codes[0].data_ptr(),
+            absmax[0].data_ptr(),
+            codes[1].data_ptr(),
+            absmax[1].data_ptr(),
+            rows,
+            row_numel,
+        ]
+
+    def _multi_tensor_step(
+        self,
+        gi: int,
+        group: dict[str, Any],
+        items: list[tuple[int, Tensor, dict[str, Any]]],
+        rows: list[list[int]],
+        steps: list[int],
+    ) -> None:
+        """``adam4bit_multi``: each entry completed with its hyperparameters' address."""
+        hp_table, hp_at = _hparam_table(
+            steps,
+            lambda step: adam_group_hparams(
+                group, step, decoupled=self._decoupled, inverse_bc2=True
+            ),
+        )
+        for row, at in zip(rows, hp_at):
+            row.append(at)
+        table = torch.tensor(rows, dtype=torch.int64)
+        assert table.shape[1] == _kernels4.TENSOR4_FIELDS
+        qm, qv = self._maps(group)
+        bs = group["block_size"]
+        rc = _kernels4.library().adam4bit_multi(
+            table.data_ptr(),
+            len(items),
+            qm.code.data_ptr(),
+            qm.mid_padded.data_ptr(),
+            qm.lut.data_ptr(),
+            2 if _qstate4.symmetric_signed(qm) else 0,  # 8 compares on |x|
+            qv.code.data_ptr(),
+            qv.mid_padded.data_ptr(),
+            qv.lut.data_ptr(),
+            int(group["second_moment_map"] == "linear"),  # arithmetic encoder, no table
+            bs,
+            torch.get_num_threads(),
+        )
+        del hp_table  # (held until the kernel has read its rows)
+        if rc != 0:
+            raise RuntimeError(f"fused 4-bit kernel rejected block_size={bs}")
+
     def _step_param(
         self,
         p: Tensor,
@@ -191,7 +261,7 @@ class Adam4bit(BlockwiseOptimizer):
         step: int,
         index: tuple[int, int],
     ) -> None:
-        """The 4-bit step (fp32 state goes through ``_torch_update``)."""
+        """The 4-bit step of one tensor (fp32 state goes through ``_torch_update``)."""
         p_l, g_l = _local(p), _local(p.grad)
         if p_l.numel() == 0:
             return

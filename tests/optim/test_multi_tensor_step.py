@@ -1,0 +1,137 @@
+"""The multi-tensor step of the 8-bit and 4-bit optimizers ([Note: multi-tensor step] in
+qshard.optim._kernels): every CPU-kernel tensor of a parameter group in one ``step8_multi`` /
+``adam4bit_multi`` call must write the bits of one ``step8`` / ``adam4bit_step`` call per
+tensor, for every optimizer, rounding option and 4-bit map, at 1 and 2 threads, next to tensors
+the call does not take (fp32-state, bf16, gradient-less ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qshard.optim as qoptim
+from qshard.optim import _kernels, _kernels4
+
+from ._helpers import assert_same_bits
+
+pytestmark = pytest.mark.skipif(
+    not (_kernels.available() and _kernels4.available()), reason="needs the C kernels"
+)
+
+_CASES = [
+    (qoptim.AdamW8bit, dict(lr=1e-2, weight_decay=0.1)),
+    (qoptim.Adam8bit, dict(lr=1e-2, weight_decay=0.1)),
+    (qoptim.Lion8bit, dict(lr=1e-3, weight_decay=0.1)),
+    (qoptim.SGD8bit, dict(lr=1e-2, momentum=0.9, weight_decay=1e-2, nesterov=True)),
+    (qoptim.RMSprop8bit, dict(lr=1e-3, momentum=0.9)),
+    (qoptim.Adagrad8bit, dict(lr=1e-2, lr_decay=0.01, weight_decay=1e-2)),
+]
+
+# Quantized: partial blocks, one row, narrow rows (one partial block per row), 3-D, a tensor of
+# exactly one block; then a 1-D bias and a small matrix (fp32 state) and a bf16 matrix (the
+# per-tensor path: the multi-tensor call takes fp32 only).
+_SHAPES = [(13, 333), (1, 5000), (300, 16), (7, 3, 200), (16, 256), (64, 65)]
+_OTHERS = [((100,), torch.float32), ((8, 8), torch.float32), ((40, 130), torch.bfloat16)]
+
+
+_CASES_4BIT = [
+    (qoptim.AdamW4bit, dict(lr=1e-2, weight_decay=0.1)),
+    (qoptim.Adam4bit, dict(lr=1e-2, weight_decay=0.1, second_moment_map="dynamic")),
+    (qoptim.AdamW4bit, dict(lr=1e-2, second_moment_map="linear-zero", block_size=64)),
+]
+
+
+class _Counting:
+    """A kernel library with its multi-tensor calls counted (tensors per call)."""
+
+    def __init__(self, lib, entry: str, count_arg: int) -> None:
+        self._lib, self.calls, self._entry, self._at = lib, [], entry, count_arg
+
+    def __getattr__(self, name):
+        fn = getattr(self._lib, name)
+        if name != self._entry:
+            return fn
+
+        def counted(*args):
+            self.calls.append(args[self._at])
+            return fn(*args)
+
+        return counted
+
+
+def _params(gen):
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _SHAPES]
+    ps += [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt)) for s, dt in _OTHERS]
+    return ps
+
+
+def _pair(cls, kw, threads_note):
+    gen = torch.Generator().manual_seed(0)
+    p1 = _params(gen)
+    p2 = [torch.nn.Parameter(p.detach().clone()) for p in p1]
+    # two groups: the second has its own options (a second call) and one tensor (the plain call)
+    o1 = cls([{"params": p1[:-2]}, {"params": p1[-2:], "lr": kw["lr"] / 2}], **kw)
+    o2 = cls([{"params": p2[:-2]}, {"params": p2[-2:], "lr": kw["lr"] / 2}], **kw)
+    o2._multi_tensor_row = lambda group, p, state: None  # one call per tensor
+    return p1, o1, p2, o2, gen
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"bnb_compat": True}, {"stochastic_rounding": True}, {"block_size": 64}],
+    ids=["default", "bnb_compat", "stochastic", "block64"],
+)
+def test_multi_tensor_step_writes_the_bits_of_one_call_per_tensor(monkeypatch, extra, threads):
+    counting = _Counting(_kernels.library(), "step8_multi", 2)
+    counting4 = _Counting(_kernels4.library(), "adam4bit_multi", 1)
+    monkeypatch.setattr(_kernels, "library", lambda: counting)
+    monkeypatch.setattr(_kernels4, "library", lambda: counting4)
+    # the 4-bit optimizers have no rounding options: they run with the first variant only
+    cases = _CASES + (_CASES_4BIT if not extra else [])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for cls, kw in cases:
+            kw = {**kw, **extra}
+            four = cls in (qoptim.Adam4bit, qoptim.AdamW4bit)
+            calls = counting4.calls if four else counting.calls
+            p1, o1, p2, o2, gen = _pair(cls, kw, threads)
+            calls.clear()
+            for step in range(4):
+                for i, (a, b) in enumerate(zip(p1, p2)):
+                    # the (1, 5000) tensor skips step 0: its step count lags the others', so
+                    # the call carries two rows of hyperparameters (and SGD two first steps)
+                    g = None if (i == 1 and step == 0) else torch.randn(a.shape, generator=gen)
+                    a.grad = None if g is None else g.to(a.dtype)
+                    b.grad = None if g is None else g.to(b.dtype)
+                o1.step()
+                o2.step()
+            for a, b in zip(p1, p2):
+                assert_same_bits((a, o1), (b, o2), (cls.__name__, extra, tuple(a.shape)))
+            quantized = [p for p in p1 if any(k.endswith("_codes") for k in o1.state[p])]
+            assert len(quantized) == len(_SHAPES) + 1, "the fixture's tensors must be 8-bit"
+            # group 0: the six fp32 matrices in one call a step (five on the step the one-row
+            # tensor sits out); group 1's single bf16 matrix never takes the call
+            assert calls == [5, 6, 6, 6], (cls.__name__, calls)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_multi_tensor_step_refuses_a_bad_layout_before_anything_moves():
+    gen = torch.Generator().manual_seed(1)
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(20, 300), (30, 300)]]
+    opt = qoptim.AdamW8bit(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    st = opt.state[ps[1]]
+    st["exp_avg_absmax"] = torch.zeros(30, 1)  # the layout of another block size
+    params = [p.detach().clone() for p in ps]
+    state0 = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+    with pytest.raises(RuntimeError, match="does not fit block_size=256"):
+        opt.step()
+    for p, q in zip(ps, params):
+        assert torch.equal(p.detach(), q)
+    for k, v in opt.state[ps[0]].items():
+        assert torch.equal(v, state0[k]), k  # its codes, absmax and step counter too
