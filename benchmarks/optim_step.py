@@ -39,6 +39,12 @@ need not add up to the step.
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
     python benchmarks/optim_step.py --phases --sizes 10M --threads 1 --cpu-time
     python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md results/optim_step.md
+    python benchmarks/optim_step.py --models gpt2,lora,small --threads 1,2 --cpu-time
+
+With ``--models`` each table is instead one model's parameter list (GPT-2 small, LoRA adapters,
+2,000 small matrices; ``MODELS``), where what a step costs per tensor shows: the same
+candidates, plus qshard's 8- and 4-bit AdamW with one kernel call per tensor (the path before
+the multi-tensor call, kept for the tensors it does not take).
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
 Targets (issue 15): the fp32-state path <= 1.1x fused fp32 AdamW; the 8-bit step <= 1.2x.
@@ -150,6 +156,22 @@ def _problem(size: int, args: argparse.Namespace):
     return rows * cols, gen, base, grad, cpu_time, clock, os.getloadavg()
 
 
+def _rounds(opts, repeat: int, clock, before: Callable[[], None] | None = None):
+    """Rounds of one step per optimizer, interleaved, so a change of machine speed during the
+    run (shared host) hits every optimizer alike (the ratio columns are medians of per-round
+    ratios to the fused step of the same round); ``before`` runs first in every round. Returns
+    each optimizer's step times."""
+    samples: list[list[float]] = [[] for _ in opts]
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        for i, opt in enumerate(opts):
+            t0 = clock()
+            opt.step()
+            samples[i].append(clock() - t0)
+    return samples
+
+
 def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) -> None:
     """One table: every candidate on one (size/1024, 1024) parameter, interleaved rounds."""
     numel, gen, base, grad, cpu_time, clock, load_before = _problem(size, args)
@@ -170,20 +192,15 @@ def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) 
         arrays[0].add_(arrays[1], alpha=1e-7)
 
     triad()
-    # Rounds of one step per optimizer, interleaved, so a change of machine speed during the
-    # run (shared host) hits every optimizer alike; the ratio column is the median of the
-    # per-round ratios to the fused step of the same round.
-    samples: list[list[float]] = [[] for _ in opts]
     triads: list[float] = []
-    for _ in range(args.repeat):
+
+    def three_triads() -> None:
         for _ in range(3):
             t0 = clock()
             triad()
             triads.append(clock() - t0)
-        for i, opt in enumerate(opts):
-            t0 = clock()
-            opt.step()
-            samples[i].append(clock() - t0)
+
+    samples = _rounds(opts, args.repeat, clock, before=three_triads)
     per_byte = min(triads) / (_TRIAD_BYTES * probe)  # seconds per byte at the best bandwidth
     fused_s = statistics.median(samples[0])
     rows_out = []
@@ -220,6 +237,69 @@ def _time_size(report: Report, candidates, size: int, args: argparse.Namespace) 
         f"In-place triad bandwidth (best of {len(triads)}): {bw:.1f} GB/s; load average before "
         f"{_load(load_before)}, after {_load(os.getloadavg())}."
     )
+
+
+def _gpt2_shapes() -> list[tuple[int, ...]]:
+    """GPT-2 small (124M; the token embedding tied with the output layer): 148 tensors, 50 of
+    them matrices with 8-bit state, the rest biases and norms (fp32 state)."""
+    d = 768
+    layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,)]
+    layer += [(4 * d, d), (d,)]
+    return [(50257, d), (1024, d), *layer * 12, (d,), (d,)]
+
+
+#: Parameter lists of whole models (``--models``), where a step's cost per tensor shows.
+MODELS: dict[str, tuple[str, Callable[[], list[tuple[int, ...]]]]] = {
+    "gpt2": ("GPT-2 small", _gpt2_shapes),
+    # LoRA r=16 on q/k/v/o of a 32-layer, 4096-wide model: A (16, 4096) and B (4096, 16); the
+    # B matrices' rows of 16 are each one partial block (the row-block layout).
+    "lora": ("LoRA adapters, r=16, 32 layers x 4", lambda: [(16, 4096), (4096, 16)] * 128),
+    "small": ("2,000 matrices of 16 x 256", lambda: [(16, 256)] * 2000),
+}
+
+
+def _one_call_per_tensor(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` (8- or 4-bit) stepping its quantized tensors one kernel call each (the path
+    before the multi-tensor call; kept for tensors the call does not take)."""
+    opt._multi_tensor_row = lambda group, p, state: None
+    return opt
+
+
+def _time_model(report: Report, candidates, model: str, args: argparse.Namespace) -> None:
+    """One table: every candidate on one model's parameter list, interleaved rounds."""
+    title, shapes_of = MODELS[model]
+    shapes = shapes_of()
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
+    numel = sum(t.numel() for t in base)
+    cpu_time = args.cpu_time and torch.get_num_threads() == 1
+    clock = time.process_time if cpu_time else time.perf_counter
+    load_before = os.getloadavg()
+    opts = []
+    for cand in candidates:
+        ps = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        opt = cand[1](ps)
+        for _ in range(args.warmup):
+            opt.step()
+        opts.append(opt)
+    samples = _rounds(opts, args.repeat, clock)
+    rows_out = []
+    for cand, opt, times in zip(candidates, opts, samples):
+        med = statistics.median(times)
+        ratio = statistics.median(t / f for t, f in zip(times, samples[0]))
+        rows_out.append((cand[0], med * 1e3, med / numel * 1e9, ratio, _state_bytes(opt) / numel))
+    del opts
+    gc.collect()
+    report.table(
+        f"{title}: {len(shapes)} tensors, {numel / 1e6:.1f}M parameters, "
+        f"{torch.get_num_threads()} threads, {'CPU' if cpu_time else 'wall'} time",
+        ["optimizer", "ms/step", "ns/param", "x fused fp32", "state bytes/param"],
+        rows_out,
+    )
+    report.note(f"Load average before {_load(load_before)}, after {_load(os.getloadavg())}.")
 
 
 #: (what is taken out, -D flags) of the --phases variants; the first is the full kernel.
@@ -333,6 +413,12 @@ def main(argv: list[str] | None = None) -> None:
         "the sum over threads)",
     )
     ap.add_argument(
+        "--models",
+        default="",
+        help=f"comma-separated parameter lists of whole models, one table each, instead of "
+        f"--sizes: {', '.join(MODELS)}",
+    )
+    ap.add_argument(
         "--phases",
         action="store_true",
         help="time AdamW8bit's kernel with each phase taken out instead (module docstring)",
@@ -366,8 +452,28 @@ def main(argv: list[str] | None = None) -> None:
     candidates, notes = _candidates()
     for n in notes:
         report.note(n)
-    fp32_sizes = {_parse_size(s) for s in args.fp32_sizes.split(",") if s.strip()}
     default_threads = torch.get_num_threads()
+    if args.models:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if unknown := [m for m in models if m not in MODELS]:
+            ap.error(f"--models: unknown {unknown}; choose from {', '.join(MODELS)}")
+        model_candidates = []
+        for name, make in candidates:
+            model_candidates.append((name, make))
+            if name.startswith("qshard"):
+                model_candidates.append(
+                    (
+                        f"{name}, one call per tensor",
+                        lambda ps, make=make: _one_call_per_tensor(make(ps)),
+                    )
+                )
+        for model in models:
+            for threads in thread_counts:
+                torch.set_num_threads(threads or default_threads)
+                _time_model(report, model_candidates, model, args)
+        report.write(args.out_md)
+        return
+    fp32_sizes = {_parse_size(s) for s in args.fp32_sizes.split(",") if s.strip()}
     for size in (_parse_size(s) for s in args.sizes.split(",")):
         extra = _fp32_state_candidates() if size in fp32_sizes else []
         for threads in thread_counts:
