@@ -55,6 +55,10 @@ COMMON_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: A parameter met by ``step``: its index in the group, the parameter, its state.
+_Item = tuple[int, Tensor, dict[str, Any]]
+
+
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -143,7 +147,7 @@ def _wrap_like(p: Tensor, local: Tensor, global_shape: tuple[int, ...]) -> Tenso
     )
 
 
-def _advance_steps(items: list[tuple[int, Tensor, dict[str, Any]]]) -> list[int]:
+def _advance_steps(items: list[_Item]) -> list[int]:
     """Add one to the step counters of ``items`` (``(index, parameter, state)``; one foreach
     call, as ``torch.optim``'s fused AdamW) and return the new counts."""
     counters = [state["step"] for _, _, state in items]
@@ -201,6 +205,43 @@ def _layout_fits(
         ):
             return False
     return True
+
+
+def _multi_tensor_entry(
+    name: str,
+    p: Tensor,
+    state: dict[str, Any],
+    states: list[str],
+    block_size: int,
+    packed_row: Callable[[int], int] | None = None,
+) -> list[int] | None:
+    """``p``'s entry of a multi-tensor kernel call (``tensor_t`` / ``tensor4_t`` up to the
+    hyperparameters): the addresses of p, g and the (one or two) ``states``' codes and absmax,
+    rows, row_numel; None when the kernel does not take ``p`` as it is (``_kernel_takes``). A
+    state whose layout does not fit is refused by :func:`_check_layout`. ``packed_row``: the
+    code bytes of a row (4-bit: two codes a byte), else one byte per element."""
+    p_l, g_l = _local(p), _local(p.grad)
+    if not _kernel_takes(p_l, g_l):
+        return None
+    codes = [_local(state[f"{n}_codes"]) for n in states]
+    absmax = [_local(state[f"{n}_absmax"]) for n in states]
+    rows = p_l.shape[0]
+    row_numel = p_l.numel() // rows
+    codes_shape = p_l.shape if packed_row is None else (rows, packed_row(row_numel))
+    if not _layout_fits(codes_shape, codes, absmax, (rows, -(-row_numel // block_size))):
+        _check_layout(name, p_l, codes, absmax, tuple(codes_shape), block_size)
+        return None  # (not reached: the check says what does not fit)
+    two = len(states) == 2
+    return [
+        p_l.data_ptr(),
+        g_l.data_ptr(),
+        codes[0].data_ptr(),
+        absmax[0].data_ptr(),
+        codes[1].data_ptr() if two else 0,
+        absmax[1].data_ptr() if two else 0,
+        rows,
+        row_numel,
+    ]
 
 
 def _global_row_offset(p: Tensor) -> int:
@@ -329,8 +370,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                         f"sparse=False, or step those parameters with torch.optim.SparseAdam"
                     )
         for gi, group in enumerate(self.param_groups):
-            full: list[tuple[int, Tensor, dict[str, Any]]] = []  # fp32 state: one batch
-            quantized: list[tuple[int, Tensor, dict[str, Any]]] = []
+            full: list[_Item] = []  # fp32 state: one batch
+            quantized: list[_Item] = []
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -347,9 +388,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 self._step_full_precision(gi, group, full)
         return loss
 
-    def _step_quantized(
-        self, gi: int, group: dict[str, Any], items: list[tuple[int, Tensor, dict[str, Any]]]
-    ) -> None:
+    def _step_quantized(self, gi: int, group: dict[str, Any], items: list[_Item]) -> None:
         """The quantized tensors of group ``gi`` (``(index in the group, parameter, state)``):
         those the CPU kernel takes as they are in one multi-tensor call ([Note: multi-tensor
         step] in ``qshard.optim._kernels``; :meth:`_multi_tensor_row`,
@@ -383,7 +422,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self,
         gi: int,
         group: dict[str, Any],
-        items: list[tuple[int, Tensor, dict[str, Any]]],
+        items: list[_Item],
         rows: list[list[int]],
         steps: list[int],
     ) -> None:
@@ -414,9 +453,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """
         raise NotImplementedError
 
-    def _step_full_precision(
-        self, gi: int, group: dict[str, Any], items: list[tuple[int, Tensor, dict[str, Any]]]
-    ) -> None:
+    def _step_full_precision(self, gi: int, group: dict[str, Any], items: list[_Item]) -> None:
         """The fp32-state tensors of group ``gi``: one ``_torch_update`` call for all of them."""
         if type(self)._torch_update is BlockwiseOptimizer._torch_update:
             for pi, p, state in items:
@@ -488,39 +525,18 @@ class Optimizer8bit(BlockwiseOptimizer):
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
     ) -> list[int] | None:
-        """Taken: fp32 contiguous CPU tensors with a gradient alike (``_kernel_takes``).
-        Entry: p, g, both states' codes and absmax, rows, row_numel (``step8_multi``'s
-        ``tensor_t`` up to its hyperparameters)."""
-        p_l, g_l = _local(p), _local(p.grad)
-        if _kernels.library() is None or not _kernel_takes(p_l, g_l):
+        """Taken: fp32 contiguous CPU tensors with a gradient alike (``_kernel_takes``); the
+        entry is ``step8_multi``'s ``tensor_t`` up to its hyperparameters."""
+        if _kernels.library() is None:
             return None
-        specs = self._state_specs(group)
-        codes = [_local(state[f"{n}_codes"]) for n, _ in specs]
-        absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
-        rows = p_l.shape[0]
-        row_numel = p_l.numel() // rows
-        nbr = -(-row_numel // group["block_size"])
-        if not _layout_fits(p_l.shape, codes, absmax, (rows, nbr)):
-            shape = tuple(p_l.shape)
-            _check_layout(type(self).__name__, p_l, codes, absmax, shape, group["block_size"])
-            return None  # (not reached: the check says what does not fit)
-        two = len(specs) == 2
-        return [
-            p_l.data_ptr(),
-            g_l.data_ptr(),
-            codes[0].data_ptr(),
-            absmax[0].data_ptr(),
-            codes[1].data_ptr() if two else 0,
-            absmax[1].data_ptr() if two else 0,
-            rows,
-            row_numel,
-        ]
+        names = [n for n, _ in self._state_specs(group)]
+        return _multi_tensor_entry(type(self).__name__, p, state, names, group["block_size"])
 
     def _multi_tensor_step(
         self,
         gi: int,
         group: dict[str, Any],
-        items: list[tuple[int, Tensor, dict[str, Any]]],
+        items: list[_Item],
         rows: list[list[int]],
         steps: list[int],
     ) -> None:

@@ -36,9 +36,9 @@ from qshard.optim._base8bit import (
     _check_real,
     _full_state_dtype,
     _hparam_table,
-    _kernel_takes,
-    _layout_fits,
+    _Item,
     _local,
+    _multi_tensor_entry,
     _wrap_like,
 )
 from qshard.optim._overrides import is_full_precision_param
@@ -189,36 +189,24 @@ class Adam4bit(BlockwiseOptimizer):
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
     ) -> list[int] | None:
-        """Taken: fp32 contiguous CPU tensors with a gradient alike. Entry: p, g, both states'
-        codes and absmax, rows, row_numel (``adam4bit_multi``'s ``tensor4_t`` up to its hp)."""
-        p_l, g_l = _local(p), _local(p.grad)
-        if _kernels4.library() is None or not _kernel_takes(p_l, g_l):
+        """Taken: fp32 contiguous CPU tensors with a gradient alike; the entry is
+        ``adam4bit_multi``'s ``tensor4_t`` up to its hyperparameters."""
+        if _kernels4.library() is None:
             return None
-        codes = [_local(state[f"{n}_codes"]) for n in _STATES]
-        absmax = [_local(state[f"{n}_absmax"]) for n in _STATES]
-        rows = p_l.shape[0]
-        row_numel = p_l.numel() // rows
-        packed = (rows, _qstate4.packed_row(row_numel))
-        nbr = blocks_per_row(row_numel, group["block_size"])
-        if not _layout_fits(packed, codes, absmax, (rows, nbr)):
-            _check_layout(type(self).__name__, p_l, codes, absmax, packed, group["block_size"])
-            return None  # (not reached: the check says what does not fit)
-        return [
-            p_l.data_ptr(),
-            g_l.data_ptr(),
-            codes[0].data_ptr(),
-            absmax[0].data_ptr(),
-            codes[1].data_ptr(),
-            absmax[1].data_ptr(),
-            rows,
-            row_numel,
-        ]
+        return _multi_tensor_entry(
+            type(self).__name__,
+            p,
+            state,
+            list(_STATES),
+            group["block_size"],
+            packed_row=_qstate4.packed_row,
+        )
 
     def _multi_tensor_step(
         self,
         gi: int,
         group: dict[str, Any],
-        items: list[tuple[int, Tensor, dict[str, Any]]],
+        items: list[_Item],
         rows: list[list[int]],
         steps: list[int],
     ) -> None:
