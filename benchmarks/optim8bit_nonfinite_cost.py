@@ -46,8 +46,7 @@ def _source_at(rev: str, module_name: str) -> str:
 
 
 def _declare_like(lib: ctypes.CDLL, like: ctypes.CDLL) -> None:
-    """Give ``lib`` the argument and result types ``like`` declares, for the functions it has
-    (the benchmark steps one tensor, through ``step8`` / ``step4``, which every revision has)."""
+    """Give ``lib`` the argument and result types ``like`` declares, for the functions it has."""
     for fname, f in vars(like).items():
         if isinstance(f, ctypes._CFuncPtr):
             try:
@@ -55,6 +54,55 @@ def _declare_like(lib: ctypes.CDLL, like: ctypes.CDLL) -> None:
             except AttributeError:
                 continue
             g.argtypes, g.restype = f.argtypes, f.restype
+
+
+class _OneTensorEntry:
+    """A revision from before the multi-tensor call (``step8`` / ``adam4bit_step``, one tensor
+    each) behind the ``step8_multi`` / ``adam4bit_multi`` the optimizers call now: each row of
+    the table becomes one call of the old entry (the optimizers' old per-tensor calls)."""
+
+    def __init__(self, lib: ctypes.CDLL, bits: int) -> None:
+        p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
+        self._lib, self._bits = lib, bits
+        if bits == 8:
+            lib.step8.restype = i32
+            lib.step8.argtypes = [i32, p, p, p, p, p, p, p, i32, i32, p, p, p, p, p, i32, i32]
+            lib.step8.argtypes += [i64, i64, i64, p, i32, u64, i64, i32]
+        else:
+            lib.adam4bit_step.restype = i32
+            lib.adam4bit_step.argtypes = [p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, i64]
+            lib.adam4bit_step.argtypes += [i64, i64, p, i32]
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    @staticmethod
+    def _rows(table: int, n: int, width: int) -> list[list[int]]:
+        words = (ctypes.c_int64 * (n * width)).from_address(table)
+        return [list(words[i * width : (i + 1) * width]) for i in range(n)]
+
+    def step8_multi(self, kind, table, n, code1, regions1, lut1, zero1, signed1, code2,
+                    regions2, lut2, zero2, signed2, block, threads):  # fmt: skip
+        for p, g, c1, a1, c2, a2, rows, row_numel, hp, flags, seed, off in self._rows(table, n, 12):
+            rc = self._lib.step8(
+                kind, p, g, c1, a1, code1, regions1, lut1, zero1, signed1, c2 or None,
+                a2 or None, code2, regions2, lut2, zero2, signed2, rows, row_numel, block, hp,
+                flags, seed % 2**64, off, threads,
+            )  # fmt: skip
+            if rc != 0:
+                return rc
+        return 0
+
+    def adam4bit_multi(self, table, n, code1, mid1, lut1, linear1, code2, mid2, lut2, linear2,
+                       block, threads):  # fmt: skip
+        for p, g, c1, a1, c2, a2, rows, row_numel, hp in self._rows(table, n, 9):
+            rc = self._lib.adam4bit_step(
+                p, g, c1, a1, code1, mid1, lut1, linear1, c2, a2, code2, mid2, lut2, linear2,
+                rows, row_numel, block, hp, threads,
+            )  # fmt: skip
+            if rc != 0:
+                return rc
+        return 0
 
 
 def main() -> None:
@@ -73,8 +121,10 @@ def main() -> None:
         lib = _native.build_library(tag, src, _native.DEFAULT_FLAGS)
         if name == "tree":
             kernels._declare(lib)
-        else:  # the tree's signatures of the entry points the base has (an older one lacks some)
+        else:  # the tree's signatures of the entry points the base has
             _declare_like(lib, libs["tree"])
+            if not hasattr(lib, "step8_multi" if args.bits == 8 else "adam4bit_multi"):
+                lib = _OneTensorEntry(lib, args.bits)
         libs[name] = lib
     torch.set_num_threads(1)
     print(f"{args.bits}-bit, numel {args.numel}, {args.rounds} interleaved rounds, 1 thread")

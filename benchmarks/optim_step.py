@@ -43,8 +43,8 @@ need not add up to the step.
 
 With ``--models`` each table is instead one model's parameter list (GPT-2 small, LoRA adapters,
 2,000 small matrices; ``MODELS``), where what a step costs per tensor shows: the same
-candidates, plus qshard's 8- and 4-bit AdamW with one kernel call per tensor (the path before
-the multi-tensor call, kept for the tensors it does not take).
+candidates, plus qshard's 8- and 4-bit AdamW with one kernel call per tensor (what a step cost
+before the multi-tensor call).
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
 Targets (issue 15): the fp32-state path <= 1.1x fused fp32 AdamW; the 8-bit step <= 1.2x.
@@ -259,9 +259,12 @@ MODELS: dict[str, tuple[str, Callable[[], list[tuple[int, ...]]]]] = {
 
 
 def _one_call_per_tensor(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """``opt`` (8- or 4-bit) stepping its quantized tensors one kernel call each (the path
-    before the multi-tensor call; kept for tensors the call does not take)."""
-    opt._multi_tensor_row = lambda group, p, state: None
+    """``opt`` (8- or 4-bit) stepping each quantized tensor in a kernel call of its own (what
+    the step cost before the multi-tensor call)."""
+    step_quantized = type(opt)._step_quantized
+    opt._step_quantized = lambda gi, group, items: [
+        step_quantized(opt, gi, group, [item]) for item in items
+    ]
     return opt
 
 

@@ -1,4 +1,4 @@
-"""The fused 8-bit optimizer kernel vs a plain torch statement of the CPU kernel `step8` of
+"""The fused 8-bit optimizer kernel vs a plain torch statement of the CPU kernel `step8_multi` of
 `qshard.optim._kernels` (decode -> fp32 update -> block absmax -> exact nearest encode), bit
 for bit, for every update kind and rounding flag; and a multi-step AdamW trajectory against
 `torch.optim.AdamW`.
@@ -38,7 +38,7 @@ def f32(v: float) -> float:
     return float(np.float32(v))
 
 
-# ---- the torch statement of step8 (what the kernel must equal) -----------------------------
+# ---- the torch statement of step8_multi (what the kernel must equal) ----------------------
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The multi-tensor step of the 8-bit and 4-bit optimizers ([Note: multi-tensor step] in
 qshard.optim._kernels): every CPU-kernel tensor of a parameter group in one ``step8_multi`` /
-``adam4bit_multi`` call must write the bits of one ``step8`` / ``adam4bit_step`` call per
-tensor, for every optimizer, rounding option and 4-bit map, at 1 and 2 threads, next to tensors
-the call does not take (fp32-state, bf16, gradient-less ones)."""
+``adam4bit_multi`` call must write the bits of one call per tensor, for every optimizer,
+rounding option and 4-bit map, at 1 and 2 threads, next to tensors the call does not take
+(fp32-state, bf16, gradient-less ones) and one whose gradient it copies first."""
 
 from __future__ import annotations
 
@@ -65,15 +65,26 @@ def _params(gen):
     return ps
 
 
+def _one_call_per_tensor(opt):
+    """``opt`` stepping each kernel tensor in a call of its own."""
+    step_quantized = type(opt)._step_quantized
+
+    def each(gi, group, items):
+        for item in items:
+            step_quantized(opt, gi, group, [item])
+
+    opt._step_quantized = each
+    return opt
+
+
 def _pair(cls, kw, threads_note):
     gen = torch.Generator().manual_seed(0)
     p1 = _params(gen)
     p2 = [torch.nn.Parameter(p.detach().clone()) for p in p1]
-    # two groups: the second has its own options (a second call) and one tensor (the plain call)
+    # two groups: the second has its own options and no tensor the call takes (fp32 state, bf16)
     o1 = cls([{"params": p1[:-2]}, {"params": p1[-2:], "lr": kw["lr"] / 2}], **kw)
     o2 = cls([{"params": p2[:-2]}, {"params": p2[-2:], "lr": kw["lr"] / 2}], **kw)
-    o2._multi_tensor_row = lambda group, p, state: None  # one call per tensor
-    return p1, o1, p2, o2, gen
+    return p1, o1, p2, _one_call_per_tensor(o2), gen
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -103,10 +114,14 @@ def test_multi_tensor_step_writes_the_bits_of_one_call_per_tensor(monkeypatch, e
                     # the (1, 5000) tensor skips step 0: its step count lags the others', so
                     # the call carries two rows of hyperparameters (and SGD two first steps)
                     g = None if (i == 1 and step == 0) else torch.randn(a.shape, generator=gen)
+                    if i == 5 and g is not None:  # (64, 65): a transposed, non-contiguous grad
+                        g = torch.randn(a.shape[::-1], generator=gen).t()
                     a.grad = None if g is None else g.to(a.dtype)
                     b.grad = None if g is None else g.to(b.dtype)
                 o1.step()
+                seen = len(calls)
                 o2.step()
+                del calls[seen:]  # o2's calls (one a tensor) are not counted
             for a, b in zip(p1, p2):
                 assert_same_bits((a, o1), (b, o2), (cls.__name__, extra, tuple(a.shape)))
             quantized = [p for p in p1 if any(k.endswith("_codes") for k in o1.state[p])]

@@ -1,6 +1,6 @@
 """Triton kernel for the fused 4-bit Adam/AdamW step, the GPU twin of the CPU kernel
-`adam4bit_step` in `qshard.optim._kernels4` (same arguments, same fp32 expressions in the same
-order, same exact-nearest encoder), and so of the torch reference
+`adam4bit_multi` in `qshard.optim._kernels4` (one tensor's arguments of it, same fp32 expressions
+in the same order, same exact-nearest encoder), and so of the torch reference
 `qshard.optim._qstate4.adam4bit_reference`, bit for bit.
 
 Layout ([Note: 4-bit layout] in `qshard.optim._qstate4`): `rows` rows of `row_numel` elements,
@@ -190,8 +190,9 @@ def optim4bit_step(
     hp: Sequence[float],
 ) -> None:
     """One in-place Adam/AdamW step on `param` (fp32 or bf16) and its 4-bit moments, as
-    `adam4bit_step` does; `hp` the 10 values of `qshard.optim._qstate4.adam_hparams`, the maps
-    16 fp32 codes and their 15 midpoints (more entries are ignored)."""
+    `adam4bit_multi` does for one tensor; `hp` the 10 values of
+    `qshard.optim._qstate4.adam_hparams`, the maps 16 fp32 codes and their 15 midpoints (more
+    entries are ignored)."""
     if not 2 <= block_size <= _MAX_BLOCK or block_size % 2:
         raise ValueError(f"block_size must be even, in 2..{_MAX_BLOCK}; got {block_size}")
     numel = rows * row_numel

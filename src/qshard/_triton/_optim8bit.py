@@ -1,5 +1,6 @@
-"""Triton kernel for the fused 8-bit optimizer step, the GPU twin of the CPU kernel `step8` in
-`qshard.optim._kernels` (same arguments, same expressions in the same order, same encoder).
+"""Triton kernel for the fused 8-bit optimizer step, the GPU twin of the CPU kernel
+`step8_multi` in `qshard.optim._kernels` (one tensor's arguments of it, same expressions in the
+same order, same encoder).
 
 One program owns whole state blocks: it decodes both states through the 256-entry maps, applies
 the update in fp32 registers, writes the parameter, finds each block's new absmax and encodes
@@ -57,7 +58,7 @@ FLAG_BNB_SIGN_NUDGE = 4
 FLAG_STOCHASTIC = 8
 FLAG_FIRST_STEP = 16
 _KNOWN_FLAGS = 31
-# Where step8's hp carries w1 / w2 for each kind (None: unused by the kind).
+# Where step8_multi's hp carries w1 / w2 for each kind (None: unused by the kind).
 _COMPLEMENTS = {0: (8, 9), 1: (5, 6), 2: (None, 5), 3: (5, None), 4: (None, None)}
 
 
@@ -277,10 +278,11 @@ def optim8bit_step(
     zero2: int = 0,
     signed2: bool = False,
 ) -> None:
-    """One in-place step on `param` (fp32 or bf16) and its 8-bit states, as `step8` does.
+    """One in-place step on `param` (fp32 or bf16) and its 8-bit states, as `step8_multi` does
+    for one tensor.
 
     `kind` is "adam" | "lion" | "sgd" | "rmsprop" | "adagrad" (or the C kernel's int);
-    `hp` the kind's hyperparameters in `step8`'s order; `flags` its FLAG_* bits. State 2 is
+    `hp` the kind's hyperparameters in `step8_multi`'s order; `flags` its FLAG_* bits. State 2 is
     given for Adam (second moment) and RMSprop with momentum (buffer).
     """
     kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
@@ -324,7 +326,7 @@ def optim8bit_step(
         _check_map("state 2", code2, mid2)
     if len(hp) > 10:
         raise ValueError(f"hp takes at most 10 values; got {len(hp)}")
-    # [Note: fp32 scalars] step8 reads hp as fp32; the complements (1 - beta1, 1 - beta2,
+    # [Note: fp32 scalars] step8_multi reads hp as fp32; the complements (1 - beta1, 1 - beta2,
     # 1 - dampening, 1 - alpha) ride in hp too, computed in double and rounded once, as torch
     # rounds its Python-float constants. They are passed as fp32-exact values, so CUDA (fp32
     # arguments) and the interpreter (Python floats) evaluate the same fp32 expressions.

@@ -25,7 +25,6 @@ shards only; no collective is issued.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -173,15 +172,14 @@ def _hparam_table(
 
 
 def _kernel_takes(p_l: Tensor, g_l: Tensor) -> bool:
-    """Whether the CPU kernel steps the local parameter ``p_l`` and gradient ``g_l`` as they
-    are: non-empty fp32 contiguous CPU tensors of one shape (``_step_param`` converts others)."""
+    """Whether the CPU kernel steps the local parameter ``p_l`` in place: a non-empty fp32
+    contiguous CPU tensor whose gradient ``g_l`` is a CPU tensor of its shape (the entry makes
+    an fp32 contiguous copy of a gradient that is not)."""
     return (
         p_l.dtype == torch.float32
-        and g_l.dtype == torch.float32
         and p_l.is_cpu  # (8x cheaper than .device.type: a step asks this of every tensor)
         and g_l.is_cpu
         and p_l.is_contiguous()
-        and g_l.is_contiguous()
         and g_l.shape == p_l.shape
         and p_l.numel() > 0
     )
@@ -214,15 +212,18 @@ def _multi_tensor_entry(
     states: list[str],
     block_size: int,
     packed_row: Callable[[int], int] | None = None,
-) -> list[int] | None:
+) -> tuple[list[int], Tensor] | None:
     """``p``'s entry of a multi-tensor kernel call (``tensor_t`` / ``tensor4_t`` up to the
     hyperparameters): the addresses of p, g and the (one or two) ``states``' codes and absmax,
-    rows, row_numel; None when the kernel does not take ``p`` as it is (``_kernel_takes``). A
-    state whose layout does not fit is refused by :func:`_check_layout`. ``packed_row``: the
-    code bytes of a row (4-bit: two codes a byte), else one byte per element."""
+    rows, row_numel; with the gradient it points at (an fp32 contiguous copy where the
+    gradient is not: keep it until the call). None when the kernel does not take ``p``
+    (``_kernel_takes``) or the Triton kernel does (``_triton.serves``, also patched by tests). A state whose layout does not fit is refused by :func:`_check_layout`.
+    ``packed_row``: the code bytes of a row (4-bit: two codes a byte), else one per element."""
     p_l, g_l = _local(p), _local(p.grad)
-    if not _kernel_takes(p_l, g_l):
+    if _triton.serves(p_l) or not _kernel_takes(p_l, g_l):  # the Triton kernel's tensors first
         return None
+    if g_l.dtype != torch.float32 or not g_l.is_contiguous():
+        g_l = g_l.float().contiguous()
     codes = [_local(state[f"{n}_codes"]) for n in states]
     absmax = [_local(state[f"{n}_absmax"]) for n in states]
     rows = p_l.shape[0]
@@ -232,7 +233,7 @@ def _multi_tensor_entry(
         _check_layout(name, p_l, codes, absmax, tuple(codes_shape), block_size)
         return None  # (not reached: the check says what does not fit)
     two = len(states) == 2
-    return [
+    row = [
         p_l.data_ptr(),
         g_l.data_ptr(),
         codes[0].data_ptr(),
@@ -242,6 +243,7 @@ def _multi_tensor_entry(
         rows,
         row_numel,
     ]
+    return row, g_l
 
 
 def _global_row_offset(p: Tensor) -> int:
@@ -392,19 +394,17 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """The quantized tensors of group ``gi`` (``(index in the group, parameter, state)``):
         those the CPU kernel takes as they are in one multi-tensor call ([Note: multi-tensor
         step] in ``qshard.optim._kernels``; :meth:`_multi_tensor_row`,
-        :meth:`_multi_tensor_step`), the others one :meth:`_step_param` each. Same bits either
-        way; one call saves the ~25 us of Python and ctypes a tensor costs on its own."""
-        batch, rows, rest = [], [], []
+        :meth:`_multi_tensor_step`; a lone tensor is a call of one), the others (the torch
+        reference or the Triton kernel) one :meth:`_step_param` each."""
+        batch, rows, grads, rest = [], [], [], []
         for item in items:  # every layout is checked before anything moves
-            row = self._multi_tensor_row(group, item[1], item[2])
-            if row is None:
+            entry = self._multi_tensor_row(group, item[1], item[2])
+            if entry is None:
                 rest.append(item)
             else:
                 batch.append(item)
-                rows.append(row)
-        if len(batch) < 2:  # one tensor: the plain call
-            rest += batch
-            batch = []
+                rows.append(entry[0])
+                grads.append(entry[1])  # (held until the kernel has read them)
         for pi, p, state in rest:
             state["step"] += 1
             self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
@@ -413,9 +413,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
-    ) -> list[int] | None:
-        """``p``'s entry of the multi-tensor call (addresses and sizes, its layout checked), or
-        None when the call does not take it (then :meth:`_step_param` steps it)."""
+    ) -> tuple[list[int], Tensor] | None:
+        """``p``'s entry of the multi-tensor call (addresses and sizes, its layout checked) and
+        the gradient it points at, or None when the call does not take it (then
+        :meth:`_step_param` steps it)."""
         return None
 
     def _multi_tensor_step(
@@ -524,9 +525,9 @@ class Optimizer8bit(BlockwiseOptimizer):
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
-    ) -> list[int] | None:
-        """Taken: fp32 contiguous CPU tensors with a gradient alike (``_kernel_takes``); the
-        entry is ``step8_multi``'s ``tensor_t`` up to its hyperparameters."""
+    ) -> tuple[list[int], Tensor] | None:
+        """Taken: fp32 contiguous CPU parameters (``_kernel_takes``); the entry is
+        ``step8_multi``'s ``tensor_t`` up to its hyperparameters."""
         if _kernels.library() is None:
             return None
         names = [n for n, _ in self._state_specs(group)]
@@ -679,14 +680,13 @@ class Optimizer8bit(BlockwiseOptimizer):
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
         _check_layout(type(self).__name__, p_l, codes, absmax, tuple(p_l.shape), bs)
         maps = [_qstate.qmap(signed) for _, signed in specs]
-        offset = _global_row_offset(p) * _qstate.row_view(p_l.shape)[1]
         if (
             _triton.serves(p_l)
             and p_l.is_contiguous()
             and p_l.dtype in (torch.float32, torch.bfloat16)  # the kernel's dtypes
             and not rounding.stochastic
         ):
-            # The Triton twin of step8: same arguments, same numerics (docs/gpu.md).
+            # The Triton twin of step8_multi's per-tensor work: same numerics (docs/gpu.md).
             two = (
                 {}
                 if len(specs) == 1
@@ -717,44 +717,6 @@ class Optimizer8bit(BlockwiseOptimizer):
                 flags=rounding.flags() | (_kernels.FLAG_FIRST_STEP if step == 1 else 0),
                 **two,
             )
-            return
-        lib = _kernels.library()
-        on_cpu = p_l.device.type == "cpu"
-        if lib is not None and on_cpu and p_l.dtype == torch.float32 and p_l.is_contiguous():
-            g = g_l.float().contiguous()
-            hp = torch.tensor(self._kernel_hparams(group, step) + [0.0] * 8, dtype=torch.float32)
-            flags = rounding.flags() | (_kernels.FLAG_FIRST_STEP if step == 1 else 0)
-            rows, row_numel = _qstate.row_view(p_l.shape)
-            two = len(specs) == 2
-            rc = lib.step8(
-                self._kind,
-                p_l.data_ptr(),
-                g.data_ptr(),
-                codes[0].data_ptr(),
-                absmax[0].data_ptr(),
-                maps[0].code.data_ptr(),
-                maps[0].regions.data_ptr(),
-                maps[0].lut.data_ptr(),
-                maps[0].zero_idx,
-                int(maps[0].signed),
-                codes[1].data_ptr() if two else None,
-                absmax[1].data_ptr() if two else None,
-                maps[1].code.data_ptr() if two else None,
-                maps[1].regions.data_ptr() if two else None,
-                maps[1].lut.data_ptr() if two else None,
-                maps[1].zero_idx if two else 0,
-                int(maps[1].signed) if two else 0,
-                rows,
-                row_numel,
-                bs,
-                hp.data_ptr(),
-                flags,
-                ctypes.c_uint64(seed),
-                offset,
-                torch.get_num_threads(),
-            )
-            if rc != 0:
-                raise RuntimeError(f"fused 8-bit kernel rejected block_size={bs}")
             return
         # Reference path: dequantize, pure update in fp32 (fp64 for fp64 parameters), requantize.
         dt = _full_state_dtype(p_l)

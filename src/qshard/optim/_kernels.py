@@ -724,24 +724,6 @@ int step8_multi(int kind, const int64_t *tensors, int64_t ntensors,
     return 0;
 }
 
-/* One tensor: step8_multi with one row (the tests' and the benchmarks' entry, and the
- * optimizers' for a tensor the multi-tensor call does not take). */
-int step8(int kind, float *p, const float *g,
-          uint8_t *c1, float *a1, const float *code1, const uint32_t *regions1,
-          const uint32_t *lut1, int zero1, int signed1,
-          uint8_t *c2, float *a2, const float *code2, const uint32_t *regions2,
-          const uint32_t *lut2, int zero2, int signed2,
-          int64_t rows, int64_t row_numel, int64_t block, const float *hp, int flags,
-          uint64_t seed, int64_t global_offset, int nthreads) {
-    const tensor_t one = {(int64_t)(intptr_t)p, (int64_t)(intptr_t)g, (int64_t)(intptr_t)c1,
-                          (int64_t)(intptr_t)a1, (int64_t)(intptr_t)c2, (int64_t)(intptr_t)a2,
-                          rows, row_numel, (int64_t)(intptr_t)hp, flags, (int64_t)seed,
-                          global_offset};
-    return step8_multi(kind, (const int64_t *)&one, 1, code1, regions1, lut1, zero1, signed1,
-                       c2 != NULL ? code2 : NULL, regions2, lut2, zero2, signed2, block,
-                       nthreads);
-}
-
 /* Encode `rows` x `row_numel` floats with the row-block layout (used to initialise states and by
  * tests to check the kernel's encoder against the torch reference). */
 int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const uint32_t *regions,
@@ -770,9 +752,6 @@ int quantize_rows(const float *x, uint8_t *c, float *a, const float *code, const
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint64
-    lib.step8.restype = i32
-    lib.step8.argtypes = [i32, p, p, p, p, p, p, p, i32, i32, p, p, p, p, p, i32, i32]
-    lib.step8.argtypes += [i64, i64, i64, p, i32, u64, i64, i32]
     lib.step8_multi.restype = i32
     lib.step8_multi.argtypes = [i32, p, i64, p, p, p, i32, i32, p, p, p, i32, i32, i64, i32]
     lib.quantize_rows.restype = i32

@@ -352,19 +352,6 @@ int adam4bit_multi(const int64_t *tensors, int64_t ntensors, const float *code1,
     return 0;
 }
 
-/* One tensor: adam4bit_multi with one row (tests and benchmarks). */
-int adam4bit_step(float *p, const float *g, uint8_t *c1, float *a1, const float *code1,
-                  const float *mid1, const uint32_t *lut1, int linear1, uint8_t *c2, float *a2,
-                  const float *code2, const float *mid2, const uint32_t *lut2, int linear2,
-                  int64_t rows, int64_t row_numel, int64_t block,
-                  const float *hp, int nthreads) {
-    const tensor4_t one = {(int64_t)(intptr_t)p, (int64_t)(intptr_t)g, (int64_t)(intptr_t)c1,
-                           (int64_t)(intptr_t)a1, (int64_t)(intptr_t)c2, (int64_t)(intptr_t)a2,
-                           rows, row_numel, (int64_t)(intptr_t)hp};
-    return adam4bit_multi((const int64_t *)&one, 1, code1, mid1, lut1, linear1, code2, mid2,
-                          lut2, linear2, block, nthreads);
-}
-
 /* Encode rows x row_numel floats with the 4-bit layout (tests: the encoder vs the torch one). */
 int quantize_rows4(const float *x, uint8_t *c, float *a, const float *mid, const uint32_t *lut,
                    int linear, int64_t rows,
@@ -409,9 +396,6 @@ int dequantize_rows4(const uint8_t *c, const float *a, const float *code, float 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.adam4bit_step.restype = i32
-    lib.adam4bit_step.argtypes = [p, p, p, p, p, p, p, i32, p, p, p, p, p, i32, i64, i64, i64]
-    lib.adam4bit_step.argtypes += [p, i32]
     lib.adam4bit_multi.restype = i32
     lib.adam4bit_multi.argtypes = [p, i64, p, p, p, i32, p, p, p, i32, i64, i32]
     lib.quantize_rows4.restype = i32

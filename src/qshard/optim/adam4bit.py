@@ -188,9 +188,9 @@ class Adam4bit(BlockwiseOptimizer):
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
-    ) -> list[int] | None:
-        """Taken: fp32 contiguous CPU tensors with a gradient alike; the entry is
-        ``adam4bit_multi``'s ``tensor4_t`` up to its hyperparameters."""
+    ) -> tuple[list[int], Tensor] | None:
+        """Taken: fp32 contiguous CPU parameters; the entry is ``adam4bit_multi``'s
+        ``tensor4_t`` up to its hyperparameters."""
         if _kernels4.library() is None:
             return None
         return _multi_tensor_entry(
@@ -249,7 +249,8 @@ class Adam4bit(BlockwiseOptimizer):
         step: int,
         index: tuple[int, int],
     ) -> None:
-        """The 4-bit step of one tensor (fp32 state goes through ``_torch_update``)."""
+        """The 4-bit step of one tensor the CPU kernel does not take (:meth:`_multi_tensor_row`):
+        the Triton kernel or the torch reference (fp32 state goes through ``_torch_update``)."""
         p_l, g_l = _local(p), _local(p.grad)
         if p_l.numel() == 0:
             return
@@ -266,7 +267,7 @@ class Adam4bit(BlockwiseOptimizer):
             and p_l.is_contiguous()
             and p_l.dtype in (torch.float32, torch.bfloat16)
         ):
-            # The Triton twin of adam4bit_step: same arguments, same numerics.
+            # The Triton twin of adam4bit_multi's per-tensor work: same numerics.
             _triton.optim4bit_step(
                 param=p_l,
                 grad=g_l.contiguous(),
@@ -283,39 +284,6 @@ class Adam4bit(BlockwiseOptimizer):
                 block_size=bs,
                 hp=hp,
             )
-            return
-        lib = _kernels4.library()
-        if (
-            lib is not None
-            and p_l.device.type == "cpu"
-            and p_l.dtype == torch.float32
-            and p_l.is_contiguous()
-        ):
-            g = g_l.float().contiguous()
-            hp_t = torch.tensor(hp, dtype=torch.float32)
-            rc = lib.adam4bit_step(
-                p_l.data_ptr(),
-                g.data_ptr(),
-                codes[0].data_ptr(),
-                absmax[0].data_ptr(),
-                qm.code.data_ptr(),
-                qm.mid_padded.data_ptr(),
-                qm.lut.data_ptr(),
-                2 if _qstate4.symmetric_signed(qm) else 0,  # 8 compares on |x|
-                codes[1].data_ptr(),
-                absmax[1].data_ptr(),
-                qv.code.data_ptr(),
-                qv.mid_padded.data_ptr(),
-                qv.lut.data_ptr(),
-                int(group["second_moment_map"] == "linear"),  # arithmetic encoder, no table
-                rows,
-                row_numel,
-                bs,
-                hp_t.data_ptr(),
-                torch.get_num_threads(),
-            )
-            if rc != 0:
-                raise RuntimeError(f"fused 4-bit kernel rejected block_size={bs}")
             return
         _qstate4.adam4bit_reference(
             p_l,
