@@ -16,7 +16,8 @@ main thread's ranges:
   of it when the call is synchronous, as FSDP2's reduce-scatter is), ``wait`` (blocked on an
   async collective's handle), ``finish`` (dequantize / sum / copy out after it); qgZ's hops as
   ``qshard::qgz::{reorder,quantize_intra,wait_intra,reduce_intra,quantize_inter,wait_inter,
-  reduce_inter}``;
+  reduce_inter}`` (``reorder`` and ``quantize_inter`` with one rank per node only: otherwise hop 1
+  quantizes its slots in place and ``reduce_intra`` requantizes the node partials);
 - ``FSDP::*``: FSDP2's own ranges (hooks, copy-in/out; its copy-out also holds the wait on a
   plain all-gather that qshard does not wrap, e.g. hpZ's intra-node backward gather).
 

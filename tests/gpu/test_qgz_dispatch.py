@@ -58,6 +58,9 @@ class _Recorder:
             (dist, "all_to_all_single", dist.all_to_all_single),
             (RowCodec, "encode", RowCodec.encode),
             (RowCodec, "decode", RowCodec.decode),
+            (RowCodec, "encode_slots", RowCodec.encode_slots),
+            (RowCodec, "reduce", RowCodec.reduce),
+            (RowCodec, "reduce_encode", RowCodec.reduce_encode),
         ] + [(_triton, name, getattr(_triton, name)) for name in FUSED]
         if self.route:
             _triton.serves = lambda t: True
@@ -70,7 +73,7 @@ class _Recorder:
             return a2a(out, inp, *args, **kwargs)
 
         dist.all_to_all_single = all_to_all
-        for name in ("encode", "decode"):
+        for name in ("encode", "decode", "encode_slots", "reduce", "reduce_encode"):
             original = getattr(RowCodec, name)
 
             def wrapped(codec, *args, _original=original, **kwargs):

@@ -263,6 +263,55 @@ def _ledger_bytes_2x2(topo: Topology) -> None:
     assert s.intra() == pytest.approx(d * (d - 1) / d * wire)
 
 
+def _check_fused_equals_reference(topo: Topology, world: int) -> list[str]:
+    """[Note: fused wire rows]: qwZ and qgZ on the fused C kernels give the bits of the
+    reference composition (fast path off), for ragged multi-parameter shards, fp32 and bf16,
+    both bit widths and pipeline depths; so a world that mixes the two agrees."""
+    from qshard.quant import _fastpath
+
+    rank, group = dist.get_rank(), dist.group.WORLD
+    was = _fastpath.fastpath_enabled()
+    done = []
+    try:
+        for dtype in DTYPES:
+            for bits in (4, 8):
+                sizes = (37, 256, 1, 300)  # one rank's shards of 4 parameters
+                x = _data(7, rank, sum(sizes), dtype)
+                got = []
+                for fast in (True, False):
+                    _fastpath.set_fastpath(fast)
+                    out = torch.empty(world * sum(sizes), dtype=dtype)
+                    QuantizedAllGather(
+                        topology=topo, bits=bits, block_size=64, segment_sizes=sizes
+                    )(out, x, group)
+                    got.append(out)
+                assert torch.equal(got[0].view(torch.uint8), got[1].view(torch.uint8)), (
+                    dtype,
+                    bits,
+                )
+                for size in (37, 1000):
+                    g = _data(8, rank, world * size, dtype)
+                    for stages in (1, 2):
+                        got = []
+                        for fast in (True, False):
+                            _fastpath.set_fastpath(fast)
+                            out = torch.full((size,), float("nan"), dtype=dtype)
+                            HierarchicalQuantizedReduceScatter(
+                                topology=topo, bits=bits, block_size=64, pipeline_stages=stages
+                            )(out, g, group, ReduceOp.AVG)
+                            got.append(out)
+                        assert torch.equal(got[0].view(torch.uint8), got[1].view(torch.uint8)), (
+                            dtype,
+                            bits,
+                            size,
+                            stages,
+                        )
+                done.append(f"fused == reference {dtype} int{bits}")
+    finally:
+        _fastpath.set_fastpath(was)
+    return done
+
+
 def _world(rank: int, world: int, rpns: tuple[int, ...]) -> list[str]:
     done = []
     for rpn in rpns:
@@ -270,6 +319,7 @@ def _world(rank: int, world: int, rpns: tuple[int, ...]) -> list[str]:
         topo.init_groups()
         done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_all_gather(topo, world)]
         done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_reduce_scatter(topo, world)]
+        done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_fused_equals_reference(topo, world)]
         if topo.num_nodes == 2 and rpn == 2:
             _ledger_bytes_2x2(topo)
     return done
@@ -278,6 +328,7 @@ def _world(rank: int, world: int, rpns: tuple[int, ...]) -> list[str]:
 def test_collectives_4_ranks_1x4_2x2_4x1():
     out = run_world(_world, 4, args=((4, 2, 1),), timeout_s=280)
     assert any("2x2: rs fallback" in c for c in out[0])
+    assert any("2x2: fused == reference torch.bfloat16 int4" in c for c in out[0])
 
 
 def test_collectives_3_ranks_3x1_1x3():

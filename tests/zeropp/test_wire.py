@@ -77,28 +77,31 @@ def test_in_place_rows_equal_composition(bits, dtype, rows, m, fastpath):
 
 
 @pytest.mark.parametrize("sizes", [(5,), (1, 64, 65, 300, 7), (128, 128), (0, 3, 0, 70)])
-def test_qwz_segments_equal_index_layout(sizes):
-    """qwZ's padded row ([Note: qwZ block layout]) by slice copies == the index_copy /
-    index_select of every element it replaces; padding stays zero."""
-    from qshard.zeropp.all_gather import _pack_segments, _padded_layout, _spread_segments
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_qwz_slots_equal_index_layout(sizes, bits):
+    """qwZ's padded row ([Note: qwZ block layout]) written slot by slot == the index_copy of
+    every element into a zero row, then encoded; decoding slot by slot == decoding the row,
+    then the index_select back; padding is never written."""
+    from qshard.zeropp.all_gather import _padded_layout
 
     bs, n, world = 64, sum(sizes), 3
-    padded, segments = _padded_layout(sizes, bs)
+    padded, slots = _padded_layout(sizes, bs)
     starts, offset = [], 0
     for size in sizes:
         starts.append(torch.arange(offset, offset + size))
         offset += -(-size // bs) * bs
     assert padded == (offset if len(sizes) > 1 else -(-n // bs) * bs)
-    if segments is None:
-        return
-    positions = torch.cat(starts)
-    x = torch.randn(1, n, generator=torch.Generator().manual_seed(n))
-    row = _spread_segments(x, padded, segments)
-    assert torch.equal(row, x.new_zeros(1, padded).index_copy_(1, positions, x))
-    values = torch.randn(world, padded, generator=torch.Generator().manual_seed(1))
-    out = torch.empty(world, n)
-    _pack_segments(values, out, segments)
-    assert torch.equal(out, values.index_select(1, positions))
+    positions = torch.cat(starts) if len(sizes) > 1 else torch.arange(n)
+    codec = RowCodec(bits=bits, block_size=bs)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    row = x.new_zeros(1, padded).index_copy_(1, positions, x.view(1, n))
+    assert _bits_equal(codec.encode_slots(x, slots, 1), codec.encode(row))
+    bufs = torch.cat([codec.encode(row * (g + 1)) for g in range(world)])
+    want = codec.decode(bufs, padded).index_select(1, positions)
+    out = torch.full((world, n + 5), float("nan"))
+    codec.decode_slots(bufs, padded, list(out[:, 2 : 2 + n]), slots)
+    assert torch.equal(out[:, 2 : 2 + n], want)
+    assert out[:, :2].isnan().all() and out[:, 2 + n :].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -120,3 +123,84 @@ def test_sum_rows_adds_in_row_order(dtype, rows):
         assert torch.equal(x.view(torch.uint8), before.view(torch.uint8))  # rows not written
         if m % 256 == 0:  # torch's reduction adds whole vectors in the same order
             assert torch.equal(got, x.float().sum(dim=0))
+
+
+def _special(n: int, seed: int) -> torch.Tensor:
+    """Values with every special case the quantizer and the sums must carry alike."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 10
+    x[:64] = 0.0  # an all-zero block (block_size 64)
+    x[70] = -0.0
+    x[130] = float("nan")
+    x[200] = float("inf")
+    x[-64:] *= 1e-40  # subnormals
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("fastpath", [True, False])
+def test_fused_rows_equal_composition(bits, fastpath):
+    """[Note: fused wire rows]: encode_slots / reduce / reduce_encode give the bytes and values
+    of the encode / decode / sum_rows composition they fuse, with the C kernels and without
+    (the reference), for ragged, empty and all-padding slots and NaN / Inf / zero blocks."""
+    from qshard.quant import _fastpath
+
+    bs = 64
+    codec = RowCodec(bits=bits, block_size=bs)
+    src = _special(1000, bits)
+    # 2 rows of 3 slots of 256: full, ragged (ends mid-block), empty (all padding)
+    slots = [
+        (0, 256, 256),
+        (300, 77, 256),
+        (999, 0, 256),
+        (256, 256, 256),
+        (999, 1, 256),
+        (5, 0, 256),
+    ]
+    rows = torch.zeros(2, 768)
+    pos = 0
+    for start, length, padded in slots:
+        rows.view(-1)[pos : pos + length] = src[start : start + length]
+        pos += padded
+    was = _fastpath.fastpath_enabled()
+    _fastpath.set_fastpath(fastpath)
+    try:
+        assert _bits_equal(codec.encode_slots(src, slots, 2), codec.encode(rows))
+        for n_rows in (1, 2, 3, 4):
+            m = 768
+            buf = torch.cat(
+                [codec.encode(_special(m, r).view(1, m) * (r + 1)) for r in range(n_rows)]
+            )
+            want = sum_rows(codec.decode(buf, m))
+            got = codec.reduce(buf, m)
+            assert _bits_equal(got, want)
+            out = torch.full((m,), 7.0)
+            assert codec.reduce(buf, m, out=out) is out and _bits_equal(out, want)
+            for split in (1, 3):
+                assert _bits_equal(
+                    codec.reduce_encode(buf, m, split), codec.encode(want.view(split, -1))
+                )
+    finally:
+        _fastpath.set_fastpath(was)
+
+
+def test_fused_rows_refuse_bad_layouts():
+    codec = RowCodec(bits=4, block_size=64)
+    src = torch.randn(100)
+    with pytest.raises(ValueError, match="does not fit"):
+        codec.encode_slots(src, [(50, 64, 64)], 1)  # reads past the end
+    with pytest.raises(ValueError, match="does not fit"):
+        codec.encode_slots(src, [(0, 10, 60)], 1)  # padding not whole blocks
+    with pytest.raises(ValueError, match="equal rows"):
+        codec.encode_slots(src, [(0, 10, 64)] * 3, 5)
+    with pytest.raises(ValueError, match="straddles"):
+        codec.encode_slots(src, [(0, 10, 64), (0, 10, 128), (0, 10, 64)], 2)
+    buf = codec.encode(torch.randn(2, 128))
+    with pytest.raises(ValueError, match="fp32"):
+        codec.reduce(buf, 128, out=torch.empty(128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="equal rows"):
+        codec.reduce_encode(buf, 128, 3)
+    outs = [torch.empty(100), torch.empty(100)]
+    with pytest.raises(ValueError, match="does not fit"):
+        codec.decode_slots(buf, 128, outs, [(0, 64, 64), (64, 64, 64)])  # 128 > 100
+    with pytest.raises(ValueError, match="add up"):
+        codec.decode_slots(buf, 128, outs, [(0, 64, 64)])

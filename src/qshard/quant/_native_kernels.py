@@ -113,6 +113,43 @@ int has_fp16(void) {
 
 #define CHUNK 1024
 
+/* One block of n <= block values: its absmax into *scale and its codes into cb (INT8, or INT4
+ * packed two per byte, element 2k in the high nibble), the padding of a partial block as 0. */
+static inline void quant_block(const float *restrict xb, int64_t n, int64_t block, float qmax,
+                               int pack4, uint8_t *restrict cb, float *scale) {
+    const int64_t per = pack4 ? block / 2 : block;
+    const uint32_t m = absmax_bits(xb, n);
+    if (m >= 0x7F800000u) {
+        *scale = u2f(0x7FC00000u);
+        memset(cb, 0, (size_t)per);
+        return;
+    }
+    const float a = u2f(m); /* the stored value is the block absmax */
+    *scale = a;
+    if (!(a > 0.0f)) {
+        memset(cb, 0, (size_t)per);
+        return;
+    }
+    if (!pack4) {
+        int8_t *restrict c = (int8_t *)cb;
+        for (int64_t k = 0; k < n; k++) c[k] = q1(xb[k], a, qmax);
+        if (n < block) memset(c + n, 0, (size_t)(block - n));
+        return;
+    }
+    const int64_t pairs = n / 2;
+    for (int64_t k = 0; k < pairs; k++) {
+        const uint8_t hi = (uint8_t)q1(xb[2 * k], a, qmax);
+        const uint8_t lo = (uint8_t)q1(xb[2 * k + 1], a, qmax);
+        cb[k] = (uint8_t)((hi << 4) | (lo & 0x0F));
+    }
+    int64_t k = pairs;
+    if (n & 1) {
+        cb[k] = (uint8_t)(((uint8_t)q1(xb[n - 1], a, qmax)) << 4);
+        k++;
+    }
+    if (k < per) memset(cb + k, 0, (size_t)(per - k));
+}
+
 /* Block INT8 (pack4 = 0, int8 codes, block per block) or packed INT4 (pack4 = 1, block/2
  * bytes per block, element 2k in the high nibble). codes are padded to whole blocks. */
 int quant_int(const float *x, int64_t numel, int64_t block, int qmax_i, int pack4,
@@ -125,38 +162,72 @@ int quant_int(const float *x, int64_t numel, int64_t block, int qmax_i, int pack
     for (int64_t b = 0; b < nb; b++) {
         const int64_t off = b * block;
         const int64_t n = (numel - off) < block ? (numel - off) : block;
-        const float *restrict xb = x + off;
-        uint8_t *restrict cb = codes + b * per;
-        const uint32_t m = absmax_bits(xb, n);
-        if (m >= 0x7F800000u) {
-            scales[b] = u2f(0x7FC00000u);
-            memset(cb, 0, (size_t)per);
-            continue;
+        quant_block(x + off, n, block, qmax, pack4, codes + b * per, scales + b);
+    }
+    return 0;
+}
+
+/* dst[k] = fl(fl(code_k * R) * s) (add = 0) or dst[k] = fl(dst[k] + that) (add = 1) for the
+ * n values of one block, INT8 codes or packed INT4. */
+static inline void dq_block(const uint8_t *restrict cb, float s, float R, int pack4, int64_t n,
+                            float *restrict dst, int add) {
+    const int8_t *restrict c = (const int8_t *)cb;
+    if (!pack4) {
+        if (add)
+            for (int64_t k = 0; k < n; k++) dst[k] += ((float)c[k] * R) * s;
+        else
+            for (int64_t k = 0; k < n; k++) dst[k] = ((float)c[k] * R) * s;
+        return;
+    }
+    const int64_t pairs = n / 2;
+    if (add) {
+        for (int64_t k = 0; k < pairs; k++) {
+            const int8_t v = c[k];
+            dst[2 * k] += ((float)(int8_t)(v >> 4) * R) * s;
+            dst[2 * k + 1] += ((float)(int8_t)((int8_t)(v << 4) >> 4) * R) * s;
         }
-        const float scale = u2f(m); /* the stored value is the block absmax */
-        scales[b] = scale;
-        if (!(scale > 0.0f)) {
-            memset(cb, 0, (size_t)per);
-            continue;
+    } else {
+        for (int64_t k = 0; k < pairs; k++) {
+            const int8_t v = c[k];
+            dst[2 * k] = ((float)(int8_t)(v >> 4) * R) * s;
+            dst[2 * k + 1] = ((float)(int8_t)((int8_t)(v << 4) >> 4) * R) * s;
         }
-        if (!pack4) {
-            int8_t *restrict c = (int8_t *)cb;
-            for (int64_t k = 0; k < n; k++) c[k] = q1(xb[k], scale, qmax);
-            if (n < block) memset(c + n, 0, (size_t)(block - n));
-        } else {
-            const int64_t pairs = n / 2;
-            for (int64_t k = 0; k < pairs; k++) {
-                const uint8_t hi = (uint8_t)q1(xb[2 * k], scale, qmax);
-                const uint8_t lo = (uint8_t)q1(xb[2 * k + 1], scale, qmax);
-                cb[k] = (uint8_t)((hi << 4) | (lo & 0x0F));
-            }
-            int64_t k = pairs;
-            if (n & 1) {
-                cb[k] = (uint8_t)(((uint8_t)q1(xb[n - 1], scale, qmax)) << 4);
-                k++;
-            }
-            if (k < per) memset(cb + k, 0, (size_t)(per - k));
+    }
+    if (n & 1) {
+        const float v = ((float)(int8_t)(c[pairs] >> 4) * R) * s;
+        dst[n - 1] = add ? dst[n - 1] + v : v;
+    }
+}
+
+#define SUM_BLOCK_MAX 4096
+
+/* The fp32 sum over `rows` rows of blocks (row r at base + r * stride: its fp32 block scales at
+ * byte scale_off, its codes at code_off, the layout of a wire row), dequantized as dequant_int
+ * and added in row order, fl(fl(v0 + v1) + v2) ..., as torch's copy_ / add_ of whole rows
+ * (-ffp-contract=off: no fused multiply-add). numel values per row. With qcodes NULL the sum is
+ * written to out; otherwise each summed block is requantized as quant_int into qcodes / qscales
+ * (the sum never leaves L1; block <= SUM_BLOCK_MAX, else -2). */
+int dequant_sum_int(const uint8_t *base, int64_t stride, int64_t scale_off, int64_t code_off,
+                    int64_t rows, int64_t numel, int64_t block, int qmax_i, int pack4, float *out,
+                    uint8_t *qcodes, float *qscales, int nthreads) {
+    if (block <= 0 || (pack4 && (block & 1)) || qmax_i <= 0 || rows <= 0) return -1;
+    if (qcodes && block > SUM_BLOCK_MAX) return -2;
+    const float R = 1.0f / (float)qmax_i, qmax = (float)qmax_i;
+    const int64_t per = pack4 ? block / 2 : block;
+    const int64_t nb = (numel + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nb; b++) {
+        float tmp[SUM_BLOCK_MAX];
+        const int64_t off = b * block;
+        const int64_t n = (numel - off) < block ? (numel - off) : block;
+        float *restrict acc = qcodes ? tmp : out + off;
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *row = base + r * stride;
+            float s;
+            memcpy(&s, row + scale_off + 4 * b, 4);
+            dq_block(row + code_off + b * per, s, R, pack4, n, acc, r > 0);
         }
+        if (qcodes) quant_block(acc, n, block, qmax, pack4, qcodes + b * per, qscales + b);
     }
     return 0;
 }
@@ -373,6 +444,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.quant_int.argtypes = [p, i64, i64, i32, i32, p, p, i32]
     lib.dequant_int.restype = i32
     lib.dequant_int.argtypes = [p, p, i64, i64, i32, i32, p, i32, i32]
+    lib.dequant_sum_int.restype = i32
+    lib.dequant_sum_int.argtypes = [p, i64, i64, i64, i64, i64, i64, i32, i32, p, p, p, i32]
     lib.quant_codebook.restype = i32
     lib.quant_codebook.argtypes = [p, i64, i64, p, p, p, i32]
     lib.quant_codebook_bytes.restype = i32
@@ -479,6 +552,99 @@ def dequantize_int(
         _threads(numel),
     )
     _ok(rc, "dequant_int")
+
+
+def quantize_int_at(
+    x_ptr: int, numel: int, block: int, qmax: int, pack4: bool, codes_ptr: int, scales_ptr: int
+) -> None:
+    """:func:`quantize_int` on raw addresses: ``numel`` fp32 values at ``x_ptr``, their codes
+    (padded to whole blocks) at ``codes_ptr`` and block absmaxes at ``scales_ptr``. For callers
+    that write many slices of one buffer (a wire row's slots) without a tensor view each; the
+    caller owns the bounds."""
+    rc = library().quant_int(
+        x_ptr, numel, block, qmax, int(pack4), codes_ptr, scales_ptr, _threads(numel)
+    )
+    _ok(rc, "quant_int")
+
+
+def dequantize_int_at(
+    codes_ptr: int,
+    scales_ptr: int,
+    numel: int,
+    block: int,
+    qmax: int,
+    pack4: bool,
+    out_ptr: int,
+    out_dtype: torch.dtype,
+) -> None:
+    """:func:`dequantize_int` on raw addresses (see :func:`quantize_int_at`)."""
+    rc = library().dequant_int(
+        codes_ptr,
+        scales_ptr,
+        numel,
+        block,
+        qmax,
+        int(pack4),
+        out_ptr,
+        _OUT_KIND[out_dtype],
+        _threads(numel),
+    )
+    _ok(rc, "dequant_int")
+
+
+#: The largest block :func:`dequantize_sum_int` requantizes (the C kernel's stack buffer).
+SUM_BLOCK_MAX = 4096
+
+
+def dequantize_sum_int(
+    base: Tensor,
+    *,
+    stride: int,
+    scale_off: int,
+    code_off: int,
+    rows: int,
+    numel: int,
+    block: int,
+    qmax: int,
+    out: Tensor | None = None,
+    codes_out: Tensor | None = None,
+    scales_out: Tensor | None = None,
+) -> None:
+    """The fp32 sum over ``rows`` rows of dequantized blocks, added in row order, in one pass.
+
+    Row ``r`` starts at byte ``r * stride`` of the contiguous uint8 ``base``: its fp32 block
+    absmaxes at byte ``scale_off``, its codes (INT8, or packed INT4 when ``qmax == 7``) at
+    ``code_off``, ``numel`` values. The sum is written to fp32 ``out`` (``numel``), or, with
+    ``codes_out`` / ``scales_out``, requantized block by block as :func:`quantize_int` would
+    quantize it (``block <= SUM_BLOCK_MAX``). Bit for bit ``sum_rows`` of the decoded rows,
+    then the quantizer."""
+    pack4 = qmax == 7
+    requant = codes_out is not None
+    assert base.dtype == torch.uint8 and base.is_contiguous() and base.device.type == "cpu"
+    assert requant == (scales_out is not None) and requant != (out is not None)
+    if requant:
+        assert codes_out.is_contiguous() and scales_out.is_contiguous()
+        assert scales_out.dtype == torch.float32 and block <= SUM_BLOCK_MAX
+        dst, qc, qs = None, codes_out.data_ptr(), scales_out.data_ptr()
+    else:
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() >= numel
+        dst, qc, qs = out.data_ptr(), None, None
+    rc = library().dequant_sum_int(
+        base.data_ptr(),
+        stride,
+        scale_off,
+        code_off,
+        rows,
+        numel,
+        block,
+        qmax,
+        int(pack4),
+        dst,
+        qc,
+        qs,
+        _threads(numel * rows),
+    )
+    _ok(rc, "dequant_sum_int")
 
 
 def quantize_codebook(x: Tensor, block: int, lut: Tensor, codes: Tensor, absmax: Tensor) -> None:

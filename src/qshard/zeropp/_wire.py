@@ -4,6 +4,17 @@ The fp32 "scales" are each block's absmax, the format of :mod:`qshard.quant.bloc
 (``value = (code * fl(1 / qmax)) * absmax``, so a block's largest magnitude arrives exactly).
 One row per destination (qgZ's all-to-all) or per source rank (qwZ's all-gather), so a
 single uint8 collective moves codes and scales together (one message, one work handle).
+
+[Note: fused wire rows] On the CPU, with the quant core's C kernels, the passes around a
+transfer are fused the way qgZ's Triton kernels fuse them on CUDA: ``encode_slots`` quantizes
+slices of the unpermuted source straight into their wire rows (no reordered, padded copy),
+``decode_slots`` dequantizes each row's slices straight into their places in the output (no
+padded fp32 rows to copy out of), ``reduce`` dequantizes and sums the received rows block by
+block (no decoded rows in memory) and ``reduce_encode`` requantizes each summed block while it
+is in cache (no fp32 partial sums either). Every one computes what the composition of
+``encode`` / ``decode`` / ``sum_rows`` computes, in the same order and roundings, so the bytes
+and values are the same (tests/zeropp/test_wire.py); without the C kernels (or for other
+dtypes and devices) the methods run that composition.
 A row holds ``m`` values, a multiple of ``block_size``: blocks never straddle rows, so the
 codes of a row do not depend on how the buffer was cut (see the quant core's
 [Note: chunk invariance]). ``bits=None`` sends the values themselves in ``wire_dtype``
@@ -12,9 +23,13 @@ codes of a row do not depend on how the buffer was cut (see the quant core's
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from qshard.quant import _fastpath, _native_kernels
 from qshard.quant.blockwise import (
     _dequantize_into,
     _quantize_into,
@@ -24,8 +39,13 @@ from qshard.quant.blockwise import (
     quantize_blocks,
     unpack_int4,
 )
+from qshard.zeropp._common import sum_rows
 
-__all__ = ["RowCodec"]
+__all__ = ["RowCodec", "Slot"]
+
+#: ``(start, length, padded)``: ``length`` values of a flat tensor from ``start``, zero-padded
+#: to ``padded`` elements (a multiple of the block size) on the wire.
+Slot = tuple[int, int, int]
 
 
 def _is_int(value: object) -> bool:
@@ -68,6 +88,180 @@ class RowCodec:
     def _check(self, m: int) -> None:
         if m % self.block_size:
             raise ValueError(f"row length {m} is not a multiple of block_size {self.block_size}")
+
+    def _fused(self, *tensors: Tensor) -> bool:
+        """Whether the fused C kernels of [Note: fused wire rows] serve these CPU tensors:
+        quantization on, the quant core's C kernels on, every tensor contiguous on the CPU
+        (fp32 where it holds values)."""
+        if self.bits is None or self.block_size > _native_kernels.SUM_BLOCK_MAX:
+            return False
+        if not (_fastpath.fastpath_enabled() and _fastpath._native_enabled):
+            return False
+        for t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous():
+                return False
+            if t.dtype != torch.uint8 and t.dtype != torch.float32:
+                return False
+        return _native_kernels.available()
+
+    def encode_slots(self, src: Tensor, slots: Sequence[Slot], rows: int) -> Tensor:
+        """The wire rows of slots of the flat ``src``: slot ``(start, length, padded)`` is
+        ``src[start : start + length]`` zero-padded to ``padded`` elements; the slots fill
+        ``rows`` rows of equal length in order, none straddling two rows. Byte for byte
+        :meth:`encode` of those padded rows (in fp32), without building them: see
+        [Note: fused wire rows]."""
+        bs, numel = self.block_size, src.numel()
+        total = 0
+        for start, length, padded in slots:
+            if padded % bs or not 0 <= length <= padded or start < 0 or start + length > numel:
+                raise ValueError(
+                    f"slot {(start, length, padded)} does not fit {numel} elements in blocks "
+                    f"of {bs}"
+                )
+            total += padded
+        if rows < 1 or total % rows:
+            raise ValueError(f"{total} padded elements do not fill {rows} equal rows")
+        m = total // rows
+        self._check(m)
+        if not self._fused(src):
+            x = torch.zeros(total, dtype=torch.float32, device=src.device)
+            flat, pos = src.reshape(-1), 0
+            for start, length, padded in slots:
+                x[pos : pos + length].copy_(flat[start : start + length])
+                pos += padded
+            return self.encode(x.view(rows, m))
+        out = torch.empty((rows, self.row_bytes(m)), dtype=torch.uint8, device=src.device)
+        row_bytes, nb = out.shape[1], m // bs
+        per = bs * self.bits // 8  # code bytes per block
+        qmax, pack4 = qmax_for_bits(self.bits), self.bits == 4
+        base, x_ptr, pos = out.data_ptr(), src.data_ptr(), 0
+        for start, length, padded in slots:
+            r, col = divmod(pos, m)
+            if col + padded > m:
+                raise ValueError(f"slot {(start, length, padded)} straddles rows of {m} elements")
+            row, b0 = base + r * row_bytes, col // bs
+            scales, codes = row + 4 * b0, row + 4 * nb + b0 * per
+            if length:
+                _native_kernels.quantize_int_at(
+                    x_ptr + 4 * start, length, bs, qmax, pack4, codes, scales
+                )
+            done, blocks = -(-length // bs), padded // bs
+            if done < blocks:  # all-padding blocks: absmax 0, codes 0, as encode writes them
+                ctypes.memset(scales + 4 * done, 0, 4 * (blocks - done))
+                ctypes.memset(codes + per * done, 0, per * (blocks - done))
+            pos += padded
+        return out
+
+    def reduce(self, buf: Tensor, m: int, *, out: Tensor | None = None) -> Tensor:
+        """The fp32 sum of the decoded rows of ``buf`` (``(rows, row_bytes(m))`` uint8),
+        added in row order: ``sum_rows(decode(buf, m))``, into ``out`` (fp32, ``m``) when
+        given; one pass, no decoded rows in memory (see [Note: fused wire rows])."""
+        if out is not None and (out.dtype != torch.float32 or out.numel() != m):
+            raise ValueError(f"out must hold {m} fp32 values; got {out.dtype} {tuple(out.shape)}")
+        if not self._fused(buf, *([] if out is None else [out])):
+            return sum_rows(self.decode(buf, m), out=out)
+        self._check(m)
+        if out is None:
+            out = torch.empty(m, dtype=torch.float32, device=buf.device)
+        _native_kernels.dequantize_sum_int(
+            buf,
+            stride=buf.shape[1],
+            scale_off=0,
+            code_off=4 * (m // self.block_size),
+            rows=buf.shape[0],
+            numel=m,
+            block=self.block_size,
+            qmax=qmax_for_bits(self.bits),
+            out=out,
+        )
+        return out
+
+    def reduce_encode(self, buf: Tensor, m: int, rows: int) -> Tensor:
+        """``encode(reduce(buf, m).view(rows, m // rows))``: the row-order fp32 sum of the
+        decoded rows of ``buf``, re-encoded as ``rows`` wire rows, with each block's sum
+        requantized while it is in cache (see [Note: fused wire rows])."""
+        if rows < 1 or m % rows:
+            raise ValueError(f"{m} values do not make {rows} equal rows")
+        if not self._fused(buf):
+            return self.encode(self.reduce(buf, m).view(rows, m // rows))
+        bs = self.block_size
+        self._check(m)
+        mo = m // rows
+        self._check(mo)
+        nb, nbo, per = m // bs, mo // bs, bs * self.bits // 8
+        out = torch.empty((rows, self.row_bytes(mo)), dtype=torch.uint8, device=buf.device)
+        for n in range(rows):
+            _native_kernels.dequantize_sum_int(
+                buf,
+                stride=buf.shape[1],
+                scale_off=4 * n * nbo,
+                code_off=4 * nb + n * nbo * per,
+                rows=buf.shape[0],
+                numel=mo,
+                block=bs,
+                qmax=qmax_for_bits(self.bits),
+                codes_out=out[n, 4 * nbo :],
+                scales_out=out[n, : 4 * nbo].view(torch.float32),
+            )
+        return out
+
+    def decode_slots(
+        self, buf: Tensor, m: int, out_rows: Sequence[Tensor], slots: Sequence[Slot]
+    ) -> None:
+        """The inverse of :meth:`encode_slots` for every row of ``buf``: row ``g``'s slot
+        ``(start, length, padded)`` (at the same place in the row as when encoded) is decoded
+        into ``out_rows[g][start : start + length]``; padding is never written. The rows of
+        ``out_rows`` are flat, contiguous, one dtype (fp32/bf16/fp16 on the C path). Values
+        as :meth:`decode` with ``dtype`` the output's, without the padded rows in memory."""
+        rows, bs = buf.shape[0], self.block_size
+        if len(out_rows) != rows:
+            raise ValueError(f"{rows} rows to decode into {len(out_rows)} outputs")
+        if sum(padded for _, _, padded in slots) != m:
+            raise ValueError(f"the slots' padded lengths do not add up to the row length {m}")
+        room = min((o.numel() for o in out_rows), default=0)
+        for start, length, padded in slots:
+            if padded % bs or not 0 <= length <= padded or start < 0 or start + length > room:
+                raise ValueError(
+                    f"slot {(start, length, padded)} does not fit outputs of {room} elements in "
+                    f"blocks of {bs}"
+                )
+        dtype = out_rows[0].dtype if rows else torch.float32
+        fused = (
+            rows
+            and self._fused(buf)
+            and all(o.dtype == dtype and o.is_contiguous() for o in out_rows)
+            and _fastpath.use_native_out(out_rows[0])
+        )
+        if not fused:
+            values = self.decode(buf, m, dtype=dtype)
+            pos = 0
+            for start, length, padded in slots:
+                for g in range(rows):
+                    out_rows[g][start : start + length].copy_(values[g, pos : pos + length])
+                pos += padded
+            return
+        self._check(m)
+        nb, per = m // bs, bs * self.bits // 8
+        qmax, pack4 = qmax_for_bits(self.bits), self.bits == 4
+        row_bytes, base, el = buf.shape[1], buf.data_ptr(), out_rows[0].element_size()
+        targets = [o.data_ptr() for o in out_rows]
+        pos = 0
+        for start, length, padded in slots:
+            if length:
+                b0 = pos // bs
+                for g in range(rows):
+                    row = base + g * row_bytes
+                    _native_kernels.dequantize_int_at(
+                        row + 4 * nb + b0 * per,
+                        row + 4 * b0,
+                        length,
+                        bs,
+                        qmax,
+                        pack4,
+                        targets[g] + el * start,
+                        dtype,
+                    )
+            pos += padded
 
     def encode(self, x: Tensor) -> Tensor:
         """``(rows, m)`` float -> ``(rows, row_bytes(m))`` uint8."""

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from qshard.comm.ledger import active_ledger, record
-from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once, sum_rows
+from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once
 from qshard.zeropp._wire import RowCodec
 
 __all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
@@ -171,7 +171,7 @@ class ReplicateAllReduce:
         recv = torch.empty_like(send)
         record("all_to_all", group_ranks=self.ranks, tensor_bytes=send.numel(), tag=TAG)
         dist.all_to_all_single(recv, send, group=self.group)
-        mean = sum_rows(codec.decode(recv, c)).div_(n)  # fp32 between the hops
+        mean = codec.reduce(recv, c).div_(n)  # fp32 between the hops
         if errors is not None:
             mean += errors[1]
         own = codec.encode(mean.view(1, c))

@@ -49,7 +49,7 @@ from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, sum_rows
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
-from qshard.zeropp._wire import RowCodec
+from qshard.zeropp._wire import RowCodec, Slot
 
 __all__ = [
     "HierarchicalQuantizedReduceScatter",
@@ -502,10 +502,6 @@ class _Reduction:
         unit = stages * comm._pad_blocks * comm.block_size
         padded = -(-size // unit) * unit
         sub = padded // stages
-        with record_function("qshard::qgz::reorder"):
-            x = reorder_slices(
-                inp.reshape(world, size), nodes, per_node, stages, padded, dtype=torch.float32
-            )
         self.codec, self.output, self.scale = comm.codec, output, scale
         self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
         self.inter_group = topo.inter_node_group if nodes > 1 else None
@@ -517,12 +513,19 @@ class _Reduction:
         m1 = nodes * sub
         self.intra: list[tuple[dist.Work | None, torch.Tensor] | None] = []
         if per_node == 1:  # one rank per node: hop 1 is local, this rank's own slices
+            with record_function("qshard::qgz::reorder"):
+                x = reorder_slices(
+                    inp.reshape(world, size), nodes, per_node, stages, padded, dtype=torch.float32
+                )
             self.intra = [(None, x[k].view(1, m1)) for k in range(stages)]
             return
         intra_group, intra_ranks = topo.intra_node_group, topo.node_ranks(topo.node)
-        for k in range(stages):
+        flat = inp.reshape(-1)
+        for slots in _stage_slots(nodes, per_node, stages, size, sub):
+            # Stage k's slots of reorder_slices, quantized from the unpermuted gradients
+            # straight into the send rows (see [Note: fused wire rows] in qshard.zeropp._wire).
             with record_function("qshard::qgz::quantize_intra"):
-                send = self.codec.encode(x[k].view(per_node, m1))
+                send = self.codec.encode_slots(flat, slots, per_node)
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
             work = dist.all_to_all_single(recv, send, group=intra_group, async_op=True)
@@ -535,19 +538,22 @@ class _Reduction:
         while self.issued < self.stages:
             k = self.issued
             work, recv = self.intra[k]  # type: ignore[misc]
-            if work is None:
-                partial = recv.view(nodes, sub)
-            else:
+            if work is not None:
                 with record_function("qshard::qgz::wait_intra"):
                     work.wait()
-                with record_function("qshard::qgz::reduce_intra"):
-                    partial = sum_rows(codec.decode(recv, nodes * sub)).view(nodes, sub)
             self.intra[k] = None
-            if self.inter_group is None:
-                self.inter[k] = (None, partial.view(-1))
+            if self.inter_group is None:  # one node: the node's sum is the result
+                if work is not None:
+                    with record_function("qshard::qgz::reduce_intra"):
+                        recv = codec.reduce(recv, nodes * sub)
+                self.inter[k] = (None, recv.view(-1))
             else:
-                with record_function("qshard::qgz::quantize_inter"):
-                    send = codec.encode(partial.view(nodes, sub))
+                if work is None:  # one rank per node: its own fp32 slices go out
+                    with record_function("qshard::qgz::quantize_inter"):
+                        send = codec.encode(recv.view(nodes, sub))
+                else:  # the node partials, each block summed and requantized in cache
+                    with record_function("qshard::qgz::reduce_intra"):
+                        send = codec.reduce_encode(recv, nodes * sub, nodes)
                 recv = torch.empty_like(send)
                 record(
                     "all_to_all", group_ranks=self.inter_ranks, tensor_bytes=send.numel(), tag=TAG
@@ -572,7 +578,7 @@ class _Reduction:
                 with record_function("qshard::qgz::wait_inter"):
                     work.wait()
                 with record_function("qshard::qgz::reduce_inter"):
-                    sum_rows(codec.decode(recv, sub), out=dst)  # summed in place
+                    codec.reduce(recv, sub, out=dst)  # summed in place
             self.inter[k] = None
             self.finished += 1
         if self.finished < self.stages:
@@ -582,6 +588,27 @@ class _Reduction:
             out = out * self.scale
         self.output.copy_(out.view(self.output.shape))
         return True
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_slots(
+    nodes: int, per_node: int, stages: int, size: int, sub: int
+) -> tuple[tuple[Slot, ...], ...]:
+    """Per stage, hop 1's send slots in :func:`reorder_slices`' order (``(D, N)`` row-major):
+    sub-slice ``k`` of partition ``n * D + j`` of the flat ``world * size`` gradients, as
+    ``(start, length, sub)``, ``length`` short of ``sub`` where the padding starts (an
+    all-padding slot starts at 0)."""
+    out = []
+    for k in range(stages):
+        length = max(0, min(sub, size - k * sub))
+        out.append(
+            tuple(
+                ((n * per_node + j) * size + k * sub if length else 0, length, sub)
+                for j in range(per_node)
+                for n in range(nodes)
+            )
+        )
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)
