@@ -204,3 +204,7 @@ def test_fused_rows_refuse_bad_layouts():
         codec.decode_slots(buf, 128, outs, [(0, 64, 64), (64, 64, 64)])  # 128 > 100
     with pytest.raises(ValueError, match="add up"):
         codec.decode_slots(buf, 128, outs, [(0, 64, 64)])
+    with pytest.raises(ValueError, match="do not hold"):  # rows of another length
+        codec.reduce(buf, 256)
+    with pytest.raises(TypeError, match="uint8"):
+        codec.reduce(buf.view(torch.float32), 128)

@@ -89,20 +89,32 @@ class RowCodec:
         if m % self.block_size:
             raise ValueError(f"row length {m} is not a multiple of block_size {self.block_size}")
 
-    def _fused(self, *tensors: Tensor) -> bool:
+    def _fused(self, values: Tensor | None = None, *rows: Tensor) -> bool:
         """Whether the fused C kernels of [Note: fused wire rows] serve these CPU tensors:
-        quantization on, the quant core's C kernels on, every tensor contiguous on the CPU
-        (fp32 where it holds values)."""
+        quantization on, the quant core's C kernels on, ``values`` (if any) contiguous fp32 and
+        the wire ``rows`` contiguous, all on the CPU."""
         if self.bits is None or self.block_size > _native_kernels.SUM_BLOCK_MAX:
             return False
         if not (_fastpath.fastpath_enabled() and _fastpath._native_enabled):
             return False
-        for t in tensors:
-            if t.device.type != "cpu" or not t.is_contiguous():
-                return False
-            if t.dtype != torch.uint8 and t.dtype != torch.float32:
-                return False
+        if values is not None and not (
+            values.dtype == torch.float32 and values.device.type == "cpu" and values.is_contiguous()
+        ):
+            return False
+        if any(r.device.type != "cpu" or not r.is_contiguous() for r in rows):
+            return False
         return _native_kernels.available()
+
+    def _check_rows(self, buf: Tensor, m: int) -> None:
+        """``buf`` must be wire rows of ``m`` values: the C kernels read by these offsets."""
+        if buf.dtype != torch.uint8 or buf.dim() != 2:
+            raise TypeError(
+                f"wire rows are a 2-D uint8 tensor; got {buf.dtype} of shape {tuple(buf.shape)}"
+            )
+        if buf.shape[1] != self.row_bytes(m):
+            raise ValueError(
+                f"rows of {buf.shape[1]} bytes do not hold {m} values ({self.row_bytes(m)} bytes)"
+            )
 
     def encode_slots(self, src: Tensor, slots: Sequence[Slot], rows: int) -> Tensor:
         """The wire rows of slots of the flat ``src``: slot ``(start, length, padded)`` is
@@ -158,7 +170,8 @@ class RowCodec:
         given; one pass, no decoded rows in memory (see [Note: fused wire rows])."""
         if out is not None and (out.dtype != torch.float32 or out.numel() != m):
             raise ValueError(f"out must hold {m} fp32 values; got {out.dtype} {tuple(out.shape)}")
-        if not self._fused(buf, *([] if out is None else [out])):
+        self._check_rows(buf, m)
+        if not self._fused(out, buf):
             return sum_rows(self.decode(buf, m), out=out)
         self._check(m)
         if out is None:
@@ -182,7 +195,8 @@ class RowCodec:
         requantized while it is in cache (see [Note: fused wire rows])."""
         if rows < 1 or m % rows:
             raise ValueError(f"{m} values do not make {rows} equal rows")
-        if not self._fused(buf):
+        self._check_rows(buf, m)
+        if not self._fused(None, buf):
             return self.encode(self.reduce(buf, m).view(rows, m // rows))
         bs = self.block_size
         self._check(m)
@@ -213,6 +227,7 @@ class RowCodec:
         into ``out_rows[g][start : start + length]``; padding is never written. The rows of
         ``out_rows`` are flat, contiguous, one dtype (fp32/bf16/fp16 on the C path). Values
         as :meth:`decode` with ``dtype`` the output's, without the padded rows in memory."""
+        self._check_rows(buf, m)
         rows, bs = buf.shape[0], self.block_size
         if len(out_rows) != rows:
             raise ValueError(f"{rows} rows to decode into {len(out_rows)} outputs")
@@ -228,8 +243,10 @@ class RowCodec:
         dtype = out_rows[0].dtype if rows else torch.float32
         fused = (
             rows
-            and self._fused(buf)
-            and all(o.dtype == dtype and o.is_contiguous() for o in out_rows)
+            and self._fused(None, buf)
+            and all(
+                o.dtype == dtype and o.device == buf.device and o.is_contiguous() for o in out_rows
+            )
             and _fastpath.use_native_out(out_rows[0])
         )
         if not fused:
