@@ -208,3 +208,29 @@ def test_fused_rows_refuse_bad_layouts():
         codec.reduce(buf, 256)
     with pytest.raises(TypeError, match="uint8"):
         codec.reduce(buf.view(torch.float32), 128)
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+def test_qgz_stage_slots_equal_reorder_layout(bits):
+    """qgZ's hop-1 send rows from the slots of `_stage_slots`, quantized in place, are the bytes
+    of `encode` of `reorder_slices`' layout, for every topology, stage count and ragged size
+    (all-padding stages and partitions shorter than a block included)."""
+    from qshard.zeropp.reduce_scatter import _stage_slots, reorder_slices
+
+    bs = 8
+    codec = RowCodec(bits=bits, block_size=bs)
+    unit_blocks = 1 if bits is None else 4
+    for nodes, per_node in ((1, 2), (2, 2), (2, 1), (3, 2), (2, 3)):
+        world = nodes * per_node
+        for size in (1, 7, 32, 33, 100):
+            for stages in (1, 2, 3):
+                unit = stages * unit_blocks * bs
+                padded = -(-size // unit) * unit
+                sub = padded // stages
+                g = torch.Generator().manual_seed(world * 1000 + size * 10 + stages)
+                x = torch.randn(world * size, generator=g)
+                laid = reorder_slices(x.view(world, size), nodes, per_node, stages, padded)
+                for k, slots in enumerate(_stage_slots(nodes, per_node, stages, size, sub)):
+                    want = codec.encode(laid[k].reshape(per_node, nodes * sub))
+                    got = codec.encode_slots(x, slots, per_node)
+                    assert _bits_equal(got, want), (nodes, per_node, size, stages, k)
