@@ -5,6 +5,11 @@ The fp32 "scales" are each block's absmax, the format of :mod:`qshard.quant.bloc
 One row per destination (qgZ's all-to-all) or per source rank (qwZ's all-gather), so a
 single uint8 collective moves codes and scales together (one message, one work handle).
 
+A row holds ``m`` values, a multiple of ``block_size``: blocks never straddle rows, so the
+codes of a row do not depend on how the buffer was cut (see the quant core's
+[Note: chunk invariance]). ``bits=None`` sends the values themselves in ``wire_dtype``
+(fp32 by default): the same path with quantization off.
+
 [Note: fused wire rows] On the CPU, with the quant core's C kernels, the passes around a
 transfer are fused the way qgZ's Triton kernels fuse them on CUDA: ``encode_slots`` quantizes
 slices of the unpermuted source straight into their wire rows (no reordered, padded copy),
@@ -15,10 +20,6 @@ is in cache (no fp32 partial sums either). Every one computes what the compositi
 ``encode`` / ``decode`` / ``sum_rows`` computes, in the same order and roundings, so the bytes
 and values are the same (tests/zeropp/test_wire.py); without the C kernels (or for other
 dtypes and devices) the methods run that composition.
-A row holds ``m`` values, a multiple of ``block_size``: blocks never straddle rows, so the
-codes of a row do not depend on how the buffer was cut (see the quant core's
-[Note: chunk invariance]). ``bits=None`` sends the values themselves in ``wire_dtype``
-(fp32 by default): the same path with quantization off.
 """
 
 from __future__ import annotations
@@ -135,6 +136,11 @@ class RowCodec:
             raise ValueError(f"{total} padded elements do not fill {rows} equal rows")
         m = total // rows
         self._check(m)
+        pos = 0
+        for slot in slots:
+            if pos % m + slot[2] > m:
+                raise ValueError(f"slot {slot} straddles rows of {m} elements")
+            pos += slot[2]
         if not self._fused(src):
             x = torch.zeros(total, dtype=torch.float32, device=src.device)
             flat, pos = src.reshape(-1), 0
@@ -149,8 +155,6 @@ class RowCodec:
         base, x_ptr, pos = out.data_ptr(), src.data_ptr(), 0
         for start, length, padded in slots:
             r, col = divmod(pos, m)
-            if col + padded > m:
-                raise ValueError(f"slot {(start, length, padded)} straddles rows of {m} elements")
             row, b0 = base + r * row_bytes, col // bs
             scales, codes = row + 4 * b0, row + 4 * nb + b0 * per
             if length:
