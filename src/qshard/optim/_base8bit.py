@@ -217,8 +217,9 @@ def _multi_tensor_entry(
     hyperparameters): the addresses of p, g and the (one or two) ``states``' codes and absmax,
     rows, row_numel; with the gradient it points at (an fp32 contiguous copy where the
     gradient is not: keep it until the call). None when the kernel does not take ``p``
-    (``_kernel_takes``) or the Triton kernel does (``_triton.serves``, also patched by tests). A state whose layout does not fit is refused by :func:`_check_layout`.
-    ``packed_row``: the code bytes of a row (4-bit: two codes a byte), else one per element."""
+    (``_kernel_takes``) or the Triton kernel does (``_triton.serves``, also patched by tests).
+    A state whose layout does not fit is refused by :func:`_check_layout`. ``packed_row``: the
+    code bytes of a row (4-bit: two codes a byte), else one per element."""
     p_l, g_l = _local(p), _local(p.grad)
     if _triton.serves(p_l) or not _kernel_takes(p_l, g_l):  # the Triton kernel's tensors first
         return None
@@ -226,10 +227,10 @@ def _multi_tensor_entry(
         g_l = g_l.float().contiguous()
     codes = [_local(state[f"{n}_codes"]) for n in states]
     absmax = [_local(state[f"{n}_absmax"]) for n in states]
-    rows = p_l.shape[0]
-    row_numel = p_l.numel() // rows
+    rows, row_numel = _qstate.row_view(p_l.shape)
     codes_shape = p_l.shape if packed_row is None else (rows, packed_row(row_numel))
-    if not _layout_fits(codes_shape, codes, absmax, (rows, -(-row_numel // block_size))):
+    absmax_shape = (rows, _qstate.blocks_per_row(row_numel, block_size))
+    if not _layout_fits(codes_shape, codes, absmax, absmax_shape):
         _check_layout(name, p_l, codes, absmax, tuple(codes_shape), block_size)
         return None  # (not reached: the check says what does not fit)
     two = len(states) == 2

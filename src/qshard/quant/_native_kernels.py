@@ -518,19 +518,16 @@ def quantize_int(x: Tensor, numel: int, block: int, qmax: int, codes: Tensor, sc
     """Quantize the first ``numel`` elements of contiguous fp32 ``x``; ``codes`` int8 (INT8)
     or uint8 packed (INT4, ``qmax == 7``), padded to whole blocks; ``scales`` receives the
     fp32 block absmax."""
-    pack4 = int(codes.dtype == torch.uint8)
     assert codes.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float32
-    rc = library().quant_int(
+    quantize_int_at(
         x.data_ptr(),
         numel,
         block,
         qmax,
-        pack4,
+        codes.dtype == torch.uint8,
         codes.data_ptr(),
         scales.data_ptr(),
-        _threads(numel),
     )
-    _ok(rc, "quant_int")
 
 
 def dequantize_int(
@@ -538,20 +535,17 @@ def dequantize_int(
 ) -> None:
     """``out[:numel] = (code * fl(1 / qmax)) * absmax``; ``codes`` int8 or uint8 packed INT4,
     ``scales`` the fp32 block absmax."""
-    pack4 = int(codes.dtype == torch.uint8)
     assert codes.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float32
-    rc = library().dequant_int(
+    dequantize_int_at(
         codes.data_ptr(),
         scales.data_ptr(),
         numel,
         block,
         qmax,
-        pack4,
+        codes.dtype == torch.uint8,
         out.data_ptr(),
-        _OUT_KIND[out.dtype],
-        _threads(numel),
+        out.dtype,
     )
-    _ok(rc, "dequant_int")
 
 
 def quantize_int_at(

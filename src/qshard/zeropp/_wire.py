@@ -177,7 +177,6 @@ class RowCodec:
         self._check_rows(buf, m)
         if not self._fused(out, buf):
             return sum_rows(self.decode(buf, m), out=out)
-        self._check(m)
         if out is None:
             out = torch.empty(m, dtype=torch.float32, device=buf.device)
         _native_kernels.dequantize_sum_int(
@@ -203,7 +202,6 @@ class RowCodec:
         if not self._fused(None, buf):
             return self.encode(self.reduce(buf, m).view(rows, m // rows))
         bs = self.block_size
-        self._check(m)
         mo = m // rows
         self._check(mo)
         nb, nbo, per = m // bs, mo // bs, bs * self.bits // 8
@@ -248,10 +246,7 @@ class RowCodec:
         fused = (
             rows
             and self._fused(None, buf)
-            and all(
-                o.dtype == dtype and o.device == buf.device and o.is_contiguous() for o in out_rows
-            )
-            and _fastpath.use_native_out(out_rows[0])
+            and all(o.dtype == dtype and _native_kernels.serves_output(o) for o in out_rows)
         )
         if not fused:
             values = self.decode(buf, m, dtype=dtype)
@@ -261,7 +256,6 @@ class RowCodec:
                     out_rows[g][start : start + length].copy_(values[g, pos : pos + length])
                 pos += padded
             return
-        self._check(m)
         nb, per = m // bs, bs * self.bits // 8
         qmax, pack4 = qmax_for_bits(self.bits), self.bits == 4
         row_bytes, base, el = buf.shape[1], buf.data_ptr(), out_rows[0].element_size()
