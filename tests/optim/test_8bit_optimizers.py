@@ -402,3 +402,108 @@ def test_state_that_does_not_fit_the_layout_is_refused(cls):
     wide.grad = torch.randn_like(wide)
     with pytest.raises(RuntimeError, match="fresh state"):
         opt2.step()
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_a_refused_step_moves_nothing_in_any_group(cls, path):
+    # A layout refused in the second group: the first group's tensors used to be stepped (and
+    # the reference path's counter advanced) before the error, a half-applied step.
+    size = dict(min_4bit_size=0) if cls is qoptim.AdamW4bit else dict(min_8bit_size=0)
+    dtype = torch.float32 if path == "kernel" else torch.bfloat16  # bf16: the torch reference
+    a = nn.Parameter(torch.randn(32, 512, dtype=dtype))
+    b = nn.Parameter(torch.randn(32, 512, dtype=dtype))
+    opt = cls([{"params": [a]}, {"params": [b]}], **size)
+    for p in (a, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[1]["block_size"] = 16
+    saved = copy.deepcopy(opt.state_dict())
+    before = [a.detach().clone(), b.detach().clone()]
+    with pytest.raises(RuntimeError, match="does not fit block_size=16"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    after = opt.state_dict()["state"]
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after[i][k], v), (i, k)
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_momentum_switched_on_later_starts_from_the_gradient(bits, path, nesterov):
+    # A hand-written momentum warm-up (momentum 0 for the first steps): torch.optim.SGD starts
+    # the buffer as the gradient at its first use; SGD8bit raised KeyError. The switching step
+    # is bit for bit a fresh SGD8bit's first step with that momentum, and the run follows
+    # torch's (exactly with fp32 state, which takes torch's own kernel).
+    shape = (64, 128) if path == "kernel" else (128, 64)
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(shape, generator=g)
+    ours = nn.Parameter(init.clone() if path == "kernel" else init.clone().t().contiguous().t())
+    ref = nn.Parameter(init.clone())
+    kw = dict(lr=0.1, optim_bits=bits, min_8bit_size=0)
+    opt = qoptim.SGD8bit([ours], momentum=0.0, **kw)
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.0)
+    for step in range(5):
+        grad = torch.randn(shape, generator=g)
+        if step == 2:
+            for o in (opt, ref_opt):
+                o.param_groups[0].update(momentum=0.9, nesterov=nesterov)
+            fresh = nn.Parameter(ours.detach().clone())
+            fresh.grad = grad.clone()
+            qoptim.SGD8bit([fresh], momentum=0.9, nesterov=nesterov, **kw).step()
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        if step == 2:
+            assert torch.equal(ours.detach(), fresh.detach())
+        if bits == 32:
+            assert torch.equal(ours.detach(), ref.detach()), step
+        else:
+            torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=1e-2)
+    quantized = "momentum_buffer_codes" in opt.state[ours]
+    assert quantized == (bits == 8)
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+def test_rmsprop_momentum_switched_on_later_starts_from_zero(bits):
+    # torch.optim.RMSprop makes its momentum buffer (zeros) only at the first step and raises
+    # KeyError if momentum is switched on later; RMSprop8bit makes it then, at zero: what torch
+    # computes if given that buffer.
+    g = torch.Generator().manual_seed(1)
+    init = torch.randn(64, 128, generator=g)
+    ours, ref = nn.Parameter(init.clone()), nn.Parameter(init.clone())
+    opt = qoptim.RMSprop8bit([ours], lr=1e-2, optim_bits=bits, min_8bit_size=0)
+    ref_opt = torch.optim.RMSprop([ref], lr=1e-2)
+    for step in range(5):
+        if step == 2:
+            opt.param_groups[0]["momentum"] = 0.9
+            ref_opt.param_groups[0]["momentum"] = 0.9
+            ref_opt.state[ref]["momentum_buffer"] = torch.zeros_like(ref)
+        grad = torch.randn(64, 128, generator=g)
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        if bits == 32:
+            assert torch.equal(ours.detach(), ref.detach()), step
+        else:
+            torch.testing.assert_close(ours.detach(), ref.detach(), rtol=0, atol=2e-2)
+    names = {k for k in opt.state[ours] if k != "step"}
+    assert len(names) == (4 if bits == 8 else 2), names
+
+
+@pytest.mark.parametrize(
+    "cls, alternative",
+    [
+        (qoptim.AdamW8bit, "SparseAdam"),
+        (qoptim.SGD8bit, "torch.optim.SGD"),
+        (qoptim.Adagrad8bit, "torch.optim.Adagrad"),
+    ],
+)
+def test_the_sparse_gradient_error_names_an_optimizer_that_takes_them(cls, alternative):
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = cls(emb.parameters(), lr=0.1)
+    emb(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match=alternative):
+        opt.step()

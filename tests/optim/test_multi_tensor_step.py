@@ -11,6 +11,7 @@ import torch
 
 import qshard.optim as qoptim
 from qshard.optim import _kernels, _kernels4
+from qshard.optim._base8bit import _QuantizedPlan
 
 from ._helpers import assert_same_bits
 
@@ -69,9 +70,10 @@ def _one_call_per_tensor(opt):
     """``opt`` stepping each kernel tensor in a call of its own."""
     step_quantized = type(opt)._step_quantized
 
-    def each(gi, group, items):
-        for item in items:
-            step_quantized(opt, gi, group, [item])
+    def each(gi, group, plan):
+        step_quantized(opt, gi, group, _QuantizedPlan(rest=plan.rest))
+        for item, row, grad in zip(plan.batch, plan.rows, plan.grads):
+            step_quantized(opt, gi, group, _QuantizedPlan([item], [row], [grad]))
 
     opt._step_quantized = each
     return opt

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +57,18 @@ COMMON_DEFAULTS: dict[str, Any] = {
 
 #: A parameter met by ``step``: its index in the group, the parameter, its state.
 _Item = tuple[int, Tensor, dict[str, Any]]
+
+
+@dataclass
+class _QuantizedPlan:
+    """A group's quantized tensors for one step, their layouts checked: ``batch`` for one
+    multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``rest`` for
+    :meth:`BlockwiseOptimizer._step_param` one by one."""
+
+    batch: list[_Item] = field(default_factory=list)
+    rows: list[list[int]] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    rest: list[_Item] = field(default_factory=list)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -313,6 +326,17 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """One step of ``p`` (``step`` already counted; ``index``: (group, param) positions)."""
         raise NotImplementedError
 
+    def _add_missing_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Create the states that ``group``'s options now ask for and ``state`` lacks (an option
+        such as SGD's momentum switched on after ``p`` stepped); by default there are none."""
+
+    def _check_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Refuse ``p``'s quantized state if its layout no longer fits ``p`` and the group (for
+        the tensors :meth:`_step_param` steps; the multi-tensor rows check their own)."""
+
+    #: What the sparse-gradient error points to (torch's optimizers that take them).
+    _sparse_alternative = "torch.optim.SparseAdam"
+
     # -- options ----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -370,9 +394,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"{type(self).__name__} does not support sparse gradients (got one for a "
                         f"parameter of shape {tuple(p.shape)}); build the embedding with "
-                        f"sparse=False, or step those parameters with torch.optim.SparseAdam"
+                        f"sparse=False, or step those parameters with {self._sparse_alternative}"
                     )
-        for gi, group in enumerate(self.param_groups):
+        # Every group's states are made and every layout checked before any tensor moves: a
+        # refusal in a later group or tensor must not leave a half-applied step (or a counter
+        # advanced for a step that did not happen).
+        plans = []
+        for group in self.param_groups:
             full: list[_Item] = []  # fp32 state: one batch
             quantized: list[_Item] = []
             for pi, p in enumerate(group["params"]):
@@ -381,36 +409,45 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, group, state)
+                else:
+                    self._add_missing_state(p, group, state)
                 if self._has_quantized_state(group, state):
                     quantized.append((pi, p, state))
                 else:
                     full.append((pi, p, state))
-            if quantized:
-                self._step_quantized(gi, group, quantized)
+            plans.append((group, full, self._plan_quantized(group, quantized)))
+        for gi, (group, full, plan) in enumerate(plans):
+            self._step_quantized(gi, group, plan)
             if full:
                 self._step_full_precision(gi, group, full)
         return loss
 
-    def _step_quantized(self, gi: int, group: dict[str, Any], items: list[_Item]) -> None:
-        """The quantized tensors of group ``gi`` (``(index in the group, parameter, state)``):
-        those the CPU kernel takes as they are in one multi-tensor call ([Note: multi-tensor
-        step] in ``qshard.optim._kernels``; :meth:`_multi_tensor_row`,
-        :meth:`_multi_tensor_step`; a lone tensor is a call of one), the others (the torch
-        reference or the Triton kernel) one :meth:`_step_param` each."""
-        batch, rows, grads, rest = [], [], [], []
-        for item in items:  # every layout is checked before anything moves
+    def _plan_quantized(self, group: dict[str, Any], items: list[_Item]) -> _QuantizedPlan:
+        """Split a group's quantized tensors (``(index in the group, parameter, state)``) into
+        those the CPU kernel takes as they are, in one multi-tensor call ([Note: multi-tensor
+        step] in ``qshard.optim._kernels``; :meth:`_multi_tensor_row`), and the others (the
+        torch reference or the Triton kernel: one :meth:`_step_param` each), checking every
+        layout; nothing moves."""
+        plan = _QuantizedPlan()
+        for item in items:
             entry = self._multi_tensor_row(group, item[1], item[2])
             if entry is None:
-                rest.append(item)
+                self._check_state(item[1], group, item[2])
+                plan.rest.append(item)
             else:
-                batch.append(item)
-                rows.append(entry[0])
-                grads.append(entry[1])  # (held until the kernel has read them)
-        for pi, p, state in rest:
+                plan.batch.append(item)
+                plan.rows.append(entry[0])
+                plan.grads.append(entry[1])  # (held until the kernel has read them)
+        return plan
+
+    def _step_quantized(self, gi: int, group: dict[str, Any], plan: _QuantizedPlan) -> None:
+        """Step group ``gi``'s quantized tensors as :meth:`_plan_quantized` split them (a lone
+        tensor the kernel takes is a call of one)."""
+        for pi, p, state in plan.rest:
             state["step"] += 1
             self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
-        if batch:
-            self._multi_tensor_step(gi, group, batch, rows, _advance_steps(batch))
+        if plan.batch:
+            self._multi_tensor_step(gi, group, plan.batch, plan.rows, _advance_steps(plan.batch))
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
@@ -627,10 +664,20 @@ class Optimizer8bit(BlockwiseOptimizer):
     def _init_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         specs = self._state_specs(group)
-        if not specs:
-            return
+        if specs:
+            self._make_states(p, group, state, specs, self.uses_8bit_state(p, group))
+
+    def _make_states(
+        self,
+        p: Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        specs: tuple[tuple[str, bool], ...],
+        quantized: bool,
+    ) -> None:
+        """Create the states ``specs`` of ``p`` at their initial values, quantized or fp32."""
         local = _local(p)
-        if self.uses_8bit_state(p, group):
+        if quantized:
             bs = group["block_size"]
             rows, row_numel = _qstate.row_view(local.shape)
             nbr = _qstate.blocks_per_row(row_numel, bs)
@@ -648,6 +695,36 @@ class Optimizer8bit(BlockwiseOptimizer):
             for name, _ in specs:
                 init = self._initial_state_value(group, name)
                 state[name] = torch.full_like(p, init, dtype=_full_state_dtype(p))
+
+    def _add_missing_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """States an option switched on later asks for (SGD's or RMSprop's momentum buffer):
+        made as at the first step, quantized if ``p``'s other states are (else as
+        :meth:`uses_8bit_state` decides); then :meth:`_states_added`."""
+        specs = self._state_specs(group)
+        missing = tuple(s for s in specs if s[0] not in state and f"{s[0]}_codes" not in state)
+        if not missing:
+            return
+        present = [s[0] for s in specs if s not in missing]
+        if present:
+            quantized = f"{present[0]}_codes" in state
+        else:
+            quantized = self.uses_8bit_state(p, group)
+        self._make_states(p, group, state, missing, quantized)
+        self._states_added(state)
+
+    def _states_added(self, state: dict[str, Any]) -> None:
+        """Called after :meth:`_add_missing_state` made states for a tensor that had stepped."""
+
+    def _check_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        specs = self._state_specs(group)
+        p_l = _local(p)
+        if not specs or f"{specs[0][0]}_codes" not in state or p_l.numel() == 0:
+            return
+        codes = [_local(state[f"{n}_codes"]) for n, _ in specs]
+        absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
+        _check_layout(
+            type(self).__name__, p_l, codes, absmax, tuple(p_l.shape), group["block_size"]
+        )
 
     # -- step -------------------------------------------------------------------------------
 

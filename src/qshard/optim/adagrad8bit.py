@@ -21,6 +21,7 @@ class Adagrad8bit(Optimizer8bit):
     same flags; torch's fused Adagrad runs on CPU only)."""
 
     _kind = _kernels.KIND_ADAGRAD
+    _sparse_alternative = "torch.optim.Adagrad (which takes sparse gradients)"
 
     def __init__(
         self,

@@ -179,6 +179,16 @@ class Adam4bit(BlockwiseOptimizer):
             state[f"{name}_codes"] = _wrap_like(p, codes, (p.shape[0], nbytes))
             state[f"{name}_absmax"] = _wrap_like(p, absmax, (p.shape[0], nbr))
 
+    def _check_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        p_l = _local(p)
+        if f"{_STATES[0]}_codes" not in state or p_l.numel() == 0:
+            return
+        codes = [_local(state[f"{n}_codes"]) for n in _STATES]
+        absmax = [_local(state[f"{n}_absmax"]) for n in _STATES]
+        rows, row_numel = row_view(p_l.shape)
+        packed = (rows, _qstate4.packed_row(row_numel))
+        _check_layout(type(self).__name__, p_l, codes, absmax, packed, group["block_size"])
+
     # -- step -------------------------------------------------------------------------------
 
     def _torch_update(self, group, params, grads, states, steps) -> None:

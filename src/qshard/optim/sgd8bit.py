@@ -24,6 +24,7 @@ class SGD8bit(Optimizer8bit):
     """
 
     _kind = _kernels.KIND_SGD
+    _sparse_alternative = "torch.optim.SGD (which takes sparse gradients)"
 
     def __init__(
         self,
@@ -66,6 +67,12 @@ class SGD8bit(Optimizer8bit):
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return (("momentum_buffer", True),) if group["momentum"] != 0 else ()
+
+    def _states_added(self, state: dict[str, Any]) -> None:
+        # Momentum switched on after the tensor stepped without it: as in torch.optim.SGD, the
+        # new buffer starts as the gradient at its first use, the step every path treats as the
+        # first (step count 1; SGD's counter marks nothing else).
+        state["step"].zero_()
 
     def _reference_update(self, p, g, states, group, step) -> None:
         _functional.sgd_update(
