@@ -5,6 +5,7 @@ bit-exact resume, masks, misuse errors. Helpers here are shared with test_zero_o
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -332,16 +333,34 @@ def one_rank_trajectories(rank: int = 0, world: int = 1) -> dict[str, list[float
                 opt = ZeroOneAdam(
                     [p], lr=1e-2, var_freeze_step=8, local_step_scaler=2, local_step_clipper=4
                 )
+            twin, twin_p = None, p  # a copy made mid-run ([Note: copies] in qshard.optim._onebit)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # local steps at a constant lr: intended here
-                for _ in range(30):
-                    p.grad = (p.detach() - target) + 0.01 * torch.randn(numel, generator=g)
+                for step in range(30):
+                    noise = 0.01 * torch.randn(numel, generator=g)
+                    p.grad = (p.detach() - target) + noise
                     opt.step()
+                    if twin is not None:
+                        twin_p.grad = (twin_p.detach() - target) + noise
+                        twin.step()
+                    if step == 12 and numel == 33:
+                        if dist.is_initialized():  # a group cannot be pickled: a deep copy
+                            with pytest.raises(TypeError, match="state_dict"):
+                                pickle.dumps(opt)
+                            twin = copy.deepcopy(opt)
+                        else:
+                            twin = pickle.loads(pickle.dumps(opt))
+                        twin_p = twin.param_groups[0]["params"][0]
             if kind == "zero_one":
                 opt.synchronize()
                 assert opt.comm_stats["local"] > 0 and opt.comm_stats["compressed"] > 0
             else:
                 assert opt.comm_stats == {"full_precision": 5, "compressed": 25, "local": 0}
+            if twin is not None:  # the copy stepped as the original
+                if kind == "zero_one":
+                    twin.synchronize()
+                assert twin_p is not p and torch.equal(twin_p, p)
+                assert twin.comm_stats == opt.comm_stats
             assert bool(torch.isfinite(p).all())
             out[f"{kind}/{numel}"] = p.detach().tolist()  # exact: float32 -> float
     return out

@@ -163,6 +163,44 @@ class _DataParallelOneBitOptimizer(Optimizer):
         if self._shards is not None:  # this optimizer syncs their replicas: [Note: replica sync]
             _replicas.claim(self, self._shards.dtensors())
 
+    # ----------------------------------------------------------------------- copies
+    # [Note: copies] torch pickles and deep-copies an optimizer as its defaults, state and
+    # param_groups only; this one's settings (process group, rank, the freeze schedule, the
+    # extra state) live beside them, so such a copy could not step. A copy here takes them all
+    # (torch's hook tables excepted: torch's __setstate__ starts them empty, as for its own
+    # optimizers). A deep copy shares the process group (a group cannot be copied); a pickle
+    # has none to carry, so one is refused where a group is set, and so is any copy on HSDP,
+    # whose DTensor parameters this optimizer claimed ([Note: replica sync]).
+
+    def _copy_state(self) -> dict[str, Any]:
+        if self._shards is not None:
+            raise TypeError(
+                f"{type(self).__name__} on HSDP parameters cannot be copied or pickled: it "
+                "syncs the replicas of the DTensors it was built on. Save state_dict() (e.g. "
+                "with torch.distributed.checkpoint) and load it into a new optimizer instead"
+            )
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        state["_error_mesh"] = None  # rebuilt from the process group on the next state_dict()
+        return state
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None:
+            raise TypeError(
+                f"{type(self).__name__} holds a torch.distributed process group, which cannot "
+                "be pickled; save optimizer.state_dict() (torch.save or "
+                "torch.distributed.checkpoint) and load it into an optimizer built in the new "
+                "process (copy.deepcopy works: the copy shares the group)"
+            )
+        return self._copy_state()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _DataParallelOneBitOptimizer:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group
+        new.__setstate__(copy.deepcopy(self._copy_state(), memo))
+        return new
+
     # ----------------------------------------------------------------------- parameters
     def _variance_frozen(self) -> bool:
         """Whether the next step comes after the variance freeze (subclasses)."""
