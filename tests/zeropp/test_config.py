@@ -46,6 +46,24 @@ def test_validation(kwargs, match):
         ZeroPPConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weight_bits": 4}, "weight_bits=4 configures qwz, which is off; set qwz=True"),
+        ({"weight_block_size": 64}, "configures qwz"),
+        ({"grad_bits": 8}, "grad_bits=8 configures qgz"),
+        ({"grad_block_size": 64, "qwz": True}, "configures qgz"),
+        ({"pipeline_stages": 2, "hpz": True}, "pipeline_stages=2 configures qgz"),
+    ],
+)
+def test_a_knob_of_a_feature_that_is_off_is_refused(kwargs, match):
+    # it used to be ignored without a word: weight_bits=4 without qwz gathered fp32
+    with pytest.raises(ValueError, match=match):
+        ZeroPPConfig(**kwargs)
+    feature = "qwz" if "weight" in match or "qwz" in match else "qgz"
+    ZeroPPConfig(**{**kwargs, feature: True})  # with the feature on: fine
+
+
 def test_comms_refuse_float_bits_and_block_sizes():
     from qshard.comm import Topology
     from qshard.zeropp import HierarchicalQuantizedReduceScatter, QuantizedAllGather

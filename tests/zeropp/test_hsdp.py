@@ -240,6 +240,12 @@ def _case_refusals(topo: Topology, results: dict) -> None:
         shard(GPT(CFG), topology=topo, mesh=crossing)
     except ValueError as e:
         errors["crossing"] = str(e)
+    # a 2-D mesh with a ZeRO++ feature: the user never set hsdp=True, the mesh did
+    good = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("replicate", "shard"))
+    try:
+        shard(GPT(CFG), topology=topo, mesh=good, config=ZeroPPConfig(qwz=True))
+    except ValueError as e:
+        errors["mesh_2d_with_qwz"] = str(e)
     results["errors"] = errors
 
 
@@ -321,6 +327,8 @@ def test_hsdp_2x2():
         assert "replicate_bits=4" in errors["qgz"]
         assert "hsdp=True" in errors["bits_without_hsdp"]
         assert "crosses nodes" in errors["crossing"] and "hsdp_mesh" in errors["crossing"]
+        mesh_2d = errors["mesh_2d_with_qwz"]
+        assert "2-D mesh" in mesh_2d and "1-D mesh" in mesh_2d and "qwz=True" in mesh_2d
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 
 * shard() with every feature off (recording comms, prefetching on) and hpZ alone must give
   bit-identical losses to plain ``fully_shard`` per block + root (hpZ's secondary copy holds
-  the forward's own unsharded weights), also with a ``no_grad`` forward between backward and
-  the optimizer step (kept blocks and hpZ's secondary shards reshard after it).
+  the forward's own unsharded weights), also with a forward that no backward follows (under
+  ``no_grad`` or with autograd on) between backward and the optimizer step (the root, kept
+  blocks and hpZ's secondary shards do not outlive the step).
 * qwZ, qgZ and all three: every step's loss within a stated tolerance of the baseline.
 * With qwZ every rank computes with identical dequantized weights; after training every
   rank's view of the full parameters is identical.
@@ -135,11 +136,14 @@ def _run(rank: int, world: int, rpn: int, names: tuple[str, ...]) -> dict:
 
 
 def _eval_before_step(rank: int, topo: Topology, mesh) -> dict:
-    """backward, a forward under no_grad, then the optimizer step: the kept blocks and hpZ's
-    secondary shards must not carry the old weights into the next forward ([Note: no backward,
-    no kept copy]); plain FSDP2 reshards every block after every forward."""
+    """backward, a forward that no backward follows (under no_grad, or with autograd on: a
+    metric), then the optimizer step: no unit that stays unsharded after forward (the root,
+    kept blocks, hpZ's secondary shards) may carry the old weights into the next forward
+    ([Note: no backward, no stale copy]). The reference is plain FSDP2 with its root resharded
+    by hand after that forward (FSDP2 keeps its root, and computed the next forward's embeddings
+    and head with the old weights)."""
 
-    def train(model) -> tuple[list[float], list[torch.Tensor]]:
+    def train(model, grad: bool, plain: bool) -> tuple[list[float], list[torch.Tensor]]:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for i, (x, y) in enumerate(_batches(rank)):
@@ -147,8 +151,10 @@ def _eval_before_step(rank: int, topo: Topology, mesh) -> dict:
                 break
             _, loss = model(x, y)
             loss.backward()
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 losses.append((loss.item(), model(x, y)[1].item()))
+            if plain:
+                model.reshard()  # FSDP2's documented way out
             opt.step()
             opt.zero_grad()
         for m in model.modules():
@@ -156,19 +162,21 @@ def _eval_before_step(rank: int, topo: Topology, mesh) -> dict:
                 m.reshard()  # the root stays unsharded after forward (FSDP2's rule)
         return losses, _full_params(model)
 
-    base = GPT(CFG)
-    for block in base.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(base, mesh=mesh)
-    want = train(base)
     out = {}
-    for name, cfg in (
-        ("off", ZeroPPConfig()),
-        ("hpz", ZeroPPConfig(hpz=True)),
-        ("hpz_k0", ZeroPPConfig(hpz=True, keep_last_blocks=0)),
-    ):
-        losses, params = train(shard(GPT(CFG), topology=topo, config=cfg))
-        out[name] = losses == want[0] and all(map(torch.equal, params, want[1]))
+    for grad in (False, True):
+        base = GPT(CFG)
+        for block in base.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(base, mesh=mesh)
+        want = train(base, grad, plain=True)
+        for name, cfg in (
+            ("off", ZeroPPConfig()),
+            ("hpz", ZeroPPConfig(hpz=True)),
+            ("hpz_k0", ZeroPPConfig(hpz=True, keep_last_blocks=0)),
+        ):
+            losses, params = train(shard(GPT(CFG), topology=topo, config=cfg), grad, plain=False)
+            key = f"{name}_{'grad' if grad else 'no_grad'}"
+            out[key] = losses == want[0] and all(map(torch.equal, params, want[1]))
     return out
 
 

@@ -65,10 +65,10 @@ class ZeroPPConfig:
             at its peak anyway (the computing block and the prefetched ones), so the peak does
             not grow. More trades memory for fewer gathers; ``0`` reshards every block (the
             least memory after a forward with autograd on and no backward, where kept blocks
-            stay unsharded until the next step; after one under ``torch.no_grad()`` they
-            reshard, see [Note: no backward, no kept copy]). The root (what ``shard()`` wraps
-            last: embeddings, final norm, head) never reshards after forward, as in FSDP2.
-            Numerics unchanged.
+            stay unsharded until the next optimizer step; after one under
+            ``torch.no_grad()`` they reshard at once, see [Note: no backward, no stale copy]).
+            The root (what ``shard()`` wraps last: embeddings, final norm, head) never
+            reshards after forward, as in FSDP2. Numerics unchanged.
         record: install recording comms for FSDP2's own collectives when a feature is off,
             so the active :class:`~qshard.comm.CommLedger` measures the baseline with the same
             ruler. They call the same plain collectives (numerics unchanged).
@@ -166,6 +166,20 @@ class ZeroPPConfig:
                 f"wire_dtype must be None, torch.bfloat16 or torch.float16; got {self.wire_dtype}"
             )
 
+        # A knob of a feature that is off would be ignored without a word (weight_bits=4
+        # without qwz sends fp32): refused, as HSDP's knobs are without hsdp.
+        for feature, knobs in (
+            ("qwz", (("weight_bits", 8), ("weight_block_size", 256))),
+            ("qgz", (("grad_bits", 4), ("grad_block_size", 256), ("pipeline_stages", 1))),
+        ):
+            if getattr(self, feature):
+                continue
+            for name, default in knobs:
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} configures {feature}, which is off; set "
+                        f"{feature}=True (or leave {name}={default!r})"
+                    )
         if self.hsdp:
             self._check_hsdp()
         else:

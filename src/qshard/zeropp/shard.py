@@ -6,13 +6,17 @@ The one place qshard touches FSDP2 modules: every hook and comm it installs is s
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_leaves
 
 from qshard import _replicas
 from qshard.comm.topology import Topology
@@ -244,6 +248,14 @@ def shard(
             f"{dist.get_world_size()}, rank {dist.get_rank()}); build it with Topology.from_env()"
         )
     if mesh is not None and mesh.ndim == 2 and not config.hsdp:
+        features = [f for f in ("qwz", "hpz", "qgz") if getattr(config, f)]
+        if features:
+            raise ValueError(
+                f"a 2-D mesh asks shard() for HSDP, which excludes {', '.join(features)} (they "
+                "change the world-wide gathers and reduce-scatter HSDP does not have); pass a "
+                f"1-D mesh over all {topology.world_size} ranks (or none) for ZeRO++, or drop "
+                f"{', '.join(f + '=True' for f in features)} for HSDP"
+            )
         config = dataclasses.replace(config, hsdp=True)  # a 2-D mesh asks for HSDP
     if config.hsdp:
         return _shard_hsdp(model, topology, config, mp_policy, blocks, mesh)
@@ -320,31 +332,84 @@ def _fully_shard_units(
     """``fully_shard`` each block, then the root. The root never reshards after forward (what
     FSDP2 does for a root left at its default; an explicit ``reshard_after_forward`` would
     reshard it), nor do the last ``config.kept_blocks`` blocks: backward needs them first, so
-    resharding them would only gather them again with little to overlap. A block that does not
-    fully reshard after forward (kept, or hpZ's node-sized secondary shard) does after a forward
-    without autograd: see [Note: no backward, no kept copy]."""
+    resharding them would only gather them again with little to overlap. Every unit that does
+    not fully reshard after forward (the root, kept blocks, hpZ's node-sized secondary shards)
+    is watched so that no copy outlives an optimizer step: [Note: no backward, no stale copy]."""
     keep = {**fsdp_kwargs, "reshard_after_forward": False}
     first_kept = len(block_list) - config.kept_blocks
+    guard = _StaleCopyGuard()
     for i, block in enumerate(block_list):
         kwargs = keep if i >= first_kept else fsdp_kwargs
         fully_shard(block, **kwargs)
         if kwargs["reshard_after_forward"] is not True:
-            # registered after FSDP2's own post-forward hook, so it runs after it
-            block.register_forward_hook(_reshard_without_backward)
+            guard.watch(block, reshard_without_grad=True)
     fully_shard(model, **keep)
+    guard.watch(model, reshard_without_grad=False)
 
 
-def _reshard_without_backward(module: nn.Module, args: object, output: object) -> None:
-    """[Note: no backward, no kept copy] A kept block keeps its unsharded weights, and an hpZ
-    block its node-sized secondary shard, from its forward to its backward, which uses them.
-    A forward under ``torch.no_grad()`` / ``inference_mode()`` (evaluation) has no backward, so
-    the copy would outlive the step: FSDP2 reuses a unit's unsharded or secondary copy at its
-    next unshard, so an optimizer step between such a forward and the next one would leave
-    these blocks computing with the old weights (plain FSDP2 reshards every block and gathers
-    the new ones). Resharding them fully here is what plain FSDP2 does after every forward.
-    The root is left to FSDP2's rule (it stays unsharded after any forward; see docs/zeropp.md)."""
-    if not torch.is_grad_enabled():
-        module.reshard()  # type: ignore[operator]
+class _StaleCopyGuard:
+    """[Note: no backward, no stale copy] A unit that does not fully reshard after forward (the
+    root, a kept block, an hpZ block with its node-sized secondary shard) keeps that copy for
+    its backward. FSDP2 reuses a unit's unsharded or secondary copy at its next unshard, so a
+    forward that no backward of this unit follows (evaluation under ``torch.no_grad()``, a
+    metric computed with autograd on, a loss skipped for being NaN) would leave the copy in
+    place across an optimizer step, and the next forward would compute with the old weights
+    without a word (plain FSDP2 has this for its root: it keeps the root unsharded after every
+    forward and asks users to call ``reshard()``). Here:
+
+    - a watched block's forward under ``no_grad`` reshards it at once (no backward can come);
+    - any other forward of a watched unit marks it pending until backward reaches its outputs
+      (a multi-grad hook, as FSDP2's own pre-backward);
+    - every optimizer step (``torch.optim``'s global step post-hook: every
+      ``torch.optim.Optimizer``, qshard's included) reshards the pending units first, so the
+      next forward gathers the new weights.
+
+    A training step (forward, backward, step) leaves nothing pending, so it changes nothing
+    there; an evaluation loop keeps the root unsharded between its batches as FSDP2 does. A
+    weight changed in place outside an optimizer step (a checkpoint loaded into the sharded
+    parameters after such a forward) still needs ``model.reshard()``."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, nn.Module] = {}
+        _GUARDS.add(self)
+        _install_step_hook()
+
+    def watch(self, unit: nn.Module, *, reshard_without_grad: bool) -> None:
+        # registered after FSDP2's own post-forward hook, so it runs after it
+        def after_forward(module: nn.Module, args: object, output: object) -> None:
+            if not torch.is_grad_enabled() and reshard_without_grad:
+                module.reshard()  # type: ignore[operator]
+                return
+            key = id(module)
+            self._pending[key] = module
+            outputs = [
+                t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if torch.is_grad_enabled() and outputs:
+                register_multi_grad_hook(
+                    outputs, lambda _grads: self._pending.pop(key, None), mode="any"
+                )
+
+        unit.register_forward_hook(after_forward)
+
+    def reshard_pending(self) -> None:
+        pending, self._pending = list(self._pending.values()), {}
+        for module in pending:
+            module.reshard()  # type: ignore[operator]
+
+
+_GUARDS: weakref.WeakSet[_StaleCopyGuard] = weakref.WeakSet()
+_STEP_HOOK: list[object] = []  # the global step post-hook's handle, once installed
+
+
+def _install_step_hook() -> None:
+    if not _STEP_HOOK:
+
+        def before_next_forward(optimizer: object, args: object, kwargs: object) -> None:
+            for guard in list(_GUARDS):
+                guard.reshard_pending()
+
+        _STEP_HOOK.append(register_optimizer_step_post_hook(before_next_forward))
 
 
 def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig) -> None:
