@@ -8,10 +8,12 @@ import torch.distributed as dist
 from qshard.testing import WorldError, run_world
 
 
-def _all_reduce_rank(rank: int, world_size: int) -> float:
+def _all_reduce_rank(rank: int, world_size: int) -> tuple[float, torch.Tensor]:
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return t.item()
+    # a tensor too: put on torch's queue as is, it travelled as shared memory that died with
+    # the rank before the parent read it
+    return t.item(), torch.arange(3) + rank
 
 
 def _fail_on_rank_one(rank: int, world_size: int) -> None:
@@ -27,7 +29,9 @@ def _hang(rank: int, world_size: int) -> None:
 
 
 def test_run_world_results_failures_and_timeout():
-    assert run_world(_all_reduce_rank, 3, timeout_s=120) == [3.0, 3.0, 3.0]
+    out = run_world(_all_reduce_rank, 3, timeout_s=120)
+    assert [total for total, _ in out] == [3.0, 3.0, 3.0]
+    assert all(torch.equal(t, torch.arange(3) + r) for r, (_, t) in enumerate(out))
     with pytest.raises(WorldError, match="boom on rank one"):
         run_world(_fail_on_rank_one, 2, timeout_s=120)
     with pytest.raises(WorldError, match="timeout"):

@@ -9,6 +9,7 @@ Every call is bounded in time, and every process is stopped on failure or timeou
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import time
 import traceback
@@ -56,7 +57,9 @@ def _worker(
         )
         out = fn(rank, world_size, *args)
         dist.barrier()
-        results.put((rank, True, out))
+        # pickled here: a tensor put on torch's queue as is travels as shared memory that dies
+        # with this process, before the parent may have read it
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -74,7 +77,8 @@ def run_world(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
-    ``fn`` must be importable by name (a module-level function) and its return value picklable.
+    ``fn`` must be importable by name (a module-level function) and its return value picklable
+    (tensors included: it travels pickled, not as shared memory).
     Returns the per-rank return values, ordered by rank. Raises :class:`WorldError` with the
     failing ranks' tracebacks if any rank raises, exits abnormally, or the world outlives
     ``timeout_s``; all processes are stopped before returning either way.
@@ -139,4 +143,4 @@ def run_world(
     if failures:
         details = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in failures.items())
         raise WorldError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

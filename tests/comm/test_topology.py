@@ -28,6 +28,8 @@ def test_numbering_is_node_major():
         ({"world_size": 0, "ranks_per_node": 1}, "world_size"),
         ({"world_size": 4, "ranks_per_node": 0}, "ranks_per_node"),
         ({"world_size": 4, "ranks_per_node": 2, "rank": 4}, "rank"),
+        ({"world_size": True, "ranks_per_node": 1}, "world_size"),  # a bool is not a count
+        ({"world_size": 2, "ranks_per_node": True}, "ranks_per_node"),
     ],
 )
 def test_validation_names_the_fix(kwargs, match):

@@ -44,9 +44,13 @@ class Topology:
     __slots__ = ("_groups", "_rank", "_ranks_per_node", "_world_size")
 
     def __init__(self, *, world_size: int, ranks_per_node: int, rank: int | None = None) -> None:
-        if not isinstance(world_size, int) or world_size < 1:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
-        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        if (
+            isinstance(ranks_per_node, bool)
+            or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1
+        ):
             raise ValueError(
                 f"ranks_per_node must be an int >= 1; got {ranks_per_node!r} "
                 "(set LOCAL_WORLD_SIZE or pass ranks_per_node explicitly)"
