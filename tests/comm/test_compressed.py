@@ -245,6 +245,25 @@ def _check_errors(group):
     assert compressed_all_reduce([], [], [], group=group) == []
 
 
+def _check_server_overflow(group):
+    """Finite inputs whose sums of squares fit in float32 on every rank, but whose server chunk
+    (the ranks' mean plus the server error of the round before) overflows in the second round:
+    that round comes back all NaN on every rank and leaves every error buffer as it was (it
+    came back +-Inf and stored Inf / NaN in the server error for good)."""
+    values = ([9.049476576340607e18, -9.314996539820605e18], [1.29454827e19, 1.03762314e18])
+    t = torch.tensor(values[dist.get_rank(group)])
+    assert torch.isfinite(t.square().sum())
+    ew, es = [torch.zeros(padded_numel(2, 2))], [torch.zeros(server_error_numel(2, 2))]
+    first = compressed_all_reduce([t], ew, es, group=group)[0]
+    assert bool(torch.isfinite(first).all())
+    kept = (ew[0].clone(), es[0].clone())
+    second = compressed_all_reduce([t], ew, es, group=group)[0]
+    assert bool(second.isnan().all()), second
+    assert torch.equal(ew[0], kept[0]) and torch.equal(es[0], kept[1])
+    later = compressed_all_reduce([torch.tensor([1.0, -1.0])], ew, es, group=group)[0]
+    assert bool(torch.isfinite(later).all()), later
+
+
 def compressed_world(rank: int, world_size: int) -> None:
     assert world_size == 4
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -264,6 +283,7 @@ def compressed_world(rank: int, world_size: int) -> None:
         _check_error_feedback_identity(group, seed=7 + gi)
         _check_ledger(group, rank)
         _check_errors(group)
+    _check_server_overflow(pairs[rank // 2])
     if rank == 3:
         with pytest.raises(ValueError, match="not a member"):
             compressed_all_reduce([torch.ones(3)], [torch.zeros(24)], [torch.zeros(8)], group=trio)

@@ -22,13 +22,15 @@ stays zero, and they are zero in the result. All ranks must pass the same masks 
 property of the model, which is replicated).
 
 [Note: non-finite inputs] If any element of a tensor (masked ones included) is NaN or +-Inf on
-any rank, or its sum of squares overflows float32 (elements beyond ~1e19), that tensor comes
-back all NaN on every rank, and the worker and server error buffers of that tensor are left as
+any rank, or its sum of squares overflows float32 (elements beyond ~1e19) on any rank or on any
+server (whose chunk adds its error to the ranks' mean), that tensor comes back all NaN on every
+rank, and the worker and server error buffers of that tensor are left as
 they were on every rank, so a later round with finite inputs is unaffected. Sign compression
 alone would not propagate it: 1 bit has no NaN (``sign(NaN)`` packs as +1) and the errors would
 keep the NaN or Inf forever. The decision is per tensor and made from the per-tensor scales,
-which every rank receives from every rank: no extra pass over the data and no extra message,
-and every rank takes the same decision. Other tensors of the bucket are unaffected.
+which every rank receives from every rank and every server: no extra pass over the data and no
+extra message, and every rank takes the same decision (the error buffers are written after the
+all-gather, when the servers' scales are known). Other tensors of the bucket are unaffected.
 
 [Note: wire rows] What one rank sends to one destination (a row of the all-to-all buffer, or its
 all-gather payload) is ``[num fp32 scales | packed signs | 0-3 zero bytes]``: the scales come
@@ -216,7 +218,6 @@ def compressed_all_reduce(
     # Every rank receives every rank's scale of every tensor, so all agree on which tensors
     # had a non-finite input somewhere; see [Note: non-finite inputs].
     finite = torch.isfinite(recv_scales).all(0)  # (num,)
-    keep = finite[seg_ids]
     my_valid = valid[rank]
     server_err = torch.cat([es.reshape(-1) for es in server_errors])
     y = (recv_signs * recv_scales[:, seg_ids]).sum(0).div_(n).mul_(my_valid).add_(server_err)
@@ -225,14 +226,6 @@ def compressed_all_reduce(
     server_scales = torch.where(finite, server_scales, math.nan)
     server_signs = torch.where(y >= 0, 1.0, -1.0)
     server_sent = server_signs * server_scales[seg_ids] * my_valid
-    new_server_error = torch.where(keep, y - server_sent, server_err)
-    offset = 0
-    for ew, es, c in zip(worker_errors, server_errors, chunks):
-        part = slice(offset, offset + c)  # no host sync: a where, not an if
-        old = ew.reshape(n, c)
-        ew.copy_(torch.where(keep[part], new_worker_error[:, part], old).reshape(ew.shape))
-        es.copy_(new_server_error[part].reshape(es.shape))
-        offset += c
 
     payload = torch.empty(row, dtype=torch.uint8, device=device)
     payload.view(torch.float32)[:num] = server_scales
@@ -245,11 +238,26 @@ def compressed_all_reduce(
     else:
         gathered = payload.view(1, row)
 
+    # The errors are written only now: every rank also has every server's scales, so a server
+    # sum of squares that overflowed (the server error added to the mean can exceed what any
+    # rank sent) counts as a non-finite input on every rank too.
+    ok = finite & torch.isfinite(gathered.view(torch.float32)[:, :num]).all(0)  # (num,)
+    keep = ok[seg_ids]
+    new_server_error = torch.where(keep, y - server_sent, server_err)
+    offset = 0
+    for ew, es, c in zip(worker_errors, server_errors, chunks):
+        part = slice(offset, offset + c)  # no host sync: a where, not an if
+        old = ew.reshape(n, c)
+        ew.copy_(torch.where(keep[part], new_worker_error[:, part], old).reshape(ew.shape))
+        es.copy_(new_server_error[part].reshape(es.shape))
+        offset += c
+
     out_scales = gathered.view(torch.float32)[:, :num]  # (n, num)
     out_signs = unpack_signs(
         gathered[:, 4 * num : 4 * num + sign_bytes].reshape(-1), n * width
     ).view(n, width)
     result = out_signs.mul_(out_scales[:, seg_ids]).mul_(valid)
+    result = torch.where(keep, result, math.nan)  # an overflowed server scale gave +-Inf
     outputs = []
     offset = 0
     for t, k, c in zip(tensors, numels, chunks):

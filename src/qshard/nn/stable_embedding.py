@@ -26,8 +26,10 @@ class StableEmbedding(nn.Embedding):
     ``max_norm``, ``norm_type``, ``scale_grad_by_freq``, ``sparse``, ``device``, ``dtype``;
     ``_weight``/``_freeze`` keyword-only, for ``StableEmbedding.from_pretrained``, which keeps
     the given table as ``nn.Embedding.from_pretrained`` does and starts a fresh LayerNorm).
-    The output has the weight's dtype; the LayerNorm (with affine parameters, kept in fp32)
-    runs on the fp32 lookup. ``reset_parameters`` re-initialises the LayerNorm too (meta-device
+    The output has the weight's dtype; the LayerNorm runs in fp32 on the fp32 lookup. Its
+    affine parameters are made in fp32, and a module-wide cast (``.half()``, ``.to(bf16)``)
+    casts them like every other parameter (FSDP2 wants one dtype per unit); they are upcast
+    for the computation, so a cast rounds them once but the normalisation stays fp32. ``reset_parameters`` re-initialises the LayerNorm too (meta-device
     init: ``to_empty`` then ``reset_parameters``). The qshard optimizers refuse sparse gradients,
     so use ``sparse=True`` only with an optimizer that takes them.
     """
