@@ -209,6 +209,13 @@ def main() -> None:
     model = build_model(llama_config(context=args.context), seed=0, device=device)
     optimizer = parallelize(model, optim=args.optim, topology=topology, zeropp=zeropp)
     start = load_checkpoint(args.checkpoint, model, optimizer) if args.resume else 0
+    if start >= args.steps:
+        # saving here would label the checkpoint with the smaller --steps: a later resume would
+        # train those steps twice
+        raise SystemExit(
+            f"{args.checkpoint} is at step {start}, not below --steps {args.steps}: nothing to "
+            f"train; pass --steps above {start} to continue"
+        )
     tokens = corpus()
     for step in range(start, args.steps):
         batches = micro_batches(

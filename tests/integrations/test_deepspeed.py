@@ -290,6 +290,14 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
         ({"optimizer": {"type": "AdamW", "params": [["lr", 1e-3]]}}, "params: must be a JSON"),
         ({"gradient_clipping": float("nan")}, "gradient_clipping: must be a finite number"),
         ({"gradient_clipping": float("inf")}, "0: no clipping"),
+        # a falsy non-object section was read as absent (stage 0, no optimizer, fp32)
+        ({"zero_optimization": False}, "zero_optimization: must be a JSON object; got False"),
+        ({"zero_optimization": []}, "zero_optimization: must be a JSON object"),
+        ({"optimizer": []}, "optimizer: must be a JSON object"),
+        ({"bf16": 0}, "bf16: must be a JSON object; got 0"),
+        # a typo in a disabled amp / torch_autocast section was listed as having no equivalent
+        ({"amp": {"enabled": False, "opt_levle": "O1"}}, "amp.opt_levle: is not an option"),
+        ({"torch_autocast": {"enabled": False, "dtpye": "bf16"}}, "torch_autocast.dtpye"),
     ],
 )
 def test_refused_keys_are_named(config, message):
@@ -301,6 +309,10 @@ def test_hpz_partition_size_must_be_the_node():
     cfg = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}
     with pytest.raises(DeepSpeedConfigError, match="one node \\(4 ranks\\); set 4"):
         read_deepspeed_config(cfg, ranks_per_node=4)
+    with pytest.raises(DeepSpeedConfigError, match=r"set 1 \(hpZ off\).*--ranks-per-node 8"):
+        read_deepspeed_config(cfg, ranks_per_node=1)
+    amp = read_deepspeed_config({"amp": {"enabled": False, "opt_level": "O1"}})
+    assert "amp.opt_level" in amp.no_equivalent
     assert read_deepspeed_config(cfg, ranks_per_node=8).zeropp.hpz
 
 
@@ -321,6 +333,10 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
         config_from_args([*base, "--lr", "1e-3"])
     with pytest.raises(ValueError, match="--zeropp off conflicts"):
         config_from_args([*base, "--zeropp", "off"])
+    for same in ("all", "qgz,hpz,qwz"):  # the file's features named otherwise: no conflict
+        assert config_from_args([*base, "--zeropp", same]).zeropp_features == {"qwz", "hpz", "qgz"}
+    with pytest.raises(ValueError, match="--zeropp qwz,hpz conflicts"):
+        config_from_args([*base, "--zeropp", "qwz,hpz"])
     assert config_from_args([*base, "--optim", "adamw8bit"]).optim == "adamw8bit"  # the swap
     # the file's lr is the schedule's peak: the default floor follows it (a fine-tuning lr
     # below the app's default --min-lr 3e-4 was refused, naming a flag never given)
@@ -331,7 +347,9 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
     assert config_from_args([*low, "--min-lr", "0"]).min_lr == 0  # given: kept
     with pytest.raises(ValueError, match=r"--min-lr 0\.0003 must not exceed --lr 0\.0001"):
         config_from_args([*low, "--min-lr", "3e-4"])
-    with pytest.raises(ValueError, match="one node \\(1 ranks\\)"):
+    with pytest.raises(
+        ValueError, match=r"one node \(1 rank\); set 1 \(hpZ off\).*--ranks-per-node 2"
+    ):
         config_from_args([*base[:-1], "1"])
     for change, message in (
         ({"gradient_accumulation_steps": 2}, "no gradient accumulation"),

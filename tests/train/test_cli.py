@@ -71,6 +71,7 @@ def test_defaults_are_the_main_job():
         (["--val-fraction", "1.5"], "--val-fraction must be in (0, 1)"),
         # NaN passed every comparison; inf lr / a timeout past timedelta's range crashed ranks.
         (["--lr", "nan"], "--lr must be a number; got nan"),
+        (["--lr", "-0.1"], "--lr must be > 0; got -0.1"),  # said >= 0, then refused 0
         (["--lr", "inf"], "--lr must be finite; got inf"),
         (["--min-lr", "nan"], "--min-lr must be a number"),
         (["--weight-decay", "nan"], "--weight-decay must be a number"),

@@ -279,6 +279,26 @@ def read_deepspeed_config(
     return _Reader(where).read(cfg, ranks_per_node)
 
 
+# The keys DeepSpeed reads in its amp section (passed on to apex's amp.initialize) and its
+# torch_autocast section: accepted, with no equivalent, while the section is disabled.
+_DISABLED_SECTION_KEYS: dict[str, tuple[str, ...]] = {
+    "amp": (
+        "opt_level",
+        "cast_model_type",
+        "patch_torch_functions",
+        "keep_batchnorm_fp32",
+        "master_weights",
+        "loss_scale",
+        "cast_model_outputs",
+        "num_losses",
+        "verbosity",
+        "min_loss_scale",
+        "max_loss_scale",
+    ),
+    "torch_autocast": ("dtype", "lower_precision_safe_modules"),
+}
+
+
 class _Reader:
     def __init__(self, where: str) -> None:
         self.where = where
@@ -288,8 +308,10 @@ class _Reader:
         return DeepSpeedConfigError(f"{self.where}: {key}: {why}")
 
     def section(self, cfg: dict[str, Any], name: str) -> dict[str, Any]:
-        value = cfg.get(name) or {}
-        if not isinstance(value, dict):
+        value = cfg.get(name)
+        if value is None:  # absent, or null
+            return {}
+        if not isinstance(value, dict):  # [], false, 0 too: not "absent"
             raise self.fail(name, f"must be a JSON object; got {value!r}")
         return value
 
@@ -582,8 +604,15 @@ class _Reader:
                     "qshard's mixed precision is FSDP2's MixedPrecisionPolicy: use bf16.enabled",
                 )
             for key in section:
-                if key != "enabled":
-                    self.no_equivalent[f"{name}.{key}"] = f"read only when {name} is enabled"
+                if key == "enabled":
+                    continue
+                if key not in _DISABLED_SECTION_KEYS[name]:  # a typo is refused, as in fp16
+                    raise self.fail(
+                        f"{name}.{key}",
+                        f"is not an option of DeepSpeed's {name} section ("
+                        f"{', '.join(_DISABLED_SECTION_KEYS[name])}); remove it",
+                    )
+                self.no_equivalent[f"{name}.{key}"] = f"read only when {name} is enabled"
         self.activation_checkpointing(cfg)
         types = self.section(cfg, "data_types")
         for key, value in types.items():
@@ -674,8 +703,15 @@ class _Reader:
         if hpz and ranks_per_node is not None and size != ranks_per_node:
             raise self.fail(
                 "zero_optimization.zero_hpz_partition_size",
-                f"{size}: qshard's hpZ secondary group is one node ({ranks_per_node} ranks); "
-                f"set {ranks_per_node}, or 1 to turn hpZ off",
+                f"{size}: qshard's hpZ secondary group is one node ({ranks_per_node} "
+                f"rank{'s' if ranks_per_node != 1 else ''}); "
+                + (
+                    f"set {ranks_per_node}, or 1 to turn hpZ off"
+                    if ranks_per_node != 1
+                    else "set 1 (hpZ off)"
+                )
+                + f", or make a node {size} ranks (Topology(ranks_per_node={size}); qshard "
+                f"train --ranks-per-node {size})",
             )
         wire = None
         if mp_policy is None and comm in ("fp16", "bf16"):

@@ -24,7 +24,7 @@ from qshard.integrations.deepspeed import (
     DeepSpeedTranslation,
     read_deepspeed_config,
 )
-from qshard.train.config import TrainConfig
+from qshard.train.config import TrainConfig, parse_zeropp
 
 __all__ = ["apply_deepspeed", "translation"]
 
@@ -106,6 +106,17 @@ def _flag_values(t: DeepSpeedTranslation, *, nproc: int, where: str) -> dict[str
     return values
 
 
+def _same_value(name: str, given: Any, value: Any) -> bool:
+    """Whether a flag's value agrees with the file's (``--zeropp`` by the features it names:
+    ``all`` and ``qgz,hpz,qwz`` are the file's ``qwz,hpz,qgz``)."""
+    if name == "zeropp":
+        try:
+            return parse_zeropp(str(given)) == parse_zeropp(str(value))
+        except ValueError:
+            return False
+    return given == value
+
+
 def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, Any]:
     """``args`` (the parsed flags) with the DeepSpeed config's values applied; see
     [Note: DeepSpeed config and flags]."""
@@ -122,7 +133,7 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
         given = args[name]
         if name == "optim" and value == "adamw" and given == "adamw8bit" and name in explicit:
             continue  # the one swap: same hyperparameters, 8-bit state
-        if name in explicit and given != value:
+        if name in explicit and not _same_value(name, given, value):
             flag = "--" + name.replace("_", "-")
             raise DeepSpeedConfigError(
                 f"{flag} {given} conflicts with {path}, which sets {value}; drop {flag} or "

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from qshard.train import config as config_module
@@ -288,7 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if _under_torchrun():
         from qshard.train.loop import train
 
-        train(resume_after_restart(config))
+        try:
+            train(resume_after_restart(config))
+        except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says what is left
+            return 130
         return 0
     try:
         preflight(config)
@@ -300,6 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChildFailedError as exc:
         print(_report(exc, config), file=sys.stderr)
         return 1
+    except (SignalException, KeyboardInterrupt) as exc:
+        what = getattr(exc, "sigval", None)
+        name = what.name if what is not None else "SIGINT"
+        print(f"qshard train: stopped by {name}; {_resume_hint(config)}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -307,8 +316,6 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
     """What a failed job tells its user: each failed rank and why (a signal, or the first line
     of its error, which for a lost peer or a non-finite value names rank, step and checkpoint),
     the step the run had reached, and how to continue."""
-    from qshard.train.checkpoint import latest_checkpoint
-
     lines = []
     # Ranks that raised (their messages carry the diagnosis) before ranks that were killed.
     failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[0]))
@@ -319,7 +326,6 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
             text = _failure_message(failure).strip().splitlines()
             what = f"failed (exit code {failure.exitcode}): {text[-1] if text else 'no message'}"
         lines.append(f"  rank {rank} (pid {failure.pid}) {what}")
-    latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
     reached = _last_logged_step(config)
     restarts = (
         f" after {config.max_restarts} restart{'s' if config.max_restarts != 1 else ''}"
@@ -329,14 +335,20 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
     head = f"qshard train: error: the job failed{restarts}"
     if reached is not None:
         head += f" (rank 0 had logged step {reached})"
-    hint = (
-        f"the newest complete checkpoint is {latest}: rerun with --resume to continue from it"
-        if latest is not None
-        else "no complete checkpoint was written: rerun from the start"
-    )
+    hint = _resume_hint(config)
     if not config.max_restarts:
         hint += ", or pass --max-restarts N to restart automatically"
     return "\n".join([head + ":", *lines, hint])
+
+
+def _resume_hint(config: TrainConfig) -> str:
+    """How to continue a run that stopped: from its newest complete checkpoint, if any."""
+    from qshard.train.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
+    if latest is None:
+        return "no complete checkpoint was written: rerun from the start"
+    return f"the newest complete checkpoint is {latest}: rerun with --resume to continue from it"
 
 
 def _failure_message(failure: Any) -> str:

@@ -215,10 +215,10 @@ class TrainConfig:
             if math.isnan(value) or (math.isinf(value) and name != "grad_clip"):
                 what = "a number" if math.isnan(value) else "finite"
                 raise ValueError(f"--{name.replace('_', '-')} must be {what}; got {value}")
+            if name == "lr" and value <= 0:
+                raise ValueError(f"--lr must be > 0; got {value}")
             if value < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {value}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be > 0; got {self.lr}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} must not exceed --lr {self.lr}")
         if self.warmup_steps >= self.steps and self.steps > 1:
