@@ -249,6 +249,9 @@ def test_options_are_validated():
         AdamW4bit(p, amsgrad=True)
     with pytest.raises(ValueError, match="betas"):
         AdamW4bit(p, betas=(0.9, 1.0))
+    for kw in (dict(eps=float("nan")), dict(weight_decay=float("nan"))):  # NaN passed `x < 0`
+        with pytest.raises(ValueError, match=r"eps and weight_decay must be >= 0.*nan"):
+            AdamW4bit(p, **kw)
 
 
 def test_exported():
@@ -283,3 +286,35 @@ def test_train_estimate_matches_the_state_it_creates():
     )["optimizer state (adamw4bit)"]
     measured = qoptim.optimizer_state_bytes(opt)
     assert abs(measured - est) <= 4 * len(opt.state), (measured, est)
+
+
+def test_foreign_state_dicts_load_where_they_mean_the_same_and_are_refused_otherwise():
+    # [Note: loading foreign state_dicts]: before, torch.optim.AdamW's groups loaded without
+    # optim_bits & co (KeyError at the first parameter without state), amsgrad=True was
+    # silently dropped, and an 8-bit optimizer's state failed only at the step.
+    gen = torch.Generator().manual_seed(0)
+    ps = [nn.Parameter(torch.randn(64, 128, generator=gen)) for _ in range(2)]
+    ref = torch.optim.AdamW(ps, lr=1e-2)
+    ps[0].grad = torch.randn(64, 128, generator=gen)
+    ref.step()
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    ours = AdamW4bit(qs, lr=1e-2)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for _ in range(2):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ref.step()
+        ours.step()
+    assert torch.equal(qs[0], ps[0])  # its fp32 state, stepped as torch's
+    assert "exp_avg_codes" in ours.state[qs[1]]
+    p = nn.Parameter(torch.randn(64, 128))
+    ams = torch.optim.Adam([p], amsgrad=True)
+    p.grad = torch.randn_like(p)
+    ams.step()
+    with pytest.raises(ValueError, match=r"amsgrad.*does not implement"):
+        Adam4bit([p]).load_state_dict(ams.state_dict())
+    eight = qoptim.AdamW8bit([p])
+    eight.step()
+    with pytest.raises(ValueError, match=r"min_8bit_size.*another optimizer"):
+        AdamW4bit([p]).load_state_dict(eight.state_dict())

@@ -325,6 +325,30 @@ def test_options_are_validated():
         qoptim.AdamW8bit(p, percentile_clipping=5)
 
 
+_NAN = float("nan")
+
+
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (qoptim.AdamW8bit, dict(eps=_NAN)),
+        (qoptim.Adam8bit, dict(weight_decay=_NAN)),
+        (qoptim.SGD8bit, dict(momentum=_NAN)),
+        (qoptim.SGD8bit, dict(weight_decay=_NAN)),
+        (qoptim.RMSprop8bit, dict(eps=_NAN)),
+        (qoptim.RMSprop8bit, dict(momentum=_NAN)),
+        (qoptim.Adagrad8bit, dict(lr_decay=_NAN)),
+        (qoptim.Adagrad8bit, dict(initial_accumulator_value=_NAN)),
+        (qoptim.Lion8bit, dict(weight_decay=_NAN)),
+    ],
+)
+def test_nan_hyperparameters_are_refused(cls, kw):
+    # Before: `x < 0` let NaN through, and the first step made every parameter NaN.
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"must be >= 0.*{name}=nan|{name} must be >= 0; got nan"):
+        cls([nn.Parameter(torch.randn(4, 4))], **kw)
+
+
 def test_adagrad_initial_accumulator_value_matches_torch():
     a = nn.Parameter(torch.randn(64, 128))
     b = nn.Parameter(a.detach().clone())
@@ -507,3 +531,86 @@ def test_the_sparse_gradient_error_names_an_optimizer_that_takes_them(cls, alter
     emb(torch.tensor([1])).sum().backward()
     with pytest.raises(RuntimeError, match=alternative):
         opt.step()
+
+
+# ------------------------------------------------------------------------------------------
+# Loading state_dicts written by torch.optim or by another optimizer
+# ([Note: loading foreign state_dicts] in _base8bit.py).
+
+
+@pytest.mark.parametrize(
+    "cls, torch_cls, kw",
+    [
+        (qoptim.AdamW8bit, torch.optim.AdamW, dict(lr=1e-2)),
+        (qoptim.Adam8bit, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+        (qoptim.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+        (qoptim.RMSprop8bit, torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5)),
+        (qoptim.Adagrad8bit, torch.optim.Adagrad, dict(lr=1e-2)),
+    ],
+)
+def test_a_torch_optim_state_dict_loads_and_continues_as_torch(cls, torch_cls, kw):
+    # Before: the loaded groups lacked optim_bits & co (KeyError at the first parameter without
+    # state) and torch.optim.SGD's states lacked 'step' (KeyError 'step').
+    gen = torch.Generator().manual_seed(0)
+    stepped, fresh = (torch.randn(64, 128, generator=gen) for _ in range(2))
+    ps = [nn.Parameter(stepped.clone()), nn.Parameter(fresh.clone())]
+    ref = torch_cls(ps, **kw)
+    ps[0].grad = torch.randn(64, 128, generator=gen)
+    ref.step()  # only the first parameter has state
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    ours = cls(qs, **kw)
+    sd = copy.deepcopy(ref.state_dict())
+    ours.load_state_dict(sd)
+    assert ours.param_groups[0]["optim_bits"] == 8
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ref.step()
+        ours.step()
+    assert torch.equal(qs[0], ps[0])  # the loaded fp32 state steps as torch's
+    if 1 not in sd["state"]:  # (torch.optim.Adagrad makes every state at construction)
+        first_state = ours._state_specs(ours.param_groups[0])[0][0]
+        assert f"{first_state}_codes" in ours.state[qs[1]]  # new state: 8-bit
+    torch.testing.assert_close(qs[1], ps[1], rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "cls, torch_cls, kw, option",
+    [
+        (qoptim.Adam8bit, torch.optim.Adam, dict(amsgrad=True), "amsgrad"),
+        (qoptim.AdamW8bit, torch.optim.AdamW, dict(maximize=True), "maximize"),
+        (qoptim.AdamW8bit, torch.optim.Adam, {}, "decoupled_weight_decay"),
+        (qoptim.RMSprop8bit, torch.optim.RMSprop, dict(centered=True), "centered"),
+        (qoptim.SGD8bit, torch.optim.SGD, dict(momentum=0.9, maximize=True), "maximize"),
+    ],
+)
+def test_a_state_dict_with_options_we_do_not_implement_is_refused(cls, torch_cls, kw, option):
+    # Before: loaded and silently stepped without the option.
+    p = nn.Parameter(torch.randn(64, 128))
+    ref = torch_cls([p], lr=1e-2, **kw)
+    p.grad = torch.randn_like(p)
+    ref.step()
+    ours = cls([p], lr=1e-2)
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match=f"{option}.*does not implement"):
+        ours.load_state_dict(ref.state_dict())
+    assert ours.state_dict() == before  # nothing loaded
+
+
+def test_a_state_dict_of_another_qshard_optimizer_is_refused_at_load():
+    # Before: AdamW8bit's groups loaded into SGD8bit failed at step with KeyError 'momentum'.
+    p = nn.Parameter(torch.randn(64, 128))
+    opt = qoptim.AdamW8bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    with pytest.raises(ValueError, match=r"\['betas', 'eps'\].*another optimizer"):
+        qoptim.SGD8bit([p], momentum=0.9).load_state_dict(opt.state_dict())
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["block_size"] = 0
+    with pytest.raises(ValueError, match=r"param group 0: .*block_size"):
+        qoptim.AdamW8bit([p]).load_state_dict(bad)
+    bad = copy.deepcopy(opt.state_dict())
+    del bad["state"][0]["step"]
+    with pytest.raises(ValueError, match="no 'step'"):
+        qoptim.AdamW8bit([p]).load_state_dict(bad)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -358,13 +358,104 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()  # a refused group must not stay in the optimizer
             raise
 
+    #: ``torch.optim`` options these optimizers do not take, each with the value at which torch
+    #: computes what they compute: a ``torch.optim`` state_dict carrying them loads only then.
+    _torch_neutral_options: ClassVar[dict[str, Any]] = {
+        "amsgrad": False,
+        "maximize": False,
+        "capturable": False,
+        "differentiable": False,
+        "centered": False,
+    }
+
+    def _neutral_options(self) -> dict[str, Any]:
+        """:attr:`_torch_neutral_options` for this optimizer (Adam/AdamW add
+        ``decoupled_weight_decay``)."""
+        return self._torch_neutral_options
+
+    def _missing_step(self, state: dict[str, Any]) -> float | None:
+        """The step count of a loaded state saved without one (``torch.optim.SGD`` keeps no
+        counter), or None when it cannot be known (the load is then refused)."""
+        return None
+
+    def _checked_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with its param groups and states made loadable, or an error that says
+        why not, before anything is loaded."""
+        # [Note: loading foreign state_dicts]
+        # torch's load_state_dict replaces each group's options by the saved ones, unchecked.
+        # A state_dict of torch.optim (or of another qshard optimizer) then left groups without
+        # our options (KeyError 'optim_bits' at the first tensor without state), with options
+        # we do not implement silently ignored (a saved amsgrad=True or maximize=True stepped
+        # as plain Adam), and SGD states without the 'step' counter our step loop reads
+        # (KeyError 'step'). So: torch-only options load only at their neutral value (and are
+        # dropped); any other unknown option is refused (state saved by another optimizer);
+        # options the saved group lacks keep this optimizer's current value (as torch's own
+        # __setstate__ fills options added after a checkpoint was written); the result passes
+        # the checks add_param_group runs; a state without 'step' gets the count
+        # _missing_step gives or is refused; None entries (torch's absent buffers) are dropped;
+        # a one-element tensor lr (torch's, for fused/capturable) becomes the float we read.
+        # Loaded fp32 states stay fp32: a tensor's state format is recorded in its state.
+        name = type(self).__name__
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            return state_dict  # torch's own error
+        neutral = self._neutral_options()
+        groups = []
+        for gi, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
+            extra = set(saved) - set(self.defaults) - {"params", "param_names"}
+            unknown = sorted(k for k in extra if k not in neutral)
+            if unknown:
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {gi} has option(s) {unknown} that "
+                    f"{name} does not take (was the state_dict saved by another optimizer?); "
+                    f"known options: {sorted(self.defaults)}"
+                )
+            differ = {k: saved[k] for k in sorted(extra) if saved[k] != neutral[k]}
+            if differ:
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {gi} was saved with {differ}, which "
+                    f"{name} does not implement (it computes "
+                    f"{ {k: neutral[k] for k in differ} }); load it into an optimizer that "
+                    f"implements it"
+                )
+            group = {k: v for k, v in saved.items() if k not in extra}
+            for k, v in current.items():
+                if k not in group and k != "params":
+                    group[k] = v
+            lr = group.get("lr")
+            if isinstance(lr, Tensor) and lr.numel() == 1:  # torch's tensor lr; ours is a float
+                group["lr"] = float(lr)
+            try:
+                checked = {**group, "params": current["params"]}
+                self._validate_common(checked)
+                self._validate_group(checked)
+            except ValueError as e:
+                raise ValueError(f"{name}.load_state_dict: param group {gi}: {e}") from e
+            groups.append(group)
+        states = {}
+        for key, st in state_dict["state"].items():
+            st = {k: v for k, v in st.items() if v is not None}
+            if st and "step" not in st:
+                step = self._missing_step(st)
+                if step is None:
+                    raise ValueError(
+                        f"{name}.load_state_dict: the state of parameter {key} has no 'step' "
+                        f"counter (keys {sorted(st)}); {name} needs it"
+                    )
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+            states[key] = st
+        return {**state_dict, "state": states, "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype.
 
         torch casts each loaded state tensor to its parameter's dtype (which would turn codes
         into floats and, for bf16 parameters, round absmax and fp32 states); here only the
-        device follows the parameter, so a round trip is bit-exact.
+        device follows the parameter, so a round trip is bit-exact. The saved groups' options
+        are checked first, and a ``torch.optim`` state_dict loads where this optimizer computes
+        the same ([Note: loading foreign state_dicts]).
         """
+        state_dict = self._checked_state_dict(state_dict)
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]

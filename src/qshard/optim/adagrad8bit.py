@@ -58,8 +58,8 @@ class Adagrad8bit(Optimizer8bit):
 
     def _validate_group(self, group: dict[str, Any]) -> None:
         for k in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
-            if group[k] < 0:
-                raise ValueError(f"{k} must be >= 0; got {group[k]}")
+            if not group[k] >= 0:  # NaN too, as torch.optim.Adagrad
+                raise ValueError(f"{k} must be >= 0; got {group[k]!r}")
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return (("sum", False),)

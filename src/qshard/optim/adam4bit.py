@@ -130,8 +130,11 @@ class Adam4bit(BlockwiseOptimizer):
         b1, b2 = group["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"{name}: betas must be in [0, 1); got {group['betas']}")
-        if group["eps"] < 0 or group["weight_decay"] < 0:
-            raise ValueError(f"{name}: eps and weight_decay must be >= 0")
+        if not (group["eps"] >= 0 and group["weight_decay"] >= 0):  # NaN too, as torch.optim
+            raise ValueError(
+                f"{name}: eps and weight_decay must be >= 0; got eps={group['eps']!r}, "
+                f"weight_decay={group['weight_decay']!r}"
+            )
         _check_real(group["params"], name)
         for p in group["params"]:
             if isinstance(p, DTensor):
@@ -146,6 +149,10 @@ class Adam4bit(BlockwiseOptimizer):
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return _SPECS
+
+    def _neutral_options(self) -> dict[str, Any]:
+        # torch.optim.Adam and AdamW are one class that records the decay kind in the group
+        return {**super()._neutral_options(), "decoupled_weight_decay": self._decoupled}
 
     def uses_4bit_state(self, p: Tensor, group: dict[str, Any]) -> bool:
         """Whether ``p`` gets 4-bit state: decided from its global shape only."""

@@ -123,11 +123,18 @@ class Adam8bit(Optimizer8bit):
         b1, b2 = group["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1); got {group['betas']}")
-        if group["eps"] < 0 or group["weight_decay"] < 0:
-            raise ValueError("eps and weight_decay must be >= 0")
+        if not (group["eps"] >= 0 and group["weight_decay"] >= 0):  # NaN too, as torch.optim
+            raise ValueError(
+                f"eps and weight_decay must be >= 0; got eps={group['eps']!r}, "
+                f"weight_decay={group['weight_decay']!r}"
+            )
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return (("exp_avg", True), ("exp_avg_sq", False))
+
+    def _neutral_options(self) -> dict[str, Any]:
+        # torch.optim.Adam and AdamW are one class that records the decay kind in the group
+        return {**super()._neutral_options(), "decoupled_weight_decay": self._decoupled}
 
     def _reference_update(self, p, g, states, group, step) -> None:
         b1, b2 = group["betas"]

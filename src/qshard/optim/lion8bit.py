@@ -56,8 +56,8 @@ class Lion8bit(Optimizer8bit):
         b1, b2 = group["betas"]
         if not (0.0 <= b1 <= 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1]; got {group['betas']}")
-        if group["weight_decay"] < 0:
-            raise ValueError("weight_decay must be >= 0")
+        if not group["weight_decay"] >= 0:  # NaN too
+            raise ValueError(f"weight_decay must be >= 0; got {group['weight_decay']!r}")
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return (("exp_avg", True),)

@@ -62,8 +62,9 @@ class RMSprop8bit(Optimizer8bit):
     def _validate_group(self, group: dict[str, Any]) -> None:
         if not 0.0 <= group["alpha"] < 1.0:
             raise ValueError(f"alpha must be in [0, 1); got {group['alpha']}")
-        if group["eps"] < 0 or group["weight_decay"] < 0 or group["momentum"] < 0:
-            raise ValueError("eps, weight_decay and momentum must be >= 0")
+        for k in ("eps", "weight_decay", "momentum"):
+            if not group[k] >= 0:  # NaN too, as torch.optim.RMSprop
+                raise ValueError(f"{k} must be >= 0; got {group[k]!r}")
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         if group["momentum"] > 0:

@@ -60,13 +60,20 @@ class SGD8bit(Optimizer8bit):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        if group["momentum"] < 0 or group["weight_decay"] < 0:
-            raise ValueError("momentum and weight_decay must be >= 0")
+        if not (group["momentum"] >= 0 and group["weight_decay"] >= 0):  # NaN too
+            raise ValueError(
+                f"momentum and weight_decay must be >= 0; got momentum={group['momentum']!r}, "
+                f"weight_decay={group['weight_decay']!r}"
+            )
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return (("momentum_buffer", True),) if group["momentum"] != 0 else ()
+
+    def _missing_step(self, state: dict[str, Any]) -> float | None:
+        # torch.optim.SGD keeps no counter; ours only marks the buffer's first use
+        return 1.0 if "momentum_buffer" in state else 0.0
 
     def _states_added(self, state: dict[str, Any]) -> None:
         # Momentum switched on after the tensor stepped without it: as in torch.optim.SGD, the
