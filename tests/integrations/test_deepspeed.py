@@ -298,6 +298,22 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
         # a typo in a disabled amp / torch_autocast section was listed as having no equivalent
         ({"amp": {"enabled": False, "opt_levle": "O1"}}, "amp.opt_levle: is not an option"),
         ({"torch_autocast": {"enabled": False, "dtpye": "bf16"}}, "torch_autocast.dtpye"),
+        # values torch's optimizers refuse: named by key here, not by build_optimizer (or, in
+        # qshard train, by a --beta2 / --lr / --weight-decay flag the user never gave)
+        (
+            {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.0]}}},
+            r"params.betas: must both be in \[0, 1\); got \[0.9, 1.0\]",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"betas": [True, 0.9]}}},
+            "params.betas: must be two numbers",  # a bool read as beta1 = 1.0
+        ),
+        ({"optimizer": {"type": "Adam", "params": {"lr": -1e-3}}}, "params.lr: must be >= 0"),
+        (
+            {"optimizer": {"type": "OneBitAdam", "params": {"weight_decay": -0.1}}},
+            "params.weight_decay: must be >= 0; got -0.1",
+        ),
+        ({"optimizer": {"type": "AdamW", "params": {"eps": -1e-8}}}, "params.eps: must be >= 0"),
     ],
 )
 def test_refused_keys_are_named(config, message):
@@ -355,8 +371,20 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
         ({"gradient_accumulation_steps": 2}, "no gradient accumulation"),
         ({"communication_data_type": "bf16"}, "communication_data_type"),
         ({"zero_optimization": {"stage": 0}}, "plain data parallel"),
+        # Said of the file's keys; they were "--batch-size 6 must be divisible by the number
+        # of ranks 4; e.g. --batch-size 4" (a flag that then conflicts with the file) and
+        # "--lr must be > 0".
+        (
+            {"train_batch_size": 6},
+            r"ds.json: train_batch_size: 6 does not split evenly over 4 ranks .*set a multiple "
+            r"of 4 \(e.g. 4\), or run on --nproc 3",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 0}}},
+            r"ds.json: optimizer.params.lr: 0.0: qshard train needs a peak lr > 0",
+        ),
     ):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(DeepSpeedConfigError, match=message):
             config_from_args(["--deepspeed-config", _write(tmp_path, {**ZEROPP, **change})])
 
 

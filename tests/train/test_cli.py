@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,39 @@ def test_bad_data_paths_fail_before_launch(tmp_path, capsys):
     (tmp_path / "short.txt").write_text("tiny")
     assert main([*base, "--data", str(tmp_path / "short.txt")]) == 2
     assert "shorter --context" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_written_fails_before_launch(tmp_path, capsys, monkeypatch):
+    """An --out under a file, a file, or a folder that refuses writes: one error naming the fix,
+    no rank started, nothing created. (Before: rank 0 crashed with a bare OSError traceback, the
+    other ranks waited to be killed, and the report suggested --max-restarts.)"""
+    import qshard.train.cli as cli
+
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    base = ["--nproc", "2", "--data", str(tmp_path / "text.txt")]
+    base += ["--cache-dir", str(tmp_path / "c")]
+    launched = []
+    monkeypatch.setattr(cli, "launch", launched.append)
+    a_file = tmp_path / "text.txt"
+    for out in (a_file, a_file / "run"):
+        assert main([*base, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} cannot be the run directory ({a_file}: not a folder)" in err
+        assert "pass --out a folder you can write to" in err
+    # A folder without write permission (chmod does not stop root: refuse the probe file).
+    real_mkstemp = tempfile.mkstemp
+
+    def read_only(*args, dir=None, **kwargs):
+        if dir is not None and Path(dir) == tmp_path / "ro":
+            raise PermissionError(13, "Permission denied")
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr("tempfile.mkstemp", read_only)
+    assert main([*base, "--out", str(tmp_path / "ro/run")]) == 2
+    err = capsys.readouterr().err
+    assert f"({tmp_path / 'ro'}: cannot write in it (Permission denied))" in err
+    assert not (tmp_path / "ro/run").exists() and launched == []
 
 
 def test_resume_without_checkpoint_fails_before_launch(tmp_path, capsys):

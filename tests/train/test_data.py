@@ -73,6 +73,12 @@ def test_errors(tmp_path):
     (tmp_path / "s.txt").write_text("x" * 100)
     with pytest.raises(CorpusError, match="fewer than the 65 one sample needs"):
         load_corpus(tmp_path / "s.txt", cache_dir=tmp_path, min_tokens=65)
+    # A cache that cannot be written (here: under a file) is a CorpusError naming the fix,
+    # which the launcher prints; it was a bare OSError traceback.
+    with pytest.raises(
+        CorpusError, match=r"cannot write the corpus cache under .*pass --cache-dir"
+    ):
+        load_corpus(tmp_path / "s.txt", cache_dir=tmp_path / "s.txt")
 
 
 @settings(max_examples=25, deadline=None)

@@ -116,3 +116,29 @@ def test_loss_curve_smoothing_skips_a_nonfinite_step():
     out = _smooth([1.0, 3.0, math.nan, 5.0, 7.0, 9.0], 2)
     assert out[:2] == [1.0, 2.0] and out[2] == 3.0 and out[3] == 5.0 and out[4:] == [6.0, 8.0]
     assert math.isnan(_smooth([math.nan], 3)[0])
+
+
+def test_report_of_a_killed_run_and_its_errors_name_the_fix(tmp_path, capsys):
+    """`qshard report` of a run killed while writing a line plots the complete records (as
+    --resume keeps them); a line that is no record elsewhere, and an --out that cannot be
+    written, are one error each, exit 2 (all three were tracebacks)."""
+    from qshard.train.report import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [encode_record({"step": s, "loss": 5.0 - s, "inter_node_bytes": 1.0}) for s in (0, 1)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 2, "lo')
+    assert [r["step"] for r in load_metrics(run)] == [0, 1]
+    assert main([str(run)]) == 0
+    assert (run / "loss.png").is_file() and (run / "bytes.png").is_file()
+    capsys.readouterr()
+    (run / "metrics.jsonl").write_text("\n".join(["garbage", *lines]) + "\n")
+    assert main([str(run)]) == 2
+    assert "metrics.jsonl line 1 is not a JSON record" in capsys.readouterr().err
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["--out", str(a_file / "plots"), str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the plots into {a_file / 'plots'}" in err
+    assert "pass --out a folder you can write to" in err

@@ -20,7 +20,7 @@ from qshard.comm import Topology
 from qshard.testing import run_world
 from qshard.train import checkpoint as ckpt
 from qshard.train.config import TrainConfig
-from qshard.train.loop import build, train
+from qshard.train.loop import RunDirError, build, train
 
 TINY = dict(
     n_layer=2,
@@ -149,6 +149,17 @@ def _two_rank_world(rank, world, tmp):
         out["dp_to_hsdp"] = "loaded"
     except ckpt.CheckpointError as exc:
         out["dp_to_hsdp"] = str(exc)
+    # (4) an --out that cannot be the run directory (under a file; torchrun runs no launcher
+    # check): rank 0's verdict ends every rank with the same error. Before, rank 0 alone raised
+    # a bare NotADirectoryError and the others waited at the next barrier to be killed.
+    try:
+        train(cfg.replace(out=str(tmp / "corpus.txt" / "run")))
+        verdict = "trained"
+    except RunDirError as exc:
+        verdict = str(exc)
+    verdicts: list[object] = [None] * world
+    dist.all_gather_object(verdicts, verdict)
+    out["bad_out"] = verdicts
     return out
 
 
@@ -200,6 +211,17 @@ def test_per_rank_checkpoint_of_another_layout_is_refused(worlds):
     message = worlds[2]["dp_to_hsdp"]
     assert "on a rank in the checkpoint" in message, message
     assert "load only with the layout they were saved with (the same --parallel" in message
+
+
+def test_an_out_under_a_file_fails_every_rank_with_the_fix(worlds):
+    tmp, _, two = worlds
+    a_file = tmp / "corpus.txt"
+    message = (
+        f"--out {a_file / 'run'} cannot be the run directory ({a_file / 'run'}: Not a "
+        "directory); pass --out a folder you can write to"
+    )
+    assert len(two["bad_out"]) == 2
+    assert all(message in str(v) for v in two["bad_out"]), two["bad_out"]
 
 
 def test_loss_falls(worlds):

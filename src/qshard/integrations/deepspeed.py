@@ -541,10 +541,16 @@ class _Reader:
                 if (
                     not isinstance(value, (list, tuple))
                     or len(value) != 2
-                    or not all(isinstance(b, (int, float)) for b in value)
+                    or not all(
+                        isinstance(b, (int, float)) and not isinstance(b, bool) for b in value
+                    )
                 ):
                     raise self.fail(
                         f"optimizer.params.{key}", f"must be two numbers; got {value!r}"
+                    )
+                if not all(0.0 <= b < 1.0 for b in value):  # torch's optimizers refuse others
+                    raise self.fail(
+                        f"optimizer.params.{key}", f"must both be in [0, 1); got {list(value)}"
                     )
                 value = (float(value[0]), float(value[1]))
             elif isinstance(default, int):
@@ -558,6 +564,8 @@ class _Reader:
                 or not math.isfinite(value)
             ):
                 raise self.fail(f"optimizer.params.{key}", f"must be a number; got {value!r}")
+            elif value < 0:  # lr, eps, weight_decay: torch's optimizers refuse them negative
+                raise self.fail(f"optimizer.params.{key}", f"must be >= 0; got {value!r}")
             else:
                 value = float(value)
             out[key] = value

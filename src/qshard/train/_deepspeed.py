@@ -12,7 +12,8 @@ ratio, 1/10) unless ``--min-lr`` is given. Settings with no
 flag (the 1-bit optimizers' schedules, ZeRO++'s prefetch and wire dtype) reach every rank
 through ``TrainConfig.deepspeed_config``, which :mod:`qshard.train._parallel` reads again.
 What the app cannot run (gradient accumulation, Adam with L2 decay, bf16 gradient reduction,
-stage 0 with Adam) is refused with the key and the fix.
+stage 0 with Adam, an lr of 0, a ``train_batch_size`` that does not split over the ranks) is
+refused with the key and the fix.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def _flag_values(t: DeepSpeedTranslation, *, nproc: int, where: str) -> dict[str
         )
     if t.optimizer is not None:
         kw = t.optimizer_kwargs
+        if kw["lr"] <= 0:  # the library takes 0 (torch does); the app's schedule needs a peak
+            raise refuse("optimizer.params.lr", f"{kw['lr']}: qshard train needs a peak lr > 0")
         if kw["eps"] != _APP_EPS:
             raise refuse("optimizer.params.eps", f"{kw['eps']}: qshard train uses eps {_APP_EPS}")
         values.update(
@@ -140,9 +143,24 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
                 "change the file"
             )
         out[name] = value
+    if "batch_size" in values:  # after the conflicts: a flag given otherwise is named first
+        _check_batch_splits(values["batch_size"], nproc=args["nproc"], where=path)
     if "lr" in values and "min_lr" not in explicit:
         # The app's cosine schedule stays (the file's lr is its peak); its floor keeps the
         # defaults' ratio, or a file's lr below the default --min-lr would be refused.
         defaults = TrainConfig()
         out["min_lr"] = values["lr"] * defaults.min_lr / defaults.lr
     return out
+
+
+def _check_batch_splits(batch: int, *, nproc: int, where: str) -> None:
+    """The file's global batch must split evenly over the ranks; said of its key (TrainConfig
+    would name ``--batch-size``, a flag not given, and suggest a value that then conflicts)."""
+    if batch % nproc:
+        fits = next(n for n in range(nproc, 0, -1) if batch % n == 0)
+        raise DeepSpeedConfigError(
+            f"{where}: train_batch_size: {batch} does not split evenly over {nproc} ranks "
+            "(DeepSpeed requires train_batch_size = train_micro_batch_size_per_gpu x "
+            f"gradient_accumulation_steps x world size); set a multiple of {nproc} (e.g. "
+            f"{nproc * max(1, batch // nproc)}), or run on --nproc {fits}"
+        )

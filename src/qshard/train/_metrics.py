@@ -166,6 +166,6 @@ def _records(path: Path) -> list[str]:
             if i == len(lines) - 1:
                 return lines[:-1]
             raise ValueError(
-                f"{path} line {i + 1} is not a JSON record ({exc}); remove it to resume"
+                f"{path} line {i + 1} is not a JSON record ({exc}); remove that line"
             ) from exc
     return lines

@@ -189,8 +189,9 @@ def _entrypoint(config: TrainConfig) -> dict[str, Any]:
 
 
 def preflight(config: TrainConfig) -> None:
-    """Everything that can be refused before a rank starts: unavailable options, a bad corpus,
-    ``--resume`` without a checkpoint. Builds the corpus cache as a side effect."""
+    """Everything that can be refused before a rank starts: unavailable options, an ``--out``
+    that cannot be written, a bad corpus, ``--resume`` without a checkpoint. Builds the corpus
+    cache as a side effect."""
     from qshard.train._parallel import missing_features
     from qshard.train.checkpoint import (
         DamagedCheckpointError,
@@ -201,10 +202,14 @@ def preflight(config: TrainConfig) -> None:
         refuse_earlier_run,
     )
     from qshard.train.data import load_corpus
+    from qshard.train.loop import run_dir_problem
 
     problems = missing_features(config)
     if problems:
         raise ValueError("; ".join(problems))
+    problem = run_dir_problem(config.out, create=False)  # [Note: run directory]
+    if problem:
+        raise ValueError(problem)
     load_corpus(
         config.data,
         cache_dir=config.cache_dir,
@@ -287,12 +292,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from qshard.train.checkpoint import CheckpointError
 
     if _under_torchrun():
-        from qshard.train.loop import train
+        from qshard.train.loop import RunDirError, train
 
         try:
             train(resume_after_restart(config))
         except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher says what is left
             return 130
+        except RunDirError as exc:  # every rank has it ([Note: run directory]): say it once
+            if os.environ.get("RANK", "0") == "0":
+                print(f"qshard train: error: {exc}", file=sys.stderr)
+            return 2
         return 0
     try:
         preflight(config)

@@ -172,13 +172,19 @@ def load_corpus(
             train_bytes, val_bytes = joined[:cut], joined[cut:]
         else:
             train_bytes, val_bytes = _SEPARATOR.join(train_parts), _SEPARATOR.join(val_parts)
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "train.bin", train_bytes)
-        _atomic_write(folder / "val.bin", val_bytes)
         meta = {"source": source, "num_files": len(files), "val_fraction": val_fraction}
         meta.update(train_tokens=len(train_bytes), val_tokens=len(val_bytes))
-        # meta.json is written last: its presence marks a complete cache entry.
-        _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _atomic_write(folder / "train.bin", train_bytes)
+            _atomic_write(folder / "val.bin", val_bytes)
+            # meta.json is written last: its presence marks a complete cache entry.
+            _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+        except OSError as exc:  # a read-only or full cache: say which, and how to move it
+            raise CorpusError(
+                f"cannot write the corpus cache under {cache} ({exc}); pass --cache-dir a "
+                "folder you can write to (or set $QSHARD_CACHE)"
+            ) from exc
     meta = json.loads(meta_path.read_text())
     train = _read_tokens(folder / "train.bin", meta["train_tokens"])
     val = _read_tokens(folder / "val.bin", meta["val_tokens"])

@@ -31,9 +31,12 @@ on the same number of ranks.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,12 +60,14 @@ from qshard.train.model import GPT, GPTConfig
 from qshard.train.schedule import learning_rate
 
 __all__ = [
+    "RunDirError",
     "TrainResult",
     "build",
     "gpt_config_of",
     "learning_rate",
     "llama_spec_of",
     "model_of",
+    "run_dir_problem",
     "train",
 ]
 
@@ -81,7 +86,7 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         return _train(config)
     except Exception as exc:
-        if isinstance(exc, (_faults.RankFailure, ckpt.CheckpointError)):
+        if isinstance(exc, (_faults.RankFailure, ckpt.CheckpointError, RunDirError)):
             raise  # its message is the diagnosis (a path may well contain "socket")
         if not _faults.is_collective_failure(exc):
             raise
@@ -177,16 +182,66 @@ class _Job:
         fresh = not config.resume and _runtime.restart_count() == 0
         if fresh and not config.overwrite:  # every rank: none may start on a refused run
             ckpt.refuse_earlier_run(config.out, job.checkpoints)
+        problem = None
         if job.is_main:
-            job.run_dir.mkdir(parents=True, exist_ok=True)
-            if fresh:
+            problem = run_dir_problem(config.out, create=True)
+            if problem is None and fresh:
                 _clear_previous_run(job)
+        # [Note: run directory] every rank learns rank 0's verdict and fails with it.
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise RunDirError(verdict[0])
         return job
+
+
+class RunDirError(ValueError):
+    """``--out`` cannot be the run directory (a file, or a folder this process cannot write);
+    the message names the path, the reason and the fix."""
+
+
+def run_dir_problem(out: str | os.PathLike[str], *, create: bool) -> str | None:
+    """Why ``out`` cannot be the run directory, or ``None`` when it can: it must be a folder
+    this process can write in, or a path where one can be made. ``create`` makes the folder
+    (rank 0 of the job); without it (the launcher's check) nothing is left behind: the probe
+    file goes into the nearest folder that exists.
+
+    [Note: run directory] Every file of a run lives under ``--out``, and rank 0 alone creates
+    it. Unchecked, an ``--out`` under a file or in a folder without write permission failed on
+    rank 0 only, with a bare ``OSError`` traceback, while the other ranks waited at the next
+    barrier until the launcher killed them, and the launcher then suggested ``--max-restarts``,
+    which would fail the same way. The launcher checks the path before any rank starts
+    (:func:`qshard.train.cli.preflight`); under torchrun rank 0 checks it, and every rank
+    raises its verdict, so the job ends at once with one message naming the fix."""
+    path = Path(out)
+    where = path
+    if not create:  # the folder would be made in the nearest one that exists
+        while not where.exists() and where != where.parent:
+            where = where.parent
+    try:
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        elif not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(where))
+        # Permission bits do not tell (root, read-only mounts, ACLs): write a file and remove it.
+        try:
+            fd, probe = tempfile.mkstemp(dir=where, prefix=".qshard-write-test.")
+        except OSError as exc:  # name the folder, not the probe file
+            raise OSError(exc.errno, f"cannot write in it ({exc.strerror})", str(where)) from exc
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+        return (
+            f"--out {out} cannot be the run directory ({why}); pass --out a folder you can "
+            "write to (or a path where one can be made)"
+        )
+    return None
 
 
 def _clear_previous_run(job: _Job) -> None:
     """Rank 0 of a fresh run: remove what an earlier run left in the run folder ([Note: fresh
-    runs]); the other ranks wait at the corpus barrier that follows."""
+    runs]); the other ranks wait for its run-directory verdict (:meth:`_Job.of`)."""
     removed = ckpt._discard_all(job.checkpoints)
     for name in ("summary.txt", "summary.json", "model.safetensors"):
         (job.run_dir / name).unlink(missing_ok=True)

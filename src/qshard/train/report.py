@@ -15,20 +15,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qshard.train._metrics import decode_record
+from qshard.train._metrics import _records, decode_record
 
 __all__ = ["load_metrics", "main", "plot_runs"]
 
 
 def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The per-step records of a run (raises ``FileNotFoundError`` naming the fix)."""
+    """The per-step records of a run (raises ``FileNotFoundError`` naming the fix). A torn
+    last line (a run killed while writing it) is left out, as ``--resume`` does; any other
+    line that is not a record raises ``ValueError`` naming the file and line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} does not exist; pass a run directory written by `qshard train --out DIR`"
         )
     # Non-finite values come back as floats, from this format and the bare NaN of older files.
-    return [decode_record(line) for line in path.read_text().splitlines() if line.strip()]
+    return [decode_record(line) for line in _records(path)]
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -51,9 +53,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = [(Path(d).name or str(d), load_metrics(d)) for d in run_dirs]  # before any write
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [(Path(d).name or str(d), load_metrics(d)) for d in run_dirs]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, records in runs:
@@ -106,10 +108,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
     parser.add_argument("--out", default=None, help="output folder (default: the first run)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = args.out or args.runs[0]
     try:
-        paths = plot_runs(args.runs, args.out or args.runs[0])
-    except FileNotFoundError as exc:
+        paths = plot_runs(args.runs, out)
+    except (FileNotFoundError, ValueError) as exc:  # no metrics, or a line that is no record
         print(f"qshard report: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the plots cannot be written there
+        print(
+            f"qshard report: error: cannot write the plots into {out} ({exc}); pass --out a "
+            "folder you can write to",
+            file=sys.stderr,
+        )
         return 2
     for p in paths:
         print(p)
