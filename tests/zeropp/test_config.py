@@ -1,4 +1,5 @@
-"""ZeroPPConfig validation, block discovery, the wire codec and the op factors (no world)."""
+"""ZeroPPConfig validation, block discovery, the wire codec and the op factors (no world), and
+shard()'s refusals before it wraps anything (a one-rank world in this process)."""
 
 from __future__ import annotations
 
@@ -212,3 +213,88 @@ def test_qgz_slice_order_is_paper_eq2_and_two_hops_route_every_partition(
             want = sum(b[rank] for b in bufs)
             assert torch.equal(torch.cat(got)[:size], want)
             assert not torch.cat(got)[size:].any()
+
+
+def test_find_blocks_refuses_a_list_of_classes():
+    # a list or set of classes (FSDP1's transformer_layer_cls={...}) was read as modules and
+    # refused with "got type"; the message now names the tuple form
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, context=8))
+    for blocks in ([Block], {Block}, [model.blocks[0], Block]):
+        with pytest.raises(ValueError, match=r"is the class Block.*blocks=\(Block, \.\.\.\)"):
+            find_blocks(model, blocks)
+
+
+def test_shard_refuses_what_fsdp2_would_refuse_later(tmp_path):
+    """shard()'s arguments and units are checked before anything is wrapped (a one-rank world
+    in this process): wrong argument types used to fail with an AttributeError deep inside
+    (a dict mp_policy only at the first forward); an already-sharded unit with FSDP2's
+    assertion after the blocks before it were wrapped; a parameter tied across two units only
+    at the first forward, with advice (fully_shard([a, b])) shard() cannot follow."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from qshard.comm import Topology
+    from qshard.zeropp import shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        topo = Topology(world_size=1, ranks_per_node=1)
+        cfg = GPTConfig(n_layer=3, n_embd=16, n_head=2, context=8, vocab_size=16)
+
+        def wrapped(model):
+            return [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+        for kwargs, match in (
+            (
+                {"config": {"qwz": True}},
+                r"config must be a ZeroPPConfig.*ZeroPPConfig\(\*\*config\)",
+            ),
+            ({"topology": None}, r"topology must be a qshard.comm.Topology.*from_env"),
+            (
+                {"mp_policy": {"param_dtype": torch.bfloat16}},
+                r"MixedPrecisionPolicy\(\*\*mp_policy\)",
+            ),
+            ({"mesh": "cpu"}, r"mesh must be a DeviceMesh"),
+        ):
+            model = GPT(cfg)
+            with pytest.raises(TypeError, match=match):
+                shard(model, **{"topology": topo, **kwargs})
+            assert wrapped(model) == []
+
+        # the last block wrapped by hand: refused before blocks 0 and 1 are wrapped
+        model = GPT(cfg)
+        fully_shard(model.blocks[2])
+        with pytest.raises(ValueError, match=r"blocks\[2\] \(blocks.2\) is already sharded"):
+            shard(model, topology=topo)
+        assert wrapped(model) == ["blocks.2"]
+        # shard() twice
+        model = shard(GPT(cfg), topology=topo)
+        with pytest.raises(ValueError, match="already sharded"):
+            shard(model, topology=topo, config=ZeroPPConfig(qwz=True))
+
+        # a block's weight reused by the root, or by another block
+        model = GPT(cfg)
+        model.extra = nn.Linear(16, 16)
+        model.blocks[0].attn.proj.weight = model.extra.weight
+        with pytest.raises(
+            ValueError, match=r"shared by blocks\[0\].*and the root.*out of blocks="
+        ):
+            shard(model, topology=topo)
+        assert wrapped(model) == []
+        model = GPT(cfg)
+        model.blocks[2].attn.proj.weight = model.blocks[0].attn.proj.weight
+        with pytest.raises(ValueError, match=r"shared by blocks\[0\] \(blocks.0\) and blocks\[2\]"):
+            shard(model, topology=topo)
+        # ...which shard() accepts when the tie lives in one unit: the GPT's own head/embedding
+        # tie (both in the root), a tie inside one block, a user's unit inside a block
+        model = GPT(cfg)
+        model.blocks[1].attn.proj.bias = model.blocks[1].mlp.proj.bias
+        fully_shard(model.blocks[1].ln_attn)
+        model = shard(model, topology=topo)
+        x = torch.randint(0, 16, (2, 8))
+        model(x, x)[1].backward()
+        assert "blocks.1.ln_attn" in wrapped(model) and "blocks.1" in wrapped(model)
+    finally:
+        dist.destroy_process_group()

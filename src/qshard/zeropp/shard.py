@@ -69,7 +69,14 @@ def find_blocks(
         return found
     mods = list(blocks)
     owned = {id(m) for m in model.modules()}
-    for m in mods:
+    for i, m in enumerate(mods):
+        if isinstance(m, type):
+            # a list or set of classes (FSDP1's transformer_layer_cls={...}) read as modules
+            # said "got type"; classes go in a tuple
+            raise ValueError(
+                f"blocks[{i}] is the class {m.__name__}, not a module: a list holds submodules; "
+                f"pass classes as blocks={m.__name__} or as a tuple, blocks=({m.__name__}, ...)"
+            )
         if not isinstance(m, nn.Module) or id(m) not in owned:
             raise ValueError(f"blocks must be submodules of the model; got {type(m).__name__}")
     # Checked before any fully_shard, which would otherwise fail halfway (the model left
@@ -239,6 +246,7 @@ def shard(
     Returns:
         ``model``, now an :class:`FSDPModule`.
     """
+    _check_arguments(model, topology, config, mp_policy, mesh)
     config = config or ZeroPPConfig()
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed: call init_process_group() first")
@@ -326,6 +334,86 @@ def shard(
     return root  # type: ignore[return-value]
 
 
+def _check_arguments(
+    model: object, topology: object, config: object, mp_policy: object, mesh: object
+) -> None:
+    """Refuse arguments of the wrong type before anything is built: they failed with an
+    ``AttributeError`` deep inside (a ``dict`` config or topology), or, for a ``dict``
+    ``mp_policy``, only at the first forward inside FSDP2's lazy init."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module; got {type(model).__name__}")
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"topology must be a qshard.comm.Topology; got {type(topology).__name__}: use "
+            "Topology.from_env() (or Topology(world_size=..., ranks_per_node=...))"
+        )
+    for name, value, cls in (
+        ("config", config, ZeroPPConfig),
+        ("mp_policy", mp_policy, MixedPrecisionPolicy),
+    ):
+        if value is not None and not isinstance(value, cls):
+            hint = f"; build it with {cls.__name__}(**{name})" if isinstance(value, dict) else ""
+            raise TypeError(
+                f"{name} must be a {cls.__name__} or None; got {type(value).__name__}{hint}"
+            )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a DeviceMesh or None; got {type(mesh).__name__}: build it with "
+            "init_device_mesh() or qshard.zeropp.hsdp_mesh(topology), or leave it out"
+        )
+
+
+def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
+    """[Note: refuse what FSDP2 would refuse later] Before any ``fully_shard``: a unit that is
+    already sharded (``shard()`` called twice, or on a model or block the user wrapped with
+    ``fully_shard``) would fail on FSDP2's "applied to a module once" assertion, possibly
+    after the blocks before it were wrapped; a parameter tied across two units (a block's
+    weight reused by the root or another block) is accepted by ``fully_shard`` and refused at
+    the first forward, with advice (``fully_shard([a, b])``) that ``shard()`` has no way to
+    follow. Both are refused here, naming what to change. A module the user wrapped *inside*
+    a block is fine: FSDP2 nests it, and ``shard()`` installs its comms on it too."""
+    units = [*block_list, model]
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def label(i: int) -> str:
+        if i == len(block_list):
+            return f"the root ({type(model).__name__})"
+        return f"blocks[{i}] ({names.get(id(units[i])) or type(units[i]).__name__})"
+
+    for i, unit in enumerate(units):
+        if isinstance(unit, FSDPModule):
+            raise ValueError(
+                f"{label(i)} is already sharded (fully_shard or shard() was applied to it): "
+                "shard() applies fully_shard to the blocks and the root itself; pass the model "
+                "before any fully_shard (a model is sharded once: to change the ZeRO++ "
+                "features, build it again and shard the new one)"
+            )
+    # Which unit owns each parameter, as FSDP2 assigns them: units wrapped in order, each
+    # taking the parameters of its modules not already inside a unit wrapped before it (or
+    # inside a module the user wrapped).
+    param_names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(p), name)
+    wrapped = {id(m) for m in model.modules() if isinstance(m, FSDPModule)}
+    owner: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        stack = [unit]
+        while stack:
+            mod = stack.pop()
+            for p in mod.parameters(recurse=False):
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    name = param_names.get(id(p), "?")
+                    raise ValueError(
+                        f"parameter {name!r} is shared by {label(j)} and {label(i)}: shard() "
+                        "makes each block an FSDP unit of its own and FSDP2 keeps a tied "
+                        "parameter in one unit; leave the blocks holding it out of blocks= "
+                        "(their parameters then join the root unit), or tie it inside one block"
+                    )
+            stack.extend(c for c in mod.children() if id(c) not in wrapped)
+        wrapped.add(id(unit))
+
+
 def _fully_shard_units(
     model: nn.Module, block_list: list[nn.Module], fsdp_kwargs: dict, config: ZeroPPConfig
 ) -> None:
@@ -335,6 +423,7 @@ def _fully_shard_units(
     resharding them would only gather them again with little to overlap. Every unit that does
     not fully reshard after forward (the root, kept blocks, hpZ's node-sized secondary shards)
     is watched so that no copy outlives an optimizer step: [Note: no backward, no stale copy]."""
+    _check_units(model, block_list)
     keep = {**fsdp_kwargs, "reshard_after_forward": False}
     first_kept = len(block_list) - config.kept_blocks
     guard = _StaleCopyGuard()
