@@ -6,7 +6,11 @@ from qshard.cli import main
 
 def test_version_and_help(capsys):
     assert main(["version"]) == 0
-    assert "qshard" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert printed.startswith("qshard ")
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        assert capsys.readouterr().out == printed
     assert main(["--help"]) == 0
     assert "version" in capsys.readouterr().out
 

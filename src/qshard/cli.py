@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="qshard",
         description="Quantized, communication-efficient sharded training for PyTorch.",
     )
+    parser.add_argument("-V", "--version", action="store_true", help="same as `qshard version`")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, _) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -52,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
+    if argv[0] in ("-V", "--version"):  # the flag users try first, as the sub-command
+        argv[0] = "version"
     name, rest = argv[0], argv[1:]
     if name not in _COMMANDS:
         parser.error(f"unknown command {name!r}; choose from {', '.join(_COMMANDS)}")
