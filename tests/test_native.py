@@ -102,3 +102,29 @@ def test_huge_page_advice_is_advice_only(monkeypatch):
     assert calls == [(6 << 21, (ptr + (9 << 20)) // (1 << 21) * (1 << 21) - (6 << 21), 14)]
     monkeypatch.setattr(sys, "platform", "darwin")
     assert _native.advise_huge_pages(ptr, 9 << 20) is False and len(calls) == 1
+
+
+def test_cc_keeps_its_launcher_and_flags(cache, monkeypatch):
+    """CC="ccache gcc" (a launcher) or CC="gcc -DX=1" (flags) kept only the first word: the
+    build ran `ccache -O3 ...` or dropped the flags, failed, and every kernel fell back to the
+    slow torch path. `env` stands in for ccache here (a launcher that runs the rest)."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    env = shutil.which("env")
+    if cc is None or env is None:
+        pytest.skip("needs a C compiler and env")
+    monkeypatch.setenv("CC", f"{env} {cc} -DQSHARD_TEST_ADD=3")
+    lib = _native.NativeLibrary(
+        "t",
+        "int add3(int a) { return a + QSHARD_TEST_ADD; }\n",
+        declare=declare,
+        what="t",
+        fallback="x",
+    )
+    assert lib.get() is not None, lib.failure
+    assert lib.get().add3(4) == 7
+    assert _native._compiler() == [env, cc, "-DQSHARD_TEST_ADD=3"]
+    # A CC whose program is missing still falls back to the default compiler.
+    monkeypatch.setenv("CC", "no-such-compiler -O1")
+    assert _native._compiler() in ([cc], [shutil.which("gcc")])

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,22 +71,34 @@ def _cpu_identity() -> str:
     return ident
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    cc = cc.split()[0]
-    if shutil.which(cc) is None:
+def _compiler() -> list[str]:
+    """The compiler command as an argument list.
+
+    [Note: CC is a command] ``$CC`` (and sysconfig's ``CC``) is a shell word list, often with a
+    launcher or flags: ``ccache gcc``, ``gcc -pthread``. Keeping only its first word ran
+    ``ccache -O3 ...`` (ccache's own option parser rejects that), so with ``CC="ccache gcc"`` the
+    build failed and every kernel silently fell back to the slow torch path. The whole list is
+    kept; when its program is not on ``PATH``, plain ``cc`` / ``gcc`` is used instead.
+    """
+    raw = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    try:
+        cmd = shlex.split(raw)
+    except ValueError:  # unbalanced quotes: treat it as a program name that will not be found
+        cmd = [raw]
+    if not cmd or shutil.which(cmd[0]) is None:
         cc = shutil.which("cc") or shutil.which("gcc") or ""
-    if not cc:
+        cmd = [cc] if cc else []
+    if not cmd:
         raise RuntimeError("no C compiler found (set CC)")
-    return cc
+    return cmd
 
 
 def build_library(name: str, source: str, flags: Sequence[str] = DEFAULT_FLAGS) -> ctypes.CDLL:
     """Compile ``source`` (or reuse the cached build) and load it. Raises on failure."""
     cc = _compiler()
-    digest = hashlib.sha256((source + " ".join(flags) + cc + _cpu_identity()).encode()).hexdigest()[
-        :16
-    ]
+    digest = hashlib.sha256(
+        (source + " ".join(flags) + " ".join(cc) + _cpu_identity()).encode()
+    ).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"{name}_{digest}.so")
     if not os.path.exists(path):
         # Build into a private temp file and rename: concurrent ranks never see a partial .so.
@@ -95,10 +108,10 @@ def build_library(name: str, source: str, flags: Sequence[str] = DEFAULT_FLAGS) 
                 f.write(source)
             out = os.path.join(tmp, f"{name}.so")
             proc = subprocess.run(
-                [cc, *flags, "-shared", src, "-o", out, "-lm"], capture_output=True, text=True
+                [*cc, *flags, "-shared", src, "-o", out, "-lm"], capture_output=True, text=True
             )
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed:\n{proc.stderr[-2000:]}")
+                raise RuntimeError(f"{' '.join(cc)} failed:\n{proc.stderr[-2000:]}")
             os.replace(out, path)
     return ctypes.CDLL(path)
 

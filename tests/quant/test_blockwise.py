@@ -322,3 +322,69 @@ def test_dequantize_refuses_non_float_results(dtype):
     with pytest.raises(TypeError, match="floating point"):
         dequantize_blocks(codes, scales, bits=8, out=torch.empty(300, dtype=dtype))
     assert dequantize_blockwise(q, dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizers_are_outside_autograd_on_every_path(dtype):
+    """Quantizing a parameter gave block scales with a grad_fn on the torch paths (every
+    bf16/fp16 input, and fp32 without the C kernels) but not on the C path: the graph of the
+    input stayed alive and copy.deepcopy of the result failed ('graph leaves')."""
+    import copy
+
+    p = torch.nn.Parameter(torch.randn(300).to(dtype))
+    saved = _fastpath._enabled
+    try:
+        for enabled in (True, False):
+            set_fastpath(enabled)
+            for rounding in ("nearest", "stochastic"):
+                q = quantize_blockwise(p, bits=4, block_size=64, rounding=rounding)
+                assert not q.scales.requires_grad and q.scales.grad_fn is None
+                copy.deepcopy(q)
+            codes, scales = quantize_blocks(p.view(3, 100), bits=8)
+            assert not scales.requires_grad and not codes.requires_grad
+            assert not dequantize_blockwise(quantize_blockwise(p)).requires_grad
+    finally:
+        _fastpath._enabled = saved
+
+
+def test_dequantize_reads_codes_flat_on_every_path():
+    """A BlockQuantized whose codes have the right count in another shape (a row view of an
+    all-gather output) dequantized on the C path but failed on the torch paths with "shape
+    '[6, 16]' is invalid for input of size 112"."""
+    import dataclasses
+
+    x = torch.randn(100)
+    saved = _fastpath._enabled
+    try:
+        for enabled in (True, False):
+            set_fastpath(enabled)
+            for bits in (8, 4):
+                q = quantize_blockwise(x, bits=bits, block_size=16)
+                q2 = dataclasses.replace(q, codes=q.codes.view(2, -1))
+                assert torch.equal(dequantize_blockwise(q2), dequantize_blockwise(q))
+    finally:
+        _fastpath._enabled = saved
+
+
+def test_dequantize_refuses_integer_scales():
+    """Integer block scales (``scales.long()`` by mistake) truncated every block's absmax
+    without a word: 0.9 became 0 and the block dequantized to zeros."""
+    import dataclasses
+
+    x = torch.rand(128) * 0.9
+    q = quantize_blockwise(x, bits=8, block_size=64)
+    with pytest.raises(ValueError, match=r"scales are torch.int64, expected torch.float32"):
+        dequantize_blockwise(dataclasses.replace(q, scales=q.scales.long()))
+    codes, scales = quantize_blocks(x.view(2, 64), bits=8)
+    with pytest.raises(TypeError, match=r"fp32 absmax; got torch\.int32"):
+        dequantize_blocks(codes, scales.int(), bits=8)
+    # Other float dtypes stay accepted (computed in fp32).
+    assert torch.equal(
+        dequantize_blocks(codes, scales.double(), bits=8), dequantize_blocks(codes, scales, bits=8)
+    )
+
+
+def test_block_size_refuses_bool():
+    """block_size=True passed the int check and was stored in BlockQuantized as True."""
+    with pytest.raises(ValueError, match="positive int; got True"):
+        quantize_blockwise(torch.randn(8), block_size=True)

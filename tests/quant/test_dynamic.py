@@ -241,3 +241,47 @@ def test_code_map_and_codes_are_checked():
                 block_size=64,
                 out=torch.empty(300, dtype=dtype),
             )
+
+
+def test_quantize_codebook_is_outside_autograd():
+    """On the torch paths (bf16/fp16 inputs, stochastic rounding, no C kernels) the absmax of
+    a parameter came back with a grad_fn, and an out= buffer (optimizer state) was turned into
+    a non-leaf that copy.deepcopy refused; the C path returned plain tensors."""
+    import copy
+
+    from qshard.quant import _fastpath, set_fastpath
+
+    code = dynamic_map(signed=True)
+    saved = _fastpath._enabled
+    try:
+        for enabled in (True, False):
+            set_fastpath(enabled)
+            for dtype in (torch.float32, torch.bfloat16):
+                p = torch.nn.Parameter(torch.randn(300).to(dtype))
+                for rounding in ("nearest", "stochastic"):
+                    _, absmax = quantize_codebook(p, code, block_size=64, rounding=rounding)
+                    assert absmax.grad_fn is None and not absmax.requires_grad
+                    state = (torch.empty(300, dtype=torch.uint8), torch.zeros(5))
+                    quantize_codebook(p, code, block_size=64, out=state)
+                    assert state[1].is_leaf and not state[1].requires_grad
+                    copy.deepcopy(state)
+    finally:
+        _fastpath._enabled = saved
+
+
+def test_map_and_absmax_types_are_checked():
+    """total_bits=8.0 failed inside torch.linspace ('invalid combination of arguments');
+    integer absmax truncated every block's scale silently; block_size=True was taken as 1."""
+    for bad in (8.0, True, "8"):
+        with pytest.raises(ValueError, match=r"total_bits must be an int in 2\.\.8"):
+            dynamic_map(signed=True, total_bits=bad)
+        with pytest.raises(ValueError, match=r"total_bits must be an int in 2\.\.8"):
+            linear_map(signed=True, total_bits=bad)
+    with pytest.raises(ValueError, match="max_exponent_bits must be an int"):
+        dynamic_map(signed=True, max_exponent_bits=7.0)
+    code = dynamic_map(signed=True)
+    codes, absmax = quantize_codebook(torch.rand(128) * 0.9, code, block_size=64)
+    with pytest.raises(TypeError, match=r"absmax hold each block's fp32 absmax; got torch\.int64"):
+        dequantize_codebook(codes, absmax.long(), code, block_size=64)
+    with pytest.raises(ValueError, match="positive int; got True"):
+        quantize_codebook(torch.randn(8), code, block_size=True)

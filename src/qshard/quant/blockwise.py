@@ -34,6 +34,13 @@ same blocks of the whole tensor (qgZ quantizes per-destination slices; optimizer
 agree with the unsharded tensor). Stochastic rounding draws its random numbers in order over
 the blocks it is given, so it is chunk-invariant only in distribution.
 
+[Note: quantizers are outside autograd] Quantization is not differentiable (integer codes),
+so the quantizers read a detached ``x``. Without that, the torch paths (reference and
+torch.compile: every bf16/fp16 input, stochastic rounding, no C compiler) returned a block
+absmax with a ``grad_fn`` when ``x`` was a parameter, while the C kernels (which write through
+pointers) did not: the same call gave different tensors by path, kept ``x``'s graph alive, and
+turned an ``out=`` buffer into a non-leaf that ``copy.deepcopy`` (of optimizer state) refuses.
+
 INT4 packing follows DeepSpeed's layout: element ``2k`` in the high nibble of byte ``k``,
 ``2k+1`` in the low nibble, each a 4-bit two's-complement integer.
 """
@@ -136,7 +143,7 @@ def _check_rounding(rounding: str) -> None:
 
 
 def _check_block_size(block_size: int, bits: int) -> None:
-    if not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
     if bits == 4 and block_size % 2:
         raise ValueError(
@@ -204,6 +211,7 @@ def quantize_blocks(
         raise TypeError(f"quantize_blocks supports {_FLOAT_DTYPES}; got {x2d.dtype}")
     if x2d.shape[1] == 0:
         raise ValueError("quantize_blocks needs blocks of at least one element; got 0 columns")
+    x2d = x2d.detach()  # [Note: quantizers are outside autograd]
     codes = torch.empty(x2d.shape, dtype=torch.int8, device=x2d.device)
     scales = torch.empty(x2d.shape[0], dtype=torch.float32, device=x2d.device)
     _quantize_into(x2d, qmax, rounding, generator, codes, scales)
@@ -282,6 +290,7 @@ def dequantize_blocks(
         )
     if codes2d.dtype != torch.int8:
         raise TypeError(f"dequantize_blocks expects int8 codes; got {codes2d.dtype}")
+    _check_float_scales(scales.dtype, "scales")
     qmax = qmax_for_bits(bits)
     if out is not None:
         _check_out(out, codes2d.numel())
@@ -338,6 +347,16 @@ def _check_float_output(dtype: torch.dtype, what: str = "dtype") -> None:
         )
 
 
+def _check_float_scales(dtype: torch.dtype, what: str) -> None:
+    """The block absmax is a float: integer scales (``scales.long()`` by mistake) would
+    truncate every block's magnitude (0.9 -> 0 makes the block all zeros) without a word."""
+    if not dtype.is_floating_point:
+        raise TypeError(
+            f"{what} hold each block's fp32 absmax; got {dtype} (pass the float32 tensor the "
+            "quantizer returned)"
+        )
+
+
 def _check_quantized(q: BlockQuantized) -> int:
     """Refuse a :class:`BlockQuantized` whose fields disagree (hand-built or edited): the
     kernels index its codes and scales by these sizes. Returns the codes per block."""
@@ -361,6 +380,8 @@ def _check_quantized(q: BlockQuantized) -> int:
         )
     if q.scales.device != q.codes.device:
         problems.append(f"codes on {q.codes.device} but scales on {q.scales.device}")
+    if not q.scales.dtype.is_floating_point:
+        problems.append(f"scales are {q.scales.dtype}, expected torch.float32 (the block absmax)")
     if problems:
         raise ValueError(
             "inconsistent BlockQuantized: "
@@ -418,7 +439,7 @@ def quantize_blockwise(
     _check_rounding(rounding)
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize_blockwise supports {_FLOAT_DTYPES}; got {x.dtype}")
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)  # [Note: quantizers are outside autograd]
     numel = flat.numel()
     num_blocks = -(-numel // block_size)
     full = numel // block_size
@@ -485,21 +506,23 @@ def dequantize_blockwise(
     bs = q.block_size
     full = q.numel // bs
     qmax = qmax_for_bits(q.bits)
-    if q.codes.is_contiguous() and q.codes.device.type == "cpu" and _fastpath.use_native_out(flat):
+    # Codes are read flat on every path (the C kernel reads them through a pointer): a codes
+    # tensor of another shape with the right count (a row view of an all-gather output) must
+    # not reach the slicing below, which would cut its first dimension.
+    codes = q.codes.reshape(-1)
+    if codes.is_contiguous() and codes.device.type == "cpu" and _fastpath.use_native_out(flat):
         scales = q.scales.float().contiguous()
-        _native_kernels.dequantize_int(q.codes, scales, q.numel, bs, qmax, flat)
+        _native_kernels.dequantize_int(codes, scales, q.numel, bs, qmax, flat)
         return result
     if full:
         _dequantize_into(
-            q.codes[: full * per_block].view(full, per_block),
+            codes[: full * per_block].view(full, per_block),
             q.scales[:full],
             qmax,
             flat[: full * bs].view(full, bs),
         )
     if full != q.num_blocks:
         tail = torch.empty(1, bs, dtype=flat.dtype, device=flat.device)
-        _dequantize_into(
-            q.codes[full * per_block :].view(1, per_block), q.scales[full:], qmax, tail
-        )
+        _dequantize_into(codes[full * per_block :].view(1, per_block), q.scales[full:], qmax, tail)
         flat[full * bs :] = tail[0, : q.numel - full * bs]
     return result

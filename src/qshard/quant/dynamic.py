@@ -29,7 +29,7 @@ from torch import Tensor
 
 from qshard._native import advise_huge_pages
 from qshard.quant import _codetable, _fastpath, _native_kernels
-from qshard.quant.blockwise import _check_float_output
+from qshard.quant.blockwise import _check_float_output, _check_float_scales
 
 __all__ = [
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
@@ -47,6 +47,13 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ROUNDINGS = ("nearest", "stochastic")
 
 
+def _check_total_bits(total_bits: int) -> None:
+    # An int check first: 8.0 used to fail inside torch.linspace ("invalid combination of
+    # arguments") and True passed as 1 into the range message.
+    if not isinstance(total_bits, int) or isinstance(total_bits, bool) or not 2 <= total_bits <= 8:
+        raise ValueError(f"total_bits must be an int in 2..8; got {total_bits!r}")
+
+
 def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7) -> Tensor:
     """The dynamic (tree) quantization map: ``2**total_bits`` sorted fp32 values in [-1, 1].
 
@@ -61,13 +68,16 @@ def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7
     ``1..total_bits-1`` (signed) and equal to ``total_bits - 1`` for unsigned maps (the
     recipe has no filler run for unsigned maps, as in bitsandbytes).
     """
-    if not 2 <= total_bits <= 8:
-        raise ValueError(f"total_bits must be in 2..8; got {total_bits}")
+    _check_total_bits(total_bits)
     non_sign_bits = total_bits - 1
-    if not 1 <= max_exponent_bits <= non_sign_bits:
+    if (
+        not isinstance(max_exponent_bits, int)
+        or isinstance(max_exponent_bits, bool)
+        or not 1 <= max_exponent_bits <= non_sign_bits
+    ):
         raise ValueError(
-            f"max_exponent_bits must be in 1..{non_sign_bits} for total_bits={total_bits}; "
-            f"got {max_exponent_bits} (pass max_exponent_bits={non_sign_bits})"
+            f"max_exponent_bits must be an int in 1..{non_sign_bits} for total_bits="
+            f"{total_bits}; got {max_exponent_bits!r} (pass max_exponent_bits={non_sign_bits})"
         )
     if not signed and max_exponent_bits != non_sign_bits:
         raise ValueError(
@@ -102,12 +112,13 @@ def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7
 def linear_map(*, signed: bool, total_bits: int = 8) -> Tensor:
     """Evenly spaced codes, the paper's linear-quantization baseline (sorted fp32).
 
-    Signed: ``linspace(-1, 1, 2**total_bits - 1)`` (so 0 is a code) plus one duplicate 0 to
-    fill the last index, as bitsandbytes' ``create_linear_map(add_zero=True)`` does.
+    Signed: ``linspace(-1, 1, 2**total_bits - 1)`` plus an exact 0 to fill the last index, as
+    bitsandbytes' ``create_linear_map(add_zero=True)`` does. The fp32 ``linspace`` middle value
+    is exactly 0 only for ``total_bits=2`` (then 0 appears twice); otherwise it is a tiny
+    +-3.7e-9 .. 5.8e-8 next to the added 0 (for 8 bits: 0.0 at index 127, 3.7e-9 at 128).
     Unsigned: ``linspace(0, 1, 2**total_bits)``.
     """
-    if not 2 <= total_bits <= 8:
-        raise ValueError(f"total_bits must be in 2..8; got {total_bits}")
+    _check_total_bits(total_bits)
     n = 2**total_bits
     if not signed:
         return torch.linspace(0.0, 1.0, n, dtype=torch.float32)
@@ -131,7 +142,7 @@ def _check_code(code: Tensor) -> None:
 
 
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int; got {block_size!r}")
 
 
@@ -222,7 +233,7 @@ def quantize_codebook(
         raise ValueError(f"rounding must be one of {_ROUNDINGS}; got {rounding!r}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"quantize_codebook supports {_FLOAT_DTYPES}; got {x.dtype}")
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)  # [Note: quantizers are outside autograd] in blockwise.py
     numel = flat.numel()
     num_blocks = -(-numel // block_size)
     if out is None:
@@ -318,6 +329,7 @@ def dequantize_codebook(
             f"absmax must have ceil({numel} / {block_size}) = {num_blocks} entries; "
             f"got shape {tuple(absmax.shape)}"
         )
+    _check_float_scales(absmax.dtype, "absmax")
     if out is not None:
         if out.numel() != numel or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous tensor of {numel} elements")
