@@ -292,8 +292,59 @@ def nan_gradient_reaches_every_rank(rank: int, world: int) -> None:
         assert bool(torch.isfinite(state["server_error"]).all())
 
 
+def grad_scaler_agrees_on_skips(
+    rank: int, world: int, cls, kw: dict, inf_steps: dict[int, bool]
+) -> None:
+    """Under torch.amp.GradScaler an Inf on one rank made only that rank skip step(): 1-bit
+    Adam's other ranks waited in the next collective (a hang), 0/1 Adam's step counters drifted
+    apart. ``inf_steps`` maps the (1-based) steps at which rank 0's gradient gets an Inf to
+    whether that step communicates. The scaled run must equal, bit for bit, an unscaled run in
+    which a communicating step is skipped on every rank and a local step takes rank 0's
+    gradients as zero (powers-of-two scales unscale exactly)."""
+
+    def run(scaled: bool):
+        model = make_model()
+        opt = cls(model.parameters(), **kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+        counters = []
+        for step in range(1, 15):
+            x, y = minibatch(rank, world, step)
+            model.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            if scaled:
+                scaler.scale(loss).backward()
+                if rank == 0 and step in inf_steps:
+                    model[0].weight.grad[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                if step in inf_steps:
+                    if inf_steps[step]:  # communicating: every rank skips
+                        counters.append(opt._extra["step"])
+                        continue
+                    if rank == 0:  # local: rank 0 takes zero gradients
+                        model.zero_grad(set_to_none=True)
+                opt.step()
+            counters.append(opt._extra["step"])
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+        assert_replicated(model)
+        return params_of(model), counters, opt.comm_stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 0/1 Adam's interval warning at a constant lr
+        scaled, reference = run(True), run(False)
+    assert scaled[1:] == reference[1:], (scaled[1:], reference[1:])
+    for a, b in zip(scaled[0], reference[0]):
+        assert torch.equal(a, b)
+
+
 def onebit_world(rank: int, world: int) -> dict[str, float]:
     errors_raised(rank)
+    grad_scaler_agrees_on_skips(
+        rank, world, OneBitAdam, {"lr": 1e-2, "freeze_step": 4}, {3: True, 9: True}
+    )
     nan_gradient_reaches_every_rank(rank, world)
     warmup_is_bias_free_adam(rank, world)
     resume_is_bit_exact(rank, world)
@@ -497,3 +548,45 @@ def test_parameters_first_trained_after_the_freeze_are_refused(name):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     assert len(opt.param_groups) == 1
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(2), requires_grad=False)]})
+
+
+@pytest.mark.parametrize("name", sorted(_FREEZE_AT_3))
+def test_bias_correction_counts_each_parameters_variance_updates(name):
+    """Bias correction divided a late parameter's v by 1 - beta2 ** (the optimizer's count of
+    variance updates), not by its own: joining at step 10 of a freeze at 12 (beta2 0.999), its
+    first step was sqrt(10) times too large, and its frozen variance stayed too small for the
+    rest of training. With gradients of +-1 the first update of a new parameter is
+    lr * (1 - beta1) exactly as for a parameter present from step 1."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    cls = _optimizer_class(name)
+    kw = {"freeze_step": 12} if name == "OneBitAdam" else {"var_freeze_step": 12}
+    lr, beta1 = 1e-2, 0.9
+    g = torch.Generator().manual_seed(0)
+    a, b = nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8), requires_grad=False)
+    opt = cls([a, b], lr=lr, betas=(beta1, 0.999), bias_correction=True, **kw)
+    for step in range(1, 11):
+        if step == 10:
+            b.requires_grad_(True)
+        for p in (a, b):
+            p.grad = torch.randn(8, generator=g).sign() if p.requires_grad else None
+        before = [a.detach().clone(), b.detach().clone()]
+        opt.step()
+        if step in (1, 10):
+            moved = b if step == 10 else a
+            torch.testing.assert_close(
+                (moved.detach() - before[step == 10]).abs(),
+                torch.full((8,), lr * (1 - beta1)),
+                rtol=1e-5,
+                atol=0,
+            )
+    # 0/1 Adam: every step a variance step (kappa 16), b's first one forced ([Note: late
+    # parameters]).
+    assert [opt.state[p]["variance_updates"] for p in (a, b)] == [10, 1]
+    # A state saved before the per-parameter count existed is corrected as it was then.
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        del st["variance_updates"]
+    opt2 = cls([nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8))], **kw)
+    opt2.load_state_dict(sd)
+    assert [st["variance_updates"] for st in opt2.state.values()] == [10, 10]

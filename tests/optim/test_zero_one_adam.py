@@ -27,6 +27,7 @@ from tests.optim.test_onebit_adam import (
     assert_replicated,
     full_loss,
     gather_params,
+    grad_scaler_agrees_on_skips,
     local_backward,
     make_model,
     minibatch,
@@ -407,6 +408,15 @@ def frozen_mid_interval_is_synced(rank: int, world: int) -> None:
 
 def zero_one_world(rank: int, world: int) -> dict[str, float]:
     errors_raised(rank, world)
+    # Optimizer steps: 3 (phase A), then one behind the loop after its skip: 9 (local; syncs
+    # after the freeze at 6 are 7, 8, 10, 12, 14) and 10 (a sync).
+    grad_scaler_agrees_on_skips(
+        rank,
+        world,
+        ZeroOneAdam,
+        {"lr": 1e-2, "var_freeze_step": 6, "local_step_scaler": 2, "local_step_clipper": 2},
+        {3: True, 10: False, 11: True},
+    )
     phase_b_is_algorithm_1(rank, world)
     warns_when_interval_outgrows_lr(rank, world)
     phase_b_is_adamw_with_frozen_variance(rank, world)

@@ -285,6 +285,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
             state = self._state(p)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["variance_updates"] = 0
             self._error_buffers(p)  # with m and v: [Note: DCP checkpoints]
         return bool(new)
 
@@ -299,15 +300,38 @@ class _DataParallelOneBitOptimizer(Optimizer):
         if p.is_sparse:
             raise TypeError(f"{name} does not support sparse parameters")
 
-    def _denominator(
-        self, group: dict[str, Any], p: torch.Tensor, variance_updates: int, *, floor: float = 0.0
-    ):
+    # [Note: variance updates per parameter] Bias correction divides v by ``1 - beta2 ** k``,
+    # k the number of times *this parameter's* v was updated (``state["variance_updates"]``),
+    # as torch.optim.Adam keeps a step count per parameter. One count for the optimizer (the
+    # step, or 0/1 Adam's number of T_v steps) over-corrected a parameter that joined late
+    # (add_param_group, or requires_grad turned on before the freeze): after one update of
+    # ``v = (1 - beta2) g^2`` it divided by ``1 - beta2 ** k_all``, so with beta2 = 0.999 a
+    # parameter joining 9 steps before a freeze at 10 kept a frozen ``sqrt(v)`` sqrt(10) times
+    # too small and took 3x too large steps for the rest of training. A state saved before the
+    # count existed takes the optimizer's count on load (what it was corrected with then).
+    def _variance_updates_done(self) -> int:
+        """The optimizer-wide number of variance updates so far (subclasses): what a state
+        saved without per-parameter counts was corrected with."""
+        raise NotImplementedError
+
+    def _update_variance(self, group: dict[str, Any], p: torch.Tensor, g: torch.Tensor) -> None:
+        """``v = beta2 v + (1 - beta2) g^2`` and count it: [Note: variance updates per
+        parameter]."""
+        state = self._state(p)
+        beta2 = group["betas"][1]
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        state["variance_updates"] = state.get("variance_updates", 0) + 1
+
+    def _denominator(self, group: dict[str, Any], p: torch.Tensor, *, floor: float = 0.0):
         """``sqrt(v) + eps``; with ``bias_correction``, ``v`` is divided by
-        ``1 - beta2 ** variance_updates`` (the number of times ``v`` was updated, which under a
-        sparse variance schedule is far smaller than the step count). With ``floor > 0``,
-        ``sqrt(v)`` is raised to at least ``floor`` times the tensor's RMS ``sqrt(mean(v))``
-        over its unmasked elements; see [Note: variance floor]."""
-        v = self._state(p)["exp_avg_sq"]
+        ``1 - beta2 ** k``, k the number of times this parameter's ``v`` was updated (under a
+        sparse variance schedule far smaller than the step count; [Note: variance updates per
+        parameter]). With ``floor > 0``, ``sqrt(v)`` is raised to at least ``floor`` times the
+        tensor's RMS ``sqrt(mean(v))`` over its unmasked elements; see [Note: variance
+        floor]."""
+        state = self._state(p)
+        v = state["exp_avg_sq"]
+        variance_updates = state.get("variance_updates", 0)
         if self.bias_correction and variance_updates > 0:
             v = v / (1 - group["betas"][1] ** variance_updates)
         d = v.sqrt()
@@ -334,11 +358,58 @@ class _DataParallelOneBitOptimizer(Optimizer):
         # [Note: missing gradients] Every trainable parameter takes part in every step, so all
         # ranks issue identical collectives. A parameter with no gradient on this rank (unused
         # on its data) counts as a zero gradient, which is the correct data-parallel average.
-        if p.grad is None:
+        if p.grad is None or self._amp_zero_grads:  # see [Note: GradScaler]
             return torch.zeros_like(p)
         if p.grad.is_sparse:
             raise TypeError(f"{type(self).__name__} does not support sparse gradients")
+        if self._amp_inv_scale is not None:
+            return p.grad * self._amp_inv_scale
         return p.grad
+
+    # ----------------------------------------------------------------------- mixed precision
+    # [Note: GradScaler] torch.amp.GradScaler checks each rank's *local* gradients for Inf/NaN
+    # and, for an ordinary optimizer, skips step() on the ranks that found one. These
+    # optimizers communicate inside step(), so one rank skipping while the others step left the
+    # others waiting in a collective (1-bit Adam: a hang until the group's timeout) or paired
+    # one rank's step k with another's step k + 1 (0/1 Adam: the step counters and schedules
+    # silently drifted apart, until a collective of another size aborted). So they declare
+    # ``_step_supports_amp_scaling``: the scaler then always calls step() and leaves
+    # ``grad_scale`` (None once ``scaler.unscale_(opt)`` was called) and ``found_inf`` (this
+    # rank's verdict) on the optimizer. A step that communicates first agrees on the verdict
+    # with one all-reduce of one number (MAX over the group; only while a scaler is in use)
+    # and is skipped on every rank when any rank found Inf/NaN, exactly as torch skips it in
+    # one process (no counter advances, nothing changes). A 0/1 Adam local step communicates
+    # nothing and has nothing to agree on: a rank that found Inf/NaN takes it with zero
+    # gradients (as for a missing gradient), so every rank's counters, sync anchor decay and
+    # lr sum stay the same. Gradients are divided by ``grad_scale`` as they are read
+    # (``p.grad`` is not modified, as in torch's fused Adam).
+    _step_supports_amp_scaling = True
+    _amp_inv_scale: torch.Tensor | None = None
+    _amp_zero_grads = False
+
+    def _amp_begin(self, communicates: bool, tag: str) -> bool:
+        """Read what a ``GradScaler`` left on the optimizer for this step; returns whether the
+        step is skipped (on every rank). See [Note: GradScaler]."""
+        scale = getattr(self, "grad_scale", None)
+        found = getattr(self, "found_inf", None)
+        self._amp_inv_scale = None
+        self._amp_zero_grads = False
+        if scale is not None:
+            self._amp_inv_scale = torch.as_tensor(scale).double().reciprocal().float()
+        if found is None:
+            return False
+        flag = torch.as_tensor(found).detach().float().reshape(-1)[:1].clone()
+        if not communicates:
+            self._amp_zero_grads = bool(flag.item() > 0)
+            return False
+        if self.world_size > 1:
+            self._record("all_reduce", flag.numel() * flag.element_size(), tag)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(flag.item() > 0)
+
+    def _amp_end(self) -> None:
+        self._amp_inv_scale = None
+        self._amp_zero_grads = False
 
     def set_zero_mask(self, param: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Declare the elements of ``param`` whose gradient is structurally zero
@@ -624,6 +695,9 @@ class _DataParallelOneBitOptimizer(Optimizer):
         super().load_state_dict({**state_dict, "state": state, "param_groups": groups})
         self._extra = {k: extra[k] for k in self._extra}
         self._link_extra()
+        for st in self.state.values():  # saved before per-parameter counts existed
+            if "exp_avg_sq" in st and "variance_updates" not in st:
+                st["variance_updates"] = self._variance_updates_done()
         if not own_errors:
             warnings.warn(
                 f"{name}: state saved by rank {saved_rank} of {saved_world} loaded on rank "

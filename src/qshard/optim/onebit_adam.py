@@ -48,7 +48,8 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
             compression and error feedback as a world of size 1, no collectives).
         amsgrad: not supported (raises if True).
         bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
-            updates so far (default False, as both papers' code). The momentum is not corrected.
+            updates of that parameter so far (default False, as both papers' code). The momentum
+            is not corrected.
         variance_floor: in the compression stage, each element's frozen ``sqrt(v)`` is at least
             this fraction of its tensor's RMS ``sqrt(mean(v))``, so elements with a near-zero
             variance do not take huge steps from the 1-bit noise (default 0.01; 0 = the paper's
@@ -96,6 +97,9 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
     def _freeze_name(self) -> str:
         return f"freeze_step={self.freeze_step}"
 
+    def _variance_updates_done(self) -> int:
+        return min(self._extra["step"], self.freeze_step)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step: average (fp32 or 1-bit) and update every trainable parameter."""
@@ -108,6 +112,18 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         if not params:
             return loss
         self._check_replicated(params)
+        # Every step communicates; a GradScaler's skip is agreed on: [Note: GradScaler].
+        if self._amp_begin(True, f"{self._algorithm}/found_inf"):
+            self._amp_end()
+            return loss
+        try:
+            self._step(pairs)
+        finally:
+            self._amp_end()
+        return loss
+
+    def _step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        params = [p for _, p in pairs]
         self._init_state(pairs)  # see [Note: late parameters]
         extra = self._extra
         extra["step"] += 1
@@ -120,10 +136,9 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
                 mask = self._mask(p)
                 if mask is not None:
                     g = g * mask
-                beta1, beta2 = group["betas"]
-                state = self._state(p)
-                state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                beta1 = group["betas"][0]
+                self._state(p)["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+                self._update_variance(group, p, g)
             extra["full_precision"] += 1
         else:
             for group, p in pairs:
@@ -141,10 +156,6 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
             if wd != 0:
                 p.mul_(1 - lr * wd)
             denom = self._denominator(
-                group,
-                p,
-                min(extra["step"], self.freeze_step),
-                floor=self.variance_floor if extra["step"] > self.freeze_step else 0.0,
+                group, p, floor=self.variance_floor if extra["step"] > self.freeze_step else 0.0
             )
             p.addcdiv_(state["exp_avg"], denom, value=-lr)
-        return loss

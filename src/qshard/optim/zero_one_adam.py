@@ -141,7 +141,8 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             gradient, then folded into the momentum). Same communication; see [Note: phase A
             compression] in the module docstring for why the default converges much better.
         bias_correction: divide the variance by ``1 - beta2 ** k``, ``k`` the number of variance
-            updates so far (default False, as both papers' code). The momentum is not corrected.
+            updates of that parameter so far (default False, as both papers' code). The momentum
+            is not corrected.
             Recommended when ``var_freeze_step`` is short and beta2 close to 1 (0.999): T_v
             updates the variance rarely, so without it ``sqrt(v)`` stays far below the gradient
             scale and steps are too large. Not with a fast beta2 (0.95): v warms up in ~20
@@ -224,6 +225,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
     def _freeze_name(self) -> str:
         return f"var_freeze_step={self.var_freeze_step}"
 
+    def _variance_updates_done(self) -> int:
+        return self._extra["variance_updates"]
+
     @property
     def in_sync(self) -> bool:
         """True when every rank holds the same parameters (always in phase A; in phase B right
@@ -242,16 +246,24 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         if not params:
             return loss
         self._check_replicated(params, values_agree=self.in_sync)
-        joined = self._init_state(pairs)  # see [Note: late parameters]
         extra = self._extra
-        extra["step"] += 1
-        step = extra["step"]
-        if joined:  # their first update needs a variance (phase A; phase B refused them)
-            extra["next_variance_step"] = step
-        if step <= self.var_freeze_step:
-            self._phase_a_step(pairs, step)
-        else:
-            self._phase_b_step(pairs, step)
+        step = extra["step"] + 1
+        # A GradScaler's skip is agreed on where the step communicates: [Note: GradScaler].
+        communicates = step <= self.var_freeze_step or step == extra["next_sync_step"]
+        if self._amp_begin(communicates, f"{self._algorithm}/found_inf"):
+            self._amp_end()
+            return loss
+        try:
+            joined = self._init_state(pairs)  # see [Note: late parameters]
+            extra["step"] = step
+            if joined:  # their first update needs a variance (phase A; phase B refused them)
+                extra["next_variance_step"] = step
+            if step <= self.var_freeze_step:
+                self._phase_a_step(pairs, step)
+            else:
+                self._phase_b_step(pairs, step)
+        finally:
+            self._amp_end()
         return loss
 
     def _phase_a_step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]], step: int) -> None:
@@ -284,12 +296,12 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             extra["compressed"] += 1
         for (group, p), g in zip(pairs, grads):
             state = self._state(p)
-            beta1, beta2 = group["betas"]
+            beta1 = group["betas"][0]
             if variance_step:
                 mask = self._mask(p)
                 if mask is not None:
                     g = g * mask
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                self._update_variance(group, p, g)
             state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
             self._apply_update(group, p)
 
@@ -301,9 +313,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         p.addcdiv_(state["exp_avg"], self._denom(group, p), value=-lr)
 
     def _denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
-        return self._denominator(
-            group, p, self._extra["variance_updates"], floor=self.variance_floor
-        )
+        return self._denominator(group, p, floor=self.variance_floor)
 
     def _phase_b_step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]], step: int) -> None:
         extra = self._extra
