@@ -7,6 +7,7 @@ them, naming the newest intact one)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def _model_and_optimizer(
 
 def _4bit():
     return _model_and_optimizer(optim="4bit")
+
+
+def _unlist_files(path: Path) -> None:
+    """Make ``path`` look written before ``qshard.json`` listed the files and their CRC-32s."""
+    info = json.loads((path / "qshard.json").read_text())
+    info.pop("files", None)
+    (path / "qshard.json").write_text(json.dumps(info))
+
+
+def _flip(file: Path, *, zero: bool = False) -> None:
+    """Change bytes in the middle of ``file`` (or all of them to zeros), keeping its size."""
+    data = bytearray(file.read_bytes())
+    if zero:
+        data = bytearray(len(data))
+    else:
+        for i in range(len(data) // 2, len(data) // 2 + 8):
+            data[i] ^= 0x10
+    file.write_bytes(bytes(data))
 
 
 def _refusal(path: Path, **kw) -> str:
@@ -85,6 +104,20 @@ def _cases(rank: int, world: int, tmp: str) -> dict[str, str]:
     shard = sorted(truncated.glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:1000])
     out["truncated"] = _refusal(truncated)
+    # The same in a checkpoint written before qshard.json listed the files: DCP finds it.
+    _unlist_files(truncated)
+    out["truncated_unlisted"] = _refusal(truncated)
+    # Same size, other bytes (a flipped bit, the zeros of a lost write): DCP and torch.load
+    # read them as weights and optimizer state without a word; the CRC-32s refuse them.
+    for name, pattern, source in (
+        ("flipped", "*.distcp", path),
+        ("zeroed", ".metadata", path),
+        ("per_rank_flipped", "rank_*.pt", per_rank),
+    ):
+        bad = Path(tmp) / name / "step_00000001"
+        shutil.copytree(source, bad)
+        _flip(sorted(bad.glob(pattern))[0], zero=name == "zeroed")
+        out[name] = _refusal(bad)
     for name, text in (("bad_json", '{"step": 1'), ("json_list", "[1, 2]")):
         bad = Path(tmp) / name / "step_00000001"
         shutil.copytree(path, bad)
@@ -146,12 +179,27 @@ def test_a_damaged_checkpoint_is_refused(cases):
     fix = "move it out of the checkpoints folder to resume from the previous one"
     assert fix in cases["damaged"]
     for key, what in (
-        ("truncated", "truncated/step_00000001 cannot be loaded ("),
+        ("truncated", "truncated/step_00000001/__0_0.distcp cannot be loaded (it has 1000 bytes, "),
+        ("truncated_unlisted", "truncated/step_00000001 cannot be loaded ("),
         ("bad_json", "qshard.json cannot be read (Expecting ',' delimiter"),
         ("json_list", "qshard.json holds list, not an object"),
-        ("per_rank_truncated", "rank_00000.pt cannot be loaded ("),
+        ("per_rank_truncated", "rank_00000.pt cannot be loaded (it has 21 bytes, "),
     ):
         assert what in cases[key] and fix in cases[key], (key, cases[key])
+
+
+def test_a_checkpoint_whose_bytes_changed_at_the_same_size_is_refused(cases):
+    # Before: loaded without a word (a resumed run went NaN a step later).
+    for key, file in (
+        ("flipped", "flipped/step_00000001/__0_0.distcp"),
+        ("zeroed", "zeroed/step_00000001/.metadata"),
+        ("per_rank_flipped", "per_rank_flipped/step_00000001/rank_00000.pt"),
+    ):
+        assert f"{file} cannot be loaded (its contents changed since the save: " in cases[key], (
+            key,
+            cases[key],
+        )
+        assert " with CRC-32 " in cases[key] and "move it out of the checkpoints" in cases[key]
 
 
 def test_old_checkpoints_and_replaced_saves_leave_nothing_behind(cases):
@@ -217,8 +265,12 @@ def _fallback_cases(rank: int, world: int, tmp: str) -> dict[str, object]:
                 (path / "qshard.json").write_text('{"step": 3')
             elif how == "metadata":
                 (path / ".metadata").unlink()
-            else:  # only rank 1's own per-rank file: rank 0 loads its file fine
+            elif how == "flip":  # rank 0's shard, same size: verified by rank 1
+                _flip(path / "__0_0.distcp")
+            else:  # only rank 1's own per-rank file: rank 0 loads its file fine (a checkpoint
+                # without the file list, whose sizes would find it on every rank)
                 (path / "rank_00001.pt").write_bytes(b"PK\x03\x04 not a whole file")
+                _unlist_files(path)
         dist.barrier()
 
     def load(root: Path, *, fall_back: bool, **kw) -> dict[str, object]:
@@ -242,7 +294,7 @@ def _fallback_cases(rank: int, world: int, tmp: str) -> dict[str, object]:
     base = Path(tmp)
     # DCP: a shard cut short (found only by loading), a qshard.json that is not JSON, no
     # .metadata; each newest, with intact checkpoints before it.
-    for how in ("truncate", "json", "metadata"):
+    for how in ("truncate", "json", "metadata", "flip"):
         root = base / f"dcp_{how}"
         save(root, (1, 2, 3))
         damage(root / "step_00000003", how)
@@ -285,9 +337,10 @@ def fallback(tmp_path_factory):
 def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(fallback):
     tmp, (r0, r1) = fallback
     for how, why in (
-        ("truncate", "cannot be loaded ("),
+        ("truncate", "cannot be loaded (it has 1000 bytes, "),
         ("json", "qshard.json cannot be read (Expecting ',' delimiter"),
         ("metadata", "has qshard.json but no DCP .metadata"),
+        ("flip", "__0_0.distcp cannot be loaded (its contents changed since the save: "),
     ):
         for got in (r0, r1):
             restart = got[f"restart_{how}"]
@@ -302,7 +355,7 @@ def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(fallback):
 
 def test_an_explicit_resume_refuses_a_damaged_newest_checkpoint_naming_the_intact_one(fallback):
     tmp, (r0, r1) = fallback
-    for how in ("truncate", "json", "metadata"):
+    for how in ("truncate", "json", "metadata", "flip"):
         for got in (r0, r1):
             refused = got[f"explicit_{how}"]
             assert refused["error"].startswith("DamagedCheckpointError: "), refused

@@ -208,17 +208,53 @@ def test_killed_rank_without_restarts_fails_naming_the_rank(corpus):
 
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
-def test_stopped_rank_ends_the_job_within_the_timeout_and_is_killed(corpus):
-    out = corpus.parent / "stop"
-    rc, _, err, _, leftover = _train(
-        corpus, out, "--collective-timeout", "10", fault="stop:rank=1:step=3"
-    )
+@pytest.mark.parametrize(
+    ("stopped", "fault"),
+    [(1, "stop:rank=1:step=3"), (0, "stop:rank=0:step=4:at=save")],  # 0: hung inside a save
+)
+def test_stopped_rank_ends_the_job_within_the_timeout_and_is_killed(corpus, stopped, fault):
+    out = corpus.parent / f"stop_{stopped}"
+    rc, _, err, _, leftover = _train(corpus, out, "--collective-timeout", "10", fault=fault)
+    reporter = 1 - stopped
     assert rc == 1
-    assert "rank 0 stopped at step 3" in err
+    # The reporting rank's diagnosis is the report, also when the stopped rank has the lower
+    # local rank (before: "rank 0 (pid N) was killed by SIGKILL" alone, [Note: reaped first]).
+    assert f"rank {reporter} (pid " in err and "failed (exit code 1): RankFailure: " in err, err
+    assert f"rank {reporter} stopped at step 3" in err
     assert "--collective-timeout 10 s" in err
-    assert "rank 1 did not answer (hung or dead); stopped rank 1 on this host: killed" in err
+    assert (
+        f"rank {stopped} did not answer (hung or dead); stopped rank {stopped} on this host: "
+        "killed" in err
+    )
     assert f"resume from {out / 'checkpoints' / 'step_00000002'} with --resume" in err
     assert not leftover, leftover  # the stopped rank too
+
+
+def test_the_watcher_kills_a_stopped_peer_only_once_the_reporting_rank_is_reaped():
+    """[Note: reaped first] in qshard.train._faults: killed while the reporting rank was an
+    unreaped zombie, the stopped peer was found dead at the agent's same poll, and the agent
+    reported the lower local rank's SIGKILL instead of the diagnosis."""
+    peer = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(120)"])
+    reporter = subprocess.Popen([sys.executable, "-S", "-c", "pass"])  # exits; reaped below
+    watcher = None
+    try:
+        os.kill(peer.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while _faults._proc_state(reporter.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watcher = subprocess.Popen(
+            [sys.executable, "-S", "-c", _faults._WATCHER, str(reporter.pid), str(peer.pid)]
+        )
+        time.sleep(1.0)  # the old watcher killed within 50 ms of seeing the zombie
+        assert _faults._proc_state(peer.pid) == "T"  # held back: the agent has not reaped it
+        reporter.wait()  # the agent reaps the reporting rank: its error is recorded
+        assert watcher.wait(timeout=60) == 0
+        assert peer.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        for proc in (peer, reporter, watcher):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.slow
@@ -259,8 +295,8 @@ def test_restart_falls_back_past_a_damaged_newest_checkpoint(corpus, uninterrupt
     assert "qshard fault injection: kill rank 1 at step 5 (time " in stdout
     damaged = out / "checkpoints" / "step_00000004"
     assert (
-        f"qshard train: WARNING: restart 1: the newest checkpoint could not be loaded: {damaged} (cannot be loaded ("
-        in err
+        f"qshard train: WARNING: restart 1: the newest checkpoint could not be loaded: {damaged} "
+        "(__1_0.distcp cannot be loaded (it has " in err
     ), err[-3000:]
     assert "moved aside to step_00000004.damaged. Falling back to " in err
     assert f"{out / 'checkpoints' / 'step_00000002'} (step 2)" in err

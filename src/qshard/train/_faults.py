@@ -27,10 +27,11 @@ never a silently ignored fault.
 works while a rank is stopped or dead) and waits a short grace for the others; the ranks that
 never answer are the lost ones (a rank blocked waiting for a peer that failed first is among
 them too). A lost rank on this host that is stopped (procfs state ``T``) is sent SIGKILL by a
-small watcher once the reporting rank has exited: torch elastic's agent would SIGTERM it, which
-a stopped process never acts on, and SIGKILL it only after its fixed 30 s grace; killed before
-the reporting rank's error is recorded, its death would be all the agent reports. The error
-names the lost ranks, the step and the newest complete checkpoint.
+small watcher once the reporting rank has exited and been reaped ([Note: reaped first]): torch
+elastic's agent would SIGTERM it, which a stopped process never acts on, and SIGKILL it only
+after its fixed 30 s grace; killed before the reporting rank's error is recorded, its death
+would be all the agent reports. The error names the lost ranks, the step and the newest
+complete checkpoint.
 """
 
 from __future__ import annotations
@@ -258,7 +259,16 @@ def _kill_local(store: dist.Store, lost: list[int]) -> list[int]:
     has exited: killed earlier, the stopped peer's death is what the agent sees first, and it
     stops this rank before its error (the diagnosis) is recorded. A small watcher process
     waits for this one to end. Only stopped ranks: one merely blocked in a collective waiting
-    for us did not answer either, and is left to fail by itself or to the agent."""
+    for us did not answer either, and is left to fail by itself or to the agent.
+
+    [Note: reaped first] "Ended" must mean reaped by the agent, not merely exited (a zombie):
+    the launcher's agent (torch's spawn context) polls every 0.2 s, and when it finds two
+    ranks dead at one poll it reports the one of lower local rank alone. The watcher used to
+    kill the stopped peer as soon as this rank was a zombie, so a stopped rank 0 reported by
+    rank 1 was usually found dead at the same poll, and the job's only report was "rank 0 was
+    killed by SIGKILL": the diagnosis (hung, at which step, the checkpoint) was lost. Once the
+    agent has reaped this rank it has recorded its error; a parent that does not reap within
+    5 s does not hold the kill back longer."""
     host = socket.gethostname()
     killed: list[int] = []
     pids: list[int] = []
@@ -282,8 +292,9 @@ def _kill_local(store: dist.Store, lost: list[int]) -> list[int]:
     return killed
 
 
-# Waits (at most 10 minutes) until the rank that started it has exited, then SIGKILLs the given
-# pids that are still stopped (state T).
+# Waits (at most 10 minutes) until the rank that started it has exited and its parent (the
+# agent) has reaped it, or 5 s after it exited if no parent reaps it, then SIGKILLs the given
+# pids that are still stopped (state T). [Note: reaped first] in _kill_local.
 _WATCHER = """
 import os, signal, sys, time
 def state(pid):
@@ -294,7 +305,15 @@ def state(pid):
         return None
 rank, pids = int(sys.argv[1]), [int(p) for p in sys.argv[2:]]
 end = time.monotonic() + 600
-while state(rank) not in (None, "Z", "X") and time.monotonic() < end:
+exited = None
+while time.monotonic() < end:
+    now, s = time.monotonic(), state(rank)
+    if s in (None, "X"):
+        break
+    if s == "Z":
+        exited = exited or now
+        if now - exited > 5:
+            break
     time.sleep(0.05)
 for pid in pids:
     if state(pid) == "T":

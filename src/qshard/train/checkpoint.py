@@ -23,6 +23,19 @@ and optimizer it is given and refuses a checkpoint of another configuration with
 names the differences, before DCP would fail on a missing key, or an 8-bit optimizer would
 silently take the saved block size over its own.
 
+[Note: checkpoint checksums] Neither DCP nor ``torch.load`` checks what it reads: a shard with
+a flipped bit, or the zeros a lost write can leave at the right size, loaded as weights and
+optimizer state without a word (seen: a resumed run went NaN a step later). So every rank sums
+the files it wrote (CRC-32, as they are on disk after the save: read back from the page cache,
+about 2 GB/s per rank), rank 0 sums what no rank claimed (DCP's ``.metadata``), and
+``qshard.json`` lists every state file with its size and CRC-32 (``"files"``). The sizes are
+checked with the other file checks (no read; before any rank starts, for an explicit
+``--resume``); the contents by :func:`load_checkpoint` before anything is loaded, each rank
+reading its share of the files (one extra read of the checkpoint in all), and every rank
+learns every verdict, so all raise the same :class:`DamagedCheckpointError` and a restart falls
+back ([Note: restart fallback]). A CRC catches corruption, not tampering. Checkpoints written
+before have no ``"files"`` and load as before.
+
 The state holds the model and optimizer (through ``torch.distributed.checkpoint.state_dict``,
 so FSDP2-sharded tensors are saved by their global layout and load on any number of ranks),
 the step (which is also the data position: batches are a pure function of the step, see
@@ -60,6 +73,7 @@ import os
 import re
 import shutil
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -180,15 +194,22 @@ def save_checkpoint(
         except CheckpointException as exc:  # a BaseException, see load_checkpoint
             raise CheckpointError(f"saving {final} failed: {_last_line(exc)}") from exc
         mine = tuple(sorted(partial.glob(f"__{_rank()}_*.distcp")))  # DCP's names for this rank
+    # [Note: checkpoint checksums] each rank sums the files it wrote, as they are on disk.
+    sums = {file.name: _file_sum(file) for file in mine}
     # [Note: fault injection] in qshard.train._faults
     _faults.fire(_faults.fault_plan(_rank()), step=step, at="save", files=mine)
-    _barrier()  # every shard is on disk before the folder may look complete
+    # Also the barrier: every shard is on disk before the folder may look complete.
+    files = _gather_sums(sums)
     if _rank() == 0:
+        for file in sorted(partial.iterdir()):  # what no rank claimed: DCP's .metadata
+            if file.is_file() and file.name not in files:
+                files[file.name] = _file_sum(file)
         info = {
             "step": step,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "format": "per_rank" if per_rank else "dcp",
             "layout": _layout(model_sd, optim_sd, optimizer),
+            "files": dict(sorted(files.items())),
         }
         info.update(meta or {})
         _write_json_atomic(partial / _META, info)
@@ -201,6 +222,24 @@ def save_checkpoint(
             _discard(old[1])
     _barrier()
     return final
+
+
+def _file_sum(file: Path) -> dict[str, Any]:
+    """A file's size and CRC-32 as ``qshard.json`` records them ([Note: checkpoint checksums])."""
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return {"bytes": file.stat().st_size, "crc32": f"{crc:08x}"}
+
+
+def _gather_sums(mine: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's file sums, merged (a collective, so also a barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(mine)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name: s for sums in everyone for name, s in sums.items()}
 
 
 def _discard(path: Path) -> None:
@@ -374,15 +413,75 @@ _DAMAGED = (
 
 
 def _check_files(path: Path, info: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose ``qshard.json`` is there but whose state files are not."""
+    """Refuse a checkpoint whose ``qshard.json`` is there but whose state files are not, or not
+    at the sizes they were saved with (cheap: no file is read; see [Note: checkpoint
+    checksums] for the contents)."""
     if info.get("format") == "per_rank":
         world = info.get("world_size")
         names = [f"rank_{r:05d}.pt" for r in range(world if isinstance(world, int) else 1)]
     else:
         names = ["DCP .metadata"]
+    recorded = _recorded_files(path, info)
+    names += [n for n in recorded if n not in names and f"DCP {n}" not in names]
     missing = [n for n in names if not (path / n.removeprefix("DCP ")).is_file()]
     if missing:
         raise DamagedCheckpointError(f"{path} has {_META} but no {', '.join(missing)}: {_DAMAGED}")
+    for name, saved in recorded.items():
+        size = (path / name).stat().st_size
+        if size != saved["bytes"]:
+            raise DamagedCheckpointError(
+                f"{path / name} cannot be loaded (it has {size} bytes, {saved['bytes']} when "
+                f"saved): {_DAMAGED}"
+            )
+
+
+def _recorded_files(path: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The state files ``qshard.json`` lists with their sizes and CRC-32s (empty for a
+    checkpoint written before they were recorded); a malformed list is damage."""
+    files = info.get("files")
+    if files is None:
+        return {}
+    ok = isinstance(files, dict) and all(
+        isinstance(name, str)
+        and name == Path(name).name
+        and name not in ("", ".", "..", _META)
+        and isinstance(s, dict)
+        and type(s.get("bytes")) is int
+        and isinstance(s.get("crc32"), str)
+        for name, s in files.items()
+    )
+    if not ok:
+        raise DamagedCheckpointError(f'{path / _META} has a malformed "files" entry: {_DAMAGED}')
+    return files
+
+
+def _verify_sums(path: Path, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose state files do not match the CRC-32s recorded at the save
+    (collective: the files are split over the ranks, and every rank gets every verdict, so all
+    raise alike); see [Note: checkpoint checksums]."""
+    files = _recorded_files(path, info)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problems: list[str] = []
+    for name in sorted(files)[_rank() :: world]:
+        saved = files[name]
+        try:
+            got = _file_sum(path / name)
+        except OSError as exc:
+            problems.append(f"{path / name} cannot be read ({exc.strerror or exc})")
+            continue
+        if got != {"bytes": saved["bytes"], "crc32": saved["crc32"]}:
+            problems.append(
+                f"{path / name} cannot be loaded (its contents changed since the save: "
+                f"{got['bytes']} bytes with CRC-32 {got['crc32']}, {saved['bytes']} bytes "
+                f"with CRC-32 {saved['crc32']} when saved)"
+            )
+    if world > 1:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, problems)
+        problems = [p for theirs in everyone for p in theirs]
+    if problems:
+        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+        raise DamagedCheckpointError(f"{problems[0]}{more}: {_DAMAGED}")
 
 
 def _state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.dtype]:
@@ -415,14 +514,16 @@ def load_checkpoint(
     """Load a checkpoint into ``model`` and ``optimizer`` (collective) and return its step.
 
     Works on a different number of ranks than the save (DCP reshards by global layout). Raises
-    :class:`DamagedCheckpointError` for unreadable files, :class:`CheckpointError` for a
-    checkpoint of another configuration.
+    :class:`DamagedCheckpointError` for unreadable files or files that changed since the save
+    ([Note: checkpoint checksums]), :class:`CheckpointError` for a checkpoint of another
+    configuration.
     """
     path = Path(path)
     if not (path / _META).is_file():
         raise DamagedCheckpointError(f"{path} is not a complete qshard checkpoint (no {_META})")
     info = checkpoint_info(path)
     _check_files(path, info)
+    _verify_sums(path, info)  # before anything is loaded: no garbage reaches the model
     if info.get("format") == "per_rank":
         return _load_per_rank(path, info, model=model, optimizer=optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also initializes the state layout
