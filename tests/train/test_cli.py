@@ -228,6 +228,43 @@ def test_failure_report_names_every_rank_whatever_its_error_file_holds(tmp_path)
     assert "no complete checkpoint was written" in lines[4]
 
 
+def test_failure_hint_skips_checkpoints_that_fail_their_checks(tmp_path):
+    """The report's last line names the checkpoint a --resume can continue from: it named the
+    newest complete one even when that one had just been refused as damaged (its bytes changed
+    since the save), so following it failed the same way."""
+    import zlib
+
+    root = tmp_path / "checkpoints"
+
+    def fake(step: int, data: bytes, saved: bytes) -> Path:
+        path = root / f"step_{step:08d}"
+        path.mkdir(parents=True)
+        (path / ".metadata").write_bytes(data)
+        sums = {".metadata": {"bytes": len(saved), "crc32": f"{zlib.crc32(saved):08x}"}}
+        info = {"step": step, "world_size": 1, "format": "dcp", "files": sums}
+        (path / "qshard.json").write_text(json.dumps(info))
+        return path
+
+    config = TrainConfig(out=str(tmp_path), nproc=2)
+    killed = {0: ProcessFailure(local_rank=0, pid=100, exitcode=-9, error_file=str(tmp_path / "x"))}
+    report = _report(ChildFailedError("train", killed), config).splitlines()[-1]
+    assert report.startswith("no complete checkpoint was written: rerun from the start")
+    old = fake(2, b"intact", b"intact")
+    report = _report(ChildFailedError("train", killed), config).splitlines()[-1]
+    assert f"the newest complete checkpoint is {old}: rerun with --resume" in report
+    new = fake(4, b"xxxxxx", b"intact")  # same size, other bytes
+    report = _report(ChildFailedError("train", killed), config).splitlines()[-1]
+    assert report.startswith(f"the newest complete checkpoint {new.name} (.metadata cannot be ")
+    assert f"is damaged: move it out of {root} and rerun with --resume" in report
+    assert report.endswith(
+        f"to continue from {old}, or pass --max-restarts N to restart automatically"
+    )
+    (old / ".metadata").write_bytes(b"zzzzzz")
+    report = _report(ChildFailedError("train", killed), config).splitlines()[-1]
+    assert report.startswith("no checkpoint passes its checks (step_00000004 (")
+    assert "step_00000002 (" in report and "rerun from the start" in report
+
+
 def test_resume_from_a_damaged_checkpoint_fails_before_launch(tmp_path, capsys):
     """A newest checkpoint with a broken qshard.json (the message was json's own, naming no
     file, or an AttributeError for a non-object) or without its state files is refused by the

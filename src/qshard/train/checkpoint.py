@@ -98,6 +98,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_newest",
+    "newest_intact",
     "save_checkpoint",
 ]
 
@@ -389,6 +390,23 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``root`` (``None`` if there is none)."""
     found = _complete_checkpoints(Path(root))
     return found[-1][1] if found else None
+
+
+def newest_intact(root: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint under ``root`` whose files pass every check, sizes and
+    CRC-32s included (one process: it reads the files; for a failed job's hint), and the newer
+    ones that did not, newest first, each with what is wrong."""
+    damaged: list[tuple[Path, str]] = []
+    for _, path in reversed(_complete_checkpoints(Path(root))):
+        try:
+            info = checkpoint_info(path)
+            _check_files(path, info)
+            _verify_sums(path, info)
+        except DamagedCheckpointError as exc:
+            damaged.append((path, _reason(str(exc), path)))
+            continue
+        return path, damaged
+    return None, damaged
 
 
 def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -352,12 +352,23 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
 
 def _resume_hint(config: TrainConfig) -> str:
     """How to continue a run that stopped: from its newest complete checkpoint, if any."""
-    from qshard.train.checkpoint import latest_checkpoint
+    from qshard.train.checkpoint import newest_intact
 
-    latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
-    if latest is None:
+    root = os.path.join(config.out, "checkpoints")
+    intact, damaged = newest_intact(root)  # a refused newest one is not the way on
+    if damaged:
+        names = ", ".join(f"{p.name} ({why})" for p, why in damaged)
+        moved = f"move {'them' if len(damaged) > 1 else 'it'} out of {root}"
+        if intact is None:
+            return f"no checkpoint passes its checks ({names}): rerun from the start"
+        return (
+            f"the newest complete checkpoint{'s' if len(damaged) > 1 else ''} {names} "
+            f"{'are' if len(damaged) > 1 else 'is'} damaged: {moved} and rerun with --resume "
+            f"to continue from {intact}"
+        )
+    if intact is None:
         return "no complete checkpoint was written: rerun from the start"
-    return f"the newest complete checkpoint is {latest}: rerun with --resume to continue from it"
+    return f"the newest complete checkpoint is {intact}: rerun with --resume to continue from it"
 
 
 def _failure_message(failure: Any) -> str:
