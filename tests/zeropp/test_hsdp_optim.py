@@ -149,6 +149,33 @@ def _case_vs_replicated(topo: Topology, kind: str, results: dict) -> None:
         results["synchronized_replicas"] = _same_across(group, _local(model))
 
 
+def _case_grad_scaler(topo: Topology, kind: str, results: dict) -> None:
+    """torch.amp.GradScaler with an Inf in rank 0's shard only: every rank of the model skips
+    that step ([Note: GradScaler]). Agreeing in the replicate group alone skipped it on shard 0's
+    ranks and took it on shard 1's (the model's shards one step apart)."""
+    model = shard(GPT(CFG), topology=topo, config=LOCAL_CFG)
+    opt = _make(kind, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    first = next(model.parameters())
+    counters, unchanged = [], False
+    for step in range(1, 6):
+        x, y = _batch(topo.rank, step)
+        _, loss = model(x, y)
+        scaler.scale(loss).backward()
+        if step == 3 and topo.rank == 0:
+            first.grad.to_local().view(-1)[0] = float("inf")
+        before = _local(model)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if step == 3:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, _local(model)))
+        counters.append(opt._extra["step"])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (unchanged, counters))
+    results[f"{kind}_scaler"] = everyone
+
+
 def _case_freeze(topo: Topology, kind: str, results: dict) -> None:
     """Freezing / unfreezing on the model's DTensors after the optimizer is built (a parameter
     frozen at construction unfrozen at step 2, another frozen from step 3) acts as on the
@@ -496,6 +523,7 @@ def _run(rank: int, world: int, rpn: int, tmp: str) -> dict:
     for kind in ("zero_one", "onebit"):
         _case_vs_replicated(topo, kind, results)
         _case_freeze(topo, kind, results)
+        _case_grad_scaler(topo, kind, results)
     _case_resume(topo, tmp, results)
     _case_dcp(topo, tmp, results)
     _case_dcp_adamw8bit(topo, tmp, results)
@@ -545,6 +573,8 @@ def test_hsdp_optimizers_2x2(tmp_path):
             assert r[f"{kind}_replicas"], (rank, kind)
             assert r[f"{kind}_losses"][-1] < 0.9 * r[f"{kind}_losses"][0], r[f"{kind}_losses"]
             assert r[f"{kind}_freeze_identical"] and r[f"{kind}_frozen_kept"], (rank, kind)
+            # every rank skipped the Inf step (3): unchanged weights, one counter for all
+            assert r[f"{kind}_scaler"] == [(True, [1, 2, 2, 3, 4])] * len(out), r[f"{kind}_scaler"]
         stats = r["zero_one_stats"]
         assert stats["local"] > 0 and stats["compressed"] > 0, stats
         assert r["local_quiet"] and all(b == 0 for b in r["local_quiet"]), r["local_quiet"]

@@ -382,7 +382,11 @@ class _DataParallelOneBitOptimizer(Optimizer):
     # nothing and has nothing to agree on: a rank that found Inf/NaN takes it with zero
     # gradients (as for a missing gradient), so every rank's counters, sync anchor decay and
     # lr sum stay the same. Gradients are divided by ``grad_scale`` as they are read
-    # (``p.grad`` is not modified, as in torch's fused Adam).
+    # (``p.grad`` is not modified, as in torch's fused Adam). On HSDP the replicate group is
+    # not all of the model's ranks, but GradScaler's check of DTensor gradients is a DTensor op
+    # that already reduces ``found_inf`` over the parameters' mesh (the node's shard group), so
+    # agreeing in the replicate group gives every rank of the model one verdict (checked in
+    # tests/zeropp/test_hsdp_optim.py with an Inf in one rank's shard).
     _step_supports_amp_scaling = True
     _amp_inv_scale: torch.Tensor | None = None
     _amp_zero_grads = False
