@@ -152,7 +152,10 @@ def test_fault_spec_parses_and_refuses_nonsense():
     for bad, message in [
         ("explode:rank=1:step=3", "unknown fault"),
         ("kill:rank=1", "needs rank= and step="),
-        ("kill:rank=1:step=3:when=now", "bad field"),
+        ("kill:rank=1:step=3:when=now", r"bad field .*restart="),
+        ("kill:rank=one:step=3", r"rank= takes a whole number >= 0; got 'rank=one'"),
+        ("kill:rank=1:step=-3", r"step= takes a whole number >= 0; got 'step=-3'"),
+        ("kill:rank=1:step=3:restart=x", r"restart= takes a whole number >= 0"),
         ("kill:rank=1:step=3:at=eval", "at= must be one of"),
         ("corrupt:rank=1:step=4", "corrupt cuts a checkpoint's files: it needs at=save"),
     ]:

@@ -96,8 +96,17 @@ def parse(spec: str) -> tuple[Fault, ...]:
         for pair in pairs:
             key, sep, value = pair.partition("=")
             if not sep or key not in ("rank", "step", "at", "restart"):
-                raise ValueError(f"{ENV}: bad field {pair!r} in {item!r} (rank=, step=, at=)")
-            fields[key] = value if key == "at" else int(value)
+                raise ValueError(
+                    f"{ENV}: bad field {pair!r} in {item!r} (rank=, step=, at=, restart=)"
+                )
+            if key == "at":
+                fields[key] = value
+            elif value.isascii() and value.isdigit():  # no sign, no space
+                fields[key] = int(value)
+            else:
+                raise ValueError(
+                    f"{ENV}: {key}= takes a whole number >= 0; got {pair!r} in {item!r}"
+                )
         if "rank" not in fields or "step" not in fields:
             raise ValueError(f"{ENV}: {item!r} needs rank= and step=")
         if fields.get("at", "step") not in _PLACES:
