@@ -11,7 +11,7 @@ pytest.importorskip("triton", reason="the GPU kernels need triton (pip install q
 
 from qshard import _triton
 from qshard.quant import blockwise as ref
-from tests.gpu.conftest import DEVICE
+from tests.gpu.conftest import DEVICE, huge, interpreter_checks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -167,6 +167,25 @@ def test_rejects_bad_arguments(device):
         )
     with pytest.raises(ValueError, match="contiguous"):
         _triton.quantize_flat(torch.zeros(8, 8, device=device).t(), block_size=8, bits=8)
+    codes, scales = _triton.quantize_blocks(x, bits=8)
+    # More elements than the blocks hold: the tail was left as torch.empty's garbage.
+    with pytest.raises(ValueError, match=r"numel=17 must be in 0\.\.16"):
+        _triton.dequantize_blocks(codes, scales, bits=8, numel=17)
+    # Integer outputs truncated the values without a word (the public API refuses them).
+    with pytest.raises(TypeError, match="floating point"):
+        _triton.dequantize_blocks(codes, scales, bits=8, dtype=torch.int32)
+    with pytest.raises(TypeError, match="floating point"):
+        _triton.dequantize_blocks(
+            codes, scales, bits=8, out=torch.empty(16, dtype=torch.int8, device=device)
+        )
+    with pytest.raises(ValueError, match="2-D int8 codes"):
+        _triton.dequantize_blocks(codes.view(-1), scales, bits=8)
+    with pytest.raises(ValueError, match="2-D int8 codes"):
+        _triton.dequantize_blocks(codes.to(torch.int32), scales, bits=8)
+    with pytest.raises(TypeError, match="int8 codes"):
+        _triton.pack_int4(torch.ones(4, device=device))  # 1.0 was packed as code 1
+    with pytest.raises(ValueError, match=r"numel=-1 must be in 0\.\.2"):
+        _triton.unpack_int4(torch.zeros(1, dtype=torch.uint8, device=device), -1)
 
 
 def test_quantize_into_preallocated_out(device):
@@ -179,3 +198,93 @@ def test_quantize_into_preallocated_out(device):
     assert _same(codes, ref.pack_int4(want_codes)) and _same(scales, want_scales)
     with pytest.raises(ValueError, match="out codes"):
         _triton.quantize_blocks(x, bits=8, out=(codes, scales))
+
+
+def test_code_offsets_past_2_31_stay_in_bounds():
+    """[Note: int64 code offsets]: a tensor of more than 2**31 INT8 codes (an 8 GB fp32 input
+    fits an H200) has block code offsets `row * block_size` past int32. Run each kernel's last
+    program on tensors of the real size: every access stays inside its tensor and the tail
+    equals the reference. In int32 they wrapped 2 GB before the buffer (quantize's codes store,
+    dequantize's codes load, pack/unpack_int4's `2 * j`; unpack's masks let it through)."""
+    from qshard._triton import _blockwise as kb
+
+    bs, tail = 256, 3000  # a partial last block: 12 blocks of the last program's 16 are real
+    numel = 2**31 + tail
+    n_blocks = -(-numel // bs)
+    block_n, rows, warps = kb._geometry(bs)
+    last = -(-n_blocks // rows) - 1
+    first = last * rows  # the last program's first block; first * bs = 2**31
+    x, codes = huge(numel, torch.float16), huge(n_blocks * bs, torch.int8)
+    scales = torch.empty(n_blocks, dtype=torch.float32)  # 32 MB, never touched in full
+    src = (torch.randn(numel - first * bs, generator=torch.Generator().manual_seed(0)) * 4).half()
+    src[5] = float("nan")
+    x[first * bs :] = src
+    with interpreter_checks(x, codes, scales, first_program=last):
+        kb._quantize_kernel[(1,)](
+            x, codes, scales, n_blocks, numel, 0,
+            BS=bs, BLOCK_N=block_n, ROWS=rows, QMAX=127, PACK=False, STOCHASTIC=False,
+            BF16=False, num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    q = ref.quantize_blockwise(src, bits=8, block_size=bs)
+    assert _same(codes[first * bs :], q.codes) and _same(scales[first:], q.scales)
+    x[first * bs :] = 0.0
+    with interpreter_checks(codes, scales, x, first_program=last):
+        kb._dequantize_kernel[(1,)](
+            codes, scales, x, n_blocks, numel,
+            BS=bs, BLOCK_N=block_n, ROWS=rows, PACK=False, QMAX=127,
+            num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+    assert _same(x[first * bs :], ref.dequantize_blockwise(q))
+    del x, codes
+
+    numel = 2**31 + 2  # INT4 codes, two a byte: the last program's `2 * j` is 2**31
+    codes, packed = huge(numel, torch.int8), huge(numel // 2, torch.uint8)
+    block = kb._ELEMWISE_BLOCK
+    last = -(-(numel // 2) // block) - 1
+    start = last * block
+    want = torch.randint(-8, 8, (numel - 2 * start,), dtype=torch.int8)
+    codes[2 * start :] = want
+    with interpreter_checks(codes, packed, first_program=last):
+        kb._pack_int4_kernel[(1,)](
+            codes, packed, numel // 2, numel, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        )
+    assert _same(packed[start:], ref.pack_int4(want))
+    codes[2 * start :] = 0
+    with interpreter_checks(packed, codes, first_program=last):
+        kb._unpack_int4_kernel[(1,)](
+            packed, codes, numel, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        )
+    assert _same(codes[2 * start :], want)
+
+
+def test_stochastic_seed_is_drawn_on_the_generators_device(monkeypatch):
+    """[Note: seed on the generator's device]: for CUDA tensors callers pass a CUDA generator
+    (the torch path's `torch.rand(..., device=x.device, generator=g)` needs one), and the
+    kernel's seed draw used to run on the CPU, which torch refuses for a CUDA generator. Without
+    CUDA here, a generator reporting another device and a `torch.randint` enforcing torch's rule
+    stand in for them."""
+    from qshard._triton import _blockwise as kb
+
+    class ElsewhereGenerator(torch.Generator):
+        @property
+        def device(self) -> torch.device:
+            return torch.device("meta")
+
+    real_randint = torch.randint
+
+    def randint(*args, generator=None, device=None, **kwargs):
+        where = torch.device("cpu") if device is None else torch.device(device)
+        if generator is not None and where != generator.device:
+            raise RuntimeError(
+                f"Expected a '{where.type}' device type for generator but found "
+                f"'{generator.device.type}'"
+            )
+        return real_randint(*args, generator=generator, **kwargs)  # the draw itself on the CPU
+
+    monkeypatch.setattr(torch, "randint", randint)
+    gen = ElsewhereGenerator().manual_seed(3)
+    first = kb._seed("stochastic", gen)
+    assert first == kb._seed("stochastic", ElsewhereGenerator().manual_seed(3))
+    assert 0 <= first < 2**31 - 1
+    kb._seed("stochastic", torch.Generator().manual_seed(3))  # CPU generators as before
+    kb._seed("stochastic", None)

@@ -95,6 +95,9 @@ def test_bad_arguments_are_rejected(device):
         _triton.optim4bit_step(**common, block_size=7, hp=hp)
     with pytest.raises(ValueError, match="m_codes"):
         _triton.optim4bit_step(**{**common, "m_codes": c[:, :3].contiguous()}, block_size=8, hp=hp)
+    # v's midpoints were not checked (m's were): the search reads 15 of them unmasked.
+    with pytest.raises(ValueError, match="v_mid: expected >= 15"):
+        _triton.optim4bit_step(**{**common, "v_mid": qm.mid[:7]}, block_size=8, hp=hp)
 
 
 def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):

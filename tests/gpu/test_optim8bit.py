@@ -339,6 +339,22 @@ def test_rejects_bad_arguments():
         _triton.optim8bit_step(kind="adam", flags=0, **common)
     with pytest.raises(ValueError, match="block_size"):
         _triton.optim8bit_step(kind="sgd", flags=0, **{**common, "block_size": 8192})
+    # State 2 is read through raw pointers like state 1: its dtypes and layout were not
+    # checked, so fp64 absmax values or int8 codes were decoded as garbage.
+    second = dict(
+        codes2=c.clone(),
+        absmax2=a.clone(),
+        code2=UNSIGNED.code.to(DEVICE),
+        mid2=UNSIGNED.mid.to(DEVICE),
+        zero2=UNSIGNED.zero,
+        signed2=False,
+    )
+    for bad, match in (
+        ({"absmax2": a.double()}, "absmax2: expected 1 elements of torch.float32"),
+        ({"codes2": c.view(torch.int8)}, "codes2: expected 256 elements of torch.uint8"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _triton.optim8bit_step(kind="adam", flags=0, **common, **{**second, **bad})
 
 
 # ---- against qshard.optim itself (its fused C kernel on CPU) --------------------------------

@@ -205,6 +205,18 @@ def test_rejects_bad_slots(device):
             torch.zeros(2, 3, device=device),
             block_size=BS,
         )
+    # An integer output truncated the fp32 sums without a word.
+    packed = torch.zeros(2, 3, BS // 2, dtype=torch.uint8, device=device)
+    with pytest.raises(TypeError, match="floating point"):
+        _triton.dequant_reduce(packed, torch.zeros(2, 3, device=device), block_size=BS,
+                               dtype=torch.int32)  # fmt: skip
+    with pytest.raises(TypeError, match="floating point"):
+        _triton.dequant_reduce_rows(
+            torch.zeros(2, 3 * (4 + BS // 2), dtype=torch.uint8, device=device),
+            block_size=BS,
+            bits=4,
+            out=torch.empty(3 * BS, dtype=torch.int16, device=device),
+        )
 
 
 def test_block_maximum_survives_both_hops_exactly(device):

@@ -80,7 +80,15 @@ def _dequant_tile(q, absmax, QMAX: tl.constexpr):
 
 @triton.jit
 def _store_codes(codes_ptr, q, rows, cols, row_ok, BS: tl.constexpr, PACK: tl.constexpr):
-    """Store an int32 (ROWS, BLOCK_N) code tile as int8 codes or as packed INT4 bytes."""
+    """Store an int32 (ROWS, BLOCK_N) code tile as int8 codes or as packed INT4 bytes.
+
+    [Note: int64 code offsets] `rows` is int32 (program id * ROWS + arange), and a block's
+    code offset `rows * width` passes 2**31 once a tensor holds 2**31 code bytes (2G INT8
+    elements, an 8 GB fp32 input: within an H200's memory). In int32 it wraps negative and the
+    kernel reads or writes 2 GB before the buffer, so offsets are formed in int64 here (and in
+    `_load_codes`), as the element offsets of the callers already are.
+    """
+    start = rows[:, None].to(tl.int64)
     if PACK:
         ROWS: tl.constexpr = q.shape[0]
         HALF: tl.constexpr = q.shape[1] // 2
@@ -88,23 +96,25 @@ def _store_codes(codes_ptr, q, rows, cols, row_ok, BS: tl.constexpr, PACK: tl.co
         byte = ((hi & 15) << 4) | (lo & 15)
         j = tl.arange(0, HALF)[None, :]
         mask = row_ok[:, None] & (j < BS // 2)
-        tl.store(codes_ptr + rows[:, None] * (BS // 2) + j, byte.to(tl.uint8), mask=mask)
+        tl.store(codes_ptr + start * (BS // 2) + j, byte.to(tl.uint8), mask=mask)
     else:
         mask = row_ok[:, None] & (cols[None, :] < BS)
-        tl.store(codes_ptr + rows[:, None] * BS + cols[None, :], q.to(tl.int8), mask=mask)
+        tl.store(codes_ptr + start * BS + cols[None, :], q.to(tl.int8), mask=mask)
 
 
 @triton.jit
 def _load_codes(
     codes_ptr, rows, row_ok, BS: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr
 ):
-    """Load a (ROWS, BLOCK_N) int32 tile of codes stored as int8 or packed INT4."""
+    """Load a (ROWS, BLOCK_N) int32 tile of codes stored as int8 or packed INT4 (offsets in
+    int64: [Note: int64 code offsets])."""
     ROWS: tl.constexpr = rows.shape[0]
+    start = rows[:, None].to(tl.int64)
     if PACK:
         HALF: tl.constexpr = BLOCK_N // 2
         j = tl.arange(0, HALF)[None, :]
         mask = row_ok[:, None] & (j < BS // 2)
-        b = tl.load(codes_ptr + rows[:, None] * (BS // 2) + j, mask=mask, other=0).to(tl.int32)
+        b = tl.load(codes_ptr + start * (BS // 2) + j, mask=mask, other=0).to(tl.int32)
         # Sign-extend each nibble by moving it to the top of the int32 and shifting back.
         hi = (b << 24) >> 28
         lo = (b << 28) >> 28
@@ -112,7 +122,7 @@ def _load_codes(
     else:
         cols = tl.arange(0, BLOCK_N)[None, :]
         mask = row_ok[:, None] & (cols < BS)
-        q = tl.load(codes_ptr + rows[:, None] * BS + cols, mask=mask, other=0).to(tl.int32)
+        q = tl.load(codes_ptr + start * BS + cols, mask=mask, other=0).to(tl.int32)
     return q
 
 
@@ -170,7 +180,8 @@ def _dequantize_kernel(
 
 @triton.jit
 def _pack_int4_kernel(codes_ptr, out_ptr, n_bytes, numel, BLOCK: tl.constexpr):
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # int64: `2 * j` passes 2**31 for 2G codes ([Note: int64 code offsets]).
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = j < n_bytes
     hi = tl.load(codes_ptr + 2 * j, mask=ok & (2 * j < numel), other=0).to(tl.int32)
     lo = tl.load(codes_ptr + 2 * j + 1, mask=ok & (2 * j + 1 < numel), other=0).to(tl.int32)
@@ -179,10 +190,18 @@ def _pack_int4_kernel(codes_ptr, out_ptr, n_bytes, numel, BLOCK: tl.constexpr):
 
 @triton.jit
 def _unpack_int4_kernel(packed_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # int64: in int32 `2 * j` wraps negative past 2G codes, passes the `< numel` masks and
+    # writes before `out` ([Note: int64 code offsets]).
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     b = tl.load(packed_ptr + j, mask=2 * j < numel, other=0).to(tl.int32)
     tl.store(out_ptr + 2 * j, ((b << 24) >> 28).to(tl.int8), mask=2 * j < numel)
     tl.store(out_ptr + 2 * j + 1, ((b << 28) >> 28).to(tl.int8), mask=2 * j + 1 < numel)
+
+
+def _check_float_dtype(dtype: torch.dtype, what: str) -> None:
+    """Dequantized values are floats: an integer output would truncate them silently."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dequantized values are floating point; got {what} {dtype}")
 
 
 def _qmax(bits: int) -> int:
@@ -198,7 +217,13 @@ def _seed(rounding: str, generator: torch.Generator | None) -> int:
         raise ValueError(f"rounding must be 'nearest' or 'stochastic'; got {rounding!r}")
     # One draw from the caller's generator seeds Triton's Philox stream, so a seeded
     # generator gives a reproducible (though not torch-identical) rounding pattern.
-    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
+    # [Note: seed on the generator's device] The draw runs where the generator lives: a CUDA
+    # tensor's caller passes a CUDA generator (the torch path draws its noise on the tensor's
+    # device, which needs one), and torch refuses a CUDA generator for a CPU draw. Without a
+    # generator the draw is on the CPU's default one (seeded by torch.manual_seed too), which
+    # spares the device sync of `.item()`.
+    device = torch.device("cpu") if generator is None else generator.device
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device).item())
 
 
 def _geometry(block_size: int) -> tuple[int, int, int]:
@@ -314,6 +339,11 @@ def dequantize_blocks(
     """
     check_contiguous("codes2d", codes2d)
     check_device(codes2d, scales)
+    if codes2d.dtype not in (torch.int8, torch.uint8) or codes2d.dim() != 2:
+        raise ValueError(
+            f"codes2d must be 2-D int8 codes or packed INT4 uint8; got {codes2d.dtype} "
+            f"{tuple(codes2d.shape)}"
+        )
     pack = codes2d.dtype == torch.uint8
     if bits is None and not pack:
         raise ValueError(
@@ -336,12 +366,24 @@ def dequantize_blocks(
         raise ValueError(
             f"scales must be fp32 of shape ({n_blocks},); got {scales.dtype} {tuple(scales.shape)}"
         )
+    if numel is not None and not 0 <= numel <= n_blocks * block_size:
+        # Elements past the last block would be left as torch.empty's garbage.
+        raise ValueError(
+            f"numel={numel} must be in 0..{n_blocks * block_size} ({n_blocks} blocks of "
+            f"{block_size})"
+        )
     shape = (n_blocks, block_size) if numel is None else (numel,)
     total = n_blocks * block_size if numel is None else numel
     if out is None:
+        _check_float_dtype(dtype, "dtype")
         out = torch.empty(shape, dtype=dtype, device=codes2d.device)
-    elif out.numel() != total or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of {total} elements (its dtype wins)")
+    else:
+        if out.numel() != total or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous tensor of {total} elements (its dtype wins)"
+            )
+        _check_float_dtype(out.dtype, "out")
+        check_device(codes2d, out)
     if n_blocks == 0:
         return out
     block_n, rows, warps = _geometry(block_size)
@@ -368,6 +410,8 @@ _ELEMWISE_BLOCK = 4096
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Pack int8 codes in [-8, 7] two per byte (element 2k high nibble); odd numel pads a 0."""
     check_contiguous("codes", codes)
+    if codes.dtype != torch.int8:  # float codes would be truncated, wider ints read as int8
+        raise TypeError(f"pack_int4 expects int8 codes; got {codes.dtype}")
     numel = codes.numel()
     n_bytes = -(-numel // 2)
     out = torch.empty((n_bytes,), dtype=torch.uint8, device=codes.device)
@@ -381,10 +425,15 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor, numel: int | None = None) -> torch.Tensor:
     """Inverse of pack_int4: the first `numel` int8 codes (default all 2 * packed.numel())."""
     check_contiguous("packed", packed)
+    if packed.dtype not in (torch.uint8, torch.int8):
+        raise TypeError(f"unpack_int4 expects packed uint8 bytes; got {packed.dtype}")
     if numel is None:
         numel = 2 * packed.numel()
-    if packed.numel() * 2 < numel:
-        raise ValueError(f"{packed.numel()} packed bytes hold fewer than numel={numel} codes")
+    if not 0 <= numel <= packed.numel() * 2:
+        raise ValueError(
+            f"numel={numel} must be in 0..{packed.numel() * 2} (the codes {packed.numel()} "
+            "packed bytes hold)"
+        )
     out = torch.empty((numel,), dtype=torch.int8, device=packed.device)
     if numel:
         _unpack_int4_kernel[(triton.cdiv(-(-numel // 2), _ELEMWISE_BLOCK),)](

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from qshard._triton._common import (
     check_contiguous,
+    check_device,
     kernel_view,
     load_f32,
     next_pow2,
@@ -213,9 +214,18 @@ def optim4bit_step(
                 f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype}"
                 f" {t.numel()}"
             )
-    for name, t, count in (("code", m_code, 16), ("code", v_code, 16), ("mid", m_mid, 15)):
-        if t.dtype != torch.float32 or t.numel() < count:
-            raise ValueError(f"{name}: expected >= {count} fp32 values; got {t.dtype} {t.numel()}")
+    for name, t, count in (
+        ("m_code", m_code, 16),
+        ("v_code", v_code, 16),
+        ("m_mid", m_mid, 15),
+        ("v_mid", v_mid, 15),
+    ):
+        # The binary search reads mid[0..14], the decode code[0..15], unmasked.
+        if t.dtype != torch.float32 or t.numel() < count or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: expected >= {count} contiguous fp32 values; got {t.dtype} {t.numel()}"
+            )
+    check_device(param, grad, m_codes, m_absmax, v_codes, v_absmax)
     if len(hp) != 10:
         raise ValueError(f"hp takes the 10 values of adam_hparams; got {len(hp)}")
     if n_blocks == 0:

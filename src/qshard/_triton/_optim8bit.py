@@ -33,6 +33,7 @@ import triton.language as tl
 
 from qshard._triton._common import (
     check_contiguous,
+    check_device,
     kernel_view,
     load_f32,
     next_pow2,
@@ -320,10 +321,19 @@ def optim8bit_step(
     _check_map("state 1", code1, mid1)
     if has2:
         assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None
-        check_contiguous("codes2", codes2)
-        if codes2.numel() != numel or absmax2.numel() != n_blocks:
-            raise ValueError("codes2/absmax2 must match codes1/absmax1 in size")
+        # As strict as state 1's: the kernel reads both through raw pointers, so int8 codes or
+        # fp64 / strided absmax values would be decoded as garbage without a word.
+        for name, t, dtype, count in (
+            ("codes2", codes2, torch.uint8, numel),
+            ("absmax2", absmax2, torch.float32, n_blocks),
+        ):
+            check_contiguous(name, t)
+            if t.numel() != count or t.dtype != dtype:
+                raise ValueError(
+                    f"{name}: expected {count} elements of {dtype}; got {t.dtype} {t.numel()}"
+                )
         _check_map("state 2", code2, mid2)
+    check_device(param, grad, codes1, absmax1, *((codes2, absmax2) if has2 else ()))
     if len(hp) > 10:
         raise ValueError(f"hp takes at most 10 values; got {len(hp)}")
     # [Note: fp32 scalars] step8_multi reads hp as fp32; the complements (1 - beta1, 1 - beta2,

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from qshard._triton._blockwise import (
+    _check_float_dtype,
     _dequant_tile,
     _geometry,
     _load_codes,
@@ -646,9 +647,13 @@ def _launch_dequant_reduce(
 
 def _reduce_out(out, total, dtype, device) -> torch.Tensor:
     if out is None:
+        _check_float_dtype(dtype, "dtype")
         return torch.empty((total,), dtype=dtype, device=device)
     if out.numel() != total or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of {total} elements (its dtype wins)")
+    _check_float_dtype(out.dtype, "out")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}; the codes are on {device}")
     return out
 
 

@@ -38,7 +38,9 @@ def _unpack_signs_kernel(packed_ptr, out_ptr, numel, BYTES: tl.constexpr):
     bit = tl.arange(0, 8)
     idx = byte[:, None].to(tl.int64) * 8 + bit[None, :]
     valid = idx < numel
-    b = tl.load(packed_ptr + byte, mask=byte * 8 < numel, other=0).to(tl.int32)
+    # In int64: an int32 `byte * 8` wraps negative past 2**31 signs, passes `< numel` and the
+    # last program reads past the end of `packed`.
+    b = tl.load(packed_ptr + byte, mask=byte.to(tl.int64) * 8 < numel, other=0).to(tl.int32)
     on = ((b[:, None] >> (7 - bit[None, :])) & 1) != 0
     store_as(out_ptr + idx, tl.where(on, 1.0, -1.0), valid)
 
