@@ -95,6 +95,34 @@ def parallelize(
     return cls(groups, lr=1e-3, betas=(0.9, 0.95))
 
 
+ZEROPP_FEATURES = ("qwz", "hpz", "qgz")
+
+
+def zeropp_config(spec: str) -> ZeroPPConfig:
+    """``--zeropp``: ``off``, ``all`` (qwZ + hpZ + qgZ), ``hsdp``, or a comma list of
+    :data:`ZEROPP_FEATURES` (case and spaces ignored). Anything else is refused naming the
+    choices, as is a combination :class:`ZeroPPConfig` refuses; an argparse ``type=``, so
+    every rank stops at its usage line before the process group starts."""
+    names = [n.strip() for n in spec.lower().split(",")]
+    if names == ["off"]:
+        return ZeroPPConfig()
+    if names == ["all"]:
+        names = list(ZEROPP_FEATURES)
+    unknown = [n for n in names if n not in (*ZEROPP_FEATURES, "hsdp")]
+    if unknown:
+        # [Note: --zeropp names] names went straight to ZeroPPConfig(**{name: True}): "qwx",
+        # "qwz, hpz" (a space) or "" failed on every rank with "unexpected keyword argument",
+        # and any other bool field of ZeroPPConfig ("record", "prefetch") was taken as a feature
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: {', '.join(repr(n) for n in unknown)} is not a ZeRO++ feature; pass "
+            f"off, all, hsdp, or a comma list of {', '.join(ZEROPP_FEATURES)} (e.g. qwz,hpz)"
+        )
+    try:
+        return ZeroPPConfig(**{name: True for name in names})
+    except ValueError as e:  # e.g. hsdp,qwz: argparse would print only "invalid value"
+        raise argparse.ArgumentTypeError(f"{spec!r}: {e}") from None
+
+
 def corpus() -> torch.Tensor:
     """Byte tokens: a few standard-library modules (real text, no download)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -164,9 +192,31 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load :func:`save_checkpoint`'s files into ``model`` and ``optimizer``; returns the step."""
+    """Load :func:`save_checkpoint`'s files into ``model`` and ``optimizer``; returns the step.
+    A checkpoint of the other ``--optim`` (per-rank files vs DCP) is refused, saying which."""
+    per_rank = os.path.join(path, f"rank_{dist.get_rank():05d}.pt")
+    want = per_rank if isinstance(optimizer, ZeroOneAdam) else os.path.join(path, ".metadata")
+    if not os.path.exists(want):
+        # DCP's reader failed with "No such file ... .metadata" on a zero_one_adam checkpoint,
+        # torch.load with a missing rank_*.pt on an adamw8bit one: say what is there instead
+        names = os.listdir(path) if os.path.isdir(path) else None
+        if names is None:
+            found = "nothing (no such directory)"
+        elif ".metadata" in names:
+            found = "a DCP checkpoint (--optim adamw8bit)"
+        elif any(n.startswith("rank_") for n in names):
+            found = "the per-rank files of --optim zero_one_adam"
+            if isinstance(optimizer, ZeroOneAdam):
+                found += ", none for this rank (saved on fewer ranks)"
+        else:
+            found = "no checkpoint"
+        raise FileNotFoundError(
+            f"--resume: {path} holds {found}; {type(optimizer).__name__} loads "
+            f"{os.path.basename(want)} (rank {dist.get_rank()}): resume with the --optim (and, "
+            "for zero_one_adam, the number of ranks) that saved it"
+        )
     if isinstance(optimizer, ZeroOneAdam):
-        state = torch.load(os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
+        state = torch.load(per_rank)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         return int(state["step"])
@@ -180,19 +230,39 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     return int(state["step"])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``args.zeropp`` is the :class:`ZeroPPConfig` to shard with."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks-per-node", type=int, default=None, help="emulate nodes")
     parser.add_argument("--optim", choices=["adamw8bit", "zero_one_adam"], default="adamw8bit")
-    parser.add_argument("--zeropp", default="all", help="off, all, hsdp, or a list: qwz,hpz")
+    parser.add_argument(
+        "--zeropp",
+        type=zeropp_config,
+        default=None,
+        help="off, all, hsdp, or a list: qwz,hpz (default: all; adamw8bit only)",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--accum", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--checkpoint", default=None, help="save here at the end")
     parser.add_argument("--resume", action="store_true", help="start from --checkpoint")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        parser.error("--resume loads --checkpoint: pass --checkpoint DIR (the run to continue)")
+    if args.optim == "zero_one_adam" and args.zeropp not in (None, ZeroPPConfig()):
+        # the model stays replicated: the ZeRO++ features would be dropped without a word
+        parser.error(
+            "--zeropp shards the model, and --optim zero_one_adam keeps it replicated (the "
+            "optimizer communicates): drop --zeropp, or pass --optim adamw8bit"
+        )
+    if args.zeropp is None:
+        args.zeropp = zeropp_config("all" if args.optim == "adamw8bit" else "off")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
@@ -202,12 +272,9 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(device)
     topology = Topology.from_env(ranks_per_node=args.ranks_per_node)
-    spec = args.zeropp.lower()
-    features = {"qwz", "hpz", "qgz"} if spec == "all" else set(spec.split(",")) - {"off"}
-    zeropp = ZeroPPConfig(**{name: True for name in features})  # "hsdp" is a switch too
 
     model = build_model(llama_config(context=args.context), seed=0, device=device)
-    optimizer = parallelize(model, optim=args.optim, topology=topology, zeropp=zeropp)
+    optimizer = parallelize(model, optim=args.optim, topology=topology, zeropp=args.zeropp)
     start = load_checkpoint(args.checkpoint, model, optimizer) if args.resume else 0
     if start >= args.steps:
         # saving here would label the checkpoint with the smaller --steps: a later resume would

@@ -14,6 +14,7 @@ accumulation, clipping, AdamW8bit.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -134,6 +135,16 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     out["z1_resume_params_equal"] = all(
         torch.equal(a, b) for a, b in zip(_full_params(model), z1_params)
     )
+
+    # a checkpoint of the other --optim: refused naming what is there (DCP's reader said only
+    # "No such file ... .metadata"); nothing collective runs before the refusal
+    for optim, path in (("adamw8bit", "ckpt_z1"), ("zero_one_adam", "ckpt_all")):
+        model = _model(ex)
+        opt = ex.parallelize(model, optim=optim, topology=topo, zeropp=ZeroPPConfig())
+        try:
+            ex.load_checkpoint(f"{tmp}/{path}", model, opt)
+        except FileNotFoundError as e:
+            out[f"{optim}_wrong_checkpoint"] = str(e)
     dist.barrier()
     return out
 
@@ -195,6 +206,70 @@ def test_resume_is_bit_exact(world):
         assert r["z1_resume_step"] == STEPS // 2
         assert r["z1_resumed"] == r["z1"][STEPS // 2 :]
         assert r["z1_resume_params_equal"]
+
+
+def test_a_checkpoint_of_the_other_optimizer_is_refused_naming_it(world):
+    for r in world:
+        assert (
+            "holds the per-rank files of --optim zero_one_adam" in r["adamw8bit_wrong_checkpoint"]
+        )
+        assert "holds a DCP checkpoint (--optim adamw8bit)" in r["zero_one_adam_wrong_checkpoint"]
+
+
+def test_command_line_refuses_what_it_would_drop_or_misread(capsys):
+    ex = _example()
+    # --zeropp names: case and spaces ignored; "off"/"all"/"hsdp"
+    assert ex.parse_args(["--zeropp", " QWZ , hpz"]).zeropp == ZeroPPConfig(qwz=True, hpz=True)
+    assert ex.parse_args([]).zeropp == ZeroPPConfig(qwz=True, hpz=True, qgz=True)
+    assert ex.parse_args(["--zeropp", "hsdp"]).zeropp == ZeroPPConfig(hsdp=True)
+    assert ex.parse_args(["--optim", "zero_one_adam"]).zeropp == ZeroPPConfig()
+    # these reached ZeroPPConfig(**{name: True}) after init_process_group: "unexpected keyword
+    # argument" on every rank, or a bool field taken as a feature ("record")
+    for argv, match in (
+        (["--zeropp", "qwx"], r"'qwx' is not a ZeRO\+\+ feature; pass off, all, hsdp"),
+        (["--zeropp", ""], "is not a ZeRO"),
+        (["--zeropp", "record"], "'record' is not a ZeRO"),
+        (["--zeropp", "hsdp,qwz"], "drop qwz"),
+        (["--resume"], "pass --checkpoint DIR"),
+        # the model stays replicated: the features were dropped without a word
+        (["--optim", "zero_one_adam", "--zeropp", "qwz"], "drop --zeropp"),
+    ):
+        with pytest.raises(SystemExit):
+            ex.parse_args(argv)
+        err = capsys.readouterr().err
+        assert re.search(match, err), (argv, err)
+
+
+def test_bert_embeddings_tied_to_the_head_stay_in_the_root(tmp_path):
+    """BERT's _no_split_modules names BertEmbeddings, whose word embedding is the MLM head's
+    weight: shard(bert) found it as a block and then refused the tie across units it had made
+    itself (naming a blocks= never passed). One rank, in this process."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from qshard.zeropp import shard
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = BertForMaskedLM(cfg)
+    ref = BertForMaskedLM(cfg)
+    ref.load_state_dict(model.state_dict())
+    assert find_blocks(model) == list(model.bert.encoder.layer)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        shard(model, topology=Topology(world_size=1, ranks_per_node=1))
+        units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        assert units == ["", "bert.encoder.layer.0", "bert.encoder.layer.1"]
+        ids = torch.randint(0, 64, (2, 8))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert torch.equal(loss, ref(input_ids=ids, labels=ids).loss)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_loss_falls(world):

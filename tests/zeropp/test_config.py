@@ -215,6 +215,52 @@ def test_qgz_slice_order_is_paper_eq2_and_two_hops_route_every_partition(
             assert not torch.cat(got)[size:].any()
 
 
+def test_find_blocks_leaves_a_declared_module_tied_to_the_head_to_the_root():
+    # BERT's _no_split_modules names BertEmbeddings, whose word embedding is the masked-LM
+    # head's weight: found as a block, shard() then refused the tie across units it had made
+    # itself. A declared module tied to the root is left to the root unit; the layers stay.
+    class Embeddings(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.word = nn.Embedding(16, 8)
+            self.norm = nn.LayerNorm(8)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+    class Model(nn.Module):
+        _no_split_modules = ("Embeddings", "Layer")
+
+        def __init__(self):
+            super().__init__()
+            self.embeddings = Embeddings()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.head = nn.Linear(8, 16, bias=False)
+
+    model = Model()
+    assert find_blocks(model) == [model.embeddings, *model.layers]  # untied: all declared
+    model.head.weight = model.embeddings.word.weight
+    assert find_blocks(model) == list(model.layers)
+    # a tie between two declared layers is the model's own: both stay blocks (shard() refuses
+    # it, naming blocks=), as do blocks the user lists
+    model.layers[1].fc.weight = model.layers[0].fc.weight
+    assert find_blocks(model) == list(model.layers)
+    assert find_blocks(model, [model.embeddings]) == [model.embeddings]
+
+
+def test_find_blocks_refuses_class_names_naming_the_class():
+    # accelerate's fsdp_transformer_layer_cls_to_wrap is a class name: blocks="Block" was read
+    # as the modules "B", "l", ... and refused with "got str"
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, context=8))
+    for blocks in ("Block", ["Block"], ("Block",)):
+        with pytest.raises(ValueError, match=r"by a string: pass the class, blocks=Block \(from "):
+            find_blocks(model, blocks)
+    with pytest.raises(ValueError, match="no submodule of GPT is a LlamaDecoderLayer"):
+        find_blocks(model, "LlamaDecoderLayer")
+
+
 def test_find_blocks_refuses_a_list_of_classes():
     # a list or set of classes (FSDP1's transformer_layer_cls={...}) was read as modules and
     # refused with "got type"; the message now names the tuple form

@@ -40,13 +40,15 @@ def find_blocks(
 
     ``None``: the outermost submodules of the classes a Hugging Face model names in its
     ``_no_split_modules`` (its decoder layers), else the children of every outermost
-    ``nn.ModuleList`` (a transformer's layers); a model with neither is refused (pass
+    ``nn.ModuleList`` (a transformer's layers); a declared module that shares a parameter with
+    a module outside it (BERT's embeddings, tied to its head) is left to the root unit, see
+    [Note: declared blocks exclude tied ones]; a model with neither is refused (pass
     ``blocks=``). A class or tuple of classes: every outermost submodule of those types; a
     sequence of modules: those, as given (in forward order, each once, never the model itself;
     a block nested in another one listed before it, as FSDP2 wraps inner units first).
     """
     if blocks is None:
-        found = _declared_blocks(model) or _listed_blocks(model)
+        found = _untied(model, _declared_blocks(model)) or _listed_blocks(model)
         if not found:
             raise ValueError(
                 f"found no blocks in {type(model).__name__}: without blocks=, shard() wraps the "
@@ -67,9 +69,22 @@ def find_blocks(
         if not found:
             raise ValueError(f"no submodule of {type(model).__name__} is an instance of {blocks}")
         return found
-    mods = list(blocks)
+    mods = [blocks] if isinstance(blocks, str) else list(blocks)
     owned = {id(m) for m in model.modules()}
     for i, m in enumerate(mods):
+        if isinstance(m, str):
+            # a class name (accelerate's fsdp_transformer_layer_cls_to_wrap): a bare string was
+            # read as a list of one-letter modules, refused with "got str"
+            cls = next((type(x) for x in model.modules() if type(x).__name__ == m), None)
+            fix = (
+                f"pass the class, blocks={m} (from {cls.__module__})"
+                if cls is not None
+                else f"no submodule of {type(model).__name__} is a {m}"
+            )
+            raise ValueError(
+                f"blocks={blocks!r} names a class by a string: {fix}; without blocks=, "
+                "shard() finds the classes a Hugging Face model names in _no_split_modules"
+            )
         if isinstance(m, type):
             # a list or set of classes (FSDP1's transformer_layer_cls={...}) read as modules
             # said "got type"; classes go in a tuple
@@ -115,6 +130,28 @@ def _declared_blocks(model: nn.Module) -> list[nn.Module]:
             found.append(mod)
             taken.update(id(m) for m in mod.modules())
     return found
+
+
+def _untied(model: nn.Module, found: list[nn.Module]) -> list[nn.Module]:
+    """[Note: declared blocks exclude tied ones] The modules of a Hugging Face model's
+    ``_no_split_modules`` classes less those sharing a parameter with the root unit (a module
+    outside every declared one).
+    ``_no_split_modules`` says what ``device_map`` must not split across devices, and it names
+    embedding modules too: BERT's names ``BertEmbeddings``, whose word embedding is the
+    masked-LM head's weight (RoBERTa's ``RobertaEmbeddings`` alike). FSDP2 keeps a tied parameter
+    in one unit, so ``shard(bert)`` refused the blocks it had picked itself, naming a
+    ``blocks=`` the user never passed. Left out here, such a module's parameters join the root
+    unit with the head that shares them, as a hand-written ``blocks=`` of the encoder layers
+    does. Only this tie is resolved so: one between two declared layers, across
+    ``nn.ModuleList`` children or across ``blocks=`` is the model's own doing and stays refused
+    (moving whole layers into the root unit without a word would change the memory the run
+    needs)."""
+    holders: dict[int, set[int]] = {}  # id of a parameter -> ids of the modules holding it
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(mod))
+    declared = {id(m) for block in found for m in block.modules()}
+    return [block for block in found if all(holders[id(p)] <= declared for p in block.parameters())]
 
 
 def _listed_blocks(model: nn.Module) -> list[nn.Module]:
