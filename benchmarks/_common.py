@@ -25,6 +25,7 @@ __all__ = [
     "cpu_vendor",
     "format_table",
     "machine_info",
+    "run_origin",
     "time_call",
     "vector_isa",
 ]
@@ -153,12 +154,33 @@ def add_report_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+
+
+def run_origin() -> dict[str, str]:
+    """Where and how numbers are being measured: this process's command line, the date and
+    :func:`machine_info`. A benchmark that re-reports from a results file keeps this in the file
+    and hands it to :class:`Report` (``origin``), so the header names the run that measured the
+    numbers, not the one that rebuilt the tables."""
+    return {
+        "command": f"python {_command_line()}",
+        "date": f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        "machine": machine_info(),
+    }
+
+
 @dataclass(slots=True)
 class Report:
-    """Collects titled tables; prints each as it is added and writes them all as markdown."""
+    """Collects titled tables; prints each as it is added and writes them all as markdown.
+
+    ``origin`` (a :func:`run_origin` saved with the numbers): the header names that run's
+    command, date and machine, and the command that rebuilt the report on a line of its own.
+    """
 
     title: str
     sections: list[str] = field(default_factory=list)
+    origin: dict[str, str] | None = None
 
     def table(self, heading: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
         text = format_table(header, rows)
@@ -172,13 +194,17 @@ class Report:
     def write(self, path: str | None) -> None:
         if not path:
             return
-        command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+        now = run_origin()
+        origin = self.origin or now
         header = (
             f"## {self.title}\n\n"
-            f"- command: `python {command}`\n"
-            f"- date: {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M UTC}\n"
-            f"- machine: {machine_info()}\n\n"
+            f"- command: `{origin['command']}`\n"
+            f"- date: {origin['date']}\n"
+            f"- machine: {origin['machine']}\n"
         )
+        if self.origin:
+            header += f"- report rebuilt by: `{now['command']}` ({now['date']})\n"
+        header += "\n"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             f.write(header + "\n".join(self.sections))

@@ -70,14 +70,47 @@ def issue_targets(data: dict, lim: dict) -> list[str]:
     return out
 
 
-def report(args: argparse.Namespace, data: dict, wall_s: float) -> None:
+#: The command line's settings the report's header describes. [Note: re-reported settings]
+#: A launch records them in its JSON (``settings``, with ``measured``: the launch's command,
+#: date and machine), and ``--from-json`` describes the run that made the numbers from them:
+#: taken from the command line, a re-report with the defaults described a ``--steps 3
+#: --n-layer 2`` run as 10 steps of 4 layers next to the file's own parameter count, and named
+#: the machine that rebuilt the tables as the one that measured them. A JSON from before they
+#: were recorded still takes the command line's (a warning says so).
+SETTINGS = (
+    "n_layer",
+    "n_embd",
+    "n_head",
+    "context",
+    "batch_per_rank",
+    "nodes",
+    "ranks_per_node",
+    "steps",
+    "warmup",
+    "seed",
+    "zero_one_interval",
+)
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """``args``' values of :data:`SETTINGS` (what a launch's JSON records)."""
+    return {k: getattr(args, k) for k in SETTINGS}
+
+
+def report(
+    args: argparse.Namespace, data: dict, wall_s: float, *, origin: dict | None = None
+) -> None:
+    """The tables and notes of ``data`` (a launch's numbers); the header's settings are the
+    file's where it records them (``settings``), else ``args``'. ``origin``: the measuring
+    run's command, date and machine, for a report rebuilt from its JSON."""
     results, skipped = data["results"], data["skipped"]
+    args = argparse.Namespace(**{**vars(args), **data.get("settings", {})})
     lim = limits(data)
     try:
         plim, plim_error = phase_limits(data), None
     except ValueError as exc:  # an unmapped tag: report the rest, say why this part is missing
         plim, plim_error = {}, str(exc)
-    rep = Report("Throughput: ZeRO-3 vs ZeRO++ vs HSDP on an emulated slow network")
+    rep = Report("Throughput: ZeRO-3 vs ZeRO++ vs HSDP on an emulated slow network", origin=origin)
     rep.note(
         f"GPT of {data['n_params'] / 1e6:.2f} M parameters ({args.n_layer} layers, width "
         f"{args.n_embd}, context {args.context}), fp32 compute and master weights, "

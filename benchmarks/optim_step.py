@@ -67,6 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Report, add_report_args, cpu_vendor, vector_isa
 from qshard import _native
 from qshard.optim import AdamW4bit, AdamW8bit, _kernels, optimizer_state_bytes
+from qshard.optim._base8bit import _QuantizedPlan
 
 
 def _parse_size(s: str) -> int:
@@ -260,11 +261,18 @@ MODELS: dict[str, tuple[str, Callable[[], list[tuple[int, ...]]]]] = {
 
 def _one_call_per_tensor(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """``opt`` (8- or 4-bit) stepping each quantized tensor in a kernel call of its own (what
-    the step cost before the multi-tensor call)."""
+    the step cost before the multi-tensor call): every group's plan (``_QuantizedPlan``, made
+    and checked by ``_plan_quantized`` before any tensor moves) is stepped as one plan per
+    tensor, the multi-tensor call taking a batch of one."""
     step_quantized = type(opt)._step_quantized
-    opt._step_quantized = lambda gi, group, items: [
-        step_quantized(opt, gi, group, [item]) for item in items
-    ]
+
+    def one_by_one(gi: int, group: dict, plan: _QuantizedPlan) -> None:
+        if plan.rest:
+            step_quantized(opt, gi, group, _QuantizedPlan(rest=plan.rest))
+        for item, rows, grad in zip(plan.batch, plan.rows, plan.grads, strict=True):
+            step_quantized(opt, gi, group, _QuantizedPlan(batch=[item], rows=[rows], grads=[grad]))
+
+    opt._step_quantized = one_by_one
     return opt
 
 
@@ -442,9 +450,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         if not _kernels.available():
             ap.error("--phases needs the fused kernel (a C compiler)")
+        default_threads = torch.get_num_threads()
         for size in (_parse_size(s) for s in args.sizes.split(",")):
             for threads in thread_counts:
-                torch.set_num_threads(threads or torch.get_num_threads())
+                # 0: the process's default, not the previous table's count
+                torch.set_num_threads(threads or default_threads)
                 _time_phases(report, size, args)
         report.write(args.out_md)
         return

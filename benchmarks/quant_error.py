@@ -6,7 +6,9 @@ default). Adam-state-like data: a first moment (heavy-tailed, signed) and a seco
 and max absolute error. Tensor-wise = one block covering the whole tensor.
 
 ``--checkpoint FILE`` adds the weights of a saved ``state_dict`` (``torch.save``) — e.g. the
-training model's, once it exists — every floating tensor of >= 4096 elements.
+training model's, once it exists — every floating tensor of >= 4096 elements; of a checkpoint
+that wraps one (``{"model": state_dict, "optim": ...}``), the model's (``checkpoint_weights``).
+A file with no such tensor is refused, naming what it holds.
 
     python benchmarks/quant_error.py
     python benchmarks/quant_error.py --numel 1000000 --out-md docs/results/quant_error.md
@@ -56,15 +58,63 @@ def weight_like(n: int, outlier_rate: float, outlier_sigma: float, gen) -> torch
     return torch.where(mask, signs * outlier_sigma * 0.02, x)
 
 
-def main() -> None:
+#: Where a checkpoint that is not a bare ``state_dict`` keeps the model's: ``qshard.train``'s
+#: per-rank files and most training loops (``model``), Lightning / timm (``state_dict``),
+#: DeepSpeed (``module``).
+_MODEL_KEYS = ("model", "state_dict", "module")
+_MIN_CHECKPOINT_NUMEL = 4096
+
+
+def checkpoint_weights(state: object, path: str) -> list[torch.Tensor]:
+    """The floating tensors of >= 4096 elements of a loaded checkpoint, flattened to fp32.
+
+    A bare ``state_dict`` gives its own; a checkpoint that wraps one (``{"model": sd,
+    "optim": ..., ...}``, as ``qshard.train``'s per-rank files are) gives the model's under the
+    first of ``_MODEL_KEYS`` it has (never the optimizer's moments). Raises ``SystemExit``
+    naming what the file holds when nothing qualifies: the table would otherwise be left out
+    without a word."""
+
+    def of(sd: object) -> list[torch.Tensor]:
+        if not isinstance(sd, dict):
+            return []
+        return [
+            t.detach().float().reshape(-1)
+            for t in sd.values()
+            if isinstance(t, torch.Tensor)
+            and t.is_floating_point()
+            and t.numel() >= _MIN_CHECKPOINT_NUMEL
+        ]
+
+    weights = of(state)
+    if not weights and isinstance(state, dict):
+        for key in _MODEL_KEYS:
+            if isinstance(state.get(key), dict):
+                weights = of(state[key])
+                break
+    if not weights:
+        keys = list(state)[:10] if isinstance(state, dict) else type(state).__name__
+        raise SystemExit(
+            f"quant_error: --checkpoint {path} has no floating tensor of >= "
+            f"{_MIN_CHECKPOINT_NUMEL} elements at its top level or under "
+            f"{'/'.join(repr(k) for k in _MODEL_KEYS)} (it holds {keys}); pass a file saved "
+            f"with torch.save(model.state_dict(), FILE)"
+        )
+    return weights
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=4 * 2**20)
     parser.add_argument("--outlier-rate", type=float, default=1e-4)
     parser.add_argument("--outlier-sigma", type=float, default=20.0)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    parser.add_argument("--checkpoint", help="a torch.save'd state_dict whose weights to add")
+    parser.add_argument(
+        "--checkpoint",
+        help="a torch.save'd state_dict (or a checkpoint holding one under 'model', "
+        "'state_dict' or 'module') whose weights to add",
+    )
     add_report_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     # Errors are the same bits on either path; the reference path skips compiling a kernel
     # per block size swept here.
@@ -80,15 +130,10 @@ def main() -> None:
     }
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)
-        weights = [
-            t.detach().float().reshape(-1)
-            for t in state.values()
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() >= 4096
-        ]
-        if weights:
-            datasets[f"checkpoint {os.path.basename(args.checkpoint)} ({len(weights)} tensors)"] = (
-                torch.cat(weights)
-            )
+        weights = checkpoint_weights(state, args.checkpoint)
+        datasets[f"checkpoint {os.path.basename(args.checkpoint)} ({len(weights)} tensors)"] = (
+            torch.cat(weights)
+        )
 
     for name, x in datasets.items():
         rows = []

@@ -1,7 +1,8 @@
 """Throughput of the qshard.quant CPU kernels, each as a ratio to a same-run ``copy_``.
 
 Every kernel is timed interleaved with ``dst.copy_(src)`` of the same fp32 buffer (copy,
-kernel, copy, kernel, ...; best of ``--repeat``), so machine noise hits both sides alike.
+kernel, copy, kernel, ...; best of ``--repeat``; the ``--reference`` rows best of 2, that path
+being 10-100x slower), so machine noise hits both sides alike.
 GB/s counts the fp32 bytes of the tensor being (de)quantized (``numel * 4``), for copy too.
 The first call of each kernel (which builds or loads the C kernel library, or compiles the
 torch.compile kernel / loads it from inductor's cache) is reported separately; the fast path
@@ -47,7 +48,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed calls per kernel")
     parser.add_argument("--block-size", type=int, default=Q.DEFAULT_BLOCK_SIZE)
     parser.add_argument(
-        "--reference", action="store_true", help="also time the plain reference path"
+        "--reference",
+        action="store_true",
+        help="also time the plain reference path (best of 2 calls per kernel)",
     )
     parser.add_argument("--no-bnb", action="store_true", help="skip bitsandbytes")
     add_report_args(parser)

@@ -102,8 +102,11 @@ Needs root (network namespaces); run from the repository root, e.g.
     python benchmarks/throughput.py --rates 100,200,400 --steps 10
         --out-md docs/results/throughput.md --out-json docs/results/throughput.json
 
-``--out-json FILE`` also writes the raw numbers with the limits and targets; ``--from-json FILE``
-rebuilds the report from such a file without a cluster.
+``--out-json FILE`` also writes the raw numbers with the limits and targets, the launch's
+settings (model, ranks, steps, batch) and its command, date and machine; ``--from-json FILE``
+rebuilds the report from such a file without a cluster, describing that launch (its header
+names the rebuilding command on a line of its own) and refusing a flag that contradicts the
+file ([Note: re-reported settings] in ``_throughput_report.py``).
 """
 
 from __future__ import annotations
@@ -122,14 +125,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import add_report_args  # noqa: E402
+from _common import add_report_args, run_origin  # noqa: E402
 from _limits import limits, phase_limits  # noqa: E402, F401  (re-exported for the tests)
 from _throughput_report import (  # noqa: E402, F401  (re-exported: tests, step_profile.py)
     LEGACY_OPTIMIZER,
+    SETTINGS,
     issue_targets,
     optimizer_text,
     rate_name,
     report,
+    run_settings,
 )
 
 HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
@@ -162,7 +167,25 @@ DEFAULT_OPTIMIZER = "fused"
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
-    from netsim.cluster import add_cluster_args, check_cluster_args
+    from netsim.cluster import check_cluster_args
+
+    p = _parser()
+    args = p.parse_args(argv)
+    check_cluster_args(p, args, variants=ALL_VARIANTS)
+    check_optimizer_arg(args)
+    return args
+
+
+def _given(argv: list[str], names: Sequence[str]) -> dict[str, object]:
+    """The values ``argv`` itself sets for the options ``names`` (dests), defaults left out."""
+    p = _parser()
+    p.set_defaults(**dict.fromkeys(names, None))
+    args = p.parse_args(argv)
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
+def _parser() -> argparse.ArgumentParser:
+    from netsim.cluster import add_cluster_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_cluster_args(p, default_variants=DEFAULT_VARIANTS)
@@ -188,12 +211,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_optimizer_arg(p)
     p.add_argument("--out-json", metavar="FILE", help="also write raw numbers, limits, targets")
-    p.add_argument("--from-json", metavar="FILE", help="report from an --out-json file; no run")
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="report from an --out-json file, with its settings and machine; no run",
+    )
     add_report_args(p)
-    args = p.parse_args(argv)
-    check_cluster_args(p, args, variants=ALL_VARIANTS)
-    check_optimizer_arg(args)
-    return args
+    return p
 
 
 def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
@@ -560,7 +584,29 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-        report(args, data, data.get("wall_s", 0.0))
+        # [Note: re-reported settings] in _throughput_report.py
+        recorded = data.get("settings")
+        if recorded is None:
+            print(
+                f"throughput: {args.from_json} does not record its settings or machine (written "
+                "before they were recorded): the header gives this command line's model, steps "
+                "and batch and this machine",
+                file=sys.stderr,
+            )
+        else:
+            given = _given(argv, SETTINGS)
+            if wrong := {k: v for k, v in given.items() if k in recorded and recorded[k] != v}:
+                flags = ", ".join(
+                    f"--{k.replace('_', '-')} {v} (measured with {recorded[k]})"
+                    for k, v in wrong.items()
+                )
+                print(
+                    f"throughput: {args.from_json} was measured with other settings; drop "
+                    f"{flags} (a report cannot change what ran)",
+                    file=sys.stderr,
+                )
+                return 2
+        report(args, data, data.get("wall_s", 0.0), origin=data.get("measured"))
         return 0
     from netsim.cluster import needs_root, run_cluster_args
 
@@ -568,11 +614,18 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if refused is not None:
         return refused
     t0 = time.perf_counter()
+    measured = run_origin()  # the launcher's host is the ranks' (network namespaces)
     run = run_cluster_args(__file__, argv, args, prefix="qtp")
     if run.rc != 0 or run.data is None:
         print(f"throughput: the emulated cluster run failed with status {run.rc}", file=sys.stderr)
         return run.rc or 1
-    data = dict(run.data, load=list(run.load), wall_s=time.perf_counter() - t0)
+    data = dict(
+        run.data,
+        load=list(run.load),
+        wall_s=time.perf_counter() - t0,
+        settings=run_settings(args),
+        measured=measured,
+    )
     report(args, data, data["wall_s"])
     return 0
 

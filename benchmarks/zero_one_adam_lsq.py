@@ -6,8 +6,9 @@ solution; all runs start from 0 with the same data stream and a constant lr. Ada
 gradients with an fp32 all-reduce; 1-bit Adam freezes at step 100; 0/1 Adam freezes its
 variance at step 100 and then syncs every H steps (``local_step_scaler`` 20, so the interval
 reaches ``local_step_clipper`` = H within 80 steps; H = 1 is no local steps), with the 1-bit
-sync or, for comparison, an exact fp32 average of the drift. Prints the full-data mse at
-steps 1000 and 2000 (the optimum is 0). Deterministic (no timing).
+sync or, for comparison, an exact fp32 average of the drift. Prints the full-data mse after
+``--steps`` steps (default 2000; the optimum is 0; 0/1 Adam also syncs half-way, where the mse is
+taken but not printed). Deterministic (no timing).
 
     python benchmarks/zero_one_adam_lsq.py --ranks 2,4 --lrs 3e-3,1e-2,3e-2,1e-1
 """

@@ -185,3 +185,27 @@ def test_convergence_verdicts_against_their_references(tmp_path):
     assert "+1.50%" in rows["all"] and "NOT met (<= 1.0%)" in rows["all"]
     assert "+0.25%" in rows["adamw8bit"] and "met (<= 0.5%)" in rows["adamw8bit"]
     assert (tmp_path / "convergence_zeropp.png").exists()
+
+
+def test_quant_error_checkpoint_takes_a_wrapped_state_dict_and_refuses_an_empty_one(tmp_path):
+    """``quant_error --checkpoint``: a checkpoint wrapping the model's state_dict (``{"model":
+    sd, "optim": ...}``, qshard.train's per-rank files) gives the model's weights, not the
+    optimizer's; a file with no weight to add is refused naming what it holds (both were left
+    out of the report without a word)."""
+    import torch
+
+    qe = _load("quant_error")
+    model = torch.nn.Linear(128, 64)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 128)).sum().backward()
+    opt.step()
+    wrapped = tmp_path / "rank_00000.pt"
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}, wrapped)
+    out = tmp_path / "qe.md"
+    argv = ["--numel", "4096", "--block-sizes", "64", "--out-md", str(out)]
+    qe.main([*argv, "--checkpoint", str(wrapped)])
+    assert "### checkpoint rank_00000.pt (1 tensors), 8,192 elements" in out.read_text()
+    small = tmp_path / "small.pt"
+    torch.save({"bias": torch.zeros(10), "step": 3}, small)
+    with pytest.raises(SystemExit, match=r"no floating tensor of >= 4096 elements.*'bias', 'step'"):
+        qe.main([*argv, "--checkpoint", str(small)])

@@ -300,3 +300,40 @@ def test_optimizer_is_in_the_header_and_kept_by_from_json(tp, tmp_path):
         "torch AdamW (torch's default flags: the for-loop update on CPU; --optimizer default)"
         in (text)
     )
+
+
+def test_a_launch_records_its_settings_and_machine_and_from_json_reports_them(
+    tp, tmp_path, monkeypatch
+):
+    """[Note: re-reported settings]: ``--from-json`` describes the run that measured the
+    numbers (its model, steps, command, date and machine), not its own command line's defaults
+    and host, and refuses a flag that contradicts the file."""
+    import types
+
+    import netsim.cluster
+
+    js, md = tmp_path / "t.json", tmp_path / "t.md"
+    run = types.SimpleNamespace(rc=0, data=_data(), load=(1.0, 1.5))
+    monkeypatch.setattr(netsim.cluster, "needs_root", lambda what: None)
+    monkeypatch.setattr(netsim.cluster, "run_cluster_args", lambda *a, **k: run)
+    monkeypatch.setattr(
+        tp, "run_origin", lambda: {"command": "python X", "date": "D0", "machine": "M0"}
+    )
+    argv = ["--rates", "100", "--steps", "3", "--n-layer", "2", "--optimizer", "foreach"]
+    assert tp.main([*argv, "--out-json", str(js), "--out-md", str(md)]) == 0
+    saved = json.loads(js.read_text())
+    assert saved["settings"]["n_layer"] == 2 and saved["settings"]["steps"] == 3
+    assert saved["measured"] == {"command": "python X", "date": "D0", "machine": "M0"}
+    assert "(2 layers, width 256" in md.read_text()
+    # Re-reported with none of the launch's flags: the file's settings, origin and machine.
+    again = tmp_path / "again.md"
+    assert tp.main(["--from-json", str(js), "--out-md", str(again)]) == 0
+    text = again.read_text()
+    assert "(2 layers, width 256" in text and "; 3 timed steps after 2 warm-up" in text
+    assert "- command: `python X`\n- date: D0\n- machine: M0\n- report rebuilt by: `" in text
+    assert text.split("\n", 6)[6] == md.read_text().split("\n", 5)[5]  # the same body
+    # A flag that contradicts the file is refused; one that agrees is fine.
+    other = tmp_path / "other.md"
+    assert tp.main(["--from-json", str(js), "--n-layer", "4", "--out-md", str(other)]) == 2
+    assert not other.exists()
+    assert tp.main(["--from-json", str(js), "--n-layer", "2", "--out-md", str(other)]) == 0
