@@ -67,6 +67,19 @@ def test_llama_trains_resumes_and_exports(tmp_path):
         names = list(f.keys())
     assert meta["n_kv_head"] == 1 and meta["n_head"] == 2  # grouped-query attention
     assert any(n.endswith("self_attn.k_proj.weight") for n in names)
+    # --out/hf loads as transformers' own save_pretrained output: the wrapped model's names
+    # (they had an "hf." prefix), its config.json, "format": "pt" (it refused the file before).
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    assert Path(r["export"]) == tmp_path / "full/hf/model.safetensors"
+    hf, info = LlamaForCausalLM.from_pretrained(tmp_path / "full/hf", output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    saved = load_file(r["export"])
+    state = hf.state_dict()
+    assert set(saved) == set(state) - {k for k in state if k.endswith("rotary_emb.inv_freq")}
+    assert all(state[k].equal(v) for k, v in saved.items())
+    assert hf.config.num_key_value_heads == 1 and hf.config.num_hidden_layers == meta["n_layer"]
     summary = (tmp_path / "full/summary.txt").read_text()
     assert "=== qshard train summary ===" in summary
 

@@ -799,25 +799,47 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``state_dict()`` holds: a non-persistent one (transformers' rotary
+    ``inv_freq``) is rebuilt by the module and is not part of a saved model."""
+    return [
+        (f"{mod_name}.{name}" if mod_name else name, buf)
+        for mod_name, mod in model.named_modules()
+        for name, buf in mod.named_buffers(recurse=False)
+        if name not in mod._non_persistent_buffers_set
+    ]
+
+
 def export_safetensors(
-    model: nn.Module, path: str | os.PathLike[str], *, metadata: dict[str, str] | None = None
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    metadata: dict[str, str] | None = None,
+    prefix: str = "",
 ) -> Path:
     """Write the full (unsharded) model to one ``.safetensors`` file (collective).
 
-    Streamed: the header is written from the global shapes first, then each tensor is gathered
-    (``DTensor.full_tensor``), written by rank 0 and dropped, so no rank ever holds more than
-    one unsharded tensor. A parameter shared by two names (a tied head) is written once under
-    its first name; the alias is listed in the metadata (``"aliases"``). The file appears
-    atomically (written to a temp name, then renamed).
+        Streamed: the header is written from the global shapes first, then each tensor is gathered
+        (``DTensor.full_tensor``), written by rank 0 and dropped, so no rank ever holds more than
+        one unsharded tensor. Parameters and persistent buffers are written, what ``state_dict()``
+    holds. A parameter shared by two names (a tied head) is written once under
+        its first name; the alias is listed in the metadata (``"aliases"``). The metadata says
+        ``"format": "pt"``, as ``safetensors.torch.save_file`` writes and ``transformers`` requires.
+        Only the tensors named under ``prefix`` are written, without it (``"hf."``: the wrapped
+        ``transformers`` model of ``--model llama``, in its own names). The file appears atomically
+        (written to a temp name, then renamed).
     """
     path = Path(path)
     names: list[str] = []
     tensors: list[torch.Tensor] = []
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
-        model.named_buffers()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(
+        model
     ):
+        if not name.startswith(prefix):
+            continue
+        name = name[len(prefix) :]
         if id(t) in first_name:
             aliases[name] = first_name[id(t)]
             continue
@@ -836,11 +858,10 @@ def export_safetensors(
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
-    meta = dict(metadata or {})
+    meta = {"format": "pt", **(metadata or {})}
     if aliases:
         meta["aliases"] = json.dumps(aliases)
-    if meta:
-        header["__metadata__"] = meta
+    header["__metadata__"] = meta
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format recommends 8-byte aligned data
     tmp = path.with_name(f".{path.name}.tmp")

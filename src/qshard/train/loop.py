@@ -239,12 +239,18 @@ def run_dir_problem(out: str | os.PathLike[str], *, create: bool) -> str | None:
     return None
 
 
+#: ``--model llama``'s export: [Note: a Llama export transformers loads].
+_HF_EXPORT = ("hf/model.safetensors", "hf/config.json")
+
+
 def _clear_previous_run(job: _Job) -> None:
     """Rank 0 of a fresh run: remove what an earlier run left in the run folder ([Note: fresh
     runs]); the other ranks wait for its run-directory verdict (:meth:`_Job.of`)."""
     removed = ckpt._discard_all(job.checkpoints)
-    for name in ("summary.txt", "summary.json", "model.safetensors"):
+    for name in ("summary.txt", "summary.json", "model.safetensors", *_HF_EXPORT):
         (job.run_dir / name).unlink(missing_ok=True)
+    if (job.run_dir / "hf").is_dir() and not any((job.run_dir / "hf").iterdir()):
+        (job.run_dir / "hf").rmdir()
     if removed:
         print(
             f"qshard train: a new run in {job.run_dir}: removed the earlier run's checkpoints "
@@ -656,13 +662,27 @@ def _finish(
     export_path = None
     # A restart after the final checkpoint (a rank died exporting) trains nothing, but the
     # export may be missing still; the file appears atomically, so present means complete.
-    if config.export and (trained or not (job.run_dir / "model.safetensors").is_file()):
+    # [Note: a Llama export transformers loads] --model llama exports the wrapped
+    # LlamaForCausalLM in its own tensor names with its config.json into --out/hf, the layout of
+    # save_pretrained, so LlamaForCausalLM.from_pretrained(--out/hf) loads it (the run folder's
+    # own config.json is the run's configuration). config.json goes first: the model file
+    # appears atomically, so its presence means both are there.
+    llama = isinstance(model, Llama)
+    target = job.run_dir / (_HF_EXPORT[0] if llama else "model.safetensors")
+    if config.export and (trained or not target.is_file()):
         shape = model.config  # type: ignore[union-attr]
         meta = {name: getattr(shape, name) for name in shape.__dataclass_fields__}
+        if llama and job.is_main:
+            target.parent.mkdir(exist_ok=True)
+            hf_config = model.hf.config.to_json_string()  # type: ignore[union-attr]
+            tmp = target.parent / ".config.json.tmp"
+            tmp.write_text(hf_config)
+            os.replace(tmp, job.run_dir / _HF_EXPORT[1])
         export_path = ckpt.export_safetensors(
             model,
-            job.run_dir / "model.safetensors",
+            target,
             metadata={f"{config.model}_config": json.dumps(meta)},
+            prefix="hf." if llama else "",
         )
     measured = ledger.gather_summary()
     peak = _runtime.max_over_ranks(peak_memory_bytes(job.device))
