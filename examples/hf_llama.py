@@ -12,6 +12,8 @@ run would add is a tokenizer and ``from_pretrained``; the distributed part is th
   the model then stays replicated and the optimizer communicates; bf16 through autocast);
 * activation checkpointing (the model's own, non-reentrant), gradient accumulation (FSDP2
   reduces gradients once, on the last micro-batch), clipping on the global norm;
+* ``--save-pretrained DIR``: the trained model for ``from_pretrained``, gathered on every rank
+  and written by rank 0 (``save_pretrained`` on a sharded model alone would hang);
 * a DCP checkpoint through ``torch.distributed.checkpoint.state_dict`` that loads on any
   number of ranks, and an exact resume. ZeroOneAdam's state is per rank (each rank's error
   buffers), so it is saved as one ``torch.save`` file per rank instead.
@@ -38,7 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -175,6 +182,19 @@ def train_step(
     return total, float(norm)
 
 
+def save_pretrained(path: str, model: nn.Module) -> None:
+    """Write ``model`` as ``transformers`` does (``config.json`` and ``model.safetensors``) for
+    ``from_pretrained`` (collective). Every rank gathers the full weights (to rank 0's CPU) and
+    rank 0 writes them: ``model.save_pretrained(path)`` on a sharded model would gather on rank 0
+    alone, while the gather needs every rank (a hang)."""
+    sd = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if dist.get_rank() == 0:
+        model.save_pretrained(path, state_dict=sd)
+    dist.barrier()
+
+
 def save_checkpoint(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int
 ) -> None:
@@ -247,6 +267,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--checkpoint", default=None, help="save here at the end")
     parser.add_argument("--resume", action="store_true", help="start from --checkpoint")
+    parser.add_argument(
+        "--save-pretrained",
+        default=None,
+        metavar="DIR",
+        help="at the end, write the model for LlamaForCausalLM.from_pretrained(DIR)",
+    )
     args = parser.parse_args(argv)
     if args.resume and not args.checkpoint:
         parser.error("--resume loads --checkpoint: pass --checkpoint DIR (the run to continue)")
@@ -303,6 +329,10 @@ def main() -> None:
         save_checkpoint(args.checkpoint, model, optimizer, step=args.steps)
         if rank == 0:
             print(f"saved step {args.steps} to {args.checkpoint}")
+    if args.save_pretrained:
+        save_pretrained(args.save_pretrained, model)
+        if rank == 0:
+            print(f"wrote {args.save_pretrained} (LlamaForCausalLM.from_pretrained loads it)")
     dist.destroy_process_group()
 
 

@@ -109,6 +109,18 @@ def _world(rank: int, world: int, tmp: str) -> dict:
         )
         if name == "all":
             all_params = params
+            # save_pretrained from the sharded model; rank 0 reloads it unsharded
+            ex.save_pretrained(f"{tmp}/pretrained", model)
+            if rank == 0:
+                from transformers import LlamaForCausalLM
+
+                back, info = LlamaForCausalLM.from_pretrained(
+                    f"{tmp}/pretrained", output_loading_info=True
+                )
+                out["pretrained_info"] = info
+                out["pretrained_equal"] = all(
+                    torch.equal(a.to(b.dtype), b) for a, b in zip(back.parameters(), params)
+                )
 
     # resume (ZeRO++ all, AdamW8bit): a fresh model and optimizer from the mid-run checkpoint
     model = _model(ex)
@@ -196,6 +208,11 @@ def test_zeropp_all_and_hsdp_close_to_plain_fsdp2(world):
             diffs = [abs(a - b) / r["plain"][0] for a, b in zip(r[name], r["plain"])]
             assert max(diffs) < 0.01, (name, diffs)
         assert r["all"] != r["plain"]  # quantized: not the same computation
+
+
+def test_save_pretrained_of_the_sharded_model_loads_unsharded(world):
+    assert not any(world[0]["pretrained_info"].values()), world[0]["pretrained_info"]
+    assert world[0]["pretrained_equal"]
 
 
 def test_resume_is_bit_exact(world):
