@@ -112,6 +112,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=61)
     parser.add_argument("--bits", type=int, choices=(8, 4), default=8)
     args = parser.parse_args()
+    if args.numel < 1000 or args.numel % 1000:
+        parser.error(
+            f"--numel must be a positive multiple of 1000 (rows of 1000); got {args.numel}"
+        )
     kernels = _kernels if args.bits == 8 else _kernels4
     classes = (qoptim.AdamW8bit, qoptim.Lion8bit) if args.bits == 8 else (qoptim.AdamW4bit,)
     libs = {}

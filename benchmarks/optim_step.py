@@ -71,9 +71,19 @@ from qshard.optim._base8bit import _QuantizedPlan
 
 
 def _parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1], 1)
-    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+    """``10M`` -> 10,000,000 (K, M, G suffixes); an empty or malformed size is an error naming
+    it (``--sizes 10M,`` raised IndexError)."""
+    text = s.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    try:
+        size = int(float(text[:-1] if mult != 1 else text) * mult)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise SystemExit(
+            f"optim_step.py: bad size {s!r}: pass a positive count such as 10M or 500K"
+        )
+    return size
 
 
 def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:

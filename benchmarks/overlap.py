@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--result-json", help=argparse.SUPPRESS)
     add_report_args(parser)
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (the medians need a timed step); got {args.steps}")
     if args.netsim and args.worker:
         sys.exit(_netsim_worker(args))
     if args.netsim:

@@ -123,3 +123,19 @@ def test_phases_thread_count_zero_is_the_process_default(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert seen == [1, 2]
+
+
+def test_sizes_parse_and_a_bad_one_is_named():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("_bench_optim_step", BENCH / "optim_step.py")
+    optim_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(optim_step)
+    assert [optim_step._parse_size(s) for s in ("10M", "1.5k", " 123 ", "2G")] == [
+        10_000_000,
+        1500,
+        123,
+        2_000_000_000,
+    ]
+    for bad in ("", "M", "ten", "-5M", "0"):  # "--sizes 10M," raised IndexError
+        with pytest.raises(SystemExit, match="bad size"):
+            optim_step._parse_size(bad)
