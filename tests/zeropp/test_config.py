@@ -65,6 +65,40 @@ def test_a_knob_of_a_feature_that_is_off_is_refused(kwargs, match):
     ZeroPPConfig(**{**kwargs, feature: True})  # with the feature on: fine
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match", "fixed"),
+    [
+        # each was accepted and changed nothing (the ledger's bytes, the prefetch order)
+        ({"replicate_block_size": 64}, "configures HSDP", {"hsdp": True, "replicate_bits": 8}),
+        (
+            {"hsdp": True, "replicate_block_size": 64},
+            "replicate_block_size=64 configures the quantized replicate reduction",
+            {"replicate_bits": 4},
+        ),
+        (
+            {"hsdp": True, "wire_dtype": torch.bfloat16, "replicate_block_size": 64},
+            "set replicate_bits=8 or 4",
+            {"replicate_bits": 8},
+        ),
+        (
+            {"hsdp": True, "replicate_reduce": False, "replicate_block_size": 64},
+            "nothing to compress",
+            {"replicate_block_size": 256},
+        ),
+        ({"prefetch": False, "prefetch_depth": 3}, "configures prefetch", {"prefetch": True}),
+        (
+            {"hsdp": True, "overlap_reduce_scatter": True},
+            "never overlaps backward",
+            {"overlap_reduce_scatter": False},
+        ),
+    ],
+)
+def test_a_knob_that_would_be_ignored_is_refused(kwargs, match, fixed):
+    with pytest.raises(ValueError, match=match):
+        ZeroPPConfig(**kwargs)
+    ZeroPPConfig(**{**kwargs, **fixed})  # the fix the message names is accepted
+
+
 def test_comms_refuse_float_bits_and_block_sizes():
     from qshard.comm import Topology
     from qshard.zeropp import HierarchicalQuantizedReduceScatter, QuantizedAllGather

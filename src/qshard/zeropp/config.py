@@ -43,7 +43,8 @@ class ZeroPPConfig:
             elsewhere the call is synchronous. ``None`` (default): on whenever a ZeRO++ feature
             is on, off for plain ZeRO-3 (which keeps FSDP2's synchronous reduce-scatter and
             costs what it always cost); ``True`` / ``False`` force it. Numerics and bytes
-            unchanged.
+            unchanged. ``True`` with ``hsdp`` is refused: HSDP's replicate all-reduce reads the
+            output at once, so it never overlaps.
         wire_dtype: ``None`` sends unquantized collectives in the parameter / reduce dtype;
             ``torch.bfloat16`` or ``torch.float16`` casts them to 16 bits on the wire while
             computing and reducing in fp32 (the paper's fp16 ZeRO-3 baseline, on hardware
@@ -53,10 +54,11 @@ class ZeroPPConfig:
             asynchronously, so communication (and qwZ's dequantization, done in the work
             handle's ``wait()``) overlaps the current block's compute. Numerics unchanged.
         prefetch_depth: with ``prefetch``, how many blocks ahead each block prefetches (1: the
-            next one). FSDP2 issues a block's prefetch only after waiting for its own
-            all-gather, so with depth 1 the link idles while the gathered block is dequantized
-            and copied out; depth 2 keeps the next gather queued behind the one in flight, at
-            the memory of one more unsharded block.
+            next one; another value without ``prefetch`` is refused, it would be ignored).
+            FSDP2 issues a block's prefetch only after waiting for its own all-gather, so with
+            depth 1 the link idles while the gathered block is dequantized and copied out;
+            depth 2 keeps the next gather queued behind the one in flight, at the memory of one
+            more unsharded block.
         keep_last_blocks: how many of the last blocks (in forward order) stay unsharded from
             their forward to their backward instead of resharding. Backward runs them first, so
             resharding them would only gather them again right away, with little or nothing to
@@ -80,7 +82,9 @@ class ZeroPPConfig:
             precision (FSDP2's own all-reduce; with ``wire_dtype``, in 16 bits); 8 or 4 sends
             them block-quantized in qgZ's format, reduced in fp32 between the two hops (see
             :class:`~qshard.zeropp.ReplicateAllReduce`).
-        replicate_block_size: elements per quantization block of the replicate reduction.
+        replicate_block_size: elements per quantization block of the replicate reduction
+            (with ``replicate_bits`` only: the full-precision and 16-bit reductions have no
+            blocks, so another value there is refused, as without ``hsdp``).
         replicate_error_feedback: keep what quantizing the replicate reduction lost and add it
             to the next step's gradients (per FSDP unit and rank).
         replicate_reduce: HSDP only. ``False``: no gradient crosses nodes; each node's
@@ -180,11 +184,17 @@ class ZeroPPConfig:
                         f"{name}={getattr(self, name)!r} configures {feature}, which is off; set "
                         f"{feature}=True (or leave {name}={default!r})"
                     )
+        if not self.prefetch and self.prefetch_depth != 1:
+            raise ValueError(
+                f"prefetch_depth={self.prefetch_depth!r} configures prefetch, which is off; set "
+                "prefetch=True (or leave prefetch_depth=1)"
+            )
         if self.hsdp:
             self._check_hsdp()
         else:
             for name, default in (
                 ("replicate_bits", None),
+                ("replicate_block_size", 256),
                 ("replicate_error_feedback", False),
                 ("replicate_reduce", True),
             ):
@@ -211,11 +221,28 @@ class ZeroPPConfig:
                 "all-reduce, not qgZ's world reduce-scatter; use replicate_bits=4 instead"
             )
         if not self.replicate_reduce and (
-            self.replicate_bits is not None or self.replicate_error_feedback
+            self.replicate_bits is not None
+            or self.replicate_error_feedback
+            or self.replicate_block_size != 256
         ):
             raise ValueError(
                 "replicate_reduce=False sends no gradient across nodes, so replicate_bits / "
-                "replicate_error_feedback have nothing to compress; drop them"
+                "replicate_block_size / replicate_error_feedback have nothing to compress; drop "
+                "them"
+            )
+        if self.replicate_bits is None and self.replicate_block_size != 256:
+            # the full-precision / 16-bit replicate reduction has no blocks: the size would
+            # change nothing on the wire (the ledger's bytes stay the same)
+            raise ValueError(
+                f"replicate_block_size={self.replicate_block_size!r} configures the quantized "
+                "replicate reduction, which is off (replicate_bits=None); set replicate_bits=8 "
+                "or 4 (or leave replicate_block_size=256)"
+            )
+        if self.overlap_reduce_scatter:
+            raise ValueError(
+                "overlap_reduce_scatter=True with hsdp=True: HSDP's reduce-scatter is followed "
+                "by the replicate all-reduce, which needs its output at once, so it never "
+                "overlaps backward; drop overlap_reduce_scatter (HSDP runs it synchronously)"
             )
         if (
             self.replicate_error_feedback
