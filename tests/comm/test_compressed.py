@@ -88,6 +88,22 @@ def test_masks_must_be_bool_and_buffers_may_have_any_shape():
         assert torch.equal(es2.reshape(-1), ref_es) and torch.equal(es, ref_es)
 
 
+def test_a_single_tensor_for_a_list_is_named():
+    """One tensor passed where a list of tensors is expected counts as its rows: the error
+    said "got 5 tensors, 1 worker and 1 server buffers" for a single 5-element tensor."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    t = torch.randn(5)
+    ew, es = torch.zeros(padded_numel(5, 1)), torch.zeros(server_error_numel(5, 1))
+    with pytest.raises(ValueError, match=r"a single tensor of shape \(5,\) was passed"):
+        compressed_all_reduce(t, [ew], [es])
+    with pytest.raises(ValueError, match=r"single tensor of shape \(5,\).*\[tensor\]"):
+        compressed_all_reduce([t], [ew], [es], masks=torch.ones(5, dtype=torch.bool))
+    # Buffers stacked in one tensor (one row per tensor) stay accepted: a row is a tensor.
+    (out,) = compressed_all_reduce([t], ew.view(1, -1), es.view(1, -1))
+    assert out.shape == t.shape
+
+
 def reference_round(inputs, worker_errors, server_errors, mask):
     """One compressed all-reduce of one tensor, all ranks simulated in float64.
 

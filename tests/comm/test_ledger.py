@@ -139,3 +139,34 @@ def test_recording_context_is_visible_from_other_threads():
         assert active_ledger() is led
     assert active_ledger() is None
     assert led.summary().select(tag="t")[0].calls == 1
+
+
+def test_nested_recording_of_the_same_ledger_restores_the_inner_one():
+    """Leaving an inner `recording(a)` removed a's OUTER entry, so the enclosing
+    `recording(b)` block went on recording into a."""
+    a, b = _ledger(1, 1), _ledger(1, 1)
+    with recording(a):
+        with recording(b):
+            with recording(a):
+                assert active_ledger() is a
+            assert active_ledger() is b
+            record("all_gather", group_ranks=[0], tensor_bytes=M, tag="b")
+        assert active_ledger() is a
+    assert active_ledger() is None
+    assert b.summary().select(tag="b") and not a.summary().select(tag="b")
+
+
+def test_gather_summary_in_one_process_without_a_process_group():
+    """A single process with no process group failed in torch ("Default process group has not
+    been initialized"); it has nothing to gather. A larger topology without one is refused,
+    naming the fix."""
+    led = _ledger(1, 1)
+    led.record("all_reduce", group_ranks=[0], tensor_bytes=M, tag="ar")
+    led.count("fallback")
+    led.step()
+    led.record("broadcast", group_ranks=[0], tensor_bytes=M, tag="b")
+    s = led.gather_summary()
+    assert s.rows() == led.summary().rows() and s.steps == 1
+    assert s.event("fallback") == 1
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        _ledger(4, 2, rank=1).gather_summary()

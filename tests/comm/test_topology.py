@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from qshard.comm import Topology
 from qshard.testing import run_world
+
+_LAUNCH_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+)
 
 
 def test_numbering_is_node_major():
@@ -30,6 +41,10 @@ def test_numbering_is_node_major():
         ({"world_size": 4, "ranks_per_node": 2, "rank": 4}, "rank"),
         ({"world_size": True, "ranks_per_node": 1}, "world_size"),  # a bool is not a count
         ({"world_size": 2, "ranks_per_node": True}, "ranks_per_node"),
+        # a float rank gave float nodes (node 0.0 for rank 1.5), a str a bare TypeError
+        ({"world_size": 4, "ranks_per_node": 2, "rank": 1.5}, "rank must be an int"),
+        ({"world_size": 4, "ranks_per_node": 2, "rank": "1"}, "rank must be an int"),
+        ({"world_size": 4, "ranks_per_node": 2, "rank": True}, "rank must be an int"),
     ],
 )
 def test_validation_names_the_fix(kwargs, match):
@@ -77,13 +92,30 @@ def test_from_env(monkeypatch):
             {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "one"},
             "LOCAL_RANK='one'",
         ),
+        # torchrun with nodes of 2, 1 and 1 ranks: each LOCAL_WORLD_SIZE divides the world, so
+        # every rank built its own topology (then mismatched groups); see [Note: uneven nodes]
+        (
+            {"WORLD_SIZE": "4", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "3"},
+            "GROUP_WORLD_SIZE=3 nodes of LOCAL_WORLD_SIZE=2 ranks are 6 ranks, not the world's 4",
+        ),
+        (
+            {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "3"},
+            "same --nproc-per-node on every node",
+        ),
+        (
+            {"WORLD_SIZE": "6", "RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"},
+            "GROUP_RANK=1 does not match rank 1",
+        ),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "-1"}, "GROUP_RANK='-1'"),
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "x"}, "GROUP_WORLD_"),
     ],
 )
 def test_from_env_names_the_bad_variable(monkeypatch, env, match):
     """Odd or inconsistent launch variables used to fail with int()'s bare message, with the
     wrong cause (WORLD_SIZE=0 blamed LOCAL_WORLD_SIZE) or not at all (a LOCAL_RANK that
-    contradicts node-major numbering gave a silently wrong node)."""
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
+    contradicts node-major numbering gave a silently wrong node; uneven nodes gave each node
+    its own topology)."""
+    for name in _LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -97,16 +129,29 @@ def test_from_env_accepts_torchrun_values(monkeypatch):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
         monkeypatch.setenv("LOCAL_RANK", str(rank % 3))
+        monkeypatch.setenv("GROUP_RANK", str(rank // 3))
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
         t = Topology.from_env()
         assert (t.node, t.local_rank) == (rank // 3, rank % 3)
-    # An explicit ranks_per_node (emulated nodes) does not read LOCAL_*.
+    # An explicit ranks_per_node (emulated nodes) does not read LOCAL_* or GROUP_*.
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert Topology.from_env(ranks_per_node=2).node == 2
 
 
 def _groups_world(rank: int, world_size: int, rpn: int) -> list:
+    # A topology of another rank (as one built before init_process_group: rank 0 everywhere)
+    # handed each process node 0's group, which ranks 2 and 3 are not in; refused on every
+    # rank before any collective.
+    other = Topology(world_size=world_size, ranks_per_node=rpn, rank=(rank + 1) % world_size)
+    with pytest.raises(RuntimeError, match="Build it after init_process_group"):
+        other.init_groups()
     topo = Topology.from_env(ranks_per_node=rpn)
     topo.init_groups()
+    # A deep copy describes the same ranks and shares the groups (a process group cannot be
+    # copied: deepcopy failed with "cannot pickle ProcessGroup").
+    twin = copy.deepcopy(topo)
+    assert twin == topo and twin.intra_node_group is topo.intra_node_group
+    assert twin.inter_node_group is topo.inter_node_group
     intra = dist.get_process_group_ranks(topo.intra_node_group)
     inter = dist.get_process_group_ranks(topo.inter_node_group)
     # The groups work: a sum over the node and over the peers.

@@ -135,11 +135,15 @@ def compressed_all_reduce(
         raise ValueError(
             f"need one worker and one server error buffer per tensor; got {num} tensors, "
             f"{len(worker_errors)} worker and {len(server_errors)} server buffers"
+            + _single_tensor_hint(tensors, worker_errors, server_errors)
         )
     if masks is None:
         masks = [None] * num
     elif len(masks) != num:
-        raise ValueError(f"need one mask (or None) per tensor; got {len(masks)} for {num}")
+        raise ValueError(
+            f"need one mask (or None) per tensor; got {len(masks)} for {num}"
+            + _single_tensor_hint(tensors, masks)
+        )
     if num == 0:
         return []
 
@@ -265,6 +269,18 @@ def compressed_all_reduce(
         outputs.append(flat.reshape(t.shape).clone())
         offset += c
     return outputs
+
+
+def _single_tensor_hint(*args: object) -> str:
+    """A tensor is a sequence of its rows: one 1-D tensor of k elements passed where a list
+    was meant counts as k one-element tensors, and the count mismatch alone misleads."""
+    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    if not shapes:
+        return ""
+    return (
+        f" (a single tensor of shape {shapes[0]} was passed as a list: it counts as its rows; "
+        "pass a list with one entry per tensor, e.g. [tensor])"
+    )
 
 
 def _row_bytes(num_tensors: int, sign_bytes: int) -> int:

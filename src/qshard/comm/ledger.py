@@ -327,7 +327,8 @@ class CommLedger:
         """Totals with exact per-node bytes: every rank's share summed per node, busiest node
         reported per entry. Collective over ``group`` (default: the world); needs every rank
         of the world to call it. ``calls``, ``tensor_bytes`` and the events are this rank's,
-        as in :meth:`summary`."""
+        as in :meth:`summary`. In a single process without an initialised process group (a
+        topology of world size 1), this process's own totals: there is nothing to gather."""
         import torch.distributed as dist
 
         with self._lock:
@@ -339,8 +340,18 @@ class CommLedger:
             events = dict(self._events_total)
             for name, n in self._events_current.items():
                 events[name] = events.get(name, 0) + n
-        gathered: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-        dist.all_gather_object(gathered, (self.topology.rank, mine), group=group)
+        if dist.is_available() and dist.is_initialized():
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, (self.topology.rank, mine), group=group)
+        elif group is None and self.topology.world_size == 1:
+            gathered = [(self.topology.rank, mine)]  # a single process: nothing to gather
+        else:
+            raise RuntimeError(
+                "gather_summary is a collective over the ranks of the job: call "
+                "torch.distributed.init_process_group first (without one, it works only for a "
+                "single-process topology, world_size=1, with group=None; summary() is the "
+                "SPMD estimate without communication)"
+            )
         keys: list[tuple[str, str]] = []
         for _, d in gathered:
             keys += [k for k in d if k not in keys]
@@ -396,7 +407,11 @@ def recording(ledger: CommLedger) -> Iterator[CommLedger]:
         yield ledger
     finally:
         with _ACTIVE_LOCK:
-            _ACTIVE.remove(ledger)
+            # The innermost entry of this ledger: list.remove took the outermost, so after
+            # `with recording(a): with recording(b): with recording(a): ...` b's block went on
+            # recording into a.
+            idx = max(i for i, entry in enumerate(_ACTIVE) if entry is ledger)
+            del _ACTIVE[idx]
 
 
 def record(

@@ -63,8 +63,9 @@ class Topology:
             )
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            # a float rank gave float nodes (1.5 // 2 == 0.0); a str failed on '<='
+            raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != world_size:
             raise ValueError(
                 f"world_size {world_size} differs from the initialized process group's "
@@ -82,7 +83,9 @@ class Topology:
         World size and rank come from the default process group if one is initialized, else
         from ``WORLD_SIZE``/``RANK`` (default 1/0). ``ranks_per_node`` is the argument if
         given (to emulate nodes), else ``LOCAL_WORLD_SIZE`` (set by torchrun), else an error:
-        it is never guessed from device counts.
+        it is never guessed from device counts. With ``LOCAL_WORLD_SIZE``, torchrun's
+        ``LOCAL_RANK``, ``GROUP_RANK`` and ``GROUP_WORLD_SIZE`` (when set) must agree with it:
+        nodes of different sizes are refused (see [Note: uneven nodes]).
         """
         initialized = dist.is_available() and dist.is_initialized()
         if initialized:
@@ -118,6 +121,7 @@ class Topology:
                         "hold equal numbers of ranks); fix the launch environment or pass "
                         "Topology.from_env(ranks_per_node=...)"
                     )
+                _check_nodes(world_size, rank, ranks_per_node)
                 local = os.environ.get("LOCAL_RANK")
                 if local is not None:
                     local_rank = env_int("LOCAL_RANK", 0, minimum=0, hint=_UNSET)
@@ -205,6 +209,16 @@ class Topology:
             raise RuntimeError(
                 "process groups need torch.distributed: call init_process_group() first"
             )
+        if (self._world_size, self._rank) != (dist.get_world_size(), dist.get_rank()):
+            # A topology built before init_process_group has rank 0 on every process (and an
+            # unchecked world size): every rank took node 0's group, a group it is not in.
+            raise RuntimeError(
+                f"this Topology describes rank {self._rank} of a world of {self._world_size}, "
+                f"but this process is rank {dist.get_rank()} of {dist.get_world_size()}: only "
+                "a topology of this process can create its process groups. Build it after "
+                "init_process_group (Topology.from_env(), or Topology(world_size=..., "
+                "ranks_per_node=...) without rank=)"
+            )
         if kind == "intra":
             all_ranks = [self.node_ranks(n) for n in range(self.num_nodes)]
             mine = self.node
@@ -234,6 +248,20 @@ class Topology:
         _ = self.intra_node_group
         _ = self.inter_node_group
 
+    def __deepcopy__(self, memo: dict) -> Topology:
+        # A process group cannot be copied (a deepcopy of a Topology, or of anything holding
+        # one, failed with "cannot pickle ProcessGroup" once its groups existed); the copy
+        # describes the same ranks of the same job, so it shares the groups already created.
+        new = Topology.__new__(Topology)
+        new._world_size, new._ranks_per_node, new._rank = (
+            self._world_size,
+            self._ranks_per_node,
+            self._rank,
+        )
+        new._groups = dict(self._groups)
+        memo[id(self)] = new
+        return new
+
     def __repr__(self) -> str:
         return (
             f"Topology(world_size={self._world_size}, ranks_per_node={self._ranks_per_node}, "
@@ -251,3 +279,38 @@ class Topology:
 
     def __hash__(self) -> int:
         return hash((self._world_size, self._ranks_per_node, self._rank))
+
+
+def _check_nodes(world_size: int, rank: int, ranks_per_node: int) -> None:
+    """Check torchrun's node variables against ``LOCAL_WORLD_SIZE`` (when they are set).
+
+    [Note: uneven nodes] torchrun lets nodes run different numbers of ranks (``--nproc-per-node``
+    per node) and then numbers the ranks by cumulative sum, so ``LOCAL_WORLD_SIZE`` differs
+    between nodes. Each rank alone may see a ``LOCAL_WORLD_SIZE`` that divides the world (nodes
+    of 2, 1 and 1 ranks: 2 and 1 both divide 4), and the ranks would build different topologies,
+    then mismatched process groups (a hang, or wrong sums). ``GROUP_WORLD_SIZE`` (the number of
+    nodes) tells it apart with no communication: ``nodes * LOCAL_WORLD_SIZE == WORLD_SIZE``
+    holds on every rank only if every node has the average size, so in an uneven layout some
+    rank fails and torchrun stops the job. ``GROUP_RANK`` (this node's index) must then be
+    ``rank // LOCAL_WORLD_SIZE``, as torchrun numbers ranks node-major.
+    """
+    hint = _UNSET
+    if os.environ.get("GROUP_WORLD_SIZE") is not None:
+        nodes = env_int("GROUP_WORLD_SIZE", 1, minimum=1, hint=hint)
+        if nodes * ranks_per_node != world_size:
+            raise ValueError(
+                f"GROUP_WORLD_SIZE={nodes} nodes of LOCAL_WORLD_SIZE={ranks_per_node} ranks are "
+                f"{nodes * ranks_per_node} ranks, not the world's {world_size}: qshard needs "
+                "every node to run the same number of ranks (launch with the same "
+                "--nproc-per-node on every node)"
+            )
+    if os.environ.get("GROUP_RANK") is not None:
+        node = env_int("GROUP_RANK", 0, minimum=0, hint=hint)
+        if node != rank // ranks_per_node:
+            raise ValueError(
+                f"GROUP_RANK={node} does not match rank {rank} under LOCAL_WORLD_SIZE="
+                f"{ranks_per_node}: qshard numbers ranks node-major (node = rank // "
+                f"ranks_per_node = {rank // ranks_per_node}, as torchrun does when every node "
+                "runs the same number of ranks); launch with the same --nproc-per-node on "
+                "every node or pass Topology.from_env(ranks_per_node=...)"
+            )
