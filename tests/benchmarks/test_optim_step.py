@@ -16,10 +16,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
 def test_phases_table_has_every_variant(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("_bench_optim_step", BENCH / "optim_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_optim_step()
     out = tmp_path / "phases.md"
     before = _kernels.library
     mod.main(
@@ -126,10 +123,7 @@ def test_phases_thread_count_zero_is_the_process_default(monkeypatch):
 
 
 def test_sizes_parse_and_a_bad_one_is_named():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("_bench_optim_step", BENCH / "optim_step.py")
-    optim_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(optim_step)
+    optim_step = _load_optim_step()
     assert [optim_step._parse_size(s) for s in ("10M", "1.5k", " 123 ", "2G")] == [
         10_000_000,
         1500,
