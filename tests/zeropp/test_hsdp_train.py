@@ -198,8 +198,9 @@ def test_estimates_show_hsdp_between_zero3_and_replicated():
         shard_ranks=4,
         **sizes,
     )
-    # 0/1 Adam on HSDP: fp32 m, v, worker error and a server error of 1/nodes, on 1/4 of M
-    assert one["optimizer state (zero_one_adam)"] == pytest.approx((12 + 4 / 2) * 10_000_000 / 4)
+    # 0/1 Adam on HSDP: fp32 m, v, worker error, sync anchor and a server error of 1/nodes,
+    # on 1/4 of M
+    assert one["optimizer state (zero_one_adam)"] == pytest.approx((16 + 4 / 2) * 10_000_000 / 4)
     comm = estimate_hsdp_comm(num_params=1000, world_size=8, ranks_per_node=4)
     assert comm.total == pytest.approx(2 * (1 / 2) * 1000 * 4)
     assert estimate_hsdp_comm(num_params=1000, world_size=4, ranks_per_node=4).total == 0

@@ -21,6 +21,7 @@ from qshard.train.estimate import (
     estimate_hsdp_comm,
     estimate_memory,
     memory_by_layout,
+    quantized_state_bytes,
 )
 
 __all__ = ["Estimates", "estimate_run", "header", "summary", "write_summary"]
@@ -51,13 +52,30 @@ def _largest_unit_params(model: nn.Module) -> int:
     return max(*in_blocks, total - sum(in_blocks))
 
 
+def _fp32_state(p: nn.Parameter, stable: Any) -> bool:
+    # What an 8-/4-bit optimizer keeps in 32 bits: 1-D tensors, tensors under its min_8bit_size
+    # / min_4bit_size (4096 elements, the default) and the StableEmbedding weight.
+    return p.dim() < 2 or p.numel() < 4096 or p is stable
+
+
 def _fp32_state_params(model: nn.Module, config: TrainConfig) -> int:
-    # What an 8-bit optimizer keeps in 32 bits: 1-D tensors, tensors under its min_8bit_size
-    # (4096 elements, the default) and the StableEmbedding weight.
     stable = model.tok_emb.weight if config.stable_embedding else None  # type: ignore[union-attr]
-    return sum(
-        p.numel() for p in model.parameters() if p.dim() < 2 or p.numel() < 4096 or p is stable
-    )
+    return sum(p.numel() for p in model.parameters() if _fp32_state(p, stable))
+
+
+def _state_sizes(model: nn.Module, config: TrainConfig) -> dict[str, Any]:
+    """``fp32_state_params`` and, for the 8-/4-bit optimizers, ``quantized_state`` (bytes, by
+    each parameter's rows: [Note: state blocks are per row] in qshard.train.estimate)."""
+    stable = model.tok_emb.weight if config.stable_embedding else None  # type: ignore[union-attr]
+    params = list(model.parameters())
+    sizes: dict[str, Any] = {"fp32_state_params": _fp32_state_params(model, config)}
+    if config.optim in ("adamw8bit", "adamw4bit"):
+        sizes["quantized_state"] = sum(
+            quantized_state_bytes(config.optim, tuple(p.shape))
+            for p in params
+            if not _fp32_state(p, stable)
+        )
+    return sizes
 
 
 def estimate_run(
@@ -76,7 +94,7 @@ def estimate_run(
         num_params=num_params,
         largest_unit_params=_largest_unit_params(model),
         compute_bytes=torch.finfo(compute_dtype).bits // 8,
-        fp32_state_params=_fp32_state_params(model, config),
+        **_state_sizes(model, config),
     )
     memory = estimate_memory(
         **common,
@@ -98,7 +116,15 @@ def estimate_run(
     elif replicated:
         comm = None
     else:
-        comm = estimate_comm(**sizes, features=features, **zeropp_blocks(config))
+        # FSDP2 gathers the parameters in the compute dtype (MixedPrecisionPolicy's param_dtype)
+        # and reduces gradients in fp32 (reduce_dtype): a bf16 run's plain gathers send 2 bytes.
+        comm = estimate_comm(
+            **sizes,
+            features=features,
+            wire_bytes=float(common["compute_bytes"]),
+            grad_wire_bytes=4.0,
+            **zeropp_blocks(config),
+        )
     return Estimates(
         memory=memory,
         comm=comm,
@@ -181,8 +207,9 @@ def summary(
         lines.append(_loss_line(losses, result["val_losses"], result.get("skipped_steps", ())))
         tokens = config.batch_size * config.context * len(losses)
         lines.append(
-            f"{len(losses)} steps in {result['train_time_s']:.1f} s, "
-            f"{tokens / result['train_time_s']:,.0f} tokens/s"
+            f"{len(losses)} steps in {result['train_time_s']:.1f} s (validation and checkpoint "
+            f"saves included), {tokens / result['train_time_s']:,.0f} tokens/s "
+            "(metrics.jsonl has each step's own)"
         )
 
     def per_step(x: float) -> str:
@@ -218,6 +245,12 @@ def summary(
             title="communication (comm ledger; bytes leaving each node)",
         )
     )
+    if measured.inter(tag="grad_reduce_scatter", op="all_reduce") > 0:
+        # [Note: record what the backend sends] in qshard.zeropp.reduce_scatter
+        lines.append(
+            "gloo has no reduce-scatter: the plain gradient reduce-scatter ran as an all-reduce, "
+            "which sends twice the ring reduce-scatter's bytes that the analytic rows count"
+        )
     inter = measured.inter_node_bytes / steps_run
     if inter > 0 and comm_est is None:
         ddp = result["ddp_fp32_inter_node_bytes_per_step"]
@@ -234,18 +267,32 @@ def summary(
             "the ledger recorded no collectives (plain FSDP2 does not report to it); "
             "the analytic rows above stand alone"
         )
+    # What peak_memory_bytes measured: the rule of _runtime.device() (a GPU whenever CUDA is there).
+    if torch.cuda.is_available():
+        peak_label = "measured peak allocated (max over ranks)"
+        peak_note = (
+            "(measured on CUDA is torch.cuda.max_memory_allocated: it includes activations and "
+            "temporaries, which the estimate leaves out)"
+        )
+    else:
+        peak_label = "measured peak RSS (max over ranks)"
+        peak_note = (
+            "(measured on CPU is the process's peak RSS, which includes the runtime itself: "
+            "not comparable with the tensor-only estimate)"
+        )
     lines.append(
         table(
             ["memory per rank", "bytes"],
             [
                 ["estimate (tensors only)", format_bytes(estimates.memory["total (tensors only)"])],
-                ["measured peak (max over ranks)", format_bytes(result["peak_memory_bytes"])],
+                [peak_label, format_bytes(result["peak_memory_bytes"])],
                 [
                     f"optimizer state ({config.optim}), measured (max over ranks)",
                     format_bytes(result["optimizer_state_bytes"]),
                 ],
             ],
         )
-        + "\n(measured on CPU is the process's peak RSS, which includes the runtime itself)"
+        + "\n"
+        + peak_note
     )
     return "\n\n".join(["=== qshard train summary ===", *lines])

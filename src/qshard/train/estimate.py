@@ -8,8 +8,11 @@ each node per step, for bandwidth-optimal algorithms. For ``M`` parameters on ``
 * ZeRO-3 (FSDP2): forward all-gather, backward all-gather and gradient reduce-scatter are rings
   over the world, each sends ``(P-1)/P * M * w`` out of every node: the paper's ``3M`` (Table 1)
   with ``w = 2`` and large ``P``.
-* qwZ: the forward all-gather carries INT8 codes plus one fp32 scale per block:
-  ``w = 1 + 4 / block``.
+* qwZ: the forward all-gather carries INT8 codes plus one fp32 scale per block,
+  ``w = 1 + 4 / block``, in two hops (see [Note: qwZ route] in :mod:`qshard.zeropp.all_gather`):
+  each rank's row among its peers on the other nodes, then inside the node, so only the other
+  nodes' rows cross: ``(N-1)/N * M * w`` per node, not the flat ring's ``(P-1)/P * M * w``
+  (the same with one rank per node). The backward gather without hpZ is qwZ's too.
 * hpZ: the backward all-gather stays inside the node: 0 cross-node bytes.
 * qgZ: gradients are reduced inside the node first, then each rank sends its node's partial
   sums of ``M / D`` elements, as INT4 with fp32 block scales, to the ``N - 1`` other nodes in an
@@ -36,6 +39,7 @@ __all__ = [
     "estimate_memory",
     "memory_by_layout",
     "optimizer_state_bytes_per_param",
+    "quantized_state_bytes",
 ]
 
 _OPTIM_STATE_BYTES = {
@@ -47,8 +51,13 @@ _OPTIM_STATE_BYTES = {
     "adamw4bit": 1.0 + 2 * 4 / 128,
     # fp32 momentum and variance, plus worker error (fp32, padded) ...
     "onebit_adam": 12.0,
-    "zero_one_adam": 12.0,
+    # ... and 0/1 Adam's fp32 sync anchor (the parameter at the last sync, [Note: sync anchor]
+    # in qshard.optim.zero_one_adam)
+    "zero_one_adam": 16.0,
 }
+
+# The 8-/4-bit optimizers' defaults (what the app builds): elements per absmax block along a row.
+_STATE_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
 
 
 def optimizer_state_bytes_per_param(optim: str, *, world_size: int = 1) -> float:
@@ -60,6 +69,29 @@ def optimizer_state_bytes_per_param(optim: str, *, world_size: int = 1) -> float
         raise ValueError(f"unknown optimizer {optim!r}; expected one of {list(_OPTIM_STATE_BYTES)}")
     extra = 4.0 / world_size if optim in ("onebit_adam", "zero_one_adam") else 0.0
     return _OPTIM_STATE_BYTES[optim] + extra
+
+
+def quantized_state_bytes(optim: str, shape: tuple[int, ...]) -> int:
+    """Bytes of the two quantized Adam states (codes and absmax) of one parameter of global
+    ``shape`` in ``adamw8bit`` / ``adamw4bit`` with the app's block sizes.
+
+    [Note: state blocks are per row] The 8- and 4-bit optimizers cut each *row* (``shape[0]``
+    rows of ``prod(shape[1:])`` elements) into blocks with one fp32 absmax each, so a row shorter
+    than the block still holds a whole absmax: a 64-wide model's rows cost ``4 / 64`` absmax
+    bytes an element per state, not the ``4 / 256`` of a flat layout (and 4-bit codes round up
+    to whole bytes per row). The per-parameter constants of
+    :func:`optimizer_state_bytes_per_param` are the large-row limit; this is the layout itself
+    (:mod:`qshard.optim._qstate`, [Note: 4-bit layout] in :mod:`qshard.optim._qstate4`).
+    """
+    if optim not in _STATE_BLOCK:
+        raise ValueError(f"optim must be one of {list(_STATE_BLOCK)}; got {optim!r}")
+    rows = int(shape[0]) if len(shape) else 1
+    row_numel = 1
+    for dim in shape[1:]:
+        row_numel *= int(dim)
+    absmax = rows * -(-row_numel // _STATE_BLOCK[optim]) * 4
+    codes = rows * (row_numel if optim == "adamw8bit" else -(-row_numel // 2))
+    return 2 * (codes + absmax)
 
 
 def estimate_memory(
@@ -75,6 +107,7 @@ def estimate_memory(
     sharded: bool = True,
     fp32_state_params: int = 0,
     shard_ranks: int | None = None,
+    quantized_state: float | None = None,
 ) -> dict[str, float]:
     """Per-rank memory by component, in bytes.
 
@@ -84,6 +117,9 @@ def estimate_memory(
     optimizer keeps in 32-bit state (small tensors, biases and norms, StableEmbedding).
     ``shard_ranks`` is how many ranks share one copy of the model: ``world_size`` (ZeRO-3, the
     default) or ``ranks_per_node`` (HSDP: sharded inside a node, replicated across nodes).
+    ``quantized_state`` is the whole model's 8-/4-bit state in bytes, summed over its quantized
+    parameters with :func:`quantized_state_bytes`; ``None`` prices those parameters at
+    :func:`optimizer_state_bytes_per_param` (the large-row limit).
     """
     ways = world_size if shard_ranks is None else shard_ranks
     if not sharded:
@@ -107,7 +143,8 @@ def estimate_memory(
     per_param = optimizer_state_bytes_per_param(optim, world_size=sync_ranks)
     if optim in ("adamw8bit", "adamw4bit"):
         eight = num_params - fp32_state_params
-        state = eight * per_param + fp32_state_params * _OPTIM_STATE_BYTES["adamw"]
+        quantized = eight * per_param if quantized_state is None else quantized_state
+        state = quantized + fp32_state_params * _OPTIM_STATE_BYTES["adamw"]
     else:
         state = num_params * per_param
     rows[f"optimizer state ({optim})"] = state * share
@@ -154,11 +191,13 @@ def estimate_comm(
         return CommEstimate(fwd_all_gather=0.0, bwd_all_gather=0.0, grad_reduce_scatter=0.0)
     ring = (p - 1) / p * num_params
     grad_wire = wire_bytes if grad_wire_bytes is None else grad_wire_bytes
-    fwd = ring * ((1 + 4 / weight_block) if "qwz" in features else wire_bytes)
+    # qwZ's two-hop gather: only the other nodes' rows cross (module docstring).
+    gather = (n - 1) / n * num_params * (1 + 4 / weight_block) if "qwz" in features else None
+    fwd = ring * wire_bytes if gather is None else gather
     if "hpz" in features:
         bwd = 0.0
     else:
-        bwd = ring * ((1 + 4 / weight_block) if "qwz" in features else wire_bytes)
+        bwd = fwd
     if "qgz" in features:
         grad = (n - 1) / n * num_params * (0.5 + 4 / grad_block)
     else:
