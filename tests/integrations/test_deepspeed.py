@@ -167,6 +167,10 @@ def test_deepspeed_defaults_for_absent_keys(tmp_path):
     assert l2.optimizer_class is torch.optim.Adam and l2.zeropp is None  # stage 0
     bf16 = read_deepspeed_config({"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}})
     assert bf16.mp_policy.reduce_dtype == torch.bfloat16  # DeepSpeed reduces bf16 in bf16
+    # DeepSpeed lower-cases communication_data_type; "FP32" was refused as not fp32
+    upper = read_deepspeed_config({"bf16": {"enabled": True}, "communication_data_type": "FP32"})
+    assert upper.mp_policy.reduce_dtype == torch.float32
+    assert upper.communication_data_type == "fp32"
 
 
 def test_torch_adam_takes_torch_adamw_default_weight_decay():
@@ -314,11 +318,85 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
             "params.weight_decay: must be >= 0; got -0.1",
         ),
         ({"optimizer": {"type": "AdamW", "params": {"eps": -1e-8}}}, "params.eps: must be >= 0"),
+        # the string "false" is truthy: adam_w_mode read it as AdamW, torch_adam as on (0.01
+        # decay), partition_activations as on (refused for partitioning)
+        (
+            {"optimizer": {"type": "Adam", "params": {"adam_w_mode": "false"}}},
+            "params.adam_w_mode: must be true or false; got 'false'",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"torch_adam": "false"}}},
+            "params.torch_adam: must be true or false; got 'false'",
+        ),
+        (
+            {"activation_checkpointing": {"partition_activations": "false"}},
+            "partition_activations: must be true or false",
+        ),
+        # a falsy non-object optimizer.params was read as absent (every DeepSpeed default)
+        ({"optimizer": {"type": "AdamW", "params": []}}, "params: must be a JSON object; got"),
+        ({"optimizer": {"type": "AdamW", "params": False}}, "params: must be a JSON object"),
+        # a typo in a disabled (device "none") offload section was accepted unread
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "none", "pin_memroy": True},
+                }
+            },
+            "offload_optimizer.pin_memroy: is not an option",
+        ),
+        # "auto" in a key qshard reads names where the Trainer would take it from
+        ({"train_batch_size": "auto"}, "train_batch_size: .*per_device_train_batch_size"),
+        ({"gradient_clipping": "auto"}, "gradient_clipping: .*max_grad_norm"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel: qshard has no tensor"),
     ],
 )
 def test_refused_keys_are_named(config, message):
     with pytest.raises(DeepSpeedConfigError, match=message):
         read_deepspeed_config(config)
+
+
+def test_hugging_face_zero3_config_with_auto_in_unread_keys():
+    # The Trainer's stock ZeRO-3 file (transformers' DeepSpeed docs), with the values qshard
+    # reads filled in: the "auto" left in keys with no equivalent is never read, so it is
+    # accepted and listed, not refused as if it mattered.
+    cfg = {
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "legacy_fusion": False, "params": {"lr": 2e-5}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "none", "pin_memory": True},
+            "offload_param": {"device": "none", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": "auto",
+        },
+        "gradient_clipping": 1.0,
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 2000,
+        "wall_clock_breakdown": False,
+        "comms_logger": {"enabled": False},
+    }
+    t = read_deepspeed_config(cfg)
+    assert t.zeropp is not None and t.mp_policy.param_dtype == torch.bfloat16
+    for key in (
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.prefetch_bucket_size",
+        "zero_optimization.param_persistence_threshold",
+        "zero_optimization.gather_16bit_weights_on_model_save",
+        "optimizer.legacy_fusion",
+        "comms_logger",
+    ):
+        assert t.no_equivalent[key], key
+    cfg["optimizer"]["params"]["lr"] = "auto"  # a value qshard reads: still refused
+    with pytest.raises(DeepSpeedConfigError, match=r"params\.lr: .*TrainingArguments learning_r"):
+        read_deepspeed_config(cfg)
 
 
 def test_hpz_partition_size_must_be_the_node():

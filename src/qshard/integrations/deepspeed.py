@@ -11,7 +11,7 @@ Every key of the config ends in one of three places, never silently dropped:
   in :attr:`DeepSpeedTranslation.no_equivalent`;
 * refused: a key, or a value, that would change the training math in a way qshard cannot
   reproduce (ZeRO stage 1/2, fp16 loss scaling, offload, an lr ``scheduler``, ``"auto"``
-  placeholders, unknown keys): :class:`DeepSpeedConfigError` names the key and the fix.
+  placeholders in keys qshard reads, unknown keys): :class:`DeepSpeedConfigError` names the key and the fix.
 
 Defaults are DeepSpeed's (checked against DeepSpeed 0.19.8's config classes; the 1-bit
 optimizers against 0.17.6, the 0.19 series no longer lists them), so an absent key means what
@@ -195,6 +195,12 @@ _TOP_NO_EQUIVALENT: dict[str, str] = {
     "dataloader_drop_last": "qshard does not build your data loader",
     "autotuning": "DeepSpeed's autotuner; qshard has none",
     "seq_parallel_communication_data_type": "qshard has no sequence parallelism",
+    "comms_logger": _LOGGING,
+    "log_level": _LOGGING,
+    "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8",
+    "nebula": "a DeepSpeed checkpoint engine; qshard checkpoints with DCP",
+    "datastates": "a DeepSpeed checkpoint engine; qshard checkpoints with DCP",
+    "graph_harvesting": "a DeepSpeed CUDA-graph implementation detail",
 }
 _TOP_REFUSED: dict[str, str] = {
     "scheduler": (
@@ -213,6 +219,8 @@ _TOP_REFUSED: dict[str, str] = {
     "weight_quantization": "qshard has no weight quantization for inference",
     "hybrid_engine": "qshard has no RLHF hybrid engine",
     "compile": "compile the model with torch.compile yourself",
+    "tensor_parallel": "qshard has no tensor parallelism (it shards data-parallel only)",
+    "expert_parallel": "qshard has no expert parallelism",
 }
 _TOP_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "prescale_gradients": (False, "FSDP2 averages after the reduction"),
@@ -316,12 +324,24 @@ class _Reader:
         return value
 
     def check_values(self, prefix: str, obj: Any) -> None:
-        # "auto" is a placeholder the Hugging Face Trainer fills in; here nothing fills it.
+        # [Note: "auto" values]
+        # "auto" is a placeholder the Hugging Face Trainer fills in from its TrainingArguments
+        # (and the model's hidden size); here nothing fills it. Where the key tunes nothing
+        # qshard has (reduce_bucket_size, stage3_prefetch_bucket_size, ... in the Trainer's
+        # stock ZeRO-3 config) its value is never read, so "auto" is accepted there and the key
+        # listed in no_equivalent like any other value; everywhere else it is refused, naming
+        # the TrainingArguments field the Trainer would have taken it from.
         if isinstance(obj, dict):
             for k, v in obj.items():
                 self.check_values(f"{prefix}.{k}" if prefix else k, v)
-        elif obj == "auto":
-            raise self.fail(prefix, '"auto" is filled in by the Hugging Face Trainer; give a value')
+        elif obj == "auto" and not _auto_is_moot(prefix):
+            source = _HF_AUTO_SOURCES.get(prefix)
+            raise self.fail(
+                prefix,
+                '"auto" is filled in by the Hugging Face Trainer'
+                + (f" (from TrainingArguments {source})" if source else "")
+                + "; give the value here",
+            )
 
     def sort_keys(
         self,
@@ -465,8 +485,16 @@ class _Reader:
     ) -> tuple[str | None, type[torch.optim.Optimizer] | None, dict[str, Any]]:
         opt = self.section(cfg, "optimizer")
         for key in opt:
-            if key not in ("type", "params"):
-                raise self.fail(f"optimizer.{key}", "is not an optimizer key (type, params)")
+            if key == "legacy_fusion":  # DeepSpeed reads it for its fp16 optimizer only
+                self.no_equivalent["optimizer.legacy_fusion"] = (
+                    "read only by DeepSpeed's fp16 optimizer (fp16 is refused)"
+                )
+            elif key not in ("type", "params"):
+                raise self.fail(
+                    f"optimizer.{key}",
+                    "is not an optimizer key (type, params, legacy_fusion); optimizer "
+                    "hyperparameters go in optimizer.params",
+                )
         if not opt:  # DeepSpeed then takes the optimizer the script passes in
             return None, None, {}
         kind = str(opt.get("type", "")).lower()
@@ -476,8 +504,10 @@ class _Reader:
                 f"{opt.get('type')!r} has no qshard equivalent; use Adam, AdamW, OneBitAdam or "
                 "ZeroOneAdam (qshard.optim.AdamW8bit takes AdamW's arguments)",
             )
-        params = opt.get("params") or {}
-        if not isinstance(params, dict):
+        params = opt.get("params")
+        if params is None:  # absent or null: every parameter at DeepSpeed's default
+            params = {}
+        if not isinstance(params, dict):  # [], false, 0 too: not "absent"
             raise self.fail("optimizer.params", f"must be a JSON object; got {params!r}")
         params = dict(params)
         if "max_grad_norm" in params:  # DeepSpeed refuses it too
@@ -491,8 +521,12 @@ class _Reader:
             )
         prefix = "optimizer.params."
         if kind in ("adam", "adamw"):
-            # DeepSpeed: type Adam is AdamW unless adam_w_mode is false.
-            w_mode = kind == "adamw" or params.get("adam_w_mode", True)
+            # DeepSpeed: type Adam is AdamW unless adam_w_mode is false. Both switches are JSON
+            # true/false only (see _flag): the string "false" is truthy and would be read as on.
+            where = "optimizer.params"
+            adam_w_mode = _flag(self, params, "adam_w_mode", where=where, default=True)
+            torch_adam = _flag(self, params, "torch_adam", where=where, default=False)
+            w_mode = kind == "adamw" or adam_w_mode
             if params.get("bias_correction", True) is not True:
                 raise self.fail(
                     f"{prefix}bias_correction", "torch's Adam/AdamW always correct the bias"
@@ -504,7 +538,7 @@ class _Reader:
                 no_equivalent=_ADAM_NO_EQUIVALENT,
             )
             kwargs = self.hyper(params, _ADAM_DEFAULTS)
-            if params.get("torch_adam") and w_mode and "weight_decay" not in params:
+            if torch_adam and w_mode and "weight_decay" not in params:
                 # DeepSpeed then builds torch.optim.AdamW(**params): torch's default decay.
                 kwargs["weight_decay"] = _TORCH_ADAMW_WEIGHT_DECAY
             return (
@@ -633,6 +667,8 @@ class _Reader:
                     "set fp32",
                 )
         comm = cfg.get("communication_data_type")
+        if isinstance(comm, str):  # DeepSpeed lower-cases it: "FP32" is fp32
+            comm = comm.lower()
         if comm not in (None, "fp32", "fp16", "bf16"):
             raise self.fail("communication_data_type", f"must be fp32, fp16 or bf16; got {comm!r}")
         if not _flag(self, bf16, "enabled", where="bf16"):
@@ -652,9 +688,11 @@ class _Reader:
             "call torch.utils.checkpoint (or a Hugging Face model's "
             "activation_checkpointing_enable())"
         )
-        for key, value in section.items():
+        for key in section:
             name = f"activation_checkpointing.{key}"
-            if key in ("partition_activations", "cpu_checkpointing") and value:
+            if key in ("partition_activations", "cpu_checkpointing") and _flag(
+                self, section, key, where="activation_checkpointing"
+            ):
                 raise self.fail(name, "qshard does not partition or offload activations")
             if key not in (
                 "partition_activations",
@@ -683,7 +721,7 @@ class _Reader:
             zero,
             mapped=_ZERO_MAPPED,
             no_equivalent=_ZERO_NO_EQUIVALENT,
-            only_default={**_ZERO_ONLY_DEFAULT, **_offload_values(zero)},
+            only_default={**_ZERO_ONLY_DEFAULT, **_offload_values(self, zero)},
         )
         size = zero.get("zero_hpz_partition_size", 1)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -756,13 +794,72 @@ def _flag(
     return value
 
 
-def _offload_values(zero: dict[str, Any]) -> dict[str, tuple[Any, str]]:
-    # An offload section whose device is "none" is DeepSpeed's way of writing "no offload".
+# Where the Hugging Face Trainer takes an "auto" value from (transformers' HfTrainerDeepSpeedConfig).
+_HF_AUTO_SOURCES = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_batch_size": (
+        "per_device_train_batch_size x gradient_accumulation_steps x the number of ranks"
+    ),
+    "gradient_clipping": "max_grad_norm",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "[adam_beta1, adam_beta2]",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "bf16.enabled": "bf16 (true or false)",
+    "fp16.enabled": "fp16 (true or false)",
+}
+
+
+def _auto_is_moot(path: str) -> bool:
+    """Whether ``path`` names a key whose value qshard never reads (see [Note: "auto" values])."""
+    section, _, key = path.partition(".")
+    if section in _TOP_NO_EQUIVALENT:
+        return True
+    if section == "zero_optimization" and "." not in key:
+        return _ZERO_ALIASES.get(key, key) in _ZERO_NO_EQUIVALENT
+    return False
+
+
+# The fields of DeepSpeed's DeepSpeedZeroOffloadParamConfig / ...OffloadOptimizerConfig.
+_OFFLOAD_KEYS = {
+    "offload_param": ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu"),
+    "offload_optimizer": (
+        "device",
+        "nvme_path",
+        "buffer_count",
+        "pipeline_read",
+        "pipeline_write",
+        "fast_init",
+        "ratio",
+        "super_offload",
+        "convert_grad_on_cpu",
+        "cpuadam_cores_perc",
+    ),
+}
+
+
+def _offload_values(reader: _Reader, zero: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    # An offload section whose device is "none" is DeepSpeed's way of writing "no offload"; its
+    # other keys are then read by nothing, but a key DeepSpeed does not define (a typo) is
+    # refused, as DeepSpeed's config model refuses it.
     out = {}
     for key in ("offload_param", "offload_optimizer"):
         value = zero.get(key)
-        if isinstance(value, dict) and str(value.get("device", "none")).lower() == "none":
-            out[key] = (value, "")
+        if not isinstance(value, dict):
+            continue
+        device = value.get("device", "none")
+        if not isinstance(device, str) or device.lower() != "none":
+            continue  # refused below as offload
+        known = (*_OFFLOAD_KEYS[key], "pin_memory")
+        for sub in value:
+            if sub not in known:
+                raise reader.fail(
+                    f"zero_optimization.{key}.{sub}",
+                    f"is not an option of DeepSpeed's {key} section ({', '.join(known)}); "
+                    "remove it",
+                )
+        out[key] = (value, "")
     return out
 
 
