@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -746,6 +747,15 @@ class _Reader:
                     "(use stage 3, where it is ZeroPPConfig.wire_dtype)",
                 )
             return None, size
+        if hpz and ranks_per_node is None and size > 1:
+            # Unchecked, the file's size was dropped without a word: shard() sizes hpZ's
+            # secondary group by the topology's node, whatever the file said.
+            warnings.warn(
+                f"{self.where}: zero_optimization.zero_hpz_partition_size {size} is not checked: "
+                "qshard's hpZ secondary group is one node of the Topology given to shard(); "
+                "pass read_deepspeed_config(..., ranks_per_node=...) to check the file against it",
+                stacklevel=4,
+            )
         if hpz and ranks_per_node is not None and size != ranks_per_node:
             raise self.fail(
                 "zero_optimization.zero_hpz_partition_size",

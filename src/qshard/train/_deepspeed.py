@@ -18,6 +18,7 @@ refused with the key and the fix.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from qshard.integrations.deepspeed import (
@@ -41,8 +42,16 @@ SCHEDULE_KWARGS = (
 
 
 def translation(path: str, *, ranks_per_node: int | None = None) -> DeepSpeedTranslation:
-    """The config at ``path``, translated (raises :class:`DeepSpeedConfigError`)."""
-    return read_deepspeed_config(path, ranks_per_node=ranks_per_node)
+    """The config at ``path``, translated (raises :class:`DeepSpeedConfigError`). Read without
+    ``ranks_per_node``, the library warns that ``zero_hpz_partition_size`` goes unchecked; the
+    app checks it against the launch's node size once (:func:`qshard.train.cli.config_from_args`),
+    so its other reads stay quiet."""
+    with warnings.catch_warnings():
+        if ranks_per_node is None:
+            warnings.filterwarnings(
+                "ignore", message=r".*zero_hpz_partition_size \d+ is not checked"
+            )
+        return read_deepspeed_config(path, ranks_per_node=ranks_per_node)
 
 
 def _flag_values(t: DeepSpeedTranslation, *, nproc: int, where: str) -> dict[str, Any]:
