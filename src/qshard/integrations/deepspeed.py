@@ -36,7 +36,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from qshard.zeropp.config import ZeroPPConfig
 
-__all__ = ["DeepSpeedConfigError", "DeepSpeedTranslation", "read_deepspeed_config"]
+__all__ = [
+    "DeepSpeedConfigError",
+    "DeepSpeedTranslation",
+    "HpzSizeUncheckedWarning",
+    "read_deepspeed_config",
+]
+
+
+class HpzSizeUncheckedWarning(UserWarning):
+    """A file's ``zero_hpz_partition_size`` read without ``ranks_per_node`` to check it against
+    (a caller that checks it elsewhere filters this category)."""
 
 
 class DeepSpeedConfigError(ValueError):
@@ -754,6 +764,7 @@ class _Reader:
                 f"{self.where}: zero_optimization.zero_hpz_partition_size {size} is not checked: "
                 "qshard's hpZ secondary group is one node of the Topology given to shard(); "
                 "pass read_deepspeed_config(..., ranks_per_node=...) to check the file against it",
+                HpzSizeUncheckedWarning,
                 stacklevel=4,
             )
         if hpz and ranks_per_node is not None and size != ranks_per_node:

@@ -24,6 +24,7 @@ from typing import Any
 from qshard.integrations.deepspeed import (
     DeepSpeedConfigError,
     DeepSpeedTranslation,
+    HpzSizeUncheckedWarning,
     read_deepspeed_config,
 )
 from qshard.train.config import TrainConfig, parse_zeropp
@@ -48,9 +49,7 @@ def translation(path: str, *, ranks_per_node: int | None = None) -> DeepSpeedTra
     so its other reads stay quiet."""
     with warnings.catch_warnings():
         if ranks_per_node is None:
-            warnings.filterwarnings(
-                "ignore", message=r".*zero_hpz_partition_size \d+ is not checked"
-            )
+            warnings.simplefilter("ignore", HpzSizeUncheckedWarning)
         return read_deepspeed_config(path, ranks_per_node=ranks_per_node)
 
 

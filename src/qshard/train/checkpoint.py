@@ -236,11 +236,7 @@ def _file_sum(file: Path) -> dict[str, Any]:
 
 def _gather_sums(mine: dict[str, Any]) -> dict[str, Any]:
     """Every rank's file sums, merged (a collective, so also a barrier)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return dict(mine)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {name: s for sums in everyone for name, s in sums.items()}
+    return {name: s for sums in _from_everyone(mine) for name, s in sums.items()}
 
 
 def _discard(path: Path) -> None:
@@ -493,10 +489,7 @@ def _verify_sums(path: Path, info: dict[str, Any]) -> None:
                 f"{got['bytes']} bytes with CRC-32 {got['crc32']}, {saved['bytes']} bytes "
                 f"with CRC-32 {saved['crc32']} when saved)"
             )
-    if world > 1:
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, problems)
-        problems = [p for theirs in everyone for p in theirs]
+    problems = [p for theirs in _from_everyone(problems) for p in theirs]
     if problems:
         more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
         raise DamagedCheckpointError(f"{problems[0]}{more}: {_DAMAGED}")
@@ -663,10 +656,7 @@ def _agree(path: Path, attempt: Any) -> _Outcome:
     except CheckpointError as exc:
         mine = ("refused", str(exc))
     world = dist.get_world_size() if dist.is_initialized() else 1
-    outcomes: list[Any] = [mine]
-    if world > 1:
-        outcomes = [None] * world
-        dist.all_gather_object(outcomes, mine)
+    outcomes = _from_everyone(mine)
     failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
     if not failed:
         return _Outcome(True, False, int(mine[1]), "", "")
@@ -686,6 +676,15 @@ def _reason(message: str, path: Path) -> str:
     """The middle of a damage message: what is wrong, without the folder and the fix."""
     text = message.split(f": {_DAMAGED}")[0]
     return text.replace(f"{path}/", "").replace(str(path), "").strip() or message
+
+
+def _from_everyone(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``all_gather_object``; ``[obj]`` in one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def _from_rank0(obj: Any) -> Any:

@@ -188,10 +188,9 @@ class _Job:
             if problem is None and fresh:
                 _clear_previous_run(job)
         # [Note: run directory] every rank learns rank 0's verdict and fails with it.
-        verdict = [problem]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            raise RunDirError(verdict[0])
+        verdict = ckpt._from_rank0(problem)
+        if verdict is not None:
+            raise RunDirError(verdict)
         return job
 
 
