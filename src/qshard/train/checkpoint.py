@@ -23,18 +23,10 @@ and optimizer it is given and refuses a checkpoint of another configuration with
 names the differences, before DCP would fail on a missing key, or an 8-bit optimizer would
 silently take the saved block size over its own.
 
-[Note: checkpoint checksums] Neither DCP nor ``torch.load`` checks what it reads: a shard with
-a flipped bit, or the zeros a lost write can leave at the right size, loaded as weights and
-optimizer state without a word (seen: a resumed run went NaN a step later). So every rank sums
-the files it wrote (CRC-32, as they are on disk after the save: read back from the page cache,
-about 2 GB/s per rank), rank 0 sums what no rank claimed (DCP's ``.metadata``), and
-``qshard.json`` lists every state file with its size and CRC-32 (``"files"``). The sizes are
-checked with the other file checks (no read; before any rank starts, for an explicit
-``--resume``); the contents by :func:`load_checkpoint` before anything is loaded, each rank
-reading its share of the files (one extra read of the checkpoint in all), and every rank
-learns every verdict, so all raise the same :class:`DamagedCheckpointError` and a restart falls
-back ([Note: restart fallback]). A CRC catches corruption, not tampering. Checkpoints written
-before have no ``"files"`` and load as before.
+Every state file's size and CRC-32 is recorded in ``qshard.json`` at the save and checked
+before a load ([Note: checkpoint checksums] in :mod:`qshard.train._checksums`, which also holds
+:func:`checkpoint_info`, the file checks and the errors). Finding the newest complete, or newest
+intact, checkpoint is :mod:`qshard.train._fallback`'s.
 
 The state holds the model and optimizer (through ``torch.distributed.checkpoint.state_dict``,
 so FSDP2-sharded tensors are saved by their global layout and load on any number of ranks),
@@ -70,10 +62,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import shutil
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +77,28 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from qshard.train import _faults
+from qshard.train._checksums import (
+    _DAMAGED,
+    _META,
+    CheckpointError,
+    DamagedCheckpointError,
+    _check_files,
+    _file_sum,
+    _from_rank0,
+    _gather_sums,
+    _rank,
+    _verify_sums,
+    checkpoint_info,
+)
+from qshard.train._fallback import (
+    _STEP_DIR,
+    _agree,
+    _complete_checkpoints,
+    _earlier_intact_hint,
+    damaged_newest_hint,
+    latest_checkpoint,
+    newest_intact,
+)
 
 __all__ = [
     "CheckpointError",
@@ -102,23 +114,9 @@ __all__ = [
     "save_checkpoint",
 ]
 
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_META = "qshard.json"
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for, or one of another configuration."""
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A complete-looking checkpoint whose files cannot be read: a ``qshard.json`` that is not a
-    JSON object, missing state files, a shard cut short or overwritten. A restart passes over
-    such a checkpoint ([Note: restart fallback]); one of another configuration is a plain
-    :class:`CheckpointError`."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+# The errors live beside the checks that raise most of them (qshard.train._checksums) but are
+# this module's public ones: tracebacks and pickles name them here.
+CheckpointError.__module__ = DamagedCheckpointError.__module__ = __name__
 
 
 def _barrier() -> None:
@@ -195,7 +193,8 @@ def save_checkpoint(
         except CheckpointException as exc:  # a BaseException, see load_checkpoint
             raise CheckpointError(f"saving {final} failed: {_last_line(exc)}") from exc
         mine = tuple(sorted(partial.glob(f"__{_rank()}_*.distcp")))  # DCP's names for this rank
-    # [Note: checkpoint checksums] each rank sums the files it wrote, as they are on disk.
+    # [Note: checkpoint checksums] (in qshard.train._checksums) each rank sums the files it
+    # wrote, as they are on disk.
     sums = {file.name: _file_sum(file) for file in mine}
     # [Note: fault injection] in qshard.train._faults
     _faults.fire(_faults.fault_plan(_rank()), step=step, at="save", files=mine)
@@ -223,20 +222,6 @@ def save_checkpoint(
             _discard(old[1])
     _barrier()
     return final
-
-
-def _file_sum(file: Path) -> dict[str, Any]:
-    """A file's size and CRC-32 as ``qshard.json`` records them ([Note: checkpoint checksums])."""
-    crc = 0
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return {"bytes": file.stat().st_size, "crc32": f"{crc:08x}"}
-
-
-def _gather_sums(mine: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's file sums, merged (a collective, so also a barrier)."""
-    return {name: s for sums in _from_everyone(mine) for name, s in sums.items()}
 
 
 def _discard(path: Path) -> None:
@@ -370,131 +355,6 @@ def _check_layout(path: Path, info: dict[str, Any], here: dict[str, Any]) -> Non
         )
 
 
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        # qshard.json is written after every rank finished (see [Note: atomic checkpoints]).
-        if m and (child / _META).is_file():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``root`` (``None`` if there is none)."""
-    found = _complete_checkpoints(Path(root))
-    return found[-1][1] if found else None
-
-
-def newest_intact(root: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint under ``root`` whose files pass every check, sizes and
-    CRC-32s included (one process: it reads the files; for a failed job's hint), and the newer
-    ones that did not, newest first, each with what is wrong."""
-    damaged: list[tuple[Path, str]] = []
-    for _, path in reversed(_complete_checkpoints(Path(root))):
-        try:
-            info = checkpoint_info(path)
-            _check_files(path, info)
-            _verify_sums(path, info)
-        except DamagedCheckpointError as exc:
-            damaged.append((path, _reason(str(exc), path)))
-            continue
-        return path, damaged
-    return None, damaged
-
-
-def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``qshard.json`` of a checkpoint (step, world size, run metadata); raises
-    :class:`CheckpointError` naming the file when it cannot be read as a JSON object."""
-    file = Path(path) / _META
-    try:
-        info = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DamagedCheckpointError(f"{file} cannot be read ({exc}): {_DAMAGED}") from exc
-    if not isinstance(info, dict):
-        raise DamagedCheckpointError(
-            f"{file} holds {type(info).__name__}, not an object: {_DAMAGED}"
-        )
-    return info
-
-
-_DAMAGED = (
-    "it is damaged (or not qshard's): move it out of the checkpoints folder to resume from the "
-    "previous one, or start a new --out"
-)
-
-
-def _check_files(path: Path, info: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose ``qshard.json`` is there but whose state files are not, or not
-    at the sizes they were saved with (cheap: no file is read; see [Note: checkpoint
-    checksums] for the contents)."""
-    if info.get("format") == "per_rank":
-        world = info.get("world_size")
-        names = [f"rank_{r:05d}.pt" for r in range(world if isinstance(world, int) else 1)]
-    else:
-        names = ["DCP .metadata"]
-    recorded = _recorded_files(path, info)
-    names += [n for n in recorded if n not in names and f"DCP {n}" not in names]
-    missing = [n for n in names if not (path / n.removeprefix("DCP ")).is_file()]
-    if missing:
-        raise DamagedCheckpointError(f"{path} has {_META} but no {', '.join(missing)}: {_DAMAGED}")
-    for name, saved in recorded.items():
-        size = (path / name).stat().st_size
-        if size != saved["bytes"]:
-            raise DamagedCheckpointError(
-                f"{path / name} cannot be loaded (it has {size} bytes, {saved['bytes']} when "
-                f"saved): {_DAMAGED}"
-            )
-
-
-def _recorded_files(path: Path, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The state files ``qshard.json`` lists with their sizes and CRC-32s (empty for a
-    checkpoint written before they were recorded); a malformed list is damage."""
-    files = info.get("files")
-    if files is None:
-        return {}
-    ok = isinstance(files, dict) and all(
-        isinstance(name, str)
-        and name == Path(name).name
-        and name not in ("", ".", "..", _META)
-        and isinstance(s, dict)
-        and type(s.get("bytes")) is int
-        and isinstance(s.get("crc32"), str)
-        for name, s in files.items()
-    )
-    if not ok:
-        raise DamagedCheckpointError(f'{path / _META} has a malformed "files" entry: {_DAMAGED}')
-    return files
-
-
-def _verify_sums(path: Path, info: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose state files do not match the CRC-32s recorded at the save
-    (collective: the files are split over the ranks, and every rank gets every verdict, so all
-    raise alike); see [Note: checkpoint checksums]."""
-    files = _recorded_files(path, info)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    problems: list[str] = []
-    for name in sorted(files)[_rank() :: world]:
-        saved = files[name]
-        try:
-            got = _file_sum(path / name)
-        except OSError as exc:
-            problems.append(f"{path / name} cannot be read ({exc.strerror or exc})")
-            continue
-        if got != {"bytes": saved["bytes"], "crc32": saved["crc32"]}:
-            problems.append(
-                f"{path / name} cannot be loaded (its contents changed since the save: "
-                f"{got['bytes']} bytes with CRC-32 {got['crc32']}, {saved['bytes']} bytes "
-                f"with CRC-32 {saved['crc32']} when saved)"
-            )
-    problems = [p for theirs in _from_everyone(problems) for p in theirs]
-    if problems:
-        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
-        raise DamagedCheckpointError(f"{problems[0]}{more}: {_DAMAGED}")
-
-
 def _state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.dtype]:
     return {
         (id(p), k): v.dtype
@@ -526,8 +386,8 @@ def load_checkpoint(
 
     Works on a different number of ranks than the save (DCP reshards by global layout). Raises
     :class:`DamagedCheckpointError` for unreadable files or files that changed since the save
-    ([Note: checkpoint checksums]), :class:`CheckpointError` for a checkpoint of another
-    configuration.
+    ([Note: checkpoint checksums] in qshard.train._checksums), :class:`CheckpointError` for a
+    checkpoint of another configuration.
     """
     path = Path(path)
     if not (path / _META).is_file():
@@ -633,69 +493,6 @@ def load_newest(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    """Every rank's outcome of one step of :func:`load_newest` on one checkpoint, the same on
-    every rank: ``ok``, or the first failed rank's message (``damaged`` or another
-    configuration)."""
-
-    ok: bool
-    damaged: bool
-    step: int
-    message: str
-    why: str
-
-
-def _agree(path: Path, attempt: Any) -> _Outcome:
-    """Run ``attempt`` on every rank and gather the outcomes (one ``all_gather_object``)."""
-    try:
-        result = attempt()
-        mine: tuple[str, Any] = ("ok", result if isinstance(result, int) else -1)
-    except DamagedCheckpointError as exc:
-        mine = ("damaged", str(exc))
-    except CheckpointError as exc:
-        mine = ("refused", str(exc))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    outcomes = _from_everyone(mine)
-    failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
-    if not failed:
-        return _Outcome(True, False, int(mine[1]), "", "")
-    # A configuration refusal outranks damage: it must reach the user, not be passed over.
-    refused = [(r, o) for r, o in failed if o[0] == "refused"]
-    first_rank, (kind, message) = (refused or failed)[0]
-    ranks = [r for r, o in failed if o[0] == kind]
-    why = _reason(message, path)
-    if world > 1:
-        why += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-        if first_rank != _rank():
-            message = f"rank {first_rank}: {message}"
-    return _Outcome(False, kind == "damaged", -1, message, why)
-
-
-def _reason(message: str, path: Path) -> str:
-    """The middle of a damage message: what is wrong, without the folder and the fix."""
-    text = message.split(f": {_DAMAGED}")[0]
-    return text.replace(f"{path}/", "").replace(str(path), "").strip() or message
-
-
-def _from_everyone(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order (``all_gather_object``; ``[obj]`` in one process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
-    return everyone
-
-
-def _from_rank0(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (``broadcast_object_list``)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _move_aside(path: Path) -> Path:
     """Rename a damaged checkpoint to ``step_N.damaged`` (``.damaged.2``, ... when taken): a
     name no lookup matches and nothing here deletes ([Note: restart fallback])."""
@@ -706,34 +503,6 @@ def _move_aside(path: Path) -> Path:
     os.rename(path, aside)
     _fsync_dir(path.parent)
     return aside
-
-
-def _passes_file_checks(path: Path) -> bool:
-    try:
-        _check_files(path, checkpoint_info(path))
-    except CheckpointError:
-        return False
-    return True
-
-
-def _earlier_intact_hint(earlier: list[Path]) -> str:
-    """``; the newest earlier checkpoint that passes the file checks is X`` (or that there is
-    none), for the refusal of a damaged checkpoint; ``earlier`` is newest first."""
-    intact = next((p for p in earlier if _passes_file_checks(p)), None)
-    if intact is None:
-        return "; no earlier checkpoint passes the file checks"
-    return (
-        f"; the newest earlier checkpoint that passes the file checks ({_META} and state files "
-        f"there) is {intact}"
-    )
-
-
-def damaged_newest_hint(root: str | os.PathLike[str], newest: str | os.PathLike[str]) -> str:
-    """The hint :func:`load_newest` adds to the refusal of a damaged ``newest`` checkpoint under
-    ``root`` (for the launcher's own check of ``--resume``)."""
-    newest = Path(newest)
-    found = [p for _, p in reversed(_complete_checkpoints(Path(root))) if p != newest]
-    return _earlier_intact_hint(found)
 
 
 def _last_line(exc: BaseException) -> str:
