@@ -324,6 +324,24 @@ def _fallback_cases(rank: int, world: int, tmp: str) -> dict[str, object]:
     root = base / "config"
     save(root, (1, 2))
     out["config"] = load(root, fall_back=True, block_size=128)
+    # A failure that is no verdict on the checkpoint (a disk error, a bug) on rank 1 alone:
+    # raised there, and named on rank 0, which used to wait for rank 1 at the next collective.
+    root = base / "crash"
+    save(root, (1,))
+    real = ckpt._check_files
+
+    def crash(path, info):
+        if rank == 1:
+            raise OSError(5, "Input/output error")
+        return real(path, info)
+
+    ckpt._check_files = crash
+    try:
+        out["crash"] = load(root, fall_back=True)
+    except OSError as exc:
+        out["crash"] = {"error": f"OSError: {exc}"}
+    finally:
+        ckpt._check_files = real
     return out
 
 
@@ -402,3 +420,28 @@ def test_a_checkpoint_of_another_configuration_is_not_passed_over(fallback):
         assert got["error"].startswith("CheckpointError: "), got
         assert "block_size 256 in the checkpoint, 128 here" in got["error"]
         assert got["names"] == "step_00000001,step_00000002"
+
+
+def test_a_rank_that_fails_to_read_takes_every_rank_out_with_it(fallback):
+    _, (r0, r1) = fallback
+    assert r1["crash"] == {"error": "OSError: [Errno 5] Input/output error"}
+    assert r0["crash"]["error"].startswith("CheckpointError: reading ")
+    assert r0["crash"]["error"].endswith("failed on rank 1: OSError: [Errno 5] Input/output error")
+    assert "step_00000001" in r0["crash"]["names"]  # nothing moved aside
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        # keep=0 kept every checkpoint ([:-0] of the old ones is empty)
+        ({"keep": 0}, "keep must be an int >= 1"),
+        ({"keep": True}, "keep must be an int >= 1"),
+        ({"step": -1}, "step must be an int >= 0"),
+        ({"step": 2.0}, "step must be an int >= 0"),
+    ],
+)
+def test_save_refuses_a_keep_or_step_it_cannot_honour(tmp_path, kw, match):
+    model, opt = _model_and_optimizer()
+    with pytest.raises(ValueError, match=match):
+        ckpt.save_checkpoint(tmp_path / "c", **{"step": 1, "model": model, "optimizer": opt, **kw})
+    assert not (tmp_path / "c").exists()

@@ -91,7 +91,11 @@ class _Outcome:
 
 
 def _agree(path: Path, attempt: Any) -> _Outcome:
-    """Run ``attempt`` on every rank and gather the outcomes (one ``all_gather_object``)."""
+    """Run ``attempt`` on every rank and gather the outcomes (one ``all_gather_object``).
+    Any other exception (a disk error, a bug) is no verdict on the checkpoint: it is gathered
+    too, then raised on its rank, and every other rank raises a :class:`CheckpointError` naming
+    it, so no rank is left waiting for the failed one at the next collective."""
+    error: Exception | None = None
     try:
         result = attempt()
         mine: tuple[str, Any] = ("ok", result if isinstance(result, int) else -1)
@@ -99,8 +103,16 @@ def _agree(path: Path, attempt: Any) -> _Outcome:
         mine = ("damaged", str(exc))
     except CheckpointError as exc:
         mine = ("refused", str(exc))
+    except Exception as exc:
+        error, mine = exc, ("error", f"{type(exc).__name__}: {exc}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     outcomes = _from_everyone(mine)
+    if error is not None:
+        raise error
+    crashed = [(r, o[1]) for r, o in enumerate(outcomes) if o[0] == "error"]
+    if crashed:
+        rank, message = crashed[0]
+        raise CheckpointError(f"reading {path} failed on rank {rank}: {message}")
     failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
     if not failed:
         return _Outcome(True, False, int(mine[1]), "", "")

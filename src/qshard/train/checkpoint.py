@@ -165,6 +165,11 @@ def save_checkpoint(
     (for the data-parallel optimizers, see [Note: per-rank checkpoints]). Returns the final
     folder.
     """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        # (keep=0 kept every checkpoint: [:-0] of the list of old ones is empty)
+        raise ValueError(f"keep must be an int >= 1 (the newest checkpoints kept); got {keep!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0; got {step!r}")
     root = Path(root)
     final = root / f"step_{step:08d}"
     partial = root / f".step_{step:08d}.partial"
