@@ -325,6 +325,22 @@ def test_options_are_validated():
         qoptim.AdamW8bit(p, percentile_clipping=5)
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        # bools are ints: block_size=True made one-element blocks (an absmax per element),
+        # and a config's "false" switched the rounding mode on
+        (dict(block_size=True), "block_size must be an int"),
+        (dict(min_8bit_size=False), "min_8bit_size must be an int"),
+        (dict(stochastic_rounding="false"), "stochastic_rounding must be True or False"),
+        (dict(bnb_compat=1), "bnb_compat must be True or False"),
+    ],
+)
+def test_flags_and_sizes_of_the_wrong_type_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        qoptim.AdamW8bit([nn.Parameter(torch.randn(64, 128))], **kw)
+
+
 _NAN = float("nan")
 
 

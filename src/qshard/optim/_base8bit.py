@@ -55,6 +55,14 @@ COMMON_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Keys torch's LR schedulers write into param groups (``LRScheduler``: ``initial_lr``;
+#: ``OneCycleLR``/``CyclicLR``: the others; ``swa_utils.SWALR``: ``swa_lr``). They are not
+#: options of ours, but a group carries them as in ``torch.optim`` (a scheduler resumed with
+#: ``last_epoch`` reads ``initial_lr``), so a checkpoint of a scheduled run loads.
+SCHEDULER_KEYS = frozenset(
+    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+)
+
 #: A parameter met by ``step``: its index in the group, the parameter, its state.
 _Item = tuple[int, Tensor, dict[str, Any]]
 
@@ -340,7 +348,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     # -- options ----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        unknown = sorted(set(param_group) - set(self.defaults) - {"params"})
+        unknown = sorted(set(param_group) - set(self.defaults) - {"params"} - SCHEDULER_KEYS)
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}: unknown param-group option(s) {unknown}; known options:"
@@ -393,7 +401,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # __setstate__ fills options added after a checkpoint was written); the result passes
         # the checks add_param_group runs; a state without 'step' gets the count
         # _missing_step gives or is refused; None entries (torch's absent buffers) are dropped;
-        # a one-element tensor lr (torch's, for fused/capturable) becomes the float we read.
+        # a one-element tensor lr (torch's, for fused/capturable) becomes the float we read;
+        # the keys LR schedulers add (SCHEDULER_KEYS: every scheduled run's groups have
+        # initial_lr) load as they are.
         # Loaded fp32 states stay fp32: a tensor's state format is recorded in its state.
         name = type(self).__name__
         saved_groups = state_dict["param_groups"]
@@ -402,7 +412,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         neutral = self._neutral_options()
         groups = []
         for gi, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
-            extra = set(saved) - set(self.defaults) - {"params", "param_names"}
+            extra = set(saved) - set(self.defaults) - {"params", "param_names"} - SCHEDULER_KEYS
             unknown = sorted(k for k in extra if k not in neutral)
             if unknown:
                 raise ValueError(
@@ -719,16 +729,19 @@ class Optimizer8bit(BlockwiseOptimizer):
         name = type(self).__name__
         if group["optim_bits"] not in (8, 32):
             raise ValueError(f"{name}: optim_bits must be 8 or 32; got {group['optim_bits']!r}")
-        if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
-            raise ValueError(
-                f"{name}: min_8bit_size must be an int >= 0; got {group['min_8bit_size']!r}"
-            )
+        size = group["min_8bit_size"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"{name}: min_8bit_size must be an int >= 0; got {size!r}")
         bs = group["block_size"]
-        if not isinstance(bs, int) or not 1 <= bs <= _kernels.MAX_BLOCK:
+        # (a bool is an int: block_size=True made blocks of one element, absmax per element)
+        if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= _kernels.MAX_BLOCK:
             raise ValueError(
                 f"{name}: block_size must be an int in 1..{_kernels.MAX_BLOCK} (256 or 2048 are "
                 f"usual); got {bs!r}"
             )
+        for flag in ("bnb_compat", "stochastic_rounding"):
+            if not isinstance(group[flag], bool):  # a config's "false" is truthy
+                raise ValueError(f"{name}: {flag} must be True or False; got {group[flag]!r}")
         _check_lr(group["lr"], name)
         _check_real(group["params"], name)
         for p in group["params"]:
