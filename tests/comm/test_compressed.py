@@ -223,6 +223,13 @@ def _check_ledger(group, world_rank):
     es = [torch.zeros(server_error_numel(k, n)) for k in numels]
     with recording(ledger):
         compressed_all_reduce(tensors, ew, es, group=group, tag="t")
+    # A new layout is checked once, with one all-gather of four int64 per rank; see
+    # [Note: same tensors on every rank].
+    (check,) = ledger.summary().select(tag="t/layout_check")
+    assert check.op == "all_gather" and check.calls == 1 and check.tensor_bytes == n * 32
+    ledger = CommLedger(Topology(world_size=dist.get_world_size(), ranks_per_node=1))
+    with recording(ledger):  # the same layout again: no check, only the two collectives
+        compressed_all_reduce(tensors, ew, es, group=group, tag="t")
     ledger.count("seen")
     ledger.step()
     ledger.count("seen", 2)
@@ -280,6 +287,45 @@ def _check_server_overflow(group):
     assert bool(torch.isfinite(later).all()), later
 
 
+def _check_layout_mismatch(group, world_rank):
+    """Ranks passing different tensors are refused on every rank, with what each passed, and
+    leave every buffer untouched: before, sizes that padded to the same width were silently
+    mixed (7 elements averaged with 5, each rank returning its own shape), and other widths
+    aborted the gloo process ("Received data size doesn't match expected size")."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    odd = me == n - 1  # one rank differs from the others
+
+    def call(shapes, masked=(), match=None):
+        ts = [torch.ones(s) for s in shapes]
+        ew = [torch.zeros(padded_numel(t.numel(), n)) for t in ts]
+        es = [torch.zeros(server_error_numel(t.numel(), n)) for t in ts]
+        ms = [
+            torch.ones(s, dtype=torch.bool) if i in masked else None for i, s in enumerate(shapes)
+        ]
+        if match is None:
+            return compressed_all_reduce(ts, ew, es, masks=ms, group=group, tag="lay")
+        with pytest.raises(ValueError, match=match):
+            compressed_all_reduce(ts, ew, es, masks=ms, group=group, tag="lay")
+        assert not any(e.any() for e in ew + es), "a refused call must not touch the buffers"
+
+    every_rank = rf"rank {dist.get_process_group_ranks(group)[0]}: 1 tensors, "
+    call([(5,) if odd else (7,)], match=every_rank + "(7|5) elements")  # same padded width
+    call([(1000,) if odd else (7,)], match=r"the same number of tensors, with the same shapes")
+    call([(3, 2) if odd else (2, 3)], match="the same totals in other shapes or another order")
+    call([(4,), (3,)] if odd else [(3,), (4,)], match="other shapes or another order")
+    call([(4,), (3,)] if odd else [(7,)], match="2 tensors, 7 elements")
+    call([(9,)], masked=(0,) if odd else (), match="masks on the same tensors")
+    # The group still works, and a layout that passed is not checked again.
+    ledger = CommLedger(Topology(world_size=dist.get_world_size(), ranks_per_node=1))
+    with recording(ledger):
+        for _ in range(3):
+            (out,) = call([(2, 3)])
+            assert torch.equal(out, torch.ones(2, 3))
+    assert ledger.summary().select(tag="lay/layout_check")[0].calls == 1
+    assert ledger.summary().select(tag="lay", op="all_to_all")[0].calls == 3
+    assert world_rank in dist.get_process_group_ranks(group)
+
+
 def compressed_world(rank: int, world_size: int) -> None:
     assert world_size == 4
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -299,6 +345,7 @@ def compressed_world(rank: int, world_size: int) -> None:
         _check_error_feedback_identity(group, seed=7 + gi)
         _check_ledger(group, rank)
         _check_errors(group)
+        _check_layout_mismatch(group, rank)
     _check_server_overflow(pairs[rank // 2])
     if rank == 3:
         with pytest.raises(ValueError, match="not a member"):

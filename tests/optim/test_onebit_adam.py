@@ -266,9 +266,14 @@ def ledger_counts(rank: int, world: int) -> None:
     padded = sum(padded_numel(p.numel(), world) for p in model.parameters())
     row = 4 * len(list(model.parameters())) + 4 * -(-padded // world // 8 // 4)
     per_rank_buffer = row * world
+    # A bucket layout is checked once per group and process (an all-gather of four int64 per
+    # rank, tagged ".../layout_check"; earlier sub-cases may have checked this one): never on
+    # a step whose layout the step before already used.
+    assert not any(e.tag.endswith("layout_check") for s in per_step[1::2] for e in s.entries)
     for s in per_step[2:]:
         assert not s.select(op="all_reduce")
-        assert s.inter_node_bytes == pytest.approx(2 * (world - 1) / world * per_rank_buffer)
+        sent = sum(e.inter_node_bytes for e in s.entries if not e.tag.endswith("layout_check"))
+        assert sent == pytest.approx(2 * (world - 1) / world * per_rank_buffer)
 
 
 def nan_gradient_reaches_every_rank(rank: int, world: int) -> None:
@@ -340,8 +345,28 @@ def grad_scaler_agrees_on_skips(
         assert torch.equal(a, b)
 
 
+def ranks_stepping_other_parameters_are_refused(rank: int, world: int) -> None:
+    """Each rank freezes another bias at step 2 (a rank-dependent requires_grad): the ranks
+    then average different tensors. With equal totals they were silently averaged with each
+    other (rank 0's layer-1 bias with rank 1's layer-0 bias), with other totals the gloo
+    process aborted; now every rank raises, naming the fix ([Note: same tensors on every
+    rank]), for the fp32 warm-up and for the 1-bit steps."""
+    for freeze_step in (3, 1):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 5), nn.Linear(5, 1))
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=freeze_step)
+        x, y = rank_data(rank)
+        local_backward(model, x[:, :3], y)
+        opt.step()
+        model[rank % 3].bias.requires_grad_(False)
+        local_backward(model, x[:, :3], y)
+        with pytest.raises(ValueError, match="same trainable parameters"):
+            opt.step()
+
+
 def onebit_world(rank: int, world: int) -> dict[str, float]:
     errors_raised(rank)
+    ranks_stepping_other_parameters_are_refused(rank, world)
     grad_scaler_agrees_on_skips(
         rank, world, OneBitAdam, {"lr": 1e-2, "freeze_step": 4}, {3: True, 9: True}
     )
@@ -507,6 +532,21 @@ def test_add_param_group_checks_like_the_constructor(name):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": -1.0})
     with pytest.raises(ValueError, match="betas"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "betas": (0.9, 1.5)})
+    # Optimizer-wide settings (and DeepSpeed's per-group ones) in a group were silently
+    # ignored: {"freeze_step": 5} in a group kept the constructor's freeze.
+    for key, value in (
+        ("freeze_step", 5),
+        ("var_freeze_step", 5),
+        ("bias_correction", True),
+        ("max_grad_norm", 1.0),
+        ("maximize", True),
+    ):
+        with pytest.raises(ValueError, match=rf"\['{key}'\] in a param group.*constructor"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], key: value})
+        with pytest.raises(ValueError, match=rf"\['{key}'\] in a param group"):
+            _optimizer_class(name)(
+                [{"params": [nn.Parameter(torch.zeros(3))], key: value}], **_FREEZE_AT_3[name]
+            )
     assert len(opt.param_groups) == 1  # a refused group is not left behind
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 1e-2})
     assert len(opt.param_groups) == 2

@@ -38,6 +38,19 @@ first and every row is a multiple of 4 bytes, so the scales are read in place as
 of the received bytes at any world size and any tensor sizes (the packed signs of a destination
 are ``width / 8`` bytes, which is not a multiple of 4 in general).
 
+[Note: same tensors on every rank] Every rank must pass the same number of tensors with the same
+shapes (and masks on the same tensors). Nothing in the two collectives can tell otherwise: a
+bucket whose chunks happen to pad to the same width was silently mixed (rank 0's 7 elements
+averaged with rank 1's 5, each rank returning its own shape), and one of another width aborted
+the gloo process ("Received data size doesn't match expected size") or, under NCCL, can hang.
+So the first call with a new bucket layout on a group checks it with one all-gather of four
+integers per rank (recorded as ``<tag>/layout_check``) and raises on every rank, naming what
+each rank passed; a layout that passed is remembered per group, so a steady state of the same
+buckets costs no extra message. Ranks that agree keep identical caches (every new layout is
+checked on every rank), so they stay in step. Not caught before the transport: a rank that
+changes its bucket after every rank used the old one (its new layout is checked, the others'
+cached one is not, so the check's all-gather meets their all-to-all).
+
 [Note: one process] With a group of one rank (an initialised world of size 1, or no process
 group at all when ``group`` is None) the same compression and error feedback run and the two
 collectives are skipped (a rank sends nothing to itself; nothing is recorded in the ledger). The
@@ -48,6 +61,7 @@ run, compression error included.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -113,7 +127,9 @@ def compressed_all_reduce(
     """Average ``tensors`` over ``group`` with 1-bit compression and error feedback.
 
     Args:
-        tensors: float32 tensors of any shapes (the same shapes on every rank). Not modified.
+        tensors: float32 tensors of any shapes (the same shapes on every rank: checked once per
+            layout, a ``ValueError`` otherwise; see [Note: same tensors on every rank]). Not
+            modified.
         worker_errors: one float32 buffer of ``padded_numel(t.numel(), n)`` elements per tensor
             (any shape, read flat), this rank's worker error; updated in place. Start from zeros.
         server_errors: one float32 buffer of ``server_error_numel(t.numel(), n)`` elements per
@@ -171,6 +187,8 @@ def compressed_all_reduce(
                 f"(False: structurally zero); got {mask.dtype} of shape {tuple(mask.shape)} "
                 f"({fix})"
             )
+    if n > 1:
+        _check_same_layout(tensors, masks, group, group_ranks, tag)
     width = sum(chunks)  # elements per destination rank; a multiple of 8
     device = tensors[0].device  # every buffer lives where the data is (CPU/gloo, GPU/NCCL)
     seg_ids = torch.repeat_interleave(
@@ -269,6 +287,57 @@ def compressed_all_reduce(
         outputs.append(flat.reshape(t.shape).clone())
         offset += c
     return outputs
+
+
+_CHECKED_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_CHECKED_LAYOUTS = 256  # cleared beyond this, on every rank alike (same calls, same cache)
+
+
+def _check_same_layout(
+    tensors: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup | None,
+    group_ranks: list[int],
+    tag: str,
+) -> None:
+    """Refuse tensors (or masks) that differ across the ranks of ``group``, once per layout;
+    see [Note: same tensors on every rank]."""
+    layout = tuple((tuple(t.shape), m is not None) for t, m in zip(tensors, masks))
+    key = group if group is not None else dist.group.WORLD
+    seen = _CHECKED_LAYOUTS.setdefault(key, set())
+    if layout in seen:
+        return
+    digest = 0
+    for shape, masked in layout:
+        for d in (*shape, -1 - masked):
+            digest = (digest * 1_000_003 + d + 7) % (2**61 - 1)
+    mine = torch.tensor(
+        [len(tensors), sum(t.numel() for t in tensors), sum(m for _, m in layout), digest],
+        dtype=torch.int64,
+        device=tensors[0].device,
+    )
+    gathered = torch.empty(len(group_ranks), mine.numel(), dtype=torch.int64, device=mine.device)
+    _record("all_gather", group_ranks, gathered.numel() * 8, f"{tag}/layout_check")
+    _all_gather_single(gathered, mine, group)
+    if not bool((gathered == mine).all()):
+        per_rank = "; ".join(
+            f"rank {r}: {int(c)} tensors, {int(k)} elements, {int(m)} masks"
+            for r, (c, k, m, _) in zip(group_ranks, gathered.tolist())
+        )
+        if bool((gathered[:, :3] == mine[:3]).all()):
+            per_rank += "; the same totals in other shapes or another order"
+        shapes = [s for s, _ in layout]
+        raise ValueError(
+            f"{tag}: the ranks of the group passed different tensors "
+            f"({per_rank}; shapes on rank {group_ranks[dist.get_rank(group)]}: "
+            f"{shapes[:8]}{' ...' if len(shapes) > 8 else ''}). "
+            "Every rank must pass the same number of tensors, with the same shapes, in the "
+            "same order, and masks on the same tensors; for OneBitAdam / ZeroOneAdam: the "
+            "same trainable parameters (requires_grad) on every rank"
+        )
+    if len(seen) >= _MAX_CHECKED_LAYOUTS:
+        seen.clear()
+    seen.add(layout)
 
 
 def _single_tensor_hint(*args: object) -> str:

@@ -64,6 +64,7 @@ from torch.optim import Optimizer
 from qshard import _replicas
 from qshard.comm.compressed import (
     _all_gather_single,
+    _check_same_layout,
     compressed_all_reduce,
     padded_numel,
     server_error_numel,
@@ -76,6 +77,28 @@ __all__: list[str] = []
 _EXTRA_KEY = "qshard"
 _ERROR_KEYS = ("worker_error", "server_error")
 _SHARD_KEYS = ("exp_avg", "exp_avg_sq", "sync_anchor", "zero_mask")  # parameter-shaped
+
+
+# Keys a DeepSpeed or torch user may put in a param group that do nothing per group here.
+_NOT_PER_GROUP = frozenset(
+    {
+        "freeze_step",  # OneBitAdam
+        "var_freeze_step",  # ZeroOneAdam
+        "var_update_scaler",
+        "local_step_scaler",
+        "local_step_clipper",
+        "phase_a_compression",
+        "bias_correction",  # both; per group in DeepSpeed
+        "variance_floor",
+        "process_group",
+        "amsgrad",
+        "maximize",  # torch's Adam
+        "max_grad_norm",  # DeepSpeed's
+        "eps_inside_sqrt",
+        "cuda_aware",
+        "comm_backend_name",
+    }
+)
 
 
 def _global_world_size() -> int:
@@ -228,6 +251,14 @@ class _DataParallelOneBitOptimizer(Optimizer):
                     f"{name}.add_param_group: HSDP parameters are localised once, at "
                     "construction; pass every parameter group to the constructor"
                 )
+        misplaced = sorted(set(param_group) & _NOT_PER_GROUP)
+        if misplaced:
+            raise ValueError(
+                f"{name}: {misplaced} in a param group: these are settings of the whole "
+                f"optimizer (or of DeepSpeed's / torch's Adam, not taken here), which a param "
+                "group would silently ignore. Per group only lr, betas, eps and weight_decay; "
+                f"pass the others to the {name} constructor (see its docstring)"
+            )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -506,6 +537,10 @@ class _DataParallelOneBitOptimizer(Optimizer):
         """Full-precision (fp32) average: one flat all-reduce for all tensors."""
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if self.world_size > 1:  # the mean over one rank is its own value
+            # [Note: same tensors on every rank] in qshard.comm.compressed: once per layout.
+            _check_same_layout(
+                tensors, [None] * len(tensors), self.process_group, self._group_ranks, tag
+            )
             self._record("all_reduce", flat.numel() * flat.element_size(), tag)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
             flat.div_(self.world_size)
