@@ -109,8 +109,9 @@ def _check_all_gather(topo: Topology, world: int) -> list[str]:
                             # all rows inside the node; tests/zeropp/test_hier_gather.py).
                             rows = world + (topo.num_nodes if topo.ranks_per_node > 1 else 0)
                             assert e.tensor_bytes == rows * payload
-                        else:  # inside one node: the plain gather, exact
+                        else:  # inside one node: the plain gather, exact, and said so
                             assert torch.equal(out, ref)
+                            assert ledger.summary().event("qwz_single_node") == 1
                         assert _all_equal_across(out)
             done.append(f"ag {dtype} n={n}")
     # Per-parameter block layout: segments of very different scales never share a block, so

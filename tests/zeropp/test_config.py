@@ -378,3 +378,17 @@ def test_shard_refuses_what_fsdp2_would_refuse_later(tmp_path):
         assert "blocks.1.ln_attn" in wrapped(model) and "blocks.1" in wrapped(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_hpz_reshard_spells_the_secondary_shard_as_fsdp2_reads_it():
+    """hpZ's ``reshard_after_forward``: the node size, except where FSDP2 reads an int as a
+    bool. One rank per node is a whole-parameter secondary shard: ``1`` made FSDP2 log
+    "reshard_after_forward=1 (int) means resharding parameters to world size 1" on every
+    job and then treat it as ``False``; one node is the world, FSDP2's ``True``."""
+    from qshard.comm import Topology
+    from qshard.zeropp.shard import _hpz_reshard
+
+    assert _hpz_reshard(Topology(world_size=4, ranks_per_node=1)) is False
+    assert _hpz_reshard(Topology(world_size=1, ranks_per_node=1)) is False
+    assert _hpz_reshard(Topology(world_size=4, ranks_per_node=4)) is True
+    assert _hpz_reshard(Topology(world_size=8, ranks_per_node=2)) == 2

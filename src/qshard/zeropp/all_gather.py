@@ -171,7 +171,9 @@ class QuantizedAllGather(RecordingAllGather):
     is issued and waited at once), so the waits complete: no cross-group deadlock.
 
     A gather whose group lies inside one node (hpZ's backward gather, handed a node-sized
-    group by FSDP2) is not quantized: it is the plain all-gather, in ``wire_dtype`` if set.
+    group by FSDP2) is not quantized: it is the plain all-gather, in ``wire_dtype`` if set. On
+    a single node that is every gather: logged once, counted as ledger event
+    ``qwz_single_node``.
 
     With ``async_op=True`` the (first) collective starts now and the returned handle's
     ``wait()`` finishes the transfer and dequantizes (see [Note: deferred dequantization]).
@@ -249,6 +251,14 @@ class QuantizedAllGather(RecordingAllGather):
     ) -> dist.Work | None:
         ranks = group_ranks(group)
         if self.topology.is_intra_node(ranks):
+            if self.topology.num_nodes == 1 and len(ranks) > 1:
+                log_once(
+                    "qwz-one-node",
+                    "qwZ on a single node: every gather stays inside the node and is sent "
+                    "unquantized (counted as event 'qwz_single_node' in the ledger)",
+                )
+                if (ledger := active_ledger()) is not None:
+                    ledger.count("qwz_single_node")
             return self._plain(output_tensor, input_tensor, group, ranks, async_op)
         if input_tensor.dtype not in _QUANTIZABLE:
             log_once(

@@ -313,7 +313,7 @@ def shard(
         )
     if topology.world_size > 1 and (config.qgz or (config.qwz and topology.num_nodes > 1)):
         topology.init_groups()  # collective, every rank at the same point (qgZ's hops, qwZ's)
-    reshard: bool | int = topology.ranks_per_node if config.hpz else True
+    reshard = _hpz_reshard(topology) if config.hpz else True
     fsdp_kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
@@ -449,6 +449,18 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
                     )
             stack.extend(c for c in mod.children() if id(c) not in wrapped)
         wrapped.add(id(unit))
+
+
+def _hpz_reshard(topology: Topology) -> bool | int:
+    """FSDP2's ``reshard_after_forward`` for hpZ: the node's size, FSDP2's secondary shard.
+    With one rank per node the secondary shard is the whole parameter, which FSDP2 spells
+    ``False`` (it warns about ``1`` and keeps it unsharded all the same); a single node
+    reshards to its whole world, which is ``True``."""
+    if topology.ranks_per_node == 1:
+        return False
+    if topology.ranks_per_node == topology.world_size:
+        return True
+    return topology.ranks_per_node
 
 
 def _fully_shard_units(
