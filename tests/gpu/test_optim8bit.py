@@ -429,3 +429,22 @@ def test_matches_qshard_optimizer_cpu_kernel(name, kwargs):
         for (n, _), c, a in zip(specs, codes, absmax):
             assert torch.equal(c, state[f"{n}_codes"]), (name, step, n)
             assert torch.equal(a, state[f"{n}_absmax"]), (name, step, n)
+
+
+def test_code_maps_are_copied_to_the_device_once_and_dropped_with_the_map():
+    """[Note: device copies of code maps]: one device copy per live map; the id-keyed cache it
+    replaces kept every map's copy forever, and a new map that got a freed map's id and
+    address would have been handed the dead map's values."""
+    import gc
+
+    from qshard._triton._common import _device_copies, on_device
+
+    meta = torch.device("meta")  # any device other than the map's
+    code = torch.linspace(-1, 1, 256)
+    assert on_device(code, code.device) is code
+    first = on_device(code, meta)
+    assert first.device == meta and on_device(code, meta) is first
+    before = len(_device_copies)
+    del code
+    gc.collect()
+    assert len(_device_copies) == before - 1

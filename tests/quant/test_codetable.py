@@ -137,3 +137,21 @@ def test_out_buffers_are_written_and_checked():
         Q.quantize_codebook(x, code, block_size=256, out=(codes, torch.empty(3)))
     with pytest.raises(ValueError, match="codes must be a contiguous"):
         Q.quantize_codebook(x, code, block_size=256, out=(codes.int(), absmax))
+
+
+def test_code_map_caches_are_bounded():
+    """A map per tensor (a user's learned or per-layer maps) evicts the oldest lookup tables
+    instead of keeping 32 KiB per map forever; a map asked for again is there."""
+    from qshard.quant import _fastpath
+
+    keep = torch.linspace(-1.0, 1.0, 16)
+    _codetable.search_table(keep)
+    _fastpath.codebook_table(keep)
+    for i in range(_codetable.MAX_TABLES + 8):
+        code = torch.linspace(-1.0, 1.0, 16) * (1.0 - i * 1e-3)
+        _codetable.search_table(code)
+        _fastpath.codebook_table(code)
+        _codetable.search_table(keep)  # asked for again: rebuilt if evicted
+    sizes = len(_codetable._tables), len(_fastpath._tables)  # (no repr of 32 KiB keys)
+    assert max(sizes) <= _codetable.MAX_TABLES, sizes
+    assert _codetable.search_table(keep) is _codetable._tables[keep.numpy().tobytes()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 # 1.5 * 2**23. Adding and subtracting it rounds an fp32 |t| < 2**22 to an integer with the
 # FPU's round-half-to-even, the rounding torch.round uses. [Note: rint] libdevice.rint does the
@@ -103,3 +104,25 @@ def check_device(*tensors: torch.Tensor) -> None:
 def check_contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous for the Triton kernel; call .contiguous()")
+
+
+# [Note: device copies of code maps] The optimizers' code maps and midpoints are small CPU
+# tensors, cached by the optimizer for its lifetime; a copy to the kernel's device every step
+# would be a synchronous host-to-device transfer per parameter. One copy per (map, device) is
+# kept for as long as the map itself lives: the cache holds the map weakly, so an optimizer
+# that is dropped takes its copies with it, and a new map that reuses a freed one's address
+# never finds the old copy (an id-keyed dict would hand it the dead map's values).
+_device_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied once per (tensor, device): [Note: device copies of code maps]."""
+    if t.device == device:
+        return t
+    copies = _device_copies.get(t)
+    if copies is None:
+        copies = _device_copies[t] = {}
+    key = str(device)
+    if key not in copies:
+        copies[key] = t.to(device)
+    return copies[key]

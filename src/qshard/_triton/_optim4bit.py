@@ -32,6 +32,7 @@ from qshard._triton._common import (
     kernel_view,
     load_f32,
     next_pow2,
+    on_device,
     rows_per_program,
     store_as,
 )
@@ -159,20 +160,6 @@ def _step4_kernel(
     tl.store(a2_ptr + b, n2, mask=b_ok)
 
 
-_tables: dict[tuple[int, int, str], torch.Tensor] = {}
-
-
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A code map or its midpoints on the kernel's device, copied once per (tensor, device)."""
-    if t.device == device:
-        return t
-    key = (id(t), t.data_ptr(), str(device))
-    cached = _tables.get(key)
-    if cached is None:
-        cached = _tables[key] = t.to(device)
-    return cached
-
-
 def optim4bit_step(
     *,
     param: torch.Tensor,
@@ -231,8 +218,8 @@ def optim4bit_step(
     if n_blocks == 0:
         return
     dev = param.device
-    m_code, m_mid = _on_device(m_code, dev), _on_device(m_mid, dev)
-    v_code, v_mid = _on_device(v_code, dev), _on_device(v_mid, dev)
+    m_code, m_mid = on_device(m_code, dev), on_device(m_mid, dev)
+    v_code, v_mid = on_device(v_code, dev), on_device(v_mid, dev)
     # The C kernel reads hp as fp32: pass fp32-exact values (CUDA and the interpreter then
     # evaluate the same fp32 expressions).
     _, _, b2, eps, wd, step_size, ibc2, decay, w1, w2 = (float(np.float32(x)) for x in hp)

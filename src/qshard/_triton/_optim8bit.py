@@ -37,6 +37,7 @@ from qshard._triton._common import (
     kernel_view,
     load_f32,
     next_pow2,
+    on_device,
     rows_per_program,
     store_as,
 )
@@ -229,22 +230,6 @@ def _step8_kernel(
         tl.store(a2_ptr + b, m2, mask=b_ok)
 
 
-_tables: dict[tuple[int, int, str], torch.Tensor] = {}
-
-
-def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A code map or its midpoints on the kernel's device, copied once per (tensor, device):
-    the maps are small CPU tensors cached by the optimizer, and a copy every step would be a
-    synchronous host-to-device transfer per parameter."""
-    if t.device == device:
-        return t
-    key = (id(t), t.data_ptr(), str(device))
-    cached = _tables.get(key)
-    if cached is None:
-        cached = _tables[key] = t.to(device)
-    return cached
-
-
 def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
     if code.shape != (256,) or code.dtype != torch.float32:
         raise ValueError(
@@ -315,9 +300,9 @@ def optim8bit_step(
                 f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
             )
     dev = param.device
-    code1, mid1 = _on_device(code1, dev), _on_device(mid1, dev)
+    code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
     if code2 is not None and mid2 is not None:
-        code2, mid2 = _on_device(code2, dev), _on_device(mid2, dev)
+        code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
     _check_map("state 1", code1, mid1)
     if has2:
         assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None

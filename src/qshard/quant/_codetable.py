@@ -112,6 +112,17 @@ def build_search_table(mids: Tensor) -> Tensor | None:
 
 _lock = threading.Lock()
 _tables: dict[bytes, Tensor | None] = {}
+# Tables kept (32 KiB each): a job uses a handful of maps; one that makes a map per tensor
+# evicts the oldest instead of growing without bound.
+MAX_TABLES = 64
+
+
+def remember(cache: dict, key: bytes, value) -> None:
+    """Store ``value`` in a code-map cache, evicting the oldest entry past MAX_TABLES."""
+    with _lock:
+        while len(cache) >= MAX_TABLES:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
 
 
 def search_table(code: Tensor) -> Tensor | None:
@@ -121,8 +132,7 @@ def search_table(code: Tensor) -> Tensor | None:
     if table is False:
         c = code.detach().cpu().float()
         table = build_search_table((c[:-1] + c[1:]) / 2.0)
-        with _lock:
-            _tables[key] = table
+        remember(_tables, key, table)
     return table
 
 

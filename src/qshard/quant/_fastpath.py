@@ -44,6 +44,7 @@ from torch import Tensor
 
 from qshard._env import env_int
 from qshard.quant import _native_kernels
+from qshard.quant._codetable import remember
 
 __all__ = ["fastpath_enabled", "set_fastpath", "use_fastpath"]
 
@@ -294,8 +295,7 @@ def codebook_table(code: Tensor) -> _CodebookTable | None:
             ),
             mids=torch.cat([mids, mids.new_full((1,), float("inf"))]),
         )
-    with _lock:
-        _tables[key] = table
+    remember(_tables, key, table)
     return table
 
 
