@@ -407,8 +407,9 @@ def test_hpz_partition_size_must_be_the_node():
         read_deepspeed_config(cfg, ranks_per_node=1)
     # Without ranks_per_node the size cannot be checked: said (it was dropped without a word,
     # shard() sizing hpZ by the topology's node whatever the file said).
-    with pytest.warns(UserWarning, match="zero_hpz_partition_size 8 is not checked"):
+    with pytest.warns(UserWarning, match="zero_hpz_partition_size 8 is not checked") as got:
         assert read_deepspeed_config(cfg).hpz_partition_size == 8
+    assert got[0].filename == __file__  # the caller's line, not a frame inside qshard
     amp = read_deepspeed_config({"amp": {"enabled": False, "opt_level": "O1"}})
     assert "amp.opt_level" in amp.no_equivalent
     assert read_deepspeed_config(cfg, ranks_per_node=8).zeropp.hpz

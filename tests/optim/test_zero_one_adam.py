@@ -277,7 +277,9 @@ def warns_when_interval_outgrows_lr(rank: int, world: int) -> None:
 
     with pytest.warns(UserWarning, match="local_step_scaler=3 .*local_step_clipper=16") as got:
         run(lambda s: 1e-2, local_step_scaler=3, local_step_clipper=16)
-    assert len([w for w in got if "sync interval" in str(w.message)]) == 1
+    mine = [w for w in got if "sync interval" in str(w.message)]
+    assert len(mine) == 1
+    assert mine[0].filename == __file__, mine[0].filename  # the user's opt.step(), not torch's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run(lambda s: 1e-2 * 0.5 ** (max(0, s - 5) / 3), local_step_scaler=3, local_step_clipper=16)

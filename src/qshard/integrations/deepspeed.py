@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from qshard._stack import user_stacklevel
 from qshard.integrations._deepspeed_keys import (
     _ACTIVATION_CHECKPOINTING_KEYS,
     _ADAM_DEFAULTS,
@@ -544,7 +545,7 @@ class _Reader:
                 "qshard's hpZ secondary group is one node of the Topology given to shard(); "
                 "pass read_deepspeed_config(..., ranks_per_node=...) to check the file against it",
                 HpzSizeUncheckedWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         if hpz and ranks_per_node is not None and size != ranks_per_node:
             raise self.fail(

@@ -80,6 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from qshard._stack import user_stacklevel
 from qshard.optim._onebit import (
     _EXTRA_KEY,
     DEFAULT_VARIANCE_FLOOR,
@@ -371,7 +372,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
                 f"rate'). Raise local_step_scaler={self.local_step_scaler} to the number of "
                 f"steps in which the lr halves, or lower local_step_clipper="
                 f"{self.local_step_clipper} (1 turns local steps off)",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
             return
 
