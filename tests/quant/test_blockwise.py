@@ -388,3 +388,20 @@ def test_block_size_refuses_bool():
     """block_size=True passed the int check and was stored in BlockQuantized as True."""
     with pytest.raises(ValueError, match="positive int; got True"):
         quantize_blockwise(torch.randn(8), block_size=True)
+
+
+def test_a_saved_block_quantized_tensor_loads_with_torch_load_defaults(tmp_path):
+    """torch.load reads with weights_only=True by default (torch >= 2.6), which refused a
+    BlockQuantized ("Weights only load failed"); qshard allow-lists it."""
+    q = quantize_blockwise(torch.randn(1000), bits=4, block_size=64)
+    torch.save({"q": q}, tmp_path / "q.pt")
+    back = torch.load(tmp_path / "q.pt")["q"]
+    assert isinstance(back, BlockQuantized)
+    assert (back.shape, back.dtype, back.numel, back.bits, back.block_size) == (
+        q.shape,
+        q.dtype,
+        q.numel,
+        q.bits,
+        q.block_size,
+    )
+    assert torch.equal(dequantize_blockwise(back), dequantize_blockwise(q))

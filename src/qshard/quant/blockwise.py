@@ -137,6 +137,11 @@ class BlockQuantized:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
 
 
+# torch.load reads only allow-listed types by default (weights_only=True since torch 2.6): a
+# saved BlockQuantized (tensors, a torch.Size, a dtype, ints) is as safe to read as a tensor.
+torch.serialization.add_safe_globals([BlockQuantized])
+
+
 def _check_rounding(rounding: str) -> None:
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be one of {_ROUNDINGS}; got {rounding!r}")
