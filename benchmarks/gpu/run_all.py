@@ -1,39 +1,84 @@
 """Every GPU claim of qshard in one prepared run on a CUDA machine (issue 8).
 
-Measured side by side in one process, so the reference and the kernels share the device state:
+ON THE DEVICE (one H200, ~10 minutes of device time in all), from the repository root:
 
-1. on-device correctness: each Triton kernel vs the torch reference path on CUDA tensors
-   (bit for bit), so the numbers below are for kernels that compute the right thing;
-2. per kernel: GB/s of bytes actually read + written, and the fraction of a same-run
-   device-to-device copy (the achievable memory bandwidth). Target (H200): >= 0.70;
-3. qgZ's middle hop (dequantize K peers, sum, requantize) as the reduce-scatter dispatches it
-   (on RowCodec wire rows) vs a plain dequantize of the same codes, and vs the unfused torch
-   path. Target: fused <= 1.3x plain dequantize; then qgZ's whole reduce-scatter as one rank
-   of 2 nodes x 4 computes it (the all-to-alls replaced by local copies): the fused dispatch vs
-   RowCodec on the plain block kernels vs the torch path, with the outputs compared bit for bit;
-4. one 8-bit AdamW step (Triton) vs torch.optim.AdamW(fused=True) on 100M+ parameters.
-   Target: <= 1.0x;
-5. a single-GPU training step of qshard's GPT with the quantized paths on (AdamW8bit, and each
-   weight INT8 quantize/dequantize + each gradient INT4 qgZ encode/decode as a rank does them)
-   vs the plain fp32-AdamW step.
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/gpu/run_all.py
 
-    python benchmarks/gpu/run_all.py [--quick] [--out-md docs/results/gpu.md]
+(device tool: `run` with timeout_s=600; the default --budget-s 510 ends the run, summary
+written, well before that). Output directory: `$OUT` when set (the device tool copies back
+what is under it), else `--out-dir`, else a new /tmp/qshard-gpu-* directory; it receives
+at most five files (the tool returns 8):
 
-Without CUDA it exits at once with status 2 and says so (`--smoke` instead runs every section
-on CPU under Triton's interpreter at toy sizes, to check the script, not to measure). Sections are independent: one that
-fails prints its error and the run goes on.
+- summary.md: each section's status (ok / failed / timeout / crashed / skipped), seconds,
+  and the traceback or log tail of each that was not ok;
+- results.md: every table, in section order (paste into docs/RESULTS.md; `--out-md FILE`
+  also writes a copy there);
+- results.json: the same data (environment facts, tables, errors) for scripts;
+- logs.txt: each section's stdout/stderr (tail); a section stopped at its cap has every
+  thread's stack dumped there by faulthandler;
+- all rewritten after every section and every 5 s while one runs, so a run killed from
+  outside still leaves what was measured ("IN PROGRESS" in summary.md says it was killed).
+
+Sections, most valuable first, each in its own child process (a CUDA error or a hung kernel
+poisons only its own process) with its own time cap, all within the global --budget-s:
+
+1. env: torch / triton / CUDA / driver versions, GPU name, SMs, memory, L2, clocks,
+   `nvidia-smi` (run first; without CUDA the run stops there with status 2);
+2. correctness: each Triton kernel vs the torch reference path on CUDA tensors, bit for bit;
+3. kernels: GB/s of bytes read + written per kernel (quantize/dequantize INT8/INT4, signs,
+   qgZ reorder+quantize) and the fraction of a same-run device-to-device copy (the HBM
+   bandwidth actually reachable). Target (H200): >= 0.70;
+4. adamw8bit: one 8-bit AdamW step (kernel alone and whole `AdamW8bit.step()`) vs
+   torch.optim.AdamW(fused=True) on 128M parameters. Target: <= 1.0x;
+5. adamw4bit: the fused 4-bit step (`AdamW4bit.step()`) vs the same baseline;
+6. qgz_middle_hop: qgZ's fused dequantize+reduce+requantize on wire rows vs a plain
+   dequantize of the same codes (target <= 1.3x) and vs the unfused torch path;
+7. qgz_reduce_scatter: qgZ's whole reduce-scatter as one rank of 2 nodes x 4 computes it
+   (all-to-alls replaced by local copies): fused vs RowCodec on plain kernels vs torch, bit for
+   bit, fused calls counted;
+8. gpu_tests: `pytest tests/gpu` (not slow) on the GPU: the interpreter-verified tests on the
+   real kernels;
+9. gpt_step: a single-GPU training step of qshard's GPT with the quantized paths on vs
+   fp32 AdamW;
+10. sm90_ptx: tests/gpu/test_compile_sm90.py (sm_90 cubins, IEEE div/sqrt, no FMA, v4 loads)
+    with the device's triton.
+
+Timings: CUDA events around each call after warm-up calls (median of --repeat).
+
+    python benchmarks/gpu/run_all.py [--quick] [--budget-s 510] [--sections a,b] [--skip c]
+                                     [--cap name=SECONDS] [--out-dir DIR] [--out-md FILE]
+    python benchmarks/gpu/run_all.py --smoke       # = --dry-run
+
+Without CUDA it stops after `env` with status 2 and says so. `--smoke` (`--dry-run`) runs
+every section on CPU under Triton's interpreter at toy sizes, to check the script and its
+control flow, not to measure. `QSHARD_GPU_RUN_INJECT="kernels=raise,adamw4bit=hang"` (modes
+raise / hang / crash) makes sections fail on purpose, to test that the others' results
+survive (tests/gpu/test_benchmark_smoke.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
+import statistics
+import subprocess
 import sys
-import traceback
+import tempfile
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+if importlib.util.find_spec("qshard") is None:  # not installed (the device machine): the tree's
+    sys.path.insert(0, os.path.join(REPO, "src"))
 
-from _common import Report, add_report_args, time_call
+import _harness  # noqa: E402
+from _harness import Recorder, Section  # noqa: E402
+
+# "cuda" on the GPU; the smoke run switches it to "cpu" (interpreter) before any section runs.
+DEVICE = "cuda"
 
 
 def _require_cuda() -> None:
@@ -54,8 +99,38 @@ def _require_cuda() -> None:
         sys.exit("run_all.py needs triton: pip install 'qshard[gpu]'")
 
 
-def _ms(fn, repeat: int) -> float:
-    return time_call(fn, repeat=repeat, warmup=2).median * 1e3
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ms(fn, repeat: int, warmup: int = 2) -> float:
+    """Median milliseconds of `fn`: on CUDA between two events recorded around each call (the
+    device's time, no host timer read before the work is done); on CPU (smoke) wall clock."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    _sync()
+    if DEVICE == "cuda":
+        events = []
+        for _ in range(repeat):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
 
 
 def _gbs(nbytes: int, ms: float) -> float:
@@ -71,11 +146,234 @@ def _optimizer_dispatches_to_triton() -> bool:
     return "_triton" in inspect.getsource(_base8bit)
 
 
-def _section(report: Report, name: str, fn, *args) -> None:
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+
+
+def env(rec: Recorder, args) -> None:
+    """Environment facts first, each guarded: whatever can be read is recorded."""
+    import platform
+
+    facts: dict[str, object] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "argv": sys.argv,
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("CUDA", "TRITON", "QSHARD", "NVIDIA", "PYTORCH"))
+        },
+    }
+    rec.fact(**facts)
+
+    def guarded(key: str, fn) -> None:
+        try:
+            rec.fact(**{key: fn()})
+        except Exception as e:
+            rec.fact(**{key: f"unavailable ({_err(e)})"})
+
+    def git() -> str:
+        out = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", REPO, "status", "--short"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() + (
+            f" (+{len(dirty.stdout.splitlines())} changed files)" if dirty.stdout else ""
+        )
+
+    guarded("git", git)
+    import torch
+
+    rec.fact(
+        torch=torch.__version__, torch_cuda=torch.version.cuda, torch_git=torch.version.git_version
+    )
+    guarded("cudnn", lambda: torch.backends.cudnn.version())
+    guarded("triton", lambda: __import__("triton").__version__)
+    guarded("numpy", lambda: __import__("numpy").__version__)
+    rec.fact(
+        cuda_available=torch.cuda.is_available(),
+        triton_interpret=os.environ.get("TRITON_INTERPRET"),
+    )
+    rows = [(k, v) for k, v in rec.facts.items() if k not in ("env", "argv")]
+    if torch.cuda.is_available():
+        guarded("device_count", torch.cuda.device_count)
+        guarded("driver_version", lambda: torch._C._cuda_getDriverVersion())
+        guarded("cuda_runtime", lambda: torch._C._cuda_getCompiledVersion())
+        props = torch.cuda.get_device_properties(0)
+        p = {
+            a: getattr(props, a)
+            for a in dir(props)
+            if not a.startswith("_") and not callable(getattr(props, a))
+        }
+        rec.fact(device_properties=p)
+        guarded("capability", lambda: torch.cuda.get_device_capability(0))
+        guarded("sm_clock_mhz_nvml", lambda: torch.cuda.clock_rate(0))
+        guarded("mem_get_info", lambda: torch.cuda.mem_get_info(0))
+        # A first context, allocation and kernel: a broken install fails here, named.
+        x = torch.ones(1 << 20, device="cuda")
+        rec.fact(first_kernel_sum=float((x * 2).sum()))
+        rows += [
+            ("GPU", props.name),
+            ("SMs", props.multi_processor_count),
+            ("memory GiB", f"{props.total_memory / 2**30:.1f}"),
+            ("L2 MiB", f"{getattr(props, 'L2_cache_size', 0) / 2**20:.0f}"),
+            ("driver", rec.facts.get("driver_version")),
+            ("SM clock (NVML)", rec.facts.get("sm_clock_mhz_nvml")),
+        ]
+    rec.table("Environment", ["fact", "value"], rows)
+    smi = []
+    for cmd in (
+        ["nvidia-smi"],
+        [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,pstate,clocks.sm,clocks.mem,clocks.max.sm,"
+            "clocks.max.mem,power.limit,temperature.gpu,memory.total,ecc.mode.current",
+            "--format=csv",
+        ],
+    ):
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            smi.append(f"$ {' '.join(cmd)}\n{out.stdout}{out.stderr}")
+        except Exception as e:
+            smi.append(f"$ {' '.join(cmd)}: {_err(e)}")
+    rec.fact(nvidia_smi="\n".join(smi))
+    print("\n".join(smi), flush=True)
+    tv = str(rec.facts.get("triton", ""))
+    if tv[:1].isdigit() and tuple(int(x) for x in tv.split(".")[:2]) < (3, 9):
+        rec.note(f"note: triton {tv} here; qshard's kernels were written and tested against 3.9")
+
+
+def adamw4bit(rec: Recorder, args) -> None:
+    """The fused 4-bit AdamW step (`AdamW4bit.step()`, which dispatches CUDA parameters to
+    `_triton.optim4bit_step`) vs torch's fused fp32 AdamW on the same parameters."""
+    from unittest import mock
+
+    import torch
+
+    from qshard import _triton
+    from qshard.optim import AdamW4bit
+
+    n, rep, row = args.params, args.repeat, 4096
+    rows_ = []
+    heading = f"AdamW4bit step on {n / 1e6:.0f}M fp32 parameters (vs torch AdamW fused=True)"
+    header = ["optimizer", "ms", "x fused fp32", "kernel calls/step", "state bytes/param"]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    p32 = torch.randn(n // row, row, device=DEVICE, generator=g)
+    grad = torch.randn(n // row, row, device=DEVICE, generator=g) * 1e-2
+    p_ref = torch.nn.Parameter(p32.clone())
+    p_ref.grad = grad.clone()
+    opt = torch.optim.AdamW([p_ref], lr=1e-3, weight_decay=0.01, fused=DEVICE == "cuda")
+    t_fused = _ms(opt.step, rep)
+    rows_.append(("torch AdamW(fused=True) fp32", f"{t_fused:.3f}", "1.00", "", "8"))
+    rec.table(heading, header, rows_)
+    del opt, p_ref
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            pq = torch.nn.Parameter(p32.clone().to(dtype))
+            pq.grad = grad.clone().to(dtype)
+            optq = AdamW4bit([pq], lr=1e-3, weight_decay=0.01)
+            with (
+                _route(),
+                mock.patch.object(_triton, "optim4bit_step", wraps=_triton.optim4bit_step) as k,
+            ):
+                optq.step()  # the states exist from here on
+                k.reset_mock()
+                t4 = _ms(optq.step, rep)
+                calls = k.call_count / (rep + 2)
+            rows_.append(
+                (
+                    f"qshard AdamW4bit.step() {str(dtype)[6:]} params",
+                    f"{t4:.3f}",
+                    f"{t4 / t_fused:.2f}",
+                    f"{calls:g}",
+                    "~1.06",
+                )
+            )
+            del optq, pq
+        except Exception as e:
+            rows_.append((f"AdamW4bit {dtype}: {_err(e)}", "", "", "", ""))
+        rec.table(heading, header, rows_)
+
+
+def _pytest_section(rec: Recorder, heading: str, pytest_args: list[str]) -> None:
+    """pytest in this process (a SIGINT at the cap makes it stop and still report); the
+    outcome of every test as a table, failures with their message."""
+    import xml.etree.ElementTree as ET
+
+    import pytest
+
+    xml = os.path.join(tempfile.mkdtemp(prefix="qshard-pytest-"), "junit.xml")
+    os.chdir(REPO)
+    rc = pytest.main([*pytest_args, "-p", "no:cacheprovider", "-q", "-rfE", f"--junitxml={xml}"])
+    rows, counts = [], {}
     try:
-        fn(report, *args)
-    except Exception:  # one broken section must not lose the others' numbers
-        report.note(f"**{name} failed:**\n```\n{traceback.format_exc()[-3000:]}```")
+        root = ET.parse(xml).getroot()
+        for case in root.iter("testcase"):
+            outcome, msg = "passed", ""
+            for tag in ("failure", "error", "skipped"):
+                el = case.find(tag)
+                if el is not None:
+                    outcome, msg = tag, (el.get("message") or "")[:300]
+            counts[outcome] = counts.get(outcome, 0) + 1
+            if outcome != "passed":
+                rows.append((f"{case.get('classname')}::{case.get('name')}", outcome, msg))
+    except (OSError, ET.ParseError) as e:
+        rows.append(("(no junit report)", _err(e), ""))
+    counts_s = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+    rec.table(
+        f"{heading}: {counts_s or 'nothing ran'} (pytest exit {int(rc)})",
+        ["test", "outcome", "message"],
+        rows or [("all", "passed", "")],
+    )
+    if int(rc) not in (0, 5):
+        raise RuntimeError(f"pytest exit status {int(rc)} ({counts_s})")
+
+
+def gpu_tests(rec: Recorder, args) -> None:
+    _pytest_section(rec, "tests/gpu on the device", args.gpu_tests.split())
+
+
+def sm90_ptx(rec: Recorder, args) -> None:
+    sel = (
+        ["--co"] if args.smoke else ["-m", "slow"]
+    )  # smoke: collect only (18 compiles take minutes)
+    _pytest_section(rec, "sm_90 compile checks", ["tests/gpu/test_compile_sm90.py", *sel])
+
+
+class _Rows(list):
+    """A table's rows, written to the section's files at every append (a section stopped
+    half-way keeps what it measured)."""
+
+    def __init__(self, rec: Recorder, heading: str, header: list[str]) -> None:
+        super().__init__()
+        self.rec, self.heading, self.header = rec, heading, header
+
+    def append(self, row) -> None:
+        super().append(row)
+        self.rec.table(self.heading, self.header, self)
+
+
+@contextlib.contextmanager
+def _route():
+    """--smoke: CPU tensors take the CUDA dispatch (in the interpreter), as in tests/gpu."""
+    if DEVICE != "cpu":
+        yield
+        return
+    from unittest import mock
+
+    from qshard import _triton
+    from qshard.quant import _fastpath
+
+    with (
+        mock.patch.object(_triton, "serves", lambda t: True),
+        mock.patch.object(_fastpath, "use_native", lambda t: False),
+        mock.patch.object(_fastpath, "use_native_out", lambda t: False),
+    ):
+        yield
 
 
 class _TorchPath:
@@ -88,7 +386,7 @@ class _TorchPath:
         os.environ.pop("QSHARD_DISABLE_TRITON", None)
 
 
-def correctness(report: Report, args) -> None:
+def correctness(rec: Recorder, args) -> None:
     import torch
 
     from qshard import _triton
@@ -99,36 +397,62 @@ def correctness(report: Report, args) -> None:
     x = torch.randn(4096, 256, device=dev, generator=g) * 3
     x[1] = 0
     x[2, 5] = float("nan")
-    rows = []
-    for bits in (8, 4):
+    rows = _Rows(
+        rec,
+        "On-device correctness (Triton vs torch reference on CUDA, bit for bit)",
+        ["kernel", "equal"],
+    )
+
+    def check(name: str, fn) -> None:  # one kernel that fails to compile or run: its row says so
+        try:
+            rows.append((name, bool(fn())))
+        except Exception as e:
+            rows.append((name, _err(e)))
+
+    def quantize(bits: int) -> bool:
         want = blockwise._quantize_blocks_reference(
             x, blockwise.qmax_for_bits(bits), "nearest", None
         )
         got = _triton.quantize_blocks(x, bits=bits)
-        same = torch.equal(got[0], want[0]) and torch.equal(
+        return torch.equal(got[0], want[0]) and torch.equal(
             got[1].nan_to_num(-1), want[1].nan_to_num(-1)
         )
-        deq = _triton.dequantize_blocks(*got, bits=bits, dtype=torch.bfloat16)
+
+    def dequantize(bits: int) -> bool:
+        want = blockwise._quantize_blocks_reference(
+            x, blockwise.qmax_for_bits(bits), "nearest", None
+        )
+        deq = _triton.dequantize_blocks(*want, bits=bits, dtype=torch.bfloat16)
         with _TorchPath():
             ref_deq = blockwise.dequantize_blocks(*want, bits=bits, dtype=torch.bfloat16)
-        rows.append((f"INT{bits} quantize", same))
-        rows.append(
-            (f"INT{bits} dequantize -> bf16", torch.equal(deq.nan_to_num(0), ref_deq.nan_to_num(0)))
-        )
-    packed, _ = _triton.quantize_blocks(x, bits=4, pack=True)
-    with _TorchPath():
-        ref_packed = blockwise.pack_int4(want[0])
-    rows.append(("INT4 fused pack", torch.equal(packed.view(-1), ref_packed)))
-    v = torch.randn(1_000_003, device=dev, generator=g)
-    with _TorchPath():
-        ref_signs = signs.pack_signs(v)
-    rows.append(("pack_signs", torch.equal(_triton.pack_signs(v), ref_signs)))
-    rows += _qgz_rows_correctness(g)
-    report.table(
-        "On-device correctness (Triton vs torch reference on CUDA, bit for bit)",
-        ["kernel", "equal"],
-        rows,
-    )
+        return torch.equal(deq.nan_to_num(0), ref_deq.nan_to_num(0))
+
+    def fused_pack() -> bool:
+        want = blockwise._quantize_blocks_reference(x, 7, "nearest", None)
+        packed, _ = _triton.quantize_blocks(x, bits=4, pack=True)
+        with _TorchPath():
+            ref_packed = blockwise.pack_int4(want[0])
+        return torch.equal(packed.view(-1), ref_packed)
+
+    def pack_signs() -> bool:
+        v = torch.randn(1_000_003, device=dev, generator=g)
+        with _TorchPath():
+            ref_signs = signs.pack_signs(v)
+        return torch.equal(_triton.pack_signs(v), ref_signs)
+
+    for bits in (8, 4):
+        check(f"INT{bits} quantize", lambda bits=bits: quantize(bits))
+        check(f"INT{bits} dequantize -> bf16", lambda bits=bits: dequantize(bits))
+    check("INT4 fused pack", fused_pack)
+    check("pack_signs", pack_signs)
+    try:
+        for row in _qgz_rows_correctness(g):
+            rows.append(row)
+    except Exception as e:
+        rows.append(("qgZ wire-row kernels", _err(e)))
+    bad = [r[0] for r in rows if r[1] is not True]
+    if bad:
+        raise RuntimeError(f"not bit-exact or failed on the device: {', '.join(bad)}")
 
 
 def _qgz_rows_correctness(g) -> list[tuple[str, bool]]:
@@ -159,7 +483,7 @@ def _qgz_rows_correctness(g) -> list[tuple[str, bool]]:
     return rows
 
 
-def kernels(report: Report, args) -> None:
+def kernels(rec: Recorder, args) -> None:
     import torch
 
     from qshard import _triton
@@ -236,15 +560,20 @@ def kernels(report: Report, args) -> None:
         )
     )
     rows = []
-    for name, fn, nbytes in cases:
-        ms = _ms(fn, rep)
-        gbs = _gbs(nbytes, ms)
-        rows.append((name, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.2f}"))
-    report.table(
-        f"Kernel bandwidth, {n / 1e6:.0f}M elements, block 256 (copy: {copy_gbs:.0f} GB/s; target >= 0.70)",
-        ["kernel", "ms", "GB/s", "x copy"],
-        rows,
+    heading = (
+        f"Kernel bandwidth, {n / 1e6:.0f}M elements, block 256 "
+        f"(copy: {copy_gbs:.0f} GB/s; target >= 0.70)"
     )
+    for name, fn, nbytes in cases:
+        try:  # one kernel that fails must not lose the others' rows
+            ms = _ms(fn, rep)
+            gbs = _gbs(nbytes, ms)
+            rows.append((name, f"{ms:.3f}", f"{gbs:.0f}", f"{gbs / copy_gbs:.2f}"))
+        except Exception as e:
+            rows.append((name, _err(e), "", ""))
+        rec.table(heading, ["kernel", "ms", "GB/s", "x copy"], rows)
+    if any(not r[2] for r in rows):
+        raise RuntimeError("some kernels failed: " + "; ".join(r[0] for r in rows if not r[2]))
 
 
 def _middle_hop_row(peers: int, args) -> tuple:
@@ -301,10 +630,10 @@ def _middle_hop_row(peers: int, args) -> tuple:
     )
 
 
-def qgz_middle_hop(report: Report, args) -> None:
+def qgz_middle_hop(rec: Recorder, args) -> None:
 
     rows = [_middle_hop_row(peers, args) for peers in (4, 8)]
-    report.table(
+    rec.table(
         "qgZ middle hop: fused dequantize+reduce+requantize (INT4) as dispatched, on wire rows, vs "
         "a plain dequantize of the same codes (target <= 1.3x)",
         [
@@ -363,7 +692,7 @@ class _LocalAllToAll:
         dist.all_to_all_single = self._saved
 
 
-def qgz_reduce_scatter(report: Report, args) -> None:
+def qgz_reduce_scatter(rec: Recorder, args) -> None:
     """The whole qgZ reduce-scatter as dispatched, per rank, without the network."""
     import contextlib
     import types
@@ -379,21 +708,6 @@ def qgz_reduce_scatter(report: Report, args) -> None:
     size = args.numel // world
     grads = torch.randn(world * size, device=DEVICE)
     rows = []
-
-    @contextlib.contextmanager
-    def route():
-        # --smoke: CPU tensors take the CUDA dispatch (in the interpreter), as in tests/gpu.
-        if DEVICE != "cpu":
-            yield
-            return
-        from qshard.quant import _fastpath
-
-        with (
-            mock.patch.object(_triton, "serves", lambda t: True),
-            mock.patch.object(_fastpath, "use_native", lambda t: False),
-            mock.patch.object(_fastpath, "use_native_out", lambda t: False),
-        ):
-            yield
 
     for stages in (1, 2):
         rs = HierarchicalQuantizedReduceScatter(
@@ -411,7 +725,7 @@ def qgz_reduce_scatter(report: Report, args) -> None:
                 if name.startswith("torch"):
                     stack.enter_context(_TorchPath())
                 else:
-                    stack.enter_context(route())
+                    stack.enter_context(_route())
                 if name.startswith("RowCodec"):
                     no_fused = types.SimpleNamespace(serves=lambda t: False)
                     stack.enter_context(mock.patch.object(reduce_scatter, "_triton", no_fused))
@@ -432,7 +746,7 @@ def qgz_reduce_scatter(report: Report, args) -> None:
             # Only the dispatched path may run the fused kernels, and it must.
             expected = (n_calls > 0) == name.startswith("fused")
             rows.append((stages, name, f"{ms:.3f}", f"{ms / base:.2f}", n_calls, expected, same))
-    report.table(
+    rec.table(
         f"qgZ reduce-scatter per rank, INT4, {nodes} nodes x {per_node} ranks, "
         f"{world * size / 1e6:.1f}M fp32 gradient elements (all-to-alls replaced by local copies)",
         [
@@ -448,7 +762,7 @@ def qgz_reduce_scatter(report: Report, args) -> None:
     )
 
 
-def adamw8bit(report: Report, args) -> None:
+def adamw8bit(rec: Recorder, args) -> None:
     import math
 
     import torch
@@ -460,7 +774,11 @@ def adamw8bit(report: Report, args) -> None:
     bs = 256
     p32 = torch.randn(n, device=DEVICE)
     grad = torch.randn(n, device=DEVICE) * 1e-2
-    rows_ = []
+    rows_ = _Rows(
+        rec,
+        f"AdamW step on {n / 1e6:.0f}M fp32 parameters (target: 8-bit <= 1.0x fused fp32)",
+        ["optimizer", "ms", "x fused fp32", "GB/s moved", "state bytes/param"],
+    )
     # torch fused fp32 AdamW (the target's baseline).
     p_ref = torch.nn.Parameter(p32.clone())
     p_ref.grad = grad.clone()
@@ -552,7 +870,8 @@ def adamw8bit(report: Report, args) -> None:
         pq = torch.nn.Parameter(p32.clone().view(rows, row_numel))
         pq.grad = grad.view(rows, row_numel).clone()
         optq = AdamW8bit([pq], lr=1e-3, weight_decay=0.01)
-        t_opt = _ms(optq.step, rep)
+        with _route():
+            t_opt = _ms(optq.step, rep)
         rows_.append(
             (
                 "qshard.optim.AdamW8bit.step() (whole optimizer)",
@@ -585,11 +904,6 @@ def adamw8bit(report: Report, args) -> None:
         del opt32, p32s
     except Exception as e:
         rows_.append((f"AdamW8bit(optim_bits=32, fused=True): {type(e).__name__}", "", "", "", ""))
-    report.table(
-        f"AdamW step on {n / 1e6:.0f}M fp32 parameters (target: 8-bit <= 1.0x fused fp32)",
-        ["optimizer", "ms", "x fused fp32", "GB/s moved", "state bytes/param"],
-        rows_,
-    )
 
 
 def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
@@ -637,7 +951,7 @@ def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
     return _ms(step, repeat)
 
 
-def gpt_step(report: Report, args) -> None:
+def gpt_step(rec: Recorder, args) -> None:
     import torch
 
     from qshard.train.model import GPT, GPTConfig
@@ -646,7 +960,13 @@ def gpt_step(report: Report, args) -> None:
         vocab_size=256, context=args.context, n_layer=args.layers, n_head=12, n_embd=args.embd
     )
     batch = args.batch
-    rows = []
+    n_params = GPT(cfg).num_params()
+    rows = _Rows(
+        rec,
+        f"Single-GPU GPT training step ({n_params / 1e6:.0f}M params, {cfg.n_layer}x{cfg.n_embd}, "
+        f"batch {batch}x{cfg.context}, bf16 autocast)",
+        ["configuration", "ms/step", "x fp32 AdamW", "tokens/s"],
+    )
     data = torch.randint(0, 256, (batch, cfg.context + 1), device=DEVICE)
     base_ms = None
     for name in ("fp32 AdamW(fused)", "AdamW8bit", "AdamW8bit + qwZ INT8 + qgZ INT4 codecs"):
@@ -657,59 +977,210 @@ def gpt_step(report: Report, args) -> None:
         base_ms = base_ms or ms
         tokens = batch * cfg.context
         rows.append((name, f"{ms:.1f}", f"{ms / base_ms:.2f}", f"{tokens / (ms * 1e-3):,.0f}"))
-        torch.cuda.empty_cache()
-    n_params = GPT(cfg).num_params()
-    report.table(
-        f"Single-GPU GPT training step ({n_params / 1e6:.0f}M params, {cfg.n_layer}x{cfg.n_embd}, "
-        f"batch {batch}x{cfg.context}, bf16 autocast)",
-        ["configuration", "ms/step", "x fp32 AdamW", "tokens/s"],
-        rows,
-    )
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
 
-def main() -> None:
+# (name, function, cap in seconds for a full run, what) in order of value: see the docstring.
+SECTIONS = [
+    ("env", env, 45, "versions, GPU, clocks, nvidia-smi"),
+    ("correctness", correctness, 75, "kernels vs torch path on CUDA, bit for bit"),
+    ("kernels", kernels, 75, "quantize/dequantize GB/s vs copy bandwidth"),
+    ("adamw8bit", adamw8bit, 60, "8-bit AdamW step vs torch fused AdamW"),
+    ("adamw4bit", adamw4bit, 45, "4-bit AdamW step vs torch fused AdamW"),
+    ("qgz_middle_hop", qgz_middle_hop, 45, "qgZ fused middle hop vs dequantize / torch"),
+    ("qgz_reduce_scatter", qgz_reduce_scatter, 60, "qgZ reduce-scatter per rank, 3 paths"),
+    ("gpu_tests", gpu_tests, 150, "pytest tests/gpu on the GPU"),
+    ("gpt_step", gpt_step, 75, "GPT training step, quantized paths vs fp32"),
+    ("sm90_ptx", sm90_ptx, 60, "sm_90 AOT compile + PTX checks (slow test)"),
+]
+_FNS = {name: fn for name, fn, _, _ in SECTIONS}
+
+# What tests/gpu runs on the device (most valuable first); the smoke run takes one quick test.
+GPU_TESTS = (
+    "tests/gpu/test_blockwise.py tests/gpu/test_optim8bit.py tests/gpu/test_optim4bit.py "
+    "tests/gpu/test_qgz.py tests/gpu/test_signs.py tests/gpu/test_dispatch.py "
+    "tests/gpu/test_qgz_dispatch.py -x --maxfail=20"
+)
+GPU_TESTS_SMOKE = "tests/gpu/test_signs.py::test_unpack_rejects_wrong_byte_count"
+DEFAULT_BUDGET_S = 510  # 8.5 min: the device tool's command limit is 10 min
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a short GPU run)")
     parser.add_argument(
         "--smoke",
+        "--dry-run",
         action="store_true",
         help="check the script itself on CPU under TRITON_INTERPRET=1 with tiny sizes "
         "(its numbers mean nothing)",
     )
-    add_report_args(parser)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"the whole run's time limit in seconds (default {DEFAULT_BUDGET_S})",
+    )
+    parser.add_argument("--sections", help="comma-separated sections to run (default: all)")
+    parser.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    parser.add_argument(
+        "--cap",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="override a section's time cap (repeatable)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        help="where the results go (default: $OUT, else a new /tmp/qshard-gpu-* directory)",
+    )
+    parser.add_argument("--out-md", metavar="FILE", help="also copy results.md to FILE")
+    parser.add_argument("--gpu-tests", help="pytest arguments of the gpu_tests section")
+    parser.add_argument("--repeat", type=int, help="timed calls per measurement")
+    # The child side (one section in this process): set by the parent.
+    parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-s", type=float, help=argparse.SUPPRESS)
+    return parser
+
+
+def _sizes(args) -> None:
+    if args.smoke:
+        args.numel, args.params, repeat = 1 << 13, 4 * 4096, 1
+        args.layers, args.embd, args.context, args.batch = 1, 48, 16, 2
+    else:
+        args.numel = 1 << (24 if args.quick else 28)  # 16M or 256M elements (1 GiB of fp32)
+        args.params = 16 * 4096 * 256 if args.quick else 128 * 1024 * 1024  # 128M parameters
+        repeat = 5 if args.quick else 20
+        args.layers, args.embd = (2, 768) if args.quick else (12, 768)
+        args.context, args.batch = 1024, 8
+    args.repeat = args.repeat or repeat
+    if not args.gpu_tests:
+        args.gpu_tests = GPU_TESTS_SMOKE if args.smoke else GPU_TESTS
+
+
+def _child(args) -> int:
     global DEVICE
     if args.smoke:
         # Must precede the first kernel import: Triton picks interpreter vs compiler then.
         os.environ["TRITON_INTERPRET"] = "1"
         DEVICE = "cpu"
     else:
-        _require_cuda()
-    import torch
+        os.environ.pop("TRITON_INTERPRET", None)
+        DEVICE = "cuda"
+    _sizes(args)
+    fn = _FNS[args.section]
+    return _harness.run_child_section(
+        args.scratch, args.section, lambda rec: fn(rec, args), args.deadline_s
+    )
 
+
+def _selected(args) -> list[Section]:
+    caps = {}
+    for item in args.cap:
+        name, _, secs = item.partition("=")
+        caps[name] = float(secs)
+    names = [s for s in (args.sections or "").split(",") if s] or [s[0] for s in SECTIONS]
+    skip = {s for s in args.skip.split(",") if s}
+    unknown = (set(names) | skip | set(caps)) - set(_FNS)
+    if unknown:
+        sys.exit(f"unknown sections {sorted(unknown)}; known: {[s[0] for s in SECTIONS]}")
+    if "env" not in names:
+        names = ["env", *names]  # the facts are always recorded
+    out = []
+    for name, _, cap, what in SECTIONS:  # always in the order of value
+        if name in names and name not in skip:
+            out.append(Section(name, caps.get(name, cap * (2 if args.smoke else 1)), what))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.section:
+        return _child(args)
+    if not args.smoke and os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("run_all.py measures GPU kernels; unset TRITON_INTERPRET (it is 1)")
+    out_dir = args.out_dir or os.environ.get("OUT") or tempfile.mkdtemp(prefix="qshard-gpu-")
+    os.makedirs(out_dir, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="qshard-gpu-sections-")
+    sections = _selected(args)
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    paths = [p for p in (env.get("PYTHONPATH"), os.path.join(REPO, "src")) if p]
+    if importlib.util.find_spec("qshard") is not None:
+        paths = paths[:1]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     if args.smoke:
-        args.numel, args.params, args.repeat = 1 << 13, 4 * 4096, 1
-        args.layers, args.embd, args.context, args.batch = 1, 48, 16, 2
-    else:
-        args.numel = 1 << (24 if args.quick else 28)  # 16M or 256M elements (1 GiB of fp32)
-        args.params = 16 * 4096 * 256 if args.quick else 128 * 1024 * 1024  # 128M parameters
-        args.repeat = 5 if args.quick else 20
-        args.layers, args.embd = (2, 768) if args.quick else (12, 768)
-        args.context, args.batch = 1024, 8
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (interpreter smoke run)"
-    report = Report(f"GPU kernels on {name}")
-    for name, fn in (
-        ("correctness", correctness),
-        ("kernels", kernels),
-        ("qgz_middle_hop", qgz_middle_hop),
-        ("qgz_reduce_scatter", qgz_reduce_scatter),
-        ("adamw8bit", adamw8bit),
-        ("gpt_step", gpt_step),
-    ):
-        _section(report, name, fn, args)
-        torch.cuda.empty_cache()
-    report.write(args.out_md)
+        env["TRITON_INTERPRET"] = "1"
+    passthrough = [
+        *(["--smoke"] if args.smoke else []),
+        *(["--quick"] if args.quick else []),
+        *(["--repeat", str(args.repeat)] if args.repeat else []),
+        *(["--gpu-tests", args.gpu_tests] if args.gpu_tests else []),
+    ]
+
+    def child_cmd(sec: Section, cap: float) -> list[str]:
+        return [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--section",
+            sec.name,
+            "--scratch",
+            scratch,
+            "--deadline-s",
+            f"{cap:.0f}",
+            *passthrough,
+        ]
+
+    def stop_after(entry: dict) -> str | None:
+        if entry["section"] != "env" or args.smoke:
+            return None
+        facts = orch.section_data("env").get("facts", {})
+        if facts.get("cuda_available") is not True:
+            return "no CUDA device (env: torch.cuda.is_available() is not True)"
+        return None
+
+    mode = (
+        "smoke (CPU, Triton interpreter, toy sizes)"
+        if args.smoke
+        else ("quick" if args.quick else "full")
+    )
+    orch = _harness.Orchestrator(
+        out_dir=out_dir,
+        scratch=scratch,
+        budget_s=args.budget_s,
+        child_cmd=child_cmd,
+        child_env=env,
+        title="qshard GPU run (benchmarks/gpu/run_all.py)",
+        header_lines=[
+            f"- command: `{' '.join(sys.argv)}`",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+            f"- mode: {mode}; budget {args.budget_s:.0f} s; output {out_dir}",
+        ],
+    )
+    print(f"[run_all] writing to {out_dir} ({mode}, budget {args.budget_s:.0f} s)", flush=True)
+    results = orch.run(sections, stop_after=stop_after)
+    if args.out_md:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out_md)), exist_ok=True)
+        with open(os.path.join(out_dir, "results.md")) as src, open(args.out_md, "w") as dst:
+            dst.write(src.read())
+    bad = [r for r in results if r["status"] != _harness.OK]
+    print(
+        f"[run_all] done: {len(results) - len(bad)}/{len(results)} sections ok; "
+        f"summary in {os.path.join(out_dir, 'summary.md')}",
+        flush=True,
+    )
+    if not args.smoke and results and results[0]["section"] == "env":
+        facts = orch.section_data("env").get("facts", {})
+        if facts.get("cuda_available") is not True:
+            sys.stderr.write(
+                "run_all.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+                f"environment facts are in {out_dir}\n"
+            )
+            return 2
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

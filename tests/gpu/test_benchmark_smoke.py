@@ -1,7 +1,9 @@
-"""The prepared GPU benchmark must not break silently: run it at toy sizes on CPU (--smoke)."""
+"""The prepared GPU benchmark must not break silently: run it at toy sizes on CPU (--smoke), and
+check that a section that raises, hangs or crashes costs only its own results."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,26 +32,109 @@ def test_fails_fast_without_cuda(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_smoke_run_every_section(tmp_path):
-    out = tmp_path / "gpu.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(tmp_path, *args, inject="", timeout=240):
+    out = tmp_path / "out"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "QSHARD_GPU_RUN_INJECT": inject}
+    env.pop("OUT", None)
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--smoke", "--out-md", str(out)],
+        [sys.executable, SCRIPT, "--smoke", "--out-dir", str(out), *args],
         capture_output=True,
         text=True,
         env=env,
-        timeout=900,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "failed:" not in proc.stdout, proc.stdout[-3000:]
-    text = out.read_text()
+    summary = json.loads((out / "results.json").read_text())
+    return proc, out, summary
+
+
+def test_failing_sections_keep_the_others_results(tmp_path):
+    """One section raises, one hangs past its cap, one kills its process: the sections around
+    them still run and record their tables, the summary names each failure, and the output
+    stays within what the device tool returns (8 files)."""
+    proc, out, summary = _run(
+        tmp_path,
+        "--sections",
+        "kernels,adamw8bit,adamw4bit,qgz_middle_hop,qgz_reduce_scatter",
+        "--cap",
+        "adamw4bit=4",
+        inject="kernels=raise,adamw4bit=hang,qgz_middle_hop=crash",
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status = {s["section"]: s["status"] for s in summary["summary"]}
+    assert status == {
+        "env": "ok",
+        "kernels": "failed",
+        "adamw8bit": "ok",
+        "adamw4bit": "timeout",
+        "qgz_middle_hop": "crashed",
+        "qgz_reduce_scatter": "ok",
+    }, summary["summary"]
+    assert summary["finished"] is True
+    assert summary["not_ok"] == ["kernels", "adamw4bit", "qgz_middle_hop"]
+    errors = {s["section"]: s["error"] or "" for s in summary["summary"]}
+    assert "injected failure in section 'kernels'" in errors["kernels"]
+    assert "killed at its cap" in errors["adamw4bit"]
+    assert "exited with status 134" in errors["qgz_middle_hop"]
+    # The sections after each failure measured and wrote their tables.
+    assert summary["sections"]["adamw8bit"]["tables"][0]["heading"].startswith("AdamW step on")
+    assert summary["sections"]["qgz_reduce_scatter"]["tables"]
+    assert summary["sections"]["env"]["facts"]["triton"]
+    results = (out / "results.md").read_text()
+    assert "AdamW step on" in results and "qgZ reduce-scatter per rank" in results
+    text = (out / "summary.md").read_text()
+    for name, st in (
+        ("kernels", "failed"),
+        ("adamw4bit", "timeout"),
+        ("qgz_middle_hop", "crashed"),
+    ):
+        assert f"## {name}: {st}" in text
+    assert "RuntimeError: injected failure" in text
+    assert sorted(p.name for p in out.iterdir()) == [
+        "logs.txt",
+        "results.json",
+        "results.md",
+        "summary.md",
+    ]
+
+
+def test_budget_spent_skips_and_still_writes_a_summary(tmp_path):
+    proc, _, summary = _run(tmp_path, "--sections", "kernels", "--budget-s", "5")
+    assert proc.returncode == 1
+    assert [(s["section"], s["status"]) for s in summary["summary"]] == [
+        ("env", "skipped"),
+        ("kernels", "skipped"),
+    ]
+    assert "time budget spent" in summary["summary"][1]["error"]
+
+
+def test_out_directory_is_OUT_when_set(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "o"), "QSHARD_GPU_RUN_INJECT": ""}
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--smoke", "--sections", "env", "--budget-s", "60"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (tmp_path / "o" / "summary.md").exists()
+
+
+@pytest.mark.slow
+def test_smoke_run_every_section(tmp_path):
+    proc, _, summary = _run(tmp_path, "--out-md", str(tmp_path / "gpu.md"), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert summary["not_ok"] == [], summary["summary"]
+    text = (tmp_path / "gpu.md").read_text()
     for heading in (
+        "Environment",
         "On-device correctness",
         "Kernel bandwidth",
         "qgZ middle hop",
         "qgZ reduce-scatter per rank",
         "AdamW step",
+        "AdamW4bit step",
+        "tests/gpu on the device",
         "GPT training step",
     ):
         assert heading in text
