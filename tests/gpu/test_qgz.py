@@ -301,3 +301,29 @@ def test_row_kernels_reject_bad_rows(device):
         )
     with pytest.raises(ValueError, match="multiple of 4"):
         _triton.dequant_reduce_rows(good, block_size=4, bits=4, out=torch.empty(1, device=device))
+
+
+def test_reorder_quantize_grid_keeps_the_long_axis_first(monkeypatch):
+    """CUDA caps grid axes 1 and 2 at 65535 programs: a slot of 2**29 elements (an 8 GB fp32
+    gradient over 4 ranks) is 131072 tiles, which on axis 1 failed to launch; the tiles now go
+    on axis 0 and the slots (world x stages) on axis 1. Checked on the launch grid itself (no
+    kernel runs)."""
+    from qshard._triton import _qgz
+
+    grids = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(_qgz, "_reorder_quantize_kernel", Recorder())
+    x = torch.zeros(8)
+    offsets = torch.zeros(4, dtype=torch.int64)
+    blocks = _qgz._separate(torch.empty(0, dtype=torch.int8), torch.empty(0), 1)
+    _qgz._launch_reorder_quantize(x, offsets, offsets, 2**29, 256, 7, True, "nearest", None, blocks)
+    ((tiles, slots),) = grids
+    assert slots == 4 and tiles > 65535
+    with pytest.raises(ValueError, match="at most 65535 slots"):
+        many = torch.zeros(65536, dtype=torch.int64)
+        _qgz._launch_reorder_quantize(x, many, many, 256, 256, 7, True, "nearest", None, blocks)

@@ -96,10 +96,13 @@ def _reorder_quantize_kernel(
     STOCHASTIC: tl.constexpr,
     BF16: tl.constexpr,
 ):
-    slot = tl.program_id(0)
+    # Axis 0 walks the slot's blocks, axis 1 the slots: CUDA allows 2**31 - 1 programs on
+    # axis 0 but 65535 on axis 1, and a slot can hold far more than 65535 tiles (slots are
+    # world x pipeline stages).
+    slot = tl.program_id(1)
     src = tl.load(offsets_ptr + slot)
     length = tl.load(lengths_ptr + slot)
-    local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok = local < blocks_per_slot
     within = local[:, None].to(tl.int64) * BS + cols[None, :]
@@ -351,7 +354,9 @@ def _launch_reorder_quantize(
         return
     block_n, rows, warps = _geometry(block_size)
     xk, bf16 = kernel_view(x)
-    _reorder_quantize_kernel[(n_slots, triton.cdiv(blocks_per_slot, rows))](
+    if n_slots > 65535:
+        raise ValueError(f"reorder_quantize takes at most 65535 slots (CUDA's grid); got {n_slots}")
+    _reorder_quantize_kernel[(triton.cdiv(blocks_per_slot, rows), n_slots)](
         xk,
         offsets.to(torch.int64).contiguous(),
         lengths.to(torch.int64).contiguous(),
