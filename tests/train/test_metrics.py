@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +143,15 @@ def test_report_of_a_killed_run_and_its_errors_name_the_fix(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"cannot write the plots into {a_file / 'plots'}" in err
     assert "pass --out a folder you can write to" in err
+
+
+def test_report_labels_runs_that_share_a_folder_name_by_their_paths(tmp_path):
+    """Two runs named alike (a/run and b/run) were both labelled "run" in the legend."""
+    from qshard.train.report import _labels
+
+    assert _labels([tmp_path / "a/run", tmp_path / "b/run", tmp_path / "c"]) == [
+        str(tmp_path / "a/run"),
+        str(tmp_path / "b/run"),
+        "c",
+    ]
+    assert _labels(["."]) == [Path.cwd().name]

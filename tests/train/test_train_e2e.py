@@ -98,6 +98,13 @@ def _two_rank_world(rank, world, tmp):
     resumed = train(cfg.replace(out=str(tmp / "resumed"), resume=True))
     out["full"], out["resumed"] = full["losses"], resumed["losses"]
     out["full_val"], out["resumed_val"] = full["val_losses"], resumed["val_losses"]
+    # Under torchrun no launcher compares the options: the loop refuses another seed (the data
+    # of every step) itself. Before, it trained on another data stream as if continuing.
+    try:
+        train(cfg.replace(out=str(tmp / "resumed"), resume=True, seed=1, steps=7))
+        out["other_seed"] = "trained"
+    except ckpt.CheckpointError as exc:
+        out["other_seed"] = str(exc)
     out["ledger_inter"] = full["inter_node_bytes_per_step"]
     out["estimate_inter"] = full["estimate_inter_node_bytes_per_step"]
     out["zero3_16bit"] = full["zero3_16bit_inter_node_bytes_per_step"]
@@ -170,6 +177,14 @@ def worlds(tmp_path_factory):
     four = run_world(_four_rank_world, 4, args=(str(tmp),), timeout_s=420)
     two = run_world(_two_rank_world, 2, args=(str(tmp),), timeout_s=420)
     return tmp, four[0], two[0]
+
+
+def test_resume_under_torchrun_refuses_another_seed(worlds):
+    tmp, _, two = worlds
+    assert (
+        f"--resume: {tmp / 'resumed/checkpoints/step_00000006'} was written with --seed 0 "
+        "(now 1); pass the same options to resume it" in two["other_seed"]
+    ), two["other_seed"]
 
 
 def test_resume_reproduces_uninterrupted_losses(worlds):

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import fcntl
 import inspect
 import itertools
 import os
@@ -28,7 +30,8 @@ import socket
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -36,27 +39,25 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from qshard.train import config as config_module
 from qshard.train._runtime import restart_count
 from qshard.train.config import (
-    DATA_PARALLEL_OPTIMIZERS,
     DTYPES,
     MODELS,
     ON_NONFINITE,
     OPTIMIZERS,
     TrainConfig,
+    resume_mismatches,
+    resume_refusal,
 )
 
-__all__ = ["build_parser", "config_from_args", "launch", "main", "resume_after_restart"]
+__all__ = [
+    "build_parser",
+    "claim_run_dir",
+    "config_from_args",
+    "launch",
+    "main",
+    "resume_after_restart",
+]
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-# What the state in a checkpoint depends on: resuming with other values cannot load it.
-_RESUME_MUST_MATCH = (
-    "model",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "context",
-    "stable_embedding",
-    "optim",
-)
 
 
 def _field_docs() -> dict[str, str]:
@@ -241,20 +242,9 @@ def preflight(config: TrainConfig) -> None:
                 f"--resume: {latest} is at step {step}, so --steps {config.steps} leaves nothing "
                 f"to train; pass --steps above {step} to continue that run"
             )
-        saved = info.get("config", {})
-        must_match = _RESUME_MUST_MATCH
-        if config.optim in DATA_PARALLEL_OPTIMIZERS:  # per-rank files: each rank's own part
-            must_match += ("parallel",)
-        changed = [
-            f"--{name.replace('_', '-')} {saved[name]} (now {getattr(config, name)})"
-            for name in must_match
-            if name in saved and saved[name] != getattr(config, name)
-        ]
+        changed = resume_mismatches(info, config)
         if changed:
-            raise ValueError(
-                f"--resume: {latest} was written with {', '.join(changed)}; pass the same "
-                "options to resume it, or a new --out to start fresh"
-            )
+            raise ValueError(resume_refusal(latest, changed))
         try:
             _check_files(latest, info)
         except DamagedCheckpointError as exc:
@@ -303,11 +293,66 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"qshard train: error: {exc}", file=sys.stderr)
             return 2
         return 0
+    with contextlib.ExitStack() as claimed:
+        try:
+            # An --out that exists is claimed before it is read: a run in progress there has
+            # no checkpoint yet, or one the checks below would take for an earlier run's.
+            claim = claim_run_dir(config.out, create=False)
+            if claim is not None:
+                claimed.enter_context(claim)
+            preflight(config)
+            if claim is None:
+                claimed.enter_context(claim_run_dir(config.out, create=True))
+        except (ValueError, CheckpointError) as exc:
+            print(f"qshard train: error: {exc}", file=sys.stderr)
+            return 2
+        return _launch_and_report(config)
+
+
+_LOCK = ".qshard.lock"
+
+
+def claim_run_dir(out: str, *, create: bool) -> IO[str] | None:
+    """Claim ``--out`` for this job: an exclusive ``flock`` on ``OUT/.qshard.lock``, held by
+    the open file returned (closing it, or the launcher's exit, releases it).
+
+    [Note: one job per run directory] Two jobs in one ``--out`` (a command started twice, two
+    ``./run.sh``) truncated each other's ``metrics.jsonl``, saved their checkpoints side by side
+    and overwrote each other's summary and export, and with ``--overwrite`` one removed the
+    other's checkpoints mid-run, all without a word. The launcher holds the claim from before
+    it reads the folder until the job ends, so a second job is refused, naming the holder.
+    Under torchrun the launcher is torchrun's, and nothing claims the folder.
+
+    Without ``create``, an ``out`` that is not a folder this process can write in is left to
+    :func:`preflight` to refuse (returns ``None``)."""
+    path = Path(out)
     try:
-        preflight(config)
-    except (ValueError, CheckpointError) as exc:
-        print(f"qshard train: error: {exc}", file=sys.stderr)
-        return 2
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        lock = open(path / _LOCK, "a+")  # noqa: SIM115 - held until the job ends
+    except OSError as exc:
+        if not create:
+            return None
+        raise ValueError(
+            f"--out {out} cannot be the run directory ({exc}); pass --out a folder you can write to"
+        ) from exc
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise ValueError(
+            f"--out {out} is in use by another qshard train job ({holder}); wait for it to "
+            "end, or pass another --out"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+def _launch_and_report(config: TrainConfig) -> int:
     try:
         launch(config)
     except ChildFailedError as exc:

@@ -9,9 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["DTYPES", "ON_NONFINITE", "OPTIMIZERS", "ZEROPP_FEATURES", "TrainConfig", "parse_zeropp"]
+__all__ = [
+    "DTYPES",
+    "ON_NONFINITE",
+    "OPTIMIZERS",
+    "RESUME_MUST_MATCH",
+    "ZEROPP_FEATURES",
+    "TrainConfig",
+    "corpus_source",
+    "parse_zeropp",
+    "resume_mismatches",
+    "resume_refusal",
+]
 
 ZEROPP_FEATURES: tuple[str, ...] = ("qwz", "hpz", "qgz")
 """The three ZeRO++ features: quantized weights, hierarchical partitioning, quantized grads."""
@@ -311,6 +324,77 @@ class TrainConfig:
 
 _MAX_TIMEOUT_S = 1e9
 """The longest ``--collective-timeout`` (~31 years): a ``timedelta`` overflows near 8.6e13 s."""
+
+
+RESUME_MUST_MATCH: tuple[str, ...] = (
+    # The state in the checkpoint depends on these: other values cannot load it.
+    "model",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "context",
+    "stable_embedding",
+    "optim",
+    # The data stream: the global batch of a step is a function of the corpus, its split, the
+    # seed and the batch size (qshard.train.data); other values train on other data, or on the
+    # held-out files, while the run claims to continue.
+    "seed",
+    "batch_size",
+    "val_fraction",
+)
+"""Fields a ``--resume`` must keep (plus ``--data``, compared by :func:`corpus_source`, and
+``--parallel`` for the data-parallel optimizers' per-rank state). Everything else may change:
+the schedule (``--steps`` to extend a run, ``--lr``, ...), ``--nproc`` (DCP reshards), the
+intervals and the launch and fault options."""
+
+
+def corpus_source(data: str | None) -> str:
+    """What ``--data`` names, as :class:`qshard.train.data.Corpus` records it: the resolved
+    path, or ``python-stdlib``."""
+    return "python-stdlib" if data is None else str(Path(data).expanduser().resolve())
+
+
+def resume_mismatches(saved: Mapping[str, object], config: TrainConfig) -> list[str]:
+    """The options ``config`` changes against a checkpoint's ``qshard.json`` (``saved``: its
+    ``config`` and ``corpus``) that a resume cannot take, each as ``--flag SAVED (now NOW)``;
+    empty when ``config`` continues that run. Options the checkpoint does not record (written
+    by an older qshard) are not compared."""
+    saved_config = saved.get("config")
+    saved_config = saved_config if isinstance(saved_config, Mapping) else {}
+    must_match = RESUME_MUST_MATCH
+    if config.optim in DATA_PARALLEL_OPTIMIZERS:  # per-rank files: each rank's own part
+        must_match += ("parallel",)
+    changed = [
+        f"--{name.replace('_', '-')} {saved_config[name]} (now {getattr(config, name)})"
+        for name in must_match
+        if name in saved_config and saved_config[name] != getattr(config, name)
+    ]
+    # The corpus by resolved path: a relative --data from another folder is the same corpus.
+    corpus = saved.get("corpus")
+    if isinstance(corpus, Mapping) and isinstance(corpus.get("source"), str):
+        before = corpus["source"]
+    elif "data" in saved_config:  # older checkpoints: the flag as given, resolved from here
+        data = saved_config["data"]
+        before = corpus_source(data if isinstance(data, str) else None)
+    else:
+        before = None
+    now = corpus_source(config.data)
+    if before is not None and before != now:
+
+        def show(source: str) -> str:
+            return "(the Python standard library)" if source == "python-stdlib" else source
+
+        changed.append(f"--data {show(before)} (now {show(now)})")
+    return changed
+
+
+def resume_refusal(checkpoint: object, changed: list[str]) -> str:
+    """The error for a ``--resume`` that changes what :func:`resume_mismatches` found."""
+    return (
+        f"--resume: {checkpoint} was written with {', '.join(changed)}; pass the same "
+        "options to resume it (a resume continues that run: its model, optimizer and data), "
+        "or a new --out to start fresh"
+    )
 
 
 def _largest_divisor_at_most(n: int, bound: int) -> int:

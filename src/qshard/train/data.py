@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qshard.train.config import corpus_source
+
 __all__ = [
     "Corpus",
     "CorpusError",
@@ -149,7 +151,7 @@ def load_corpus(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = cache / "corpus" / key
     meta_path = folder / "meta.json"
-    source = "python-stdlib" if data is None else str(Path(data).expanduser().resolve())
+    source = corpus_source(None if data is None else str(data))
     if not meta_path.exists():
         train_parts: list[bytes] = []
         val_parts: list[bytes] = []

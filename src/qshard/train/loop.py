@@ -53,7 +53,12 @@ from qshard.train import _faults, _runtime, _summary
 from qshard.train import checkpoint as ckpt
 from qshard.train._metrics import MetricsWriter, peak_memory_bytes
 from qshard.train._parallel import build_optimizer, distribute
-from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
+from qshard.train.config import (
+    DATA_PARALLEL_OPTIMIZERS,
+    TrainConfig,
+    resume_mismatches,
+    resume_refusal,
+)
 from qshard.train.data import Corpus, _mix, batch_for_step, load_corpus
 from qshard.train.llama import Llama, LlamaSpec
 from qshard.train.model import GPT, GPTConfig
@@ -132,7 +137,7 @@ def _train(config: TrainConfig) -> TrainResult:
                     recorder.validate(record, _evaluate(model, corpus.val, config))
             recorder.write(record)
             if due.save:
-                last_ckpt = _save(config, job, model, optimizer, step + 1)
+                last_ckpt = _save(config, job, model, optimizer, corpus, step + 1)
     train_time = time.perf_counter() - t_train
     recorder.close_bar()
     return _finish(
@@ -347,6 +352,10 @@ def _resume(
             file=sys.stderr,
             flush=True,
         )
+    # The launcher compared the options before any rank started; under torchrun none did.
+    changed = resume_mismatches(ckpt.checkpoint_info(loaded.path), config)
+    if changed:
+        raise ckpt.CheckpointError(resume_refusal(loaded.path, changed))
     if loaded.step > config.steps:  # the loop would run no step and report an empty run
         raise ckpt.CheckpointError(
             f"--resume: {loaded.path} is at step {loaded.step}, past --steps {config.steps}; "
@@ -360,15 +369,17 @@ def _save(
     job: _Job,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    corpus: Corpus,
     step: int,
 ) -> Path:
-    """An atomic checkpoint of the state after ``step`` optimizer steps."""
+    """An atomic checkpoint of the state after ``step`` optimizer steps. Its meta holds the
+    run's config and corpus, which a ``--resume`` must continue (:func:`resume_mismatches`)."""
     return ckpt.save_checkpoint(
         job.checkpoints,
         step=step,
         model=model,
         optimizer=optimizer,
-        meta={"config": config.to_dict()},
+        meta={"config": config.to_dict(), "corpus": {"source": corpus.source, "key": corpus.key}},
         keep=config.keep_checkpoints,
         per_rank=config.optim in DATA_PARALLEL_OPTIMIZERS,
     )

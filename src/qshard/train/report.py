@@ -46,6 +46,13 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _labels(run_dirs: Sequence[str | Path]) -> list[str]:
+    """Each run's legend label: its folder's name, or the path as given where two runs share a
+    name (``a/run b/run`` were both labelled ``run``)."""
+    names = [Path(d).resolve().name or str(d) for d in run_dirs]
+    return [name if names.count(name) == 1 else str(d) for name, d in zip(names, run_dirs)]
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     """Write ``loss.png`` and ``bytes.png`` for ``run_dirs`` into ``out_dir``; return paths."""
     import matplotlib
@@ -53,7 +60,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(Path(d).name or str(d), load_metrics(d)) for d in run_dirs]  # before any write
+    runs = list(zip(_labels(run_dirs), [load_metrics(d) for d in run_dirs]))  # before writing
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
