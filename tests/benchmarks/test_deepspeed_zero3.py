@@ -4,36 +4,23 @@ each ZeRO++ option), and a clear message instead of a traceback when DeepSpeed i
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.fixture(scope="module")
-def ds():
-    return _load("deepspeed_zero3")
+def ds(load_benchmark):
+    return load_benchmark("deepspeed_zero3")
 
 
 MiB = 2**20
 QUANT_ERROR = "ValueError: This op had not been implemented on CPU backend."
 
 
-def test_defaults_are_throughput_defaults(ds):
+def test_defaults_are_throughput_defaults(load_benchmark, ds):
     """Same GPT, batches, steps, rates and cluster as throughput.py, so the rows compare."""
-    tp = _load("throughput")
+    tp = load_benchmark("throughput")
     a, b = ds._args([]), tp._args([])
     for name in (
         "rates",

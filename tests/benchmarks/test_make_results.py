@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "make_results", ROOT / "benchmarks" / "make_results.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected(tmp_path):
-    mr = _load()
+def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected(
+    load_benchmark, tmp_path
+):
+    mr = load_benchmark("make_results")
     results = tmp_path / "docs" / "results"
     results.mkdir(parents=True)
     (results / "throughput.md").write_text(

@@ -3,20 +3,14 @@ kernel's own source, runs, and lands in the table (the numbers themselves are no
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from qshard.optim import _kernels
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 @pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
-def test_phases_table_has_every_variant(tmp_path):
-    mod = _load_optim_step()
+def test_phases_table_has_every_variant(load_benchmark, tmp_path):
+    mod = load_benchmark("optim_step")
     out = tmp_path / "phases.md"
     before = _kernels.library
     mod.main(
@@ -41,17 +35,9 @@ def test_phases_table_has_every_variant(tmp_path):
     assert _kernels.library is before  # the benchmark put the real kernel back
 
 
-def _load_optim_step():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("_bench_optim_step", BENCH / "optim_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
 @pytest.mark.parametrize("cls_name", ["AdamW8bit", "AdamW4bit"])
-def test_one_call_per_tensor_steps_each_tensor_alone_with_the_same_result(cls_name):
+def test_one_call_per_tensor_steps_each_tensor_alone_with_the_same_result(load_benchmark, cls_name):
     """The ``--models`` rows 'one call per tensor': one multi-tensor call per quantized tensor
     (it passed the plan where a list of tensors was expected: --models crashed), bit for bit
     what the batched step computes."""
@@ -59,7 +45,7 @@ def test_one_call_per_tensor_steps_each_tensor_alone_with_the_same_result(cls_na
 
     from qshard import optim as qoptim
 
-    mod = _load_optim_step()
+    mod = load_benchmark("optim_step")
     cls = getattr(qoptim, cls_name)
     gen = torch.Generator().manual_seed(0)
     shapes = [(16, 256), (8, 512), (32, 128), (300,)]  # the 1-D one: fp32 state
@@ -92,8 +78,8 @@ def test_one_call_per_tensor_steps_each_tensor_alone_with_the_same_result(cls_na
 
 
 @pytest.mark.skipif(not _kernels.available(), reason="no C compiler for the kernel")
-def test_models_table_has_the_one_call_per_tensor_rows(tmp_path, monkeypatch):
-    mod = _load_optim_step()
+def test_models_table_has_the_one_call_per_tensor_rows(load_benchmark, tmp_path, monkeypatch):
+    mod = load_benchmark("optim_step")
     monkeypatch.setitem(mod.MODELS, "tiny", ("tiny", lambda: [(16, 256)] * 3 + [(64,)]))
     out = tmp_path / "models.md"
     argv = ["--models", "tiny", "--threads", "1", "--repeat", "1", "--warmup", "1"]
@@ -104,12 +90,12 @@ def test_models_table_has_the_one_call_per_tensor_rows(tmp_path, monkeypatch):
     assert "| qshard AdamW4bit, one call per tensor" in text
 
 
-def test_phases_thread_count_zero_is_the_process_default(monkeypatch):
+def test_phases_thread_count_zero_is_the_process_default(load_benchmark, monkeypatch):
     """``--threads 1,0 --phases``: the 0 table runs at the process's default thread count (it
     took the previous table's count)."""
     import torch
 
-    mod = _load_optim_step()
+    mod = load_benchmark("optim_step")
     seen: list[int] = []
     monkeypatch.setattr(mod._kernels, "available", lambda: True)
     monkeypatch.setattr(mod, "_time_phases", lambda *a: seen.append(torch.get_num_threads()))
@@ -122,8 +108,8 @@ def test_phases_thread_count_zero_is_the_process_default(monkeypatch):
     assert seen == [1, 2]
 
 
-def test_sizes_parse_and_a_bad_one_is_named():
-    optim_step = _load_optim_step()
+def test_sizes_parse_and_a_bad_one_is_named(load_benchmark):
+    optim_step = load_benchmark("optim_step")
     assert [optim_step._parse_size(s) for s in ("10M", "1.5k", " 123 ", "2G")] == [
         10_000_000,
         1500,

@@ -3,24 +3,9 @@ synthetic numbers, without a cluster: what the tables claim must follow from the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
 
 MiB = 2**20
 
@@ -38,8 +23,8 @@ def _tp_run(times, node_tx, by_tag):
     }
 
 
-def test_throughput_report_speedups_and_ledger_ratios(tmp_path):
-    tp = _load("throughput")
+def test_throughput_report_speedups_and_ledger_ratios(load_benchmark, tmp_path):
+    tp = load_benchmark("throughput")
     args = tp._args(["--rates", "100", "--out-md", str(tmp_path / "t.md")])
     m = 9 * MiB
     data = {
@@ -78,11 +63,11 @@ def test_throughput_report_speedups_and_ledger_ratios(tmp_path):
     assert "qgz not run: not built" in text
 
 
-def test_throughput_limit_column_and_issue_targets(tmp_path):
+def test_throughput_limit_column_and_issue_targets(load_benchmark, tmp_path):
     """limit = max(unshaped median, busiest link direction x 1514/1448 / rate), x limit =
     median / limit, and the issue's targets met or missed, in the markdown and the JSON; the
     JSON rebuilds the same report."""
-    tp = _load("throughput")
+    tp = load_benchmark("throughput")
     md, js = tmp_path / "t.md", tmp_path / "t.json"
     args = tp._args(["--rates", "100,400", "--out-md", str(md), "--out-json", str(js)])
     m = MiB
@@ -135,8 +120,8 @@ def test_throughput_limit_column_and_issue_targets(tmp_path):
     assert strip(again.read_text()) == strip(text)
 
 
-def test_throughput_without_unshaped_pass_has_no_limit(tmp_path):
-    tp = _load("throughput")
+def test_throughput_without_unshaped_pass_has_no_limit(load_benchmark, tmp_path):
+    tp = load_benchmark("throughput")
     args = tp._args(["--rates", "100", "--no-limit", "--out-md", str(tmp_path / "t.md")])
     assert args.limit is False
     run = _tp_run([1.0], [m := MiB, m], [["g", "all_to_all", m, 0]])
@@ -148,14 +133,14 @@ def test_throughput_without_unshaped_pass_has_no_limit(tmp_path):
     assert "ZeRO++ (all) at 100 Mbit/s: 1.00x zero3-bf16 (target >= 4.0x: NOT met)" in text
 
 
-def test_throughput_rejects_unknown_variants():
-    tp = _load("throughput")
+def test_throughput_rejects_unknown_variants(load_benchmark):
+    tp = load_benchmark("throughput")
     with pytest.raises(SystemExit):
         tp._args(["--variants", "zero3,turbo"])
 
 
-def test_convergence_verdicts_against_their_references(tmp_path):
-    cv = _load("convergence")
+def test_convergence_verdicts_against_their_references(load_benchmark, tmp_path):
+    cv = load_benchmark("convergence")
     args = cv._args(
         ["--steps", "10", "--results", str(tmp_path / "r.json"), "--out-md", str(tmp_path / "c.md")]
     )
@@ -187,14 +172,16 @@ def test_convergence_verdicts_against_their_references(tmp_path):
     assert (tmp_path / "convergence_zeropp.png").exists()
 
 
-def test_quant_error_checkpoint_takes_a_wrapped_state_dict_and_refuses_an_empty_one(tmp_path):
+def test_quant_error_checkpoint_takes_a_wrapped_state_dict_and_refuses_an_empty_one(
+    load_benchmark, tmp_path
+):
     """``quant_error --checkpoint``: a checkpoint wrapping the model's state_dict (``{"model":
     sd, "optim": ...}``, qshard.train's per-rank files) gives the model's weights, not the
     optimizer's; a file with no weight to add is refused naming what it holds (both were left
     out of the report without a word)."""
     import torch
 
-    qe = _load("quant_error")
+    qe = load_benchmark("quant_error")
     model = torch.nn.Linear(128, 64)
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 128)).sum().backward()

@@ -4,7 +4,6 @@ cleanup, and the report's grouping on synthetic per-rank numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -15,13 +14,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture(scope="module")
-def sp():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("_bench_step_profile", BENCH / "step_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def sp(load_benchmark):
+    return load_benchmark("step_profile")
 
 
 def test_exclusive_times_subtract_nested_ranges(sp):

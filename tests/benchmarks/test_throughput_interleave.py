@@ -14,13 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.benchmarks.test_reports import _load
 from tests.benchmarks.test_throughput_limits import _data
 
 
 @pytest.fixture(scope="module")
-def tp():
-    return _load("throughput")
+def tp(load_benchmark):
+    return load_benchmark("throughput")
 
 
 def test_round_schedule_rotates_and_skips_finished_variants(tp):
@@ -50,8 +49,8 @@ def test_round_schedule_no_variant_always_follows_the_same_one(tp):
 
 
 @given(st.lists(st.integers(min_value=0, max_value=12), max_size=7))
-def test_round_schedule_times_every_step_exactly_once_in_order(steps):
-    tp = _load("throughput")
+def test_round_schedule_times_every_step_exactly_once_in_order(load_benchmark, steps):
+    tp = load_benchmark("throughput")
     rounds = tp.round_schedule(steps)
     pairs = [p for r in rounds for p in r]
     assert sorted(pairs) == [(v, i) for v, n in enumerate(steps) for i in range(n)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.test_reports import _load, _tp_run
+from tests.benchmarks.test_reports import _tp_run
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -20,13 +20,13 @@ WIRE = 1514 / 1448  # (MTU+14)/(MTU-52) at MTU 1500
 
 
 @pytest.fixture(scope="module")
-def tp():
-    return _load("throughput")
+def tp(load_benchmark):
+    return load_benchmark("throughput")
 
 
 @pytest.fixture(scope="module")
-def lim():
-    return _load("_limits")
+def lim(load_benchmark):
+    return load_benchmark("_limits")
 
 
 def _run(times, node_tx, by_tag, phase_times=None):
@@ -236,14 +236,14 @@ def test_an_unmapped_tag_stops_the_phase_limit_and_names_the_fix(tp, lim, tmp_pa
 # --optimizer.
 
 
-def test_optimizer_flag_parses_and_defaults_to_fused(tp):
+def test_optimizer_flag_parses_and_defaults_to_fused(load_benchmark, tp):
     args = tp._args([])
     assert args.optimizer == "fused" and args.optimizer_given is False
     args = tp._args(["--optimizer", "default"])
     assert args.optimizer == "default" and args.optimizer_given is True
     with pytest.raises(SystemExit):
         tp._args(["--optimizer", "lion"])
-    sp = _load("step_profile")
+    sp = load_benchmark("step_profile")
     assert sp._args([]).optimizer == "fused"
     assert sp._args(["--optimizer", "foreach"]).optimizer == "foreach"
 

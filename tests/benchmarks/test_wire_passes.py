@@ -4,33 +4,19 @@ run is also a bit-exactness check on the model's real shard layout."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("_bench_wire_passes", BENCH / "wire_passes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 2), (3, 1), (1, 3)])
-def test_wire_passes_small(tmp_path, nodes, per_node):
+def test_wire_passes_small(load_benchmark, tmp_path, nodes, per_node):
     out = tmp_path / "wire.md"
     argv = ["--n-layer", "1", "--n-embd", "40", "--n-head", "2", "--context", "8"]
     argv += ["--nodes", str(nodes), "--ranks-per-node", str(per_node), "--block-size", "16"]
-    assert _load().main([*argv, "--repeat", "1", "--out-md", str(out)]) == 0
+    assert load_benchmark("wire_passes").main([*argv, "--repeat", "1", "--out-md", str(out)]) == 0
     text = out.read_text()
     assert "all five, per rank and step" in text and "Same bytes and values" in text
 
 
-def test_wire_passes_refuses_bad_arguments():
+def test_wire_passes_refuses_bad_arguments(load_benchmark):
     with pytest.raises(SystemExit):
-        _load().main(["--nodes", "0"])
+        load_benchmark("wire_passes").main(["--nodes", "0"])

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
+from torch import nn
 
 
 def assert_same_bits(a, b, where) -> None:
@@ -15,3 +19,43 @@ def assert_same_bits(a, b, where) -> None:
         if v.dtype == torch.float32:
             v, w = v.view(torch.int32), w.view(torch.int32)
         assert torch.equal(v, w), (where, k)
+
+
+# [Note: loading foreign state_dicts] in qshard.optim: the 8- and 4-bit optimizers' tests.
+
+
+def continue_from_torch(cls, torch_cls, kw, *, steps):
+    """A ``torch_cls(**kw)`` state_dict loaded into ``cls(**kw)``: torch steps the first of two
+    (64, 128) parameters once, ``cls`` loads its state_dict over copies of both, then both take
+    ``steps`` steps on the same gradients. Returns (torch's parameters, ours, our optimizer, the
+    state_dict loaded); only the first parameter came with state."""
+    gen = torch.Generator().manual_seed(0)
+    ps = [nn.Parameter(torch.randn(64, 128, generator=gen)) for _ in range(2)]
+    ref = torch_cls(ps, **kw)
+    ps[0].grad = torch.randn(64, 128, generator=gen)
+    ref.step()
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    ours = cls(qs, **kw)
+    sd = copy.deepcopy(ref.state_dict())
+    ours.load_state_dict(sd)
+    for _ in range(steps):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ref.step()
+        ours.step()
+    return ps, qs, ours, sd
+
+
+def assert_torch_option_refused(cls, torch_cls, kw, option) -> None:
+    """A ``torch_cls`` state_dict with ``kw`` set, an option ``cls`` does not implement, is
+    refused naming ``option`` and loads nothing (it used to load and step without it)."""
+    p = nn.Parameter(torch.randn(64, 128))
+    ref = torch_cls([p], lr=1e-2, **kw)
+    p.grad = torch.randn_like(p)
+    ref.step()
+    ours = cls([p], lr=1e-2)
+    before = copy.deepcopy(ours.state_dict())
+    with pytest.raises(ValueError, match=f"{option}.*does not implement"):
+        ours.load_state_dict(ref.state_dict())
+    assert ours.state_dict() == before  # nothing loaded

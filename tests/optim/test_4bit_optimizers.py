@@ -14,6 +14,8 @@ from qshard import optim as qoptim
 from qshard.optim import _qstate4
 from qshard.optim.adam4bit import Adam4bit, AdamW4bit
 
+from ._helpers import assert_torch_option_refused, continue_from_torch
+
 # ------------------------------------------------------------------------------------------
 # Trajectories vs torch.optim.
 
@@ -262,7 +264,7 @@ def test_train_estimate_matches_the_state_it_creates():
     """`qshard train --optim adamw4bit`'s memory estimate is the state AdamW4bit really keeps
     (the app's default GPT, one rank; only the 4-byte step counters are not estimated)."""
     from qshard.train._parallel import build_optimizer
-    from qshard.train._summary import _fp32_state_params
+    from qshard.train._summary import _state_sizes
     from qshard.train.config import TrainConfig
     from qshard.train.estimate import estimate_memory
     from qshard.train.model import GPT, GPTConfig
@@ -282,7 +284,7 @@ def test_train_estimate_matches_the_state_it_creates():
         ranks_per_node=1,
         features=frozenset(),
         optim="adamw4bit",
-        fp32_state_params=_fp32_state_params(model, config),
+        fp32_state_params=_state_sizes(model, config)["fp32_state_params"],
     )["optimizer state (adamw4bit)"]
     measured = qoptim.optimizer_state_bytes(opt)
     assert abs(measured - est) <= 4 * len(opt.state), (measured, est)
@@ -292,28 +294,12 @@ def test_foreign_state_dicts_load_where_they_mean_the_same_and_are_refused_other
     # [Note: loading foreign state_dicts]: before, torch.optim.AdamW's groups loaded without
     # optim_bits & co (KeyError at the first parameter without state), amsgrad=True was
     # silently dropped, and an 8-bit optimizer's state failed only at the step.
-    gen = torch.Generator().manual_seed(0)
-    ps = [nn.Parameter(torch.randn(64, 128, generator=gen)) for _ in range(2)]
-    ref = torch.optim.AdamW(ps, lr=1e-2)
-    ps[0].grad = torch.randn(64, 128, generator=gen)
-    ref.step()
-    qs = [nn.Parameter(p.detach().clone()) for p in ps]
-    ours = AdamW4bit(qs, lr=1e-2)
-    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
-    for _ in range(2):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        ref.step()
-        ours.step()
+    ps, qs, ours, _ = continue_from_torch(AdamW4bit, torch.optim.AdamW, dict(lr=1e-2), steps=2)
     assert torch.equal(qs[0], ps[0])  # its fp32 state, stepped as torch's
     assert "exp_avg_codes" in ours.state[qs[1]]
+    assert_torch_option_refused(Adam4bit, torch.optim.Adam, dict(amsgrad=True), "amsgrad")
     p = nn.Parameter(torch.randn(64, 128))
-    ams = torch.optim.Adam([p], amsgrad=True)
     p.grad = torch.randn_like(p)
-    ams.step()
-    with pytest.raises(ValueError, match=r"amsgrad.*does not implement"):
-        Adam4bit([p]).load_state_dict(ams.state_dict())
     eight = qoptim.AdamW8bit([p])
     eight.step()
     with pytest.raises(ValueError, match=r"min_8bit_size.*another optimizer"):

@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+# The layout's arithmetic lives torch-free in qshard._layout (qshard.train.estimate prices
+# state with it); the 8- and 4-bit optimizers reach it through this module.
+from qshard._layout import blocks_per_row, row_view
 from qshard.optim import _kernels
 from qshard.quant import _codetable
 from qshard.quant.dynamic import dynamic_map, quantize_codebook
@@ -114,21 +117,6 @@ class Rounding:
         f |= _kernels.FLAG_BNB_SIGN_NUDGE if self.bnb_sign_nudge else 0
         f |= _kernels.FLAG_STOCHASTIC if self.stochastic else 0
         return f
-
-
-def row_view(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """(rows, row_numel) of a tensor shape under [Note: row-block layout]."""
-    if len(shape) == 0:
-        return 1, 1
-    rows = int(shape[0])
-    row_numel = 1
-    for d in shape[1:]:
-        row_numel *= int(d)
-    return rows, row_numel
-
-
-def blocks_per_row(row_numel: int, block_size: int) -> int:
-    return -(-row_numel // block_size)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ import functools
 import torch
 from torch import Tensor
 
+from qshard._layout import blocks_per_row, row_view
+from qshard._layout import packed_row as packed_row  # adam4bit sizes its codes with it
 from qshard.optim import _functional
-from qshard.optim._qstate import QMap, blocks_per_row, row_view
+from qshard.optim._qstate import QMap
 from qshard.quant import _codetable
 from qshard.quant.dynamic import dynamic_map, linear_map
 
@@ -89,11 +91,6 @@ def symmetric_signed(q: QMap) -> bool:
     return bool(
         c.numel() == 16 and c[7] == 0 and c[15] == 1 and torch.equal(c[:7], -c[8:15].flip(0))
     )
-
-
-def packed_row(row_numel: int) -> int:
-    """Bytes per row of packed codes."""
-    return (row_numel + 1) // 2
 
 
 def pack(codes: Tensor) -> Tensor:

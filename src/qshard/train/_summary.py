@@ -58,23 +58,20 @@ def _fp32_state(p: nn.Parameter, stable: Any) -> bool:
     return p.dim() < 2 or p.numel() < 4096 or p is stable
 
 
-def _fp32_state_params(model: nn.Module, config: TrainConfig) -> int:
-    stable = model.tok_emb.weight if config.stable_embedding else None  # type: ignore[union-attr]
-    return sum(p.numel() for p in model.parameters() if _fp32_state(p, stable))
-
-
 def _state_sizes(model: nn.Module, config: TrainConfig) -> dict[str, Any]:
     """``fp32_state_params`` and, for the 8-/4-bit optimizers, ``quantized_state`` (bytes, by
     each parameter's rows: [Note: state blocks are per row] in qshard.train.estimate)."""
     stable = model.tok_emb.weight if config.stable_embedding else None  # type: ignore[union-attr]
-    params = list(model.parameters())
-    sizes: dict[str, Any] = {"fp32_state_params": _fp32_state_params(model, config)}
-    if config.optim in ("adamw8bit", "adamw4bit"):
-        sizes["quantized_state"] = sum(
-            quantized_state_bytes(config.optim, tuple(p.shape))
-            for p in params
-            if not _fp32_state(p, stable)
-        )
+    quantized = config.optim in ("adamw8bit", "adamw4bit")
+    fp32_state_params = quantized_state = 0
+    for p in model.parameters():
+        if _fp32_state(p, stable):
+            fp32_state_params += p.numel()
+        elif quantized:
+            quantized_state += quantized_state_bytes(config.optim, tuple(p.shape))
+    sizes: dict[str, Any] = {"fp32_state_params": fp32_state_params}
+    if quantized:
+        sizes["quantized_state"] = quantized_state
     return sizes
 
 

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qshard._layout import blocks_per_row, packed_row, row_view
+
 __all__ = [
     "CommEstimate",
     "ddp_allreduce_bytes",
@@ -81,16 +83,14 @@ def quantized_state_bytes(optim: str, shape: tuple[int, ...]) -> int:
     bytes an element per state, not the ``4 / 256`` of a flat layout (and 4-bit codes round up
     to whole bytes per row). The per-parameter constants of
     :func:`optimizer_state_bytes_per_param` are the large-row limit; this is the layout itself
-    (:mod:`qshard.optim._qstate`, [Note: 4-bit layout] in :mod:`qshard.optim._qstate4`).
+    (:mod:`qshard._layout`: [Note: row-block layout] in :mod:`qshard.optim._qstate`, [Note: 4-bit
+    layout] in :mod:`qshard.optim._qstate4`).
     """
     if optim not in _STATE_BLOCK:
         raise ValueError(f"optim must be one of {list(_STATE_BLOCK)}; got {optim!r}")
-    rows = int(shape[0]) if len(shape) else 1
-    row_numel = 1
-    for dim in shape[1:]:
-        row_numel *= int(dim)
-    absmax = rows * -(-row_numel // _STATE_BLOCK[optim]) * 4
-    codes = rows * (row_numel if optim == "adamw8bit" else -(-row_numel // 2))
+    rows, row_numel = row_view(shape)
+    absmax = rows * blocks_per_row(row_numel, _STATE_BLOCK[optim]) * 4
+    codes = rows * (row_numel if optim == "adamw8bit" else packed_row(row_numel))
     return 2 * (codes + absmax)
 
 
