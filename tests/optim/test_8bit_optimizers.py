@@ -14,6 +14,8 @@ from qshard import optim as qoptim
 from qshard.nn import StableEmbedding
 from qshard.optim import _qstate
 
+from ._helpers import assert_torch_option_refused, continue_from_torch
+
 # ------------------------------------------------------------------------------------------
 # Trajectories vs torch.optim.
 
@@ -551,7 +553,7 @@ def test_the_sparse_gradient_error_names_an_optimizer_that_takes_them(cls, alter
 
 # ------------------------------------------------------------------------------------------
 # Loading state_dicts written by torch.optim or by another optimizer
-# ([Note: loading foreign state_dicts] in _base8bit.py).
+# ([Note: loading foreign state_dicts] in qshard/optim/_state_dict.py).
 
 
 @pytest.mark.parametrize(
@@ -567,23 +569,8 @@ def test_the_sparse_gradient_error_names_an_optimizer_that_takes_them(cls, alter
 def test_a_torch_optim_state_dict_loads_and_continues_as_torch(cls, torch_cls, kw):
     # Before: the loaded groups lacked optim_bits & co (KeyError at the first parameter without
     # state) and torch.optim.SGD's states lacked 'step' (KeyError 'step').
-    gen = torch.Generator().manual_seed(0)
-    stepped, fresh = (torch.randn(64, 128, generator=gen) for _ in range(2))
-    ps = [nn.Parameter(stepped.clone()), nn.Parameter(fresh.clone())]
-    ref = torch_cls(ps, **kw)
-    ps[0].grad = torch.randn(64, 128, generator=gen)
-    ref.step()  # only the first parameter has state
-    qs = [nn.Parameter(p.detach().clone()) for p in ps]
-    ours = cls(qs, **kw)
-    sd = copy.deepcopy(ref.state_dict())
-    ours.load_state_dict(sd)
+    ps, qs, ours, sd = continue_from_torch(cls, torch_cls, kw, steps=3)
     assert ours.param_groups[0]["optim_bits"] == 8
-    for _ in range(3):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        ref.step()
-        ours.step()
     assert torch.equal(qs[0], ps[0])  # the loaded fp32 state steps as torch's
     if 1 not in sd["state"]:  # (torch.optim.Adagrad makes every state at construction)
         first_state = ours._state_specs(ours.param_groups[0])[0][0]
@@ -603,15 +590,7 @@ def test_a_torch_optim_state_dict_loads_and_continues_as_torch(cls, torch_cls, k
 )
 def test_a_state_dict_with_options_we_do_not_implement_is_refused(cls, torch_cls, kw, option):
     # Before: loaded and silently stepped without the option.
-    p = nn.Parameter(torch.randn(64, 128))
-    ref = torch_cls([p], lr=1e-2, **kw)
-    p.grad = torch.randn_like(p)
-    ref.step()
-    ours = cls([p], lr=1e-2)
-    before = copy.deepcopy(ours.state_dict())
-    with pytest.raises(ValueError, match=f"{option}.*does not implement"):
-        ours.load_state_dict(ref.state_dict())
-    assert ours.state_dict() == before  # nothing loaded
+    assert_torch_option_refused(cls, torch_cls, kw, option)
 
 
 def test_a_state_dict_of_another_qshard_optimizer_is_refused_at_load():
@@ -630,3 +609,12 @@ def test_a_state_dict_of_another_qshard_optimizer_is_refused_at_load():
     del bad["state"][0]["step"]
     with pytest.raises(ValueError, match="no 'step'"):
         qoptim.AdamW8bit([p]).load_state_dict(bad)
+
+
+def test_named_param_groups_are_taken_as_torch_takes_them():
+    """torch.optim groups may carry ``param_names`` (named_parameters() builds them); an explicit
+    one in add_param_group was refused as an unknown option."""
+    p, q = nn.Parameter(torch.randn(64, 128)), nn.Parameter(torch.randn(64, 128))
+    opt = qoptim.AdamW8bit([{"params": [p], "param_names": ["p"]}])
+    opt.add_param_group({"params": [q], "param_names": ["q"]})
+    assert [g["param_names"] for g in opt.state_dict()["param_groups"]] == [["p"], ["q"]]

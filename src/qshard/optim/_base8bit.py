@@ -1,7 +1,11 @@
-"""The shared machinery of the 8-bit optimizers: options, state creation and layout, the step loop
-over plain and FSDP2 (DTensor) parameters, and checkpoint handling. The part that does not
-depend on the state format (:class:`BlockwiseOptimizer`: step loop, fp32-state batching,
-``load_state_dict``) also carries the 4-bit optimizers (``adam4bit.py``).
+"""The shared machinery of the 8-bit optimizers: state creation, the step loop over plain and
+FSDP2 (DTensor) parameters and its dispatch to the kernels, the fp32-state path through torch's
+own updates, and checkpoint loading. The part that does not depend on the state format
+(:class:`BlockwiseOptimizer`: step loop, fp32-state batching, ``load_state_dict``) also carries
+the 4-bit optimizers (``adam4bit.py``). Its helpers live in sibling modules, one job each:
+``_options.py`` (the common options and their checks), ``_state_layout.py`` (local shards,
+state dtypes and the quantized-layout check), ``_multi_tensor.py`` (the entries of one
+multi-tensor kernel call) and ``_state_dict.py`` (checking a foreign state_dict before it loads).
 
 A concrete optimizer only says which states it keeps and supplies its update: a pure function
 from :mod:`qshard.optim._functional` (reference path) and its hyperparameters for the fused
@@ -27,260 +31,45 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from qshard import _replicas, _triton
-from qshard.optim import _kernels, _qstate
+from qshard.optim import _kernels, _qstate, _state_dict
+
+# The names imported from _multi_tensor, _options and _state_layout were defined here before
+# those modules were split off; they stay importable from here (adam4bit.py, tests/ and
+# benchmarks/ imported some), hence re-exported (noqa: F401) where this module does not use them.
+from qshard.optim._multi_tensor import (  # noqa: F401
+    _advance_steps,
+    _hparam_table,
+    _Item,
+    _kernel_takes,
+    _multi_tensor_entry,
+    _QuantizedPlan,
+)
+from qshard.optim._options import (  # noqa: F401
+    COMMON_DEFAULTS,
+    SCHEDULER_KEYS,
+    _check_lr,
+    _check_placements,
+    _check_real,
+    check_common_options,
+)
 from qshard.optim._overrides import is_full_precision_param
-
-__all__ = ["BlockwiseOptimizer", "Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
-
-#: Options every 8-bit optimizer accepts, per parameter group.
-COMMON_DEFAULTS: dict[str, Any] = {
-    # 8: quantized state for eligible tensors; 32: fp32 state for the whole group.
-    "optim_bits": 8,
-    # Tensors with fewer elements (global count) keep fp32 state.
-    "min_8bit_size": 4096,
-    # Elements per absmax block, 1..4096 (256 default; the paper used 2048).
-    "block_size": 256,
-    # Reproduce bitsandbytes' CUDA rounding (no second-moment floor, sign nudge, -0.0 kept).
-    "bnb_compat": False,
-    # Stochastic instead of nearest rounding of the states.
-    "stochastic_rounding": False,
-}
-
-
-#: Keys torch's LR schedulers write into param groups (``LRScheduler``: ``initial_lr``;
-#: ``OneCycleLR``/``CyclicLR``: the others; ``swa_utils.SWALR``: ``swa_lr``). They are not
-#: options of ours, but a group carries them as in ``torch.optim`` (a scheduler resumed with
-#: ``last_epoch`` reads ``initial_lr``), so a checkpoint of a scheduled run loads.
-SCHEDULER_KEYS = frozenset(
-    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+from qshard.optim._state_layout import (  # noqa: F401
+    _check_layout,
+    _contiguous_stride,
+    _full_state_dtype,
+    _global_row_offset,
+    _layout_fits,
+    _local,
+    _wrap_like,
 )
 
-#: A parameter met by ``step``: its index in the group, the parameter, its state.
-_Item = tuple[int, Tensor, dict[str, Any]]
-
-
-@dataclass
-class _QuantizedPlan:
-    """A group's quantized tensors for one step, their layouts checked: ``batch`` for one
-    multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``rest`` for
-    :meth:`BlockwiseOptimizer._step_param` one by one."""
-
-    batch: list[_Item] = field(default_factory=list)
-    rows: list[list[int]] = field(default_factory=list)
-    grads: list[Tensor] = field(default_factory=list)
-    rest: list[_Item] = field(default_factory=list)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(stride))
-
-
-def _check_lr(lr: Any, name: str) -> None:
-    if isinstance(lr, Tensor):
-        raise ValueError(
-            f"{name}: lr must be a Python float, not a Tensor (the update reads it as a number; "
-            f"pass lr=float(lr)); got {lr!r}"
-        )
-    if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr >= 0:  # NaN too
-        raise ValueError(f"{name}: lr must be a float >= 0; got {lr!r}")
-
-
-def _check_real(params: Iterable[Tensor], name: str) -> None:
-    for p in params:
-        if p.is_complex():
-            # the fp32 copy of a complex tensor is its real part: the update would zero the
-            # imaginary part without a word
-            raise ValueError(
-                f"{name} does not take complex parameters (got {p.dtype}, shape "
-                f"{tuple(p.shape)}); register torch.view_as_real(p) as the parameter or use "
-                f"torch.optim for it"
-            )
-
-
-def _check_layout(
-    name: str,
-    p: Tensor,
-    codes: list[Tensor],
-    absmax: list[Tensor],
-    codes_shape: tuple[int, ...],
-    block_size: int,
-) -> None:
-    """Refuse quantized state whose layout no longer fits ``p`` and the group's ``block_size``
-    (the group option changed after the state was made, or state loaded from another shape):
-    the kernels index it by raw pointer, so a mismatch wrote out of bounds."""
-    rows, row_numel = _qstate.row_view(p.shape)
-    want_absmax = (rows, _qstate.blocks_per_row(row_numel, block_size))
-    for c, a in zip(codes, absmax):
-        if (
-            tuple(c.shape) != codes_shape
-            or tuple(a.shape) != want_absmax
-            or c.dtype != torch.uint8
-            or a.dtype != torch.float32
-            or not (c.is_contiguous() and a.is_contiguous())
-        ):
-            raise RuntimeError(
-                f"{name}: the quantized state of a parameter of (local) shape {tuple(p.shape)} "
-                f"does not fit block_size={block_size}: codes {c.dtype} {tuple(c.shape)}, absmax "
-                f"{a.dtype} {tuple(a.shape)}; expected uint8 {codes_shape} and float32 "
-                f"{want_absmax}. The layout is fixed when the state is created: keep the "
-                f"group's block_size (and the checkpoint's parameter shapes), or start from "
-                f"fresh state"
-            )
-
-
-def _check_placements(p: DTensor, what: str = "8-bit optimizer state") -> None:
-    for pl in p.placements:
-        if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
-            raise NotImplementedError(
-                f"{what} supports DTensor parameters sharded on dim 0 (FSDP2/HSDP)"
-                f" or replicated; got placements {p.placements}. Use optim_bits=32 for this "
-                f"parameter group."
-            )
-
-
-def _wrap_like(p: Tensor, local: Tensor, global_shape: tuple[int, ...]) -> Tensor:
-    if not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(
-        local,
-        p.device_mesh,
-        p.placements,
-        run_check=False,
-        shape=torch.Size(global_shape),
-        stride=_contiguous_stride(global_shape),
-    )
-
-
-def _advance_steps(items: list[_Item]) -> list[int]:
-    """Add one to the step counters of ``items`` (``(index, parameter, state)``; one foreach
-    call, as ``torch.optim``'s fused AdamW) and return the new counts."""
-    counters = [state["step"] for _, _, state in items]
-    torch._foreach_add_(counters, 1)
-    return [int(s) for s in torch.stack(counters).tolist()]
-
-
-def _hparam_table(
-    steps: list[int], hparams: Callable[[int], list[float]]
-) -> tuple[Tensor, list[int]]:
-    """The fp32 hyperparameter rows of a multi-tensor kernel call: one row per distinct step
-    count (usually one for a whole group), padded with zeros, and each step's row address."""
-    at: dict[int, int] = {}
-    lists: list[list[float]] = []
-    for step in steps:
-        if step not in at:
-            at[step] = len(lists)
-            lists.append(hparams(step))
-    width = max(len(h) for h in lists) + 8  # the zeros the kernels may read past the last
-    table = torch.tensor([h + [0.0] * (width - len(h)) for h in lists], dtype=torch.float32)
-    base = table.data_ptr()
-    return table, [base + 4 * width * at[step] for step in steps]
-
-
-def _kernel_takes(p_l: Tensor, g_l: Tensor) -> bool:
-    """Whether the CPU kernel steps the local parameter ``p_l`` in place: a non-empty fp32
-    contiguous CPU tensor whose gradient ``g_l`` is a CPU tensor of its shape (the entry makes
-    an fp32 contiguous copy of a gradient that is not)."""
-    return (
-        p_l.dtype == torch.float32
-        and p_l.is_cpu  # (8x cheaper than .device.type: a step asks this of every tensor)
-        and g_l.is_cpu
-        and p_l.is_contiguous()
-        and g_l.shape == p_l.shape
-        and p_l.numel() > 0
-    )
-
-
-def _layout_fits(
-    codes_shape: tuple[int, ...],
-    codes: list[Tensor],
-    absmax: list[Tensor],
-    absmax_shape: tuple[int, int],
-) -> bool:
-    """The quick form of :func:`_check_layout`'s test (which says what does not fit)."""
-    for c, a in zip(codes, absmax):
-        if not (
-            c.dtype == torch.uint8
-            and a.dtype == torch.float32
-            and c.shape == codes_shape
-            and a.shape == absmax_shape
-            and c.is_contiguous()
-            and a.is_contiguous()
-        ):
-            return False
-    return True
-
-
-def _multi_tensor_entry(
-    name: str,
-    p: Tensor,
-    state: dict[str, Any],
-    states: list[str],
-    block_size: int,
-    packed_row: Callable[[int], int] | None = None,
-) -> tuple[list[int], Tensor] | None:
-    """``p``'s entry of a multi-tensor kernel call (``tensor_t`` / ``tensor4_t`` up to the
-    hyperparameters): the addresses of p, g and the (one or two) ``states``' codes and absmax,
-    rows, row_numel; with the gradient it points at (an fp32 contiguous copy where the
-    gradient is not: keep it until the call). None when the kernel does not take ``p``
-    (``_kernel_takes``) or the Triton kernel does (``_triton.serves``, also patched by tests).
-    A state whose layout does not fit is refused by :func:`_check_layout`. ``packed_row``: the
-    code bytes of a row (4-bit: two codes a byte), else one per element."""
-    p_l, g_l = _local(p), _local(p.grad)
-    if _triton.serves(p_l) or not _kernel_takes(p_l, g_l):  # the Triton kernel's tensors first
-        return None
-    if g_l.dtype != torch.float32 or not g_l.is_contiguous():
-        g_l = g_l.float().contiguous()
-    codes = [_local(state[f"{n}_codes"]) for n in states]
-    absmax = [_local(state[f"{n}_absmax"]) for n in states]
-    rows, row_numel = _qstate.row_view(p_l.shape)
-    codes_shape = p_l.shape if packed_row is None else (rows, packed_row(row_numel))
-    absmax_shape = (rows, _qstate.blocks_per_row(row_numel, block_size))
-    if not _layout_fits(codes_shape, codes, absmax, absmax_shape):
-        _check_layout(name, p_l, codes, absmax, tuple(codes_shape), block_size)
-        return None  # (not reached: the check says what does not fit)
-    two = len(states) == 2
-    row = [
-        p_l.data_ptr(),
-        g_l.data_ptr(),
-        codes[0].data_ptr(),
-        absmax[0].data_ptr(),
-        codes[1].data_ptr() if two else 0,
-        absmax[1].data_ptr() if two else 0,
-        rows,
-        row_numel,
-    ]
-    return row, g_l
-
-
-def _global_row_offset(p: Tensor) -> int:
-    if not isinstance(p, DTensor):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return int(offset[0]) if len(offset) else 0
-
-
-def _full_state_dtype(p: Tensor) -> torch.dtype:
-    """The dtype of ``p``'s full-precision state and update math: fp64 for an fp64 parameter
-    (as ``torch.optim``; fp32 math would round the parameter to fp32 every step), else fp32."""
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
+__all__ = ["BlockwiseOptimizer", "Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
 
 
 def _steps_off_device(params: list[Tensor]) -> bool:
@@ -348,7 +137,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     # -- options ----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        unknown = sorted(set(param_group) - set(self.defaults) - {"params"} - SCHEDULER_KEYS)
+        unknown = sorted(
+            set(param_group) - set(self.defaults) - {"params", "param_names"} - SCHEDULER_KEYS
+        )
         if unknown:
             raise ValueError(
                 f"{type(self).__name__}: unknown param-group option(s) {unknown}; known options:"
@@ -388,73 +179,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def _checked_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with its param groups and states made loadable, or an error that says
-        why not, before anything is loaded."""
-        # [Note: loading foreign state_dicts]
-        # torch's load_state_dict replaces each group's options by the saved ones, unchecked.
-        # A state_dict of torch.optim (or of another qshard optimizer) then left groups without
-        # our options (KeyError 'optim_bits' at the first tensor without state), with options
-        # we do not implement silently ignored (a saved amsgrad=True or maximize=True stepped
-        # as plain Adam), and SGD states without the 'step' counter our step loop reads
-        # (KeyError 'step'). So: torch-only options load only at their neutral value (and are
-        # dropped); any other unknown option is refused (state saved by another optimizer);
-        # options the saved group lacks keep this optimizer's current value (as torch's own
-        # __setstate__ fills options added after a checkpoint was written); the result passes
-        # the checks add_param_group runs; a state without 'step' gets the count
-        # _missing_step gives or is refused; None entries (torch's absent buffers) are dropped;
-        # a one-element tensor lr (torch's, for fused/capturable) becomes the float we read;
-        # the keys LR schedulers add (SCHEDULER_KEYS: every scheduled run's groups have
-        # initial_lr) load as they are.
-        # Loaded fp32 states stay fp32: a tensor's state format is recorded in its state.
-        name = type(self).__name__
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            return state_dict  # torch's own error
-        neutral = self._neutral_options()
-        groups = []
-        for gi, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
-            extra = set(saved) - set(self.defaults) - {"params", "param_names"} - SCHEDULER_KEYS
-            unknown = sorted(k for k in extra if k not in neutral)
-            if unknown:
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {gi} has option(s) {unknown} that "
-                    f"{name} does not take (was the state_dict saved by another optimizer?); "
-                    f"known options: {sorted(self.defaults)}"
-                )
-            differ = {k: saved[k] for k in sorted(extra) if saved[k] != neutral[k]}
-            if differ:
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {gi} was saved with {differ}, which "
-                    f"{name} does not implement (it computes "
-                    f"{ {k: neutral[k] for k in differ} }); load it into an optimizer that "
-                    f"implements it"
-                )
-            group = {k: v for k, v in saved.items() if k not in extra}
-            for k, v in current.items():
-                if k not in group and k != "params":
-                    group[k] = v
-            lr = group.get("lr")
-            if isinstance(lr, Tensor) and lr.numel() == 1:  # torch's tensor lr; ours is a float
-                group["lr"] = float(lr)
-            try:
-                checked = {**group, "params": current["params"]}
-                self._validate_common(checked)
-                self._validate_group(checked)
-            except ValueError as e:
-                raise ValueError(f"{name}.load_state_dict: param group {gi}: {e}") from e
-            groups.append(group)
-        states = {}
-        for key, st in state_dict["state"].items():
-            st = {k: v for k, v in st.items() if v is not None}
-            if st and "step" not in st:
-                step = self._missing_step(st)
-                if step is None:
-                    raise ValueError(
-                        f"{name}.load_state_dict: the state of parameter {key} has no 'step' "
-                        f"counter (keys {sorted(st)}); {name} needs it"
-                    )
-                st["step"] = torch.tensor(float(step), dtype=torch.float32)
-            states[key] = st
-        return {**state_dict, "state": states, "param_groups": groups}
+        why not, before anything is loaded ([Note: loading foreign state_dicts] in
+        ``_state_dict.py``)."""
+        return _state_dict.checked_state_dict(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict`` keeping every state tensor's dtype.
@@ -463,7 +190,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         into floats and, for bf16 parameters, round absmax and fp32 states); here only the
         device follows the parameter, so a round trip is bit-exact. The saved groups' options
         are checked first, and a ``torch.optim`` state_dict loads where this optimizer computes
-        the same ([Note: loading foreign state_dicts]).
+        the same ([Note: loading foreign state_dicts] in ``_state_dict.py``).
         """
         state_dict = self._checked_state_dict(state_dict)
         saved = state_dict["state"]
@@ -726,32 +453,7 @@ class Optimizer8bit(BlockwiseOptimizer):
     # -- options ----------------------------------------------------------------------------
 
     def _validate_common(self, group: dict[str, Any]) -> None:
-        name = type(self).__name__
-        if group["optim_bits"] not in (8, 32):
-            raise ValueError(f"{name}: optim_bits must be 8 or 32; got {group['optim_bits']!r}")
-        size = group["min_8bit_size"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"{name}: min_8bit_size must be an int >= 0; got {size!r}")
-        bs = group["block_size"]
-        # (a bool is an int: block_size=True made blocks of one element, absmax per element)
-        if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= _kernels.MAX_BLOCK:
-            raise ValueError(
-                f"{name}: block_size must be an int in 1..{_kernels.MAX_BLOCK} (256 or 2048 are "
-                f"usual); got {bs!r}"
-            )
-        for flag in ("bnb_compat", "stochastic_rounding"):
-            if not isinstance(group[flag], bool):  # a config's "false" is truthy
-                raise ValueError(f"{name}: {flag} must be True or False; got {group[flag]!r}")
-        _check_lr(group["lr"], name)
-        _check_real(group["params"], name)
-        for p in group["params"]:
-            if isinstance(p, DTensor):
-                _check_placements(p)
-        for flag in ("foreach", "fused"):  # torch.optim's flags, where the optimizer takes them
-            if group.get(flag) not in (None, False, True):
-                raise ValueError(f"{name}: {flag} must be None, False or True; got {group[flag]!r}")
-        if group.get("foreach") and group.get("fused"):
-            raise ValueError(f"{name}: fused and foreach cannot both be True (as in torch.optim)")
+        check_common_options(group, type(self).__name__)
 
     # -- state ------------------------------------------------------------------------------
 

@@ -28,21 +28,12 @@ from torch.distributed.tensor import DTensor
 
 from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
-from qshard.optim._base8bit import (
-    BlockwiseOptimizer,
-    _check_layout,
-    _check_lr,
-    _check_placements,
-    _check_real,
-    _full_state_dtype,
-    _hparam_table,
-    _Item,
-    _local,
-    _multi_tensor_entry,
-    _wrap_like,
-)
+from qshard.optim._base8bit import BlockwiseOptimizer
+from qshard.optim._multi_tensor import _hparam_table, _Item, _multi_tensor_entry
+from qshard.optim._options import _check_lr, _check_placements, _check_real
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
+from qshard.optim._state_layout import _check_layout, _full_state_dtype, _local, _wrap_like
 from qshard.optim.adam8bit import adam_group_hparams, torch_adam_group
 
 __all__ = ["Adam4bit", "AdamW4bit"]

@@ -1,0 +1,124 @@
+"""The building blocks of one multi-tensor kernel call for a group's quantized tensors
+([Note: multi-tensor step] in ``qshard.optim._kernels``): which tensors the CPU kernel takes,
+each tensor's entry (addresses and sizes, its layout checked), the hyperparameter table, the
+step counters advanced together, and the plan that splits a group between the call and the
+one-by-one path. Shared by the 8-bit and 4-bit optimizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qshard import _triton
+from qshard.optim import _qstate
+from qshard.optim._state_layout import _check_layout, _layout_fits, _local
+
+__all__ = [
+    "_Item",
+    "_QuantizedPlan",
+    "_advance_steps",
+    "_hparam_table",
+    "_kernel_takes",
+    "_multi_tensor_entry",
+]
+
+#: A parameter met by ``step``: its index in the group, the parameter, its state.
+_Item = tuple[int, Tensor, dict[str, Any]]
+
+
+@dataclass
+class _QuantizedPlan:
+    """A group's quantized tensors for one step, their layouts checked: ``batch`` for one
+    multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``rest`` for
+    :meth:`BlockwiseOptimizer._step_param` one by one."""
+
+    batch: list[_Item] = field(default_factory=list)
+    rows: list[list[int]] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    rest: list[_Item] = field(default_factory=list)
+
+
+def _advance_steps(items: list[_Item]) -> list[int]:
+    """Add one to the step counters of ``items`` (``(index, parameter, state)``; one foreach
+    call, as ``torch.optim``'s fused AdamW) and return the new counts."""
+    counters = [state["step"] for _, _, state in items]
+    torch._foreach_add_(counters, 1)
+    return [int(s) for s in torch.stack(counters).tolist()]
+
+
+def _hparam_table(
+    steps: list[int], hparams: Callable[[int], list[float]]
+) -> tuple[Tensor, list[int]]:
+    """The fp32 hyperparameter rows of a multi-tensor kernel call: one row per distinct step
+    count (usually one for a whole group), padded with zeros, and each step's row address."""
+    at: dict[int, int] = {}
+    lists: list[list[float]] = []
+    for step in steps:
+        if step not in at:
+            at[step] = len(lists)
+            lists.append(hparams(step))
+    width = max(len(h) for h in lists) + 8  # the zeros the kernels may read past the last
+    table = torch.tensor([h + [0.0] * (width - len(h)) for h in lists], dtype=torch.float32)
+    base = table.data_ptr()
+    return table, [base + 4 * width * at[step] for step in steps]
+
+
+def _kernel_takes(p_l: Tensor, g_l: Tensor) -> bool:
+    """Whether the CPU kernel steps the local parameter ``p_l`` in place: a non-empty fp32
+    contiguous CPU tensor whose gradient ``g_l`` is a CPU tensor of its shape (the entry makes
+    an fp32 contiguous copy of a gradient that is not)."""
+    return (
+        p_l.dtype == torch.float32
+        and p_l.is_cpu  # (8x cheaper than .device.type: a step asks this of every tensor)
+        and g_l.is_cpu
+        and p_l.is_contiguous()
+        and g_l.shape == p_l.shape
+        and p_l.numel() > 0
+    )
+
+
+def _multi_tensor_entry(
+    name: str,
+    p: Tensor,
+    state: dict[str, Any],
+    states: list[str],
+    block_size: int,
+    packed_row: Callable[[int], int] | None = None,
+) -> tuple[list[int], Tensor] | None:
+    """``p``'s entry of a multi-tensor kernel call (``tensor_t`` / ``tensor4_t`` up to the
+    hyperparameters): the addresses of p, g and the (one or two) ``states``' codes and absmax,
+    rows, row_numel; with the gradient it points at (an fp32 contiguous copy where the
+    gradient is not: keep it until the call). None when the kernel does not take ``p``
+    (``_kernel_takes``) or the Triton kernel does (``_triton.serves``, also patched by tests).
+    A state whose layout does not fit is refused by :func:`_check_layout`. ``packed_row``: the
+    code bytes of a row (4-bit: two codes a byte), else one per element."""
+    p_l, g_l = _local(p), _local(p.grad)
+    if _triton.serves(p_l) or not _kernel_takes(p_l, g_l):  # the Triton kernel's tensors first
+        return None
+    if g_l.dtype != torch.float32 or not g_l.is_contiguous():
+        g_l = g_l.float().contiguous()
+    codes = [_local(state[f"{n}_codes"]) for n in states]
+    absmax = [_local(state[f"{n}_absmax"]) for n in states]
+    rows, row_numel = _qstate.row_view(p_l.shape)
+    codes_shape = p_l.shape if packed_row is None else (rows, packed_row(row_numel))
+    absmax_shape = (rows, _qstate.blocks_per_row(row_numel, block_size))
+    if not _layout_fits(codes_shape, codes, absmax, absmax_shape):
+        _check_layout(name, p_l, codes, absmax, tuple(codes_shape), block_size)
+        return None  # (not reached: the check says what does not fit)
+    two = len(states) == 2
+    row = [
+        p_l.data_ptr(),
+        g_l.data_ptr(),
+        codes[0].data_ptr(),
+        absmax[0].data_ptr(),
+        codes[1].data_ptr() if two else 0,
+        absmax[1].data_ptr() if two else 0,
+        rows,
+        row_numel,
+    ]
+    return row, g_l

@@ -1,0 +1,110 @@
+"""The options every 8-bit optimizer takes and their checks: :data:`COMMON_DEFAULTS`, the
+keys LR schedulers add to param groups (:data:`SCHEDULER_KEYS`), and the checks of a group's
+options and parameters (``lr``, real dtypes, DTensor placements; the 4-bit optimizers use
+these too). An error names the option, the value and what to pass instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from qshard.optim import _kernels
+
+__all__ = [
+    "COMMON_DEFAULTS",
+    "SCHEDULER_KEYS",
+    "_check_lr",
+    "_check_placements",
+    "_check_real",
+    "check_common_options",
+]
+
+#: Options every 8-bit optimizer accepts, per parameter group.
+COMMON_DEFAULTS: dict[str, Any] = {
+    # 8: quantized state for eligible tensors; 32: fp32 state for the whole group.
+    "optim_bits": 8,
+    # Tensors with fewer elements (global count) keep fp32 state.
+    "min_8bit_size": 4096,
+    # Elements per absmax block, 1..4096 (256 default; the paper used 2048).
+    "block_size": 256,
+    # Reproduce bitsandbytes' CUDA rounding (no second-moment floor, sign nudge, -0.0 kept).
+    "bnb_compat": False,
+    # Stochastic instead of nearest rounding of the states.
+    "stochastic_rounding": False,
+}
+
+
+#: Keys torch's LR schedulers write into param groups (``LRScheduler``: ``initial_lr``;
+#: ``OneCycleLR``/``CyclicLR``: the others; ``swa_utils.SWALR``: ``swa_lr``). They are not
+#: options of ours, but a group carries them as in ``torch.optim`` (a scheduler resumed with
+#: ``last_epoch`` reads ``initial_lr``), so a checkpoint of a scheduled run loads.
+SCHEDULER_KEYS = frozenset(
+    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+)
+
+
+def _check_lr(lr: Any, name: str) -> None:
+    if isinstance(lr, Tensor):
+        raise ValueError(
+            f"{name}: lr must be a Python float, not a Tensor (the update reads it as a number; "
+            f"pass lr=float(lr)); got {lr!r}"
+        )
+    if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr >= 0:  # NaN too
+        raise ValueError(f"{name}: lr must be a float >= 0; got {lr!r}")
+
+
+def _check_real(params: Iterable[Tensor], name: str) -> None:
+    for p in params:
+        if p.is_complex():
+            # the fp32 copy of a complex tensor is its real part: the update would zero the
+            # imaginary part without a word
+            raise ValueError(
+                f"{name} does not take complex parameters (got {p.dtype}, shape "
+                f"{tuple(p.shape)}); register torch.view_as_real(p) as the parameter or use "
+                f"torch.optim for it"
+            )
+
+
+def _check_placements(p: DTensor, what: str = "8-bit optimizer state") -> None:
+    for pl in p.placements:
+        if not (type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0)):
+            raise NotImplementedError(
+                f"{what} supports DTensor parameters sharded on dim 0 (FSDP2/HSDP)"
+                f" or replicated; got placements {p.placements}. Use optim_bits=32 for this "
+                f"parameter group."
+            )
+
+
+def check_common_options(group: dict[str, Any], name: str) -> None:
+    """Check the options of :data:`COMMON_DEFAULTS`, ``lr``, the parameters and torch's
+    ``foreach``/``fused`` flags of ``group`` (``Optimizer8bit._validate_common``); ``name``:
+    the optimizer's class name, for the errors."""
+    if group["optim_bits"] not in (8, 32):
+        raise ValueError(f"{name}: optim_bits must be 8 or 32; got {group['optim_bits']!r}")
+    size = group["min_8bit_size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"{name}: min_8bit_size must be an int >= 0; got {size!r}")
+    bs = group["block_size"]
+    # (a bool is an int: block_size=True made blocks of one element, absmax per element)
+    if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= _kernels.MAX_BLOCK:
+        raise ValueError(
+            f"{name}: block_size must be an int in 1..{_kernels.MAX_BLOCK} (256 or 2048 are "
+            f"usual); got {bs!r}"
+        )
+    for flag in ("bnb_compat", "stochastic_rounding"):
+        if not isinstance(group[flag], bool):  # a config's "false" is truthy
+            raise ValueError(f"{name}: {flag} must be True or False; got {group[flag]!r}")
+    _check_lr(group["lr"], name)
+    _check_real(group["params"], name)
+    for p in group["params"]:
+        if isinstance(p, DTensor):
+            _check_placements(p)
+    for flag in ("foreach", "fused"):  # torch.optim's flags, where the optimizer takes them
+        if group.get(flag) not in (None, False, True):
+            raise ValueError(f"{name}: {flag} must be None, False or True; got {group[flag]!r}")
+    if group.get("foreach") and group.get("fused"):
+        raise ValueError(f"{name}: fused and foreach cannot both be True (as in torch.optim)")
