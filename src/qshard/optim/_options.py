@@ -21,6 +21,7 @@ __all__ = [
     "_check_placements",
     "_check_real",
     "check_common_options",
+    "check_params_and_torch_flags",
 ]
 
 #: Options every 8-bit optimizer accepts, per parameter group.
@@ -99,10 +100,17 @@ def check_common_options(group: dict[str, Any], name: str) -> None:
         if not isinstance(group[flag], bool):  # a config's "false" is truthy
             raise ValueError(f"{name}: {flag} must be True or False; got {group[flag]!r}")
     _check_lr(group["lr"], name)
+    check_params_and_torch_flags(group, name, "8-bit optimizer state")
+
+
+def check_params_and_torch_flags(group: dict[str, Any], name: str, what: str) -> None:
+    """Real parameters, DTensors placed as the state's blocks need (``what`` names the state
+    in the error), and torch.optim's ``foreach``/``fused`` flags where the optimizer takes
+    them; shared by the 8- and 4-bit optimizers."""
     _check_real(group["params"], name)
     for p in group["params"]:
         if isinstance(p, DTensor):
-            _check_placements(p)
+            _check_placements(p, what)
     for flag in ("foreach", "fused"):  # torch.optim's flags, where the optimizer takes them
         if group.get(flag) not in (None, False, True):
             raise ValueError(f"{name}: {flag} must be None, False or True; got {group[flag]!r}")

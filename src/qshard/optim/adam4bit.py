@@ -24,13 +24,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
 from qshard.optim._base8bit import BlockwiseOptimizer
 from qshard.optim._multi_tensor import _hparam_table, _Item, _multi_tensor_entry
-from qshard.optim._options import _check_lr, _check_placements, _check_real
+from qshard.optim._options import _check_lr, check_params_and_torch_flags
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
 from qshard.optim._state_layout import _check_layout, _full_state_dtype, _local, _wrap_like
@@ -126,15 +125,7 @@ class Adam4bit(BlockwiseOptimizer):
                 f"{name}: eps and weight_decay must be >= 0; got eps={group['eps']!r}, "
                 f"weight_decay={group['weight_decay']!r}"
             )
-        _check_real(group["params"], name)
-        for p in group["params"]:
-            if isinstance(p, DTensor):
-                _check_placements(p, f"{name}: 4-bit state")
-        for flag in ("foreach", "fused"):  # torch.optim's flags
-            if group.get(flag) not in (None, False, True):
-                raise ValueError(f"{name}: {flag} must be None, False or True; got {group[flag]!r}")
-        if group.get("foreach") and group.get("fused"):
-            raise ValueError(f"{name}: fused and foreach cannot both be True (as in torch.optim)")
+        check_params_and_torch_flags(group, name, f"{name}: 4-bit state")
 
     # -- state ------------------------------------------------------------------------------
 
