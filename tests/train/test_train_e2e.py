@@ -205,6 +205,14 @@ def test_resume_reproduces_uninterrupted_losses(worlds):
         for line in (tmp / "resumed/metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [3, 4, 5]
+    # Its summary says what it covers: this launch's steps 3-5, not the whole run.
+    summary = json.loads((tmp / "resumed/summary.json").read_text())
+    assert summary["resumed_from_step"] == 3 and summary["steps_trained"] == 3
+    text = (tmp / "resumed/summary.txt").read_text()
+    assert "resumed from the step-3 checkpoint: the figures below cover this launch only" in text
+    full = json.loads((tmp / "full/summary.json").read_text())
+    assert full["resumed_from_step"] is None and full["steps_trained"] == 6
+    assert full["num_nodes"] == 2
 
 
 def test_zero_one_adam_resume_is_exact(worlds):

@@ -141,18 +141,24 @@ def distribute(
                 else f"{config.replicate_grads} gradient all-reduce"
             )
             return (
-                f"HSDP: sharded inside each node ({topology.ranks_per_node} ranks), replicated "
-                f"across {topology.num_nodes} nodes ({across})"
+                f"HSDP: sharded inside each node ({_n(topology.ranks_per_node, 'rank')}), "
+                f"replicated across {_n(topology.num_nodes, 'node')} ({across})"
             )
         on = ", ".join(sorted(features)) or "off"
-        return f"FSDP2 + ZeRO++ ({on}) on {topology.num_nodes} nodes x {topology.ranks_per_node}"
+        nodes = _n(topology.num_nodes, "node")
+        return f"FSDP2 + ZeRO++ ({on}) on {nodes} x {_n(topology.ranks_per_node, 'rank')}"
     if features:  # refused in the launcher; reachable only when called directly
         raise RuntimeError(missing_features(config)[0])
     kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    return f"FSDP2 ZeRO-3 (plain fully_shard) on {topology.world_size} ranks"
+    return f"FSDP2 ZeRO-3 (plain fully_shard) on {_n(topology.world_size, 'rank')}"
+
+
+def _n(count: int, noun: str) -> str:
+    """``1 node``, ``2 nodes``: a count with its noun in the right number."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

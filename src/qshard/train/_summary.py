@@ -93,11 +93,14 @@ def estimate_run(
         compute_bytes=torch.finfo(compute_dtype).bits // 8,
         **_state_sizes(model, config),
     )
+    # hpZ on one node reshards to the whole world, ZeRO-3's primary shard: it keeps no secondary
+    # shard (qshard.zeropp.shard._hpz_reshard), which the estimate counted before.
+    one_node = topology.num_nodes == 1 and ranks_per_node > 1
     memory = estimate_memory(
         **common,
         world_size=world_size,
         ranks_per_node=ranks_per_node,
-        features=features,
+        features=features - {"hpz"} if one_node else features,
         optim=config.optim,
         sharded=hsdp or not replicated,
         shard_ranks=ranks_per_node if hsdp else None,
@@ -135,6 +138,29 @@ def estimate_run(
     )
 
 
+def _plural(n: int, noun: str) -> str:
+    """``1 step``, ``3 steps``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _count(n: float) -> str:
+    """A count in three significant digits: ``950``, ``38.3k``, ``3.26M``, ``1.20B``. Before,
+    the header wrote every count in millions, and a small corpus read ``0.0M train``."""
+    if round(n) < 1000:
+        return f"{n:.0f}"
+    for suffix, scale in (("k", 1e3), ("M", 1e6), ("B", 1e9)):
+        v = float(f"{n / scale:.3g}")  # 999.6k rounds to 1000k: the next unit says 1.00M
+        if v < 1000 or suffix == "B":
+            digits = 2 if v < 10 else 1 if v < 100 else 0
+            return f"{v:.{digits}f}{suffix}"
+    raise AssertionError
+
+
+def _seconds(t: float) -> str:
+    """``238.8 s``; under a second in milliseconds (a tiny run's ``0.0 s`` said nothing)."""
+    return f"{t:.1f} s" if t >= 1 else f"{t * 1000:.0f} ms"
+
+
 def header(
     config: TrainConfig,
     *,
@@ -146,9 +172,9 @@ def header(
 ) -> str:
     """Rank 0's start-up lines: what runs where, and the memory estimate."""
     first = (
-        f"qshard train: {num_params / 1e6:.2f}M params, {layout}, optimizer {config.optim}, "
+        f"qshard train: {_count(num_params)} params, {layout}, optimizer {config.optim}, "
         f"{compute_dtype} compute, corpus {corpus.source} "
-        f"({corpus.train.size / 1e6:.1f}M train / {corpus.val.size / 1e6:.2f}M val tokens)"
+        f"({_count(corpus.train.size)} train / {_count(corpus.val.size)} val tokens)"
     )
     memory = table(
         ["component", "bytes per rank"],
@@ -183,6 +209,8 @@ def _loss_line(losses: dict[int, float], val_losses: dict[int, float], skipped: 
     mean = f"{sum(tail) / len(tail):.4f}" if tail else "n/a"
     skipped_text = f" ({len(set(skipped))} skipped)" if skipped else ""
     val_text = f", val loss {val_losses[max(val_losses)]:.4f}" if val_losses else ""
+    if len(losses) == 1:  # no drop and no mean to show
+        return f"loss {first:.4f} (step {min(losses)}, the only step){skipped_text}{val_text}"
     return (
         f"loss {first:.4f} (step {min(losses)}) -> {last:.4f} (step {max(losses)}), "
         f"mean of last {len(tail)} {mean}{skipped_text}{val_text}"
@@ -196,74 +224,23 @@ def summary(
     steps_run: int,
     estimates: Estimates,
 ) -> str:
-    """The end-of-run text: loss drop, throughput, measured vs estimated bytes and memory."""
-    comm_est, zero3_fp32, zero3_16 = estimates.comm, estimates.zero3_fp32, estimates.zero3_16
+    """The end-of-run text: loss drop, throughput, measured vs estimated bytes and memory. Its
+    figures are this launch's: a resumed run says from which step ([Note: resumed summary])."""
     losses = result["losses"]
     lines = []
+    start = result.get("start_step", 0)
+    if start:
+        lines.append(_resumed_line(start, losses, config.steps))
     if losses:
         lines.append(_loss_line(losses, result["val_losses"], result.get("skipped_steps", ())))
         tokens = config.batch_size * config.context * len(losses)
+        seconds = result["train_time_s"]
         lines.append(
-            f"{len(losses)} steps in {result['train_time_s']:.1f} s (validation and checkpoint "
-            f"saves included), {tokens / result['train_time_s']:,.0f} tokens/s "
+            f"{_plural(len(losses), 'step')} in {_seconds(seconds)} (validation and checkpoint "
+            f"saves included), {tokens / max(seconds, 1e-9):,.0f} tokens/s "
             "(metrics.jsonl has each step's own)"
         )
-
-    def per_step(x: float) -> str:
-        return format_bytes(x / steps_run)
-
-    rows = []
-    tags = [(e.tag, e.op) for e in measured.entries]
-    for tag, op in tags:
-        rows.append(
-            [
-                f"measured {tag} ({op})",
-                per_step(measured.intra(tag=tag, op=op)),
-                per_step(measured.inter(tag=tag, op=op)),
-            ]
-        )
-    rows.append(
-        ["measured total", per_step(measured.intra_node_bytes), per_step(measured.inter_node_bytes)]
-    )
-    if comm_est is not None:
-        rows.append(["estimate, this run (analytic)", "", format_bytes(comm_est.total)])
-    else:
-        ddp = result["ddp_fp32_inter_node_bytes_per_step"]
-        rows.append(["DDP baseline, fp32 all-reduce (analytic)", "", format_bytes(ddp)])
-    rows.append(["ZeRO-3 baseline, fp32 wire (analytic)", "", format_bytes(zero3_fp32.total)])
-    rows.append(["ZeRO-3 baseline, 16-bit wire (analytic)", "", format_bytes(zero3_16.total)])
-    if estimates.hsdp_fp32 is not None:
-        hsdp_fp32 = format_bytes(estimates.hsdp_fp32.total)
-        rows.append(["HSDP baseline, fp32 all-reduce (analytic)", "", hsdp_fp32])
-    lines.append(
-        table(
-            ["per step, per node", "intra-node", "inter-node"],
-            rows,
-            title="communication (comm ledger; bytes leaving each node)",
-        )
-    )
-    if measured.inter(tag="grad_reduce_scatter", op="all_reduce") > 0:
-        # [Note: record what the backend sends] in qshard.zeropp.reduce_scatter
-        lines.append(
-            "gloo has no reduce-scatter: the plain gradient reduce-scatter ran as an all-reduce, "
-            "which sends twice the ring reduce-scatter's bytes that the analytic rows count"
-        )
-    inter = measured.inter_node_bytes / steps_run
-    if inter > 0 and comm_est is None:
-        ddp = result["ddp_fp32_inter_node_bytes_per_step"]
-        lines.append(f"cross-node bytes saved vs a fp32 DDP all-reduce: {ddp / inter:.2f}x")
-    if inter > 0:
-        lines.append(
-            f"cross-node bytes saved vs ZeRO-3: {zero3_fp32.total / inter:.2f}x vs the fp32 wire, "
-            f"{zero3_16.total / inter:.2f}x vs the 16-bit wire (the paper's baseline)"
-        )
-    elif measured.entries:
-        lines.append("no cross-node bytes measured (one node)")
-    else:
-        lines.append(
-            "the ledger recorded no collectives (plain FSDP2 does not report to it); "
-            "the analytic rows above stand alone"
-        )
+        lines.extend(_comm_lines(config, result, measured, steps_run, estimates))
     # What peak_memory_bytes measured: the rule of _runtime.device() (a GPU whenever CUDA is there).
     if torch.cuda.is_available():
         peak_label = "measured peak allocated (max over ranks)"
@@ -293,3 +270,104 @@ def summary(
         + peak_note
     )
     return "\n\n".join(["=== qshard train summary ===", *lines])
+
+
+def _resumed_line(start: int, losses: dict[int, float], steps: int) -> str:
+    """[Note: resumed summary] A resumed launch (``--resume``, or a restart, which resumes)
+    measures only the steps it trains: its loss line, throughput, bytes per step and
+    ``summary.json`` (``resumed_from_step``, ``steps_trained``, ``train_time_s``) cover those
+    steps. Whole-run figures would mix launches (another world size, other timings, a ledger
+    that starts afresh), so the summary says which steps it covers instead; ``metrics.jsonl``
+    keeps one record per step of the run. Before, a resumed summary read like the whole run's.
+    """
+    if not losses:  # a restart after the final checkpoint: nothing left to train
+        return (
+            f"resumed from the step-{start} checkpoint, which is --steps {steps}: this launch "
+            "trained no step, so it measured no loss, throughput or communication"
+        )
+    first, last = min(losses), max(losses)
+    span = f"step {first}" if first == last else f"steps {first}-{last}"
+    return (
+        f"resumed from the step-{start} checkpoint: the figures below cover this launch only, "
+        f"{span} ({len(losses)} of the run's {_plural(steps, 'step')}; metrics.jsonl has the "
+        "earlier launches' steps)"
+    )
+
+
+def _comm_lines(
+    config: TrainConfig,
+    result: dict[str, Any],
+    measured: Any,
+    steps_run: int,
+    estimates: Estimates,
+) -> list[str]:
+    """The communication table and what it shows: the savings, or why nothing crossed nodes."""
+    comm_est, zero3_fp32, zero3_16 = estimates.comm, estimates.zero3_fp32, estimates.zero3_16
+
+    def per_step(x: float) -> str:
+        return format_bytes(x / steps_run)
+
+    rows = []
+    tags = [(e.tag, e.op) for e in measured.entries]
+    for tag, op in tags:
+        rows.append(
+            [
+                f"measured {tag} ({op})",
+                per_step(measured.intra(tag=tag, op=op)),
+                per_step(measured.inter(tag=tag, op=op)),
+            ]
+        )
+    rows.append(
+        ["measured total", per_step(measured.intra_node_bytes), per_step(measured.inter_node_bytes)]
+    )
+    if comm_est is not None:
+        rows.append(["estimate, this run (analytic)", "", format_bytes(comm_est.total)])
+    else:
+        ddp = result["ddp_fp32_inter_node_bytes_per_step"]
+        rows.append(["DDP baseline, fp32 all-reduce (analytic)", "", format_bytes(ddp)])
+    rows.append(["ZeRO-3 baseline, fp32 wire (analytic)", "", format_bytes(zero3_fp32.total)])
+    rows.append(["ZeRO-3 baseline, 16-bit wire (analytic)", "", format_bytes(zero3_16.total)])
+    if estimates.hsdp_fp32 is not None:
+        hsdp_fp32 = format_bytes(estimates.hsdp_fp32.total)
+        rows.append(["HSDP baseline, fp32 all-reduce (analytic)", "", hsdp_fp32])
+    lines = [
+        table(
+            ["per step, per node", "intra-node", "inter-node"],
+            rows,
+            title="communication (comm ledger; bytes leaving each node)",
+        )
+    ]
+    as_all_reduce = dict(tag="grad_reduce_scatter", op="all_reduce")
+    if measured.inter(**as_all_reduce) + measured.intra(**as_all_reduce) > 0:
+        # [Note: record what the backend sends] in qshard.zeropp.reduce_scatter. On one node too:
+        # its intra-node row is the all-reduce's, twice a reduce-scatter's.
+        lines.append(
+            "gloo has no reduce-scatter: the plain gradient reduce-scatter ran as an all-reduce, "
+            "which sends twice the ring reduce-scatter's bytes that the analytic rows count"
+        )
+    inter = measured.inter_node_bytes / steps_run
+    world, nodes = result.get("world_size"), result.get("num_nodes")
+    if inter > 0:
+        if comm_est is None:
+            ddp = result["ddp_fp32_inter_node_bytes_per_step"]
+            lines.append(f"cross-node bytes saved vs a fp32 DDP all-reduce: {ddp / inter:.2f}x")
+        lines.append(
+            f"cross-node bytes saved vs ZeRO-3: {zero3_fp32.total / inter:.2f}x vs the fp32 wire, "
+            f"{zero3_16.total / inter:.2f}x vs the 16-bit wire (the paper's baseline)"
+        )
+    elif world == 1:
+        # Before: "plain FSDP2 does not report to it", whatever the layout (ZeRO++ included).
+        lines.append("one rank: nothing is communicated, so every row above is 0")
+    elif not measured.entries:
+        lines.append(
+            "the ledger recorded no collectives (plain FSDP2 without qshard.zeropp does not "
+            "report to it); the analytic rows above stand alone"
+        )
+    elif nodes == 1:
+        lines.append(
+            f"no cross-node bytes measured: the {world} ranks are one node, and the analytic rows "
+            "(cross-node bytes) are 0 too"
+        )
+    else:
+        lines.append("no cross-node bytes measured")
+    return lines

@@ -702,8 +702,12 @@ def _finish(
         "val_losses": recorder.val_losses,
         "skipped_steps": recorder.skipped,
         "start_step": start_step,
+        # The summary's figures are this launch's ([Note: resumed summary] in _summary).
+        "resumed_from_step": start_step if start_step else None,
+        "steps_trained": len(recorder.losses),
         "num_params": sum(p.numel() for p in model.parameters()),
         "world_size": job.world,
+        "num_nodes": job.topology.num_nodes,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "export": str(export_path) if export_path else None,
         "ledger": recorder.ledger_steps,
