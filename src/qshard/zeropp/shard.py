@@ -14,7 +14,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
@@ -126,10 +131,23 @@ def _declared_blocks(model: nn.Module) -> list[nn.Module]:
     found: list[nn.Module] = []
     taken: set[int] = set()
     for mod in model.modules():
-        if id(mod) not in taken and mod is not model and type(mod).__name__ in names:
+        if id(mod) not in taken and mod is not model and _class_name(mod) in names:
             found.append(mod)
             taken.update(id(m) for m in mod.modules())
     return found
+
+
+def _class_name(mod: nn.Module) -> str:
+    """The name of ``mod``'s class, or, for a module ``fully_shard`` has wrapped, of the class
+    it wrapped: FSDP2 swaps the class for ``FSDP<name>`` (bases ``FSDPModule`` and the
+    original), so a decoder layer the user had wrapped by hand no longer matched its
+    ``_no_split_modules`` name, was not found as a block, and ``shard()`` went on without it
+    (left out of prefetching, hpZ and the kept blocks) instead of refusing it as
+    already sharded."""
+    cls = type(mod)
+    if isinstance(mod, FSDPModule):
+        cls = next((b for b in cls.__bases__ if b is not FSDPModule), cls)
+    return cls.__name__
 
 
 def _untied(model: nn.Module, found: list[nn.Module]) -> list[nn.Module]:
@@ -254,6 +272,8 @@ def shard(
       ``overlap_reduce_scatter`` (by default: with any ZeRO++ feature) allows it;
     * with ``prefetch``: each block prefetches the next ``prefetch_depth`` blocks in forward
       and the previous ones in backward, and unshards run asynchronously.
+    * a model's ``generate()`` (Hugging Face's) is registered as a forward method of the root,
+      see [Note: generate() is a forward].
 
     HSDP (``config.hsdp`` or a 2-D ``mesh`` with dims :data:`HSDP_MESH_DIMS`): shard inside a
     node, replicate across nodes. With a full-precision replicate reduction it is
@@ -431,6 +451,19 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
     param_names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         param_names.setdefault(id(p), name)
+    # FSDP2 shards along dim 0 and refuses a 0-dim parameter (CLIP's logit_scale) in the
+    # fully_shard of the unit holding it: the root, after every block had been wrapped, so the
+    # model was left half sharded and shard() again, after the fix FSDP2 names, was refused as
+    # "already sharded"
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        name = scalars[0]
+        raise ValueError(
+            f"parameter {name!r} is a scalar (0-dim) and FSDP2 shards every parameter along "
+            f"dim 0: make {'them' if len(scalars) > 1 else 'it'} 1-D with one element before "
+            f"shard(), e.g. model.{name} = nn.Parameter(model.{name}.detach().reshape(1))"
+            + (f" (also {', '.join(map(repr, scalars[1:]))})" if len(scalars) > 1 else "")
+        )
     wrapped = {id(m) for m in model.modules() if isinstance(m, FSDPModule)}
     owner: dict[int, int] = {}
     for i, unit in enumerate(units):
@@ -483,6 +516,13 @@ def _fully_shard_units(
             guard.watch(block, reshard_without_grad=True)
     fully_shard(model, **keep)
     guard.watch(model, reshard_without_grad=False)
+    if callable(getattr(type(model), "generate", None)):
+        # [Note: generate() is a forward] A Hugging Face encoder-decoder's generate() calls
+        # its encoder directly (model.get_encoder()(...)), not the root's forward, so the
+        # root's parameters (the shared embedding) were still sharded: "aten.embedding got
+        # mixed torch.Tensor and DTensor" (plain FSDP2 alike). FSDP2's way to declare another
+        # entry point: its pre-forward gathers the root for the whole call.
+        register_fsdp_forward_method(model, "generate")
 
 
 class _StaleCopyGuard:
