@@ -347,10 +347,35 @@ def _layout_mismatches(saved: dict[str, Any], here: dict[str, Any]) -> list[str]
     return out
 
 
-def _check_layout(path: Path, info: dict[str, Any], here: dict[str, Any]) -> None:
+# [Note: per-rank state in the layout] The 1-bit optimizers' error buffers are per rank: their
+# state_dict() exports them with one row per rank ([Note: DCP checkpoints] in
+# qshard.optim._onebit), so their recorded global shapes follow the world and its layout, not
+# the configuration. A per-rank checkpoint loads at another world by design (each rank takes a
+# saved rank's file, the buffers restart from zero: [Note: per-rank checkpoints]), so they are
+# not compared there; before, a resume on another number of ranks into an optimizer that had
+# state already was refused as "saved from another configuration". A DCP checkpoint holds them
+# by that global shape and cannot load them on another world or layout: it is refused naming
+# the world sizes and the per-rank checkpoints that do load (before, the refusal said "another
+# configuration" and asked for the same model, optimizer and block size, which the user had).
+_PER_RANK_STATE = ("worker_error", "server_error")
+
+
+def _split_per_rank(layout: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``layout`` without the per-rank optimizer state, and that state."""
+    state = layout["state"]
+    per_rank = {k: d for k, d in state.items() if k.rsplit(".", 1)[-1] in _PER_RANK_STATE}
+    rest = {k: d for k, d in state.items() if k not in per_rank}
+    return {**layout, "state": rest}, per_rank
+
+
+def _check_layout(
+    path: Path, info: dict[str, Any], here: dict[str, Any], *, world: int = 1
+) -> None:
     saved = info.get("layout")
     if saved is None:  # written before layouts were recorded
         return
+    saved, saved_per_rank = _split_per_rank(saved)
+    here, here_per_rank = _split_per_rank(here)
     problems = _layout_mismatches(saved, here)
     if problems:
         raise CheckpointError(
@@ -358,6 +383,28 @@ def _check_layout(path: Path, info: dict[str, Any], here: dict[str, Any]) -> Non
             "the model and optimizer it was saved with (same model shape, optimizer and block "
             "size), or start a new run directory"
         )
+    # [Note: per-rank state in the layout]
+    if info.get("format") == "per_rank" or not (saved["state"] and here["state"]):
+        return
+    if saved_per_rank == here_per_rank:
+        return
+    differ = sorted(
+        set(saved_per_rank) ^ set(here_per_rank)
+        | {k for k in saved_per_rank if saved_per_rank[k] != here_per_rank.get(k)}
+    )
+    first = differ[0]
+    saved_world = info.get("world_size")
+    name = saved["optimizer"].rsplit(".", 1)[-1]
+    raise CheckpointError(
+        f"{path} holds {name}'s error buffers, which are per rank (one row per rank: "
+        f"{first} is {saved_per_rank.get(first, 'absent')} in the checkpoint, "
+        f"{here_per_rank.get(first, 'absent')} here): this DCP checkpoint was saved on "
+        f"{saved_world} ranks and loads only on the same number of ranks and layout (this job "
+        f"has {world}). Resume on {saved_world} ranks with the same --parallel and ranks per "
+        f"node, or use per-rank checkpoints (save_checkpoint(per_rank=True), which qshard "
+        f"train writes for onebit_adam and zero_one_adam): they load on any number of ranks, "
+        f"the error buffers restarting from zero"
+    )
 
 
 def _state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, str], torch.dtype]:
@@ -403,7 +450,7 @@ def load_checkpoint(
     if info.get("format") == "per_rank":
         return _load_per_rank(path, info, model=model, optimizer=optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also initializes the state layout
-    _check_layout(path, info, _layout(model_sd, optim_sd, optimizer))
+    _check_layout(path, info, _layout(model_sd, optim_sd, optimizer), world=_world())
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -427,17 +474,22 @@ def load_checkpoint(
     return int(state["train"]["step"])
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _load_per_rank(
     path: Path, info: dict[str, Any], *, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _world()
     # Same world: each rank its own file. Otherwise every rank takes rank 0's, so the replicas
     # start identical (the optimizer then restarts its error feedback, with a warning).
     # On HSDP a rank holds one shard of each parameter: it takes the file of the saved rank with
     # the same local rank (node 0's), which needs the same ranks per node (docs/hsdp.md).
     source = _rank() if info["world_size"] == world else _hsdp_shard_index(model)
     file = path / f"rank_{source:05d}.pt"
-    _check_layout(path, info, _layout(model.state_dict(), optimizer.state_dict(), optimizer))
+    here = _layout(model.state_dict(), optimizer.state_dict(), optimizer)
+    _check_layout(path, info, here, world=world)
     try:
         state = torch.load(file, weights_only=False)
     except Exception as exc:  # a truncated or foreign file
