@@ -445,3 +445,19 @@ def test_save_refuses_a_keep_or_step_it_cannot_honour(tmp_path, kw, match):
     with pytest.raises(ValueError, match=match):
         ckpt.save_checkpoint(tmp_path / "c", **{"step": 1, "model": model, "optimizer": opt, **kw})
     assert not (tmp_path / "c").exists()
+
+
+def test_a_per_rank_load_restores_the_cuda_generator_it_saved(tmp_path, monkeypatch):
+    """Checkpoints save the CUDA RNG state where there is one; the per-rank load (the 1-bit
+    optimizers' checkpoints) restored only the CPU's (the DCP load restores both). A CUDA
+    machine is stood in for by its RNG calls."""
+    saved = torch.arange(8, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: saved.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", restored.append)
+    model, opt = _model_and_optimizer()
+    path = ckpt.save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, per_rank=True)
+    ckpt.load_checkpoint(path, model=model, optimizer=opt)
+    assert len(restored) == 1 and torch.equal(restored[0], saved)

@@ -467,11 +467,15 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     _restore_state_dtypes(optimizer, dtypes)
-    rng = state["train"]["rng"]
+    _set_rng_state(state["train"]["rng"])
+    return int(state["train"]["step"])
+
+
+def _set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+    """Restore what :func:`_rng_state` saved (the per-rank load restored the CPU state only)."""
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    return int(state["train"]["step"])
 
 
 def _world() -> int:
@@ -498,7 +502,7 @@ def _load_per_rank(
         ) from exc
     _load_model_state(model, state["model"], path=path)
     optimizer.load_state_dict(state["optim"])
-    torch.set_rng_state(state["train"]["rng"]["cpu"])
+    _set_rng_state(state["train"]["rng"])
     return int(state["train"]["step"])
 
 
