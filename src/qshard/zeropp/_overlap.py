@@ -37,6 +37,7 @@ one rank only leaves the groups out of step, as any failed collective does (rest
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Protocol
 
@@ -46,6 +47,8 @@ from torch.autograd import Variable
 from torch.distributed.fsdp._fully_shard import _fsdp_common
 
 __all__ = ["OverlapQueue", "defer_reason"]
+
+logger = logging.getLogger("qshard.zeropp")
 
 
 class Pending(Protocol):
@@ -83,7 +86,7 @@ class OverlapQueue:
         self._items.append(item)
         if self._task != task:
             self._task = task
-            Variable._execution_engine.queue_callback(self._drain_callback)
+            Variable._execution_engine.queue_callback(_EndOfBackward(self, task))
 
     def advance(self) -> None:
         """Progress every pending reduction as far as it can go without blocking."""
@@ -104,6 +107,24 @@ class OverlapQueue:
         self._task = None  # a deferral after this point queues a new callback
         self.drain()
 
+    def _abandoned(self, task: int) -> None:
+        """The backward ``task`` ended without running its drain callback: it raised (see
+        [Note: failed backward]). Finish its reductions now, before the error reaches the
+        caller; an error here is logged (the backward's own error is the one raised)."""
+        if self._task != task:
+            return  # a later backward took the queue over
+        self._task = None
+        if not self._items:
+            return
+        try:
+            self.drain()
+        except Exception as exc:  # a finalizer must not raise
+            logger.warning(
+                "qshard: finishing the deferred reduce-scatters of a backward that raised "
+                "failed too (%s); their gradients are incomplete",
+                exc,
+            )
+
     def _run(self, *, block: bool) -> None:
         try:
             # Issue first, every time, oldest first: how many collectives a rank has issued is
@@ -121,6 +142,41 @@ class OverlapQueue:
                 "ZeroPPConfig(overlap_reduce_scatter=False) runs the reduce-scatter "
                 "synchronously inside FSDP2's call"
             ) from exc
+
+
+class _EndOfBackward:
+    """The autograd-engine callback that drains an :class:`OverlapQueue` at the end of the
+    backward ``task`` that deferred into it.
+
+    [Note: failed backward] The engine runs its final callbacks only when the backward
+    succeeds. When it raises (an exception in a hook, a custom Function, a
+    ``KeyboardInterrupt``), it drops them without a call, and this object with them: its
+    finalizer then drains the queue, on the thread of ``backward()``, after the graph task
+    ended and before the exception reaches the caller. So a failed backward, like FSDP2's
+    synchronous reduce-scatter, leaves the gradients of the units reduced before the error
+    written and no reduction in flight: a caller who skips the batch and zeroes the
+    gradients (``zero_grad(set_to_none=False)`` included) trains on as plain FSDP2 does. Left
+    for the next backward's first deferral (as before), the old reduction wrote its sum into
+    the gradient buffer the caller had zeroed in between, and FSDP2 then added the next
+    step's gradients on top of it. Every rank that raised at the same program point drains
+    the same reductions at the same point, so the collectives stay in step. (Checked on CPU,
+    where the graph task runs and ends on the caller's thread. On CUDA the engine's device
+    threads may release the last reference to the task, so the finalizer could run there,
+    racing the caller's next step: not run on a GPU yet.)
+    """
+
+    __slots__ = ("queue", "ran", "task")
+
+    def __init__(self, queue: OverlapQueue, task: int) -> None:
+        self.queue, self.task, self.ran = queue, task, False
+
+    def __call__(self) -> None:
+        self.ran = True
+        self.queue._drain_callback()
+
+    def __del__(self) -> None:
+        if not self.ran:
+            self.queue._abandoned(self.task)
 
 
 # Mesh infos after whose reduce-scatter FSDP2 all-reduces (HSDP; DDP-style replicate where this
