@@ -568,7 +568,17 @@ class _StaleCopyGuard:
                     outputs, lambda _grads: self._pending.pop(key, None), mode="any"
                 )
 
-        unit.register_forward_hook(after_forward)
+        # [Note: hooks outside the compiled graph] A block compiled in place
+        # (``block.compile()``, before or after shard(); or ``torch.compile(block)`` after it)
+        # runs its hooks inside the compiled call, and dynamo traced this one:
+        # register_multi_grad_hook is untraceable, so every watched unit's call had a graph
+        # break, and ``fullgraph=True`` (torchtitan's setting) failed on the first forward
+        # ("NestedUserFunctionVariable()"). FSDP2's own hooks are dynamo-disabled; so is this
+        # one: it runs eagerly on the real outputs, and the block's graph is whole
+        # (tests/zeropp/test_compile.py).
+        unit.register_forward_hook(
+            torch._dynamo.disable(after_forward, recursive=True, reason="qshard stale-copy hook")
+        )
 
     def reshard_pending(self) -> None:
         pending, self._pending = list(self._pending.values()), {}
