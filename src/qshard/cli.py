@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``qshard COMMAND [ARGS...]`` (``argv`` defaults to ``sys.argv[1:]``) and return
+    the exit code; ``qshard --help`` lists the commands."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):

@@ -138,14 +138,17 @@ class Topology:
     # ----------------------------------------------------------------- numbering
     @property
     def world_size(self) -> int:
+        """Number of ranks in the job."""
         return self._world_size
 
     @property
     def ranks_per_node(self) -> int:
+        """Ranks on each node (every node holds the same number)."""
         return self._ranks_per_node
 
     @property
     def num_nodes(self) -> int:
+        """Number of nodes: ``world_size // ranks_per_node``."""
         return self._world_size // self._ranks_per_node
 
     @property

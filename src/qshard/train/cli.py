@@ -94,6 +94,7 @@ def _under_torchrun() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``qshard train`` argument parser (one flag per :class:`TrainConfig` field)."""
     parser = argparse.ArgumentParser(
         prog="qshard train",
         description=(
@@ -273,6 +274,9 @@ def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``qshard train [ARGS...]`` (``argv`` defaults to ``sys.argv[1:]``): launch the
+    ranks, or train this rank under torchrun; return the exit code (2: a bad argument or run
+    directory, with the reason on stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = config_from_args(argv)

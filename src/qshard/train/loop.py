@@ -65,6 +65,7 @@ from qshard.train.model import GPT, GPTConfig
 from qshard.train.schedule import learning_rate
 
 __all__ = [
+    "RankFailure",
     "RunDirError",
     "TrainResult",
     "build",
@@ -75,6 +76,11 @@ __all__ = [
     "run_dir_problem",
     "train",
 ]
+
+# A failed rank's diagnosis, raised by train(): defined beside the fault handling
+# (qshard.train._faults) but public here, where tracebacks and pickles name it.
+RankFailure = _faults.RankFailure
+RankFailure.__module__ = __name__
 
 TrainResult = dict[str, Any]
 """What :func:`train` returns on every rank: ``losses`` (step -> train loss),

@@ -109,6 +109,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``qshard report RUN_DIR... [--out DIR]``: plot the runs' metrics as PNGs, print
+    their paths and return the exit code (2 with the reason on stderr)."""
     parser = argparse.ArgumentParser(
         prog="qshard report", description="Plot the metrics of qshard train runs (PNG)."
     )

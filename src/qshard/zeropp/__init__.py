@@ -4,11 +4,13 @@
 model with ``fully_shard`` per block and installs the quantized comms; the comms can also be
 installed by hand with ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``.
 ``ZeroPPConfig(hsdp=True)`` shards inside a node and replicates across nodes (HSDP), with an
-optionally compressed inter-node gradient all-reduce (:class:`ReplicateAllReduce`).
+optionally compressed inter-node gradient all-reduce (:class:`ReplicateAllReduce`; by hand,
+``FSDPModule.set_all_reduce_hook``, or :class:`RecordingAllReduceHook` to only record the native
+one).
 """
 
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
-from qshard.zeropp.all_reduce import ReplicateAllReduce
+from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
 from qshard.zeropp.config import ZeroPPConfig
 from qshard.zeropp.reduce_scatter import (
     HierarchicalQuantizedReduceScatter,
@@ -21,6 +23,7 @@ __all__ = [
     "HierarchicalQuantizedReduceScatter",
     "QuantizedAllGather",
     "RecordingAllGather",
+    "RecordingAllReduceHook",
     "RecordingReduceScatter",
     "ReplicateAllReduce",
     "ZeroPPConfig",
