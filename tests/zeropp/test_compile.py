@@ -24,10 +24,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from qshard.comm import Topology
 from qshard.testing import run_world
-from qshard.train.model import GPT, GPTConfig
+from qshard.train.model import GPT
 from qshard.zeropp import ZeroPPConfig, shard
-
-CFG = GPTConfig(vocab_size=64, context=16, n_layer=2, n_head=2, n_embd=32, seed=0)
+from tests.zeropp.test_training import CFG, _batches  # the same tiny GPT and token stream
 
 CONFIGS = {
     "off": {},
@@ -38,17 +37,6 @@ CONFIGS = {
 }
 EXACT = ("off", "hpz")  # bit-identical to plain FSDP2 compiled the same way
 TOL = {"qwz": 0.01, "qgz": 0.03, "all": 0.03}  # |loss - plain| / initial loss, as test_training
-
-
-def _batches(rank: int, steps: int):
-    g = torch.Generator().manual_seed(1234 + rank)
-    for _ in range(steps):
-        tok = torch.randint(0, CFG.vocab_size, (4, 1), generator=g)
-        cols = [tok]
-        for _ in range(CFG.context):
-            cols.append((cols[-1] * 3 + 1) % CFG.vocab_size)
-        idx = torch.cat(cols, dim=1)
-        yield idx[:, :-1], idx[:, 1:]
 
 
 def _compile_blocks(model, fullgraph: bool, wrap: bool) -> None:

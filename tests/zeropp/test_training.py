@@ -30,11 +30,11 @@ STEPS = 20
 CFG = GPTConfig(vocab_size=64, context=16, n_layer=2, n_head=2, n_embd=32, seed=0)
 
 
-def _batches(rank: int):
+def _batches(rank: int, steps: int = STEPS):
     # A learnable stream (next token = 3 * token + 1 mod vocab, from random starts), so the loss
     # falls within 20 steps; each rank draws its own batches.
     g = torch.Generator().manual_seed(1234 + rank)
-    for _ in range(STEPS):
+    for _ in range(steps):
         tok = torch.randint(0, CFG.vocab_size, (4, 1), generator=g)
         cols = [tok]
         for _ in range(CFG.context):

@@ -42,6 +42,7 @@ __all__ = [
     "_gather_sums",
     "_rank",
     "_verify_sums",
+    "_world",
     "checkpoint_info",
 ]
 
@@ -65,6 +66,10 @@ class DamagedCheckpointError(CheckpointError):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _from_everyone(obj: Any) -> list[Any]:
@@ -162,7 +167,7 @@ def _verify_sums(path: Path, info: dict[str, Any]) -> None:
     (collective: the files are split over the ranks, and every rank gets every verdict, so all
     raise alike); see [Note: checkpoint checksums]."""
     files = _recorded_files(path, info)
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _world()
     problems: list[str] = []
     for name in sorted(files)[_rank() :: world]:
         saved = files[name]

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from qshard.train._checksums import (
     _DAMAGED,
     _META,
@@ -25,6 +23,7 @@ from qshard.train._checksums import (
     _from_everyone,
     _rank,
     _verify_sums,
+    _world,
     checkpoint_info,
 )
 
@@ -105,7 +104,7 @@ def _agree(path: Path, attempt: Any) -> _Outcome:
         mine = ("refused", str(exc))
     except Exception as exc:
         error, mine = exc, ("error", f"{type(exc).__name__}: {exc}")
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = _world()
     outcomes = _from_everyone(mine)
     if error is not None:
         raise error

@@ -93,14 +93,11 @@ def estimate_run(
         compute_bytes=torch.finfo(compute_dtype).bits // 8,
         **_state_sizes(model, config),
     )
-    # hpZ on one node reshards to the whole world, ZeRO-3's primary shard: it keeps no secondary
-    # shard (qshard.zeropp.shard._hpz_reshard), which the estimate counted before.
-    one_node = topology.num_nodes == 1 and ranks_per_node > 1
     memory = estimate_memory(
         **common,
         world_size=world_size,
         ranks_per_node=ranks_per_node,
-        features=features - {"hpz"} if one_node else features,
+        features=features,
         optim=config.optim,
         sharded=hsdp or not replicated,
         shard_ranks=ranks_per_node if hsdp else None,

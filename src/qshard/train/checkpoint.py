@@ -88,6 +88,7 @@ from qshard.train._checksums import (
     _gather_sums,
     _rank,
     _verify_sums,
+    _world,
     checkpoint_info,
 )
 from qshard.train._fallback import (
@@ -211,7 +212,7 @@ def save_checkpoint(
                 files[file.name] = _file_sum(file)
         info = {
             "step": step,
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "world_size": _world(),
             "format": "per_rank" if per_rank else "dcp",
             "layout": _layout(model_sd, optim_sd, optimizer),
             "files": dict(sorted(files.items())),
@@ -476,10 +477,6 @@ def _set_rng_state(rng: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _load_per_rank(

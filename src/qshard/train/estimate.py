@@ -134,7 +134,9 @@ def estimate_memory(
             "parameter shard": num_params * param_bytes * share,
             "gradient shard": num_params * param_bytes * share,
         }
-        if "hpz" in features:
+        # hpZ on one node of several ranks reshards to the whole world, ZeRO-3's own shard
+        # (qshard.zeropp.shard._hpz_reshard): no secondary copy there.
+        if "hpz" in features and (ranks_per_node == 1 or ranks_per_node < world_size):
             rows["hpZ secondary shard"] = num_params * compute_bytes / ranks_per_node
         rows["unsharded units (2 in flight)"] = 2 * largest_unit_params * compute_bytes
     # The 1-bit optimizers' server error is split over their sync group: every rank when
