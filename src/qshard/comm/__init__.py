@@ -1,6 +1,11 @@
 """qshard.comm: where ranks sit (:class:`Topology`) and what every collective costs
-(:class:`CommLedger`), split into intra-node and inter-node bytes."""
+(:class:`CommLedger`), split into intra-node and inter-node bytes.
 
+Importing it installs an exit handler that lets gloo's worker threads finish with their
+tensors before the interpreter shuts down (see ``qshard/comm/_exit.py``).
+"""
+
+from qshard.comm import _exit  # noqa: F401  (installs the handler)
 from qshard.comm.compressed import compressed_all_reduce
 from qshard.comm.ledger import (
     OPS,
