@@ -16,7 +16,8 @@ run would add is a tokenizer and ``from_pretrained``; the distributed part is th
   and written by rank 0 (``save_pretrained`` on a sharded model alone would hang);
 * a DCP checkpoint through ``torch.distributed.checkpoint.state_dict`` that loads on any
   number of ranks, and an exact resume. ZeroOneAdam's state is per rank (each rank's error
-  buffers), so it is saved as one ``torch.save`` file per rank instead.
+  buffers), so it is saved as one ``torch.save`` file per rank instead. Either is written
+  beside the checkpoint and swapped in once complete: a killed save loses nothing.
 
 Run it on one machine, 4 CPU ranks emulating 2 nodes of 2::
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -198,17 +200,32 @@ def save_pretrained(path: str, model: nn.Module) -> None:
 def save_checkpoint(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int
 ) -> None:
-    """Model, optimizer and step at ``path`` (collective)."""
+    """Model, optimizer and step at ``path`` (collective). Written to ``path.saving`` and moved
+    into place once every rank has finished, so a job killed while saving leaves the previous
+    checkpoint whole (assumes ``path`` is on a file system all ranks share, as DCP does)."""
+    rank = dist.get_rank()
+    staging = f"{path}.saving"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+    dist.barrier()
     if isinstance(optimizer, ZeroOneAdam):
         # Per-rank state (error buffers): one file per rank, loaded by the same rank.
         optimizer.synchronize()
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(staging, exist_ok=True)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}
-        torch.save(state, os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
-        dist.barrier()
-        return
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=path)
+        torch.save(state, os.path.join(staging, f"rank_{rank:05d}.pt"))
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=staging)
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        old = f"{path}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -222,6 +239,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         names = os.listdir(path) if os.path.isdir(path) else None
         if names is None:
             found = "nothing (no such directory)"
+            if os.path.isdir(f"{path}.old"):  # a save killed between its two renames
+                found += f"; {path}.old is the checkpoint before it: rename it to {path}"
         elif ".metadata" in names:
             found = "a DCP checkpoint (--optim adamw8bit)"
         elif any(n.startswith("rank_") for n in names):

@@ -14,6 +14,7 @@ accumulation, clipping, AdamW8bit.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -72,6 +73,10 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     topo = Topology.from_env(ranks_per_node=2)
     tokens = ex.corpus()
     out: dict = {}
+    if rank == 0:  # an earlier checkpoint at the same path, and what a killed save left
+        os.makedirs(f"{tmp}/ckpt_all/stale")
+        os.makedirs(f"{tmp}/ckpt_all.saving/partial")
+    dist.barrier()
 
     # plain FSDP2: the reference
     model = _model(ex)
@@ -132,6 +137,9 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     out["all_resume_params_equal"] = all(
         torch.equal(a, b) for a, b in zip(_full_params(model), all_params)
     )
+
+    out["earlier_checkpoint_replaced"] = not os.path.exists(f"{tmp}/ckpt_all/stale")
+    out["save_leftovers"] = sorted(n for n in os.listdir(tmp) if n.endswith((".saving", ".old")))
 
     # ZeroOneAdam (replicated; per-rank checkpoint files): uninterrupted vs resumed
     model = _model(ex)
@@ -223,6 +231,14 @@ def test_resume_is_bit_exact(world):
         assert r["z1_resume_step"] == STEPS // 2
         assert r["z1_resumed"] == r["z1"][STEPS // 2 :]
         assert r["z1_resume_params_equal"]
+
+
+def test_a_save_replaces_the_earlier_checkpoint_whole(world):
+    # dcp.save into an existing folder kept its other files (and warned on every rank); the
+    # example writes beside it and swaps the folders once every rank is done
+    for r in world:
+        assert r["earlier_checkpoint_replaced"]
+        assert r["save_leftovers"] == []
 
 
 def test_a_checkpoint_of_the_other_optimizer_is_refused_naming_it(world):
