@@ -241,7 +241,11 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
     zero = {"stage": 3, "mics_shard_size": -1, "mics_hierarchical_params_gather": False}
     bf16 = {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
     t = read_deepspeed_config(
-        {"zero_optimization": {**zero, "zeropp_loco_param": None}, "bf16": bf16}
+        {
+            "zero_optimization": {**zero, "zeropp_loco_param": None},
+            "bf16": bf16,
+            "use_data_before_expert_parallelism": False,  # a top-level key of DeepSpeed's
+        }
     )
     assert t.zeropp is not None and t.mp_policy.param_dtype == torch.bfloat16
     for key in DEEPSPEED_BF16_KEYS:  # every bf16 key is read (none refused as unknown)
@@ -254,6 +258,7 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
         ),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "fp32 master weights"),
         ({"bf16": {"bf16_master_weights_and_grads": True}}, "fp32 master weights"),
+        ({"use_data_before_expert_parallelism": True}, "no expert parallelism"),
     ):
         with pytest.raises(DeepSpeedConfigError, match=message):
             read_deepspeed_config(cfg)
@@ -415,6 +420,110 @@ def test_hpz_partition_size_must_be_the_node():
     assert read_deepspeed_config(cfg, ranks_per_node=8).zeropp.hpz
 
 
+# What DeepSpeed's tutorial-style files look like on disk: DeepSpeed reads them with hjson, so
+# they carry comments and trailing commas.
+COMMENTED = """{
+  // ZeRO++ on 8 GPUs a node
+  "train_micro_batch_size_per_gpu": 4,  # per rank
+  "bf16": {"enabled": true},
+  "communication_data_type": "fp32",
+  /* a block comment, with a "quote" and a , before } */
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95,],},},
+  "zero_optimization": {
+    "stage": 3,
+    "zero_quantized_weights": true,
+    "zero_hpz_partition_size": 8,
+    "zero_quantized_gradients": true,
+    "reduce_bucket_size": "http://not-a-comment.example/#x",
+  },
+}
+"""
+
+
+def test_files_with_comments_and_trailing_commas_are_read(tmp_path):
+    # They were refused ("Expecting property name enclosed in double quotes") though DeepSpeed
+    # (hjson) reads them; comments and trailing commas inside strings stay as they are.
+    path = tmp_path / "ds_config.json"
+    path.write_text(COMMENTED)
+    t = read_deepspeed_config(path, ranks_per_node=8)
+    assert (t.zeropp.qwz, t.zeropp.hpz, t.zeropp.qgz) == (True, True, True)
+    assert t.optimizer_kwargs["betas"] == (0.9, 0.95) and t.micro_batch_size == 4
+    assert "zero_optimization.reduce_bucket_size" in t.no_equivalent
+    # an escaped backslash ends its string: the comment after it is one
+    assert ds._strip_comments('{"a": "x // y, ]", "b": "\\\\" // c\n}') == (
+        '{"a": "x // y, ]", "b": "\\\\"     \n}'
+    )
+    path.write_text('{\n  zero_optimization: {"stage": 3}\n}')  # Hjson's unquoted key
+    with pytest.raises(DeepSpeedConfigError, match=r"line 2 column 3 .*quote every key"):
+        read_deepspeed_config(path)
+
+
+def test_duplicate_keys_are_refused(tmp_path):
+    # json keeps the last of two equal keys: the first was dropped without a word (here qwZ
+    # turned off), where DeepSpeed refuses the file.
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"zero_optimization": {"stage": 3, "zero_quantized_weights": true, '
+        '"zero_quantized_weights": false}}'
+    )
+    with pytest.raises(DeepSpeedConfigError, match="'zero_quantized_weights' is given twice"):
+        read_deepspeed_config(path)
+
+
+def test_whole_numbers_written_as_floats_are_ints():
+    # 1e5 and 8.0 are read as floats by JSON; DeepSpeed takes them as the integers (pydantic's
+    # int fields, the 1-bit optimizers' step comparisons). They were refused ("must be an int").
+    t = read_deepspeed_config(
+        {
+            "train_batch_size": 32.0,
+            "train_micro_batch_size_per_gpu": 4.0,
+            "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 1e5}},
+        }
+    )
+    assert t.optimizer_kwargs["freeze_step"] == 100_000
+    assert type(t.optimizer_kwargs["freeze_step"]) is int
+    assert (t.train_batch_size, t.micro_batch_size) == (32, 4)
+    z = read_deepspeed_config(
+        {"zero_optimization": {"stage": 3.0, "zero_hpz_partition_size": 8.0}}, ranks_per_node=8
+    )
+    assert z.zeropp.hpz and z.hpz_partition_size == 8
+    for bad, message in (
+        ({"train_batch_size": 32.5}, "train_batch_size: must be an int >= 1; got 32.5"),
+        ({"zero_optimization": {"stage": 2.5}}, "stage: must be 0, 1, 2 or 3; got 2.5"),
+        ({"zero_optimization": {"stage": True}}, "stage: must be 0, 1, 2 or 3; got True"),
+        (
+            {"optimizer": {"type": "ZeroOneAdam", "params": {"var_freeze_step": 10.5}}},
+            "var_freeze_step: must be an int >= 1; got 10.5",
+        ),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": "3e-4"}}},
+            r"lr: must be a number; got '3e-4' \(write it without quotes\)",
+        ),
+    ):
+        with pytest.raises(DeepSpeedConfigError, match=message):
+            read_deepspeed_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("WarmupLR", r"from warmup_min_lr \(default 0\) .*logarithmically .*then holds it"),
+        ("WarmupDecayLR", r"logarithmically .*then decays it linearly to 0 at total_num_steps"),
+        ("WarmupCosineLR", r"ratio rising .*cos_min_ratio \(default 0.0001\)"),
+        ("OneCycle", "cycles the lr"),
+        ("MyOwn", r"^the DeepSpeed config: scheduler: qshard does not own"),
+    ],
+)
+def test_a_scheduler_is_refused_saying_what_deepspeed_computes(kind, said):
+    # The Trainer's stock files fill the scheduler with "auto": that was refused first ("give
+    # the value here"), and the scheduler only after the user had filled every one in.
+    auto = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+    cfg = {"scheduler": {"type": kind, "params": auto}, "zero_optimization": {"stage": 3}}
+    with pytest.raises(DeepSpeedConfigError, match=said) as info:
+        read_deepspeed_config(cfg)
+    assert "remove the section" in str(info.value) and "auto" not in str(info.value)
+
+
 def _write(tmp_path, cfg) -> str:
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
@@ -480,6 +589,14 @@ def test_cli_zero_one_adam_schedule_from_the_file(tmp_path):
     opt = build_optimizer(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, context=8)), cfg)
     assert (opt.var_freeze_step, opt.var_update_scaler) == (40, 8)  # the file's, not the app's
     assert (opt.local_step_scaler, opt.local_step_clipper) == (20, 4)
+
+
+def test_cli_takes_bf16_of_a_replicated_one_bit_run(tmp_path):
+    # Stage 0 keeps the model replicated, outside FSDP2's mixed precision: the app computes it
+    # under autocast (tests/train/test_train_e2e.py checks the losses are bf16 ones).
+    cfg = {**ZERO_ONE, "bf16": {"enabled": True}, "communication_data_type": "fp32"}
+    config = config_from_args(["--deepspeed-config", _write(tmp_path, cfg), "--nproc", "2"])
+    assert (config.dtype, config.optim, config.zeropp) == ("bf16", "zero_one_adam", "off")
 
 
 def test_qshard_train_round_trip(tmp_path):

@@ -112,6 +112,10 @@ _ZERO_MAPPED = (
     "zero_quantized_gradients",
     "overlap_comm",
 )
+_NO_OPTIMIZER_OFFLOAD = (
+    "qshard has no CPU/NVMe offload (to shrink the optimizer state on the GPU instead, build "
+    "qshard.optim.AdamW8bit or AdamW4bit with t.optimizer_kwargs)"
+)
 # Accepted only at the value that matches qshard: (DeepSpeed's default, why another is refused).
 _ZERO_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "reduce_scatter": (True, "FSDP2 always reduce-scatters gradients"),
@@ -121,8 +125,8 @@ _ZERO_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
         "qshard keeps frozen weights in full precision (qwZ quantizes on the wire only)",
     ),
     "offload_param": (None, "qshard has no CPU/NVMe offload"),
-    "offload_optimizer": (None, "qshard has no CPU/NVMe offload"),
-    "cpu_offload": (None, "qshard has no CPU/NVMe offload"),
+    "offload_optimizer": (None, _NO_OPTIMIZER_OFFLOAD),
+    "cpu_offload": (None, _NO_OPTIMIZER_OFFLOAD),  # offload_optimizer's old name
     "cpu_offload_param": (None, "qshard has no CPU/NVMe offload"),
     "zenflow": (None, "qshard has no ZenFlow (offloaded optimizer steps)"),
     "zeropp_loco_param": (
@@ -240,6 +244,7 @@ _TOP_ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "gradient_predivide_factor": (1.0, "FSDP2 averages after the reduction"),
     "sparse_gradients": (False, "FSDP2 reduces dense gradients"),
     "disable_allgather": (False, "FSDP2 always all-gathers parameters"),
+    "use_data_before_expert_parallelism": (False, "qshard has no expert parallelism"),
 }
 # The top-level keys the reader reads (the sections it sorts key by key, and the values).
 _TOP_MAPPED = (

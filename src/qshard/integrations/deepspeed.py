@@ -130,12 +130,99 @@ def read_deepspeed_config(
     else:
         where = str(source)
         try:
-            cfg = json.loads(Path(source).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            text = Path(source).read_text()
+        except OSError as exc:
             raise DeepSpeedConfigError(f"cannot read DeepSpeed config {where}: {exc}") from exc
+        cfg = _parse(text, where)
     if not isinstance(cfg, dict):
         raise DeepSpeedConfigError(f"{where} must hold a JSON object at the top level")
     return _Reader(where).read(cfg, ranks_per_node)
+
+
+def _parse(text: str, where: str) -> Any:
+    """The JSON of a DeepSpeed config file, read as DeepSpeed reads it as far as JSON goes.
+
+    [Note: DeepSpeed's file syntax] DeepSpeed loads a config file with ``hjson.load`` and
+    refuses duplicate keys (``dict_raise_error_on_duplicate_keys``). Files written for it
+    therefore often carry comments and trailing commas; here they are blanked out (comments
+    ``//``, ``#``, ``/* */`` and a comma before ``}``/``]``, outside strings, character for
+    character, so an error's line and column stay the file's) and the rest is read as JSON. A
+    key given twice is refused, as DeepSpeed refuses it (``json`` alone keeps the last one, which
+    silently dropped the first). Hjson's other liberties (unquoted keys and strings, multi-line
+    strings) are refused by the JSON reader, with what to change.
+    """
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise DeepSpeedConfigError(
+                    f"{where}: {key!r} is given twice in one object (DeepSpeed refuses duplicate "
+                    "keys too); keep one"
+                )
+            out[key] = value
+        return out
+
+    try:
+        return json.loads(_strip_comments(text), object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise DeepSpeedConfigError(
+            f"cannot read DeepSpeed config {where}: {exc} (DeepSpeed reads Hjson; qshard reads "
+            "JSON with comments and trailing commas: quote every key and string value)"
+        ) from exc
+
+
+def _strip_comments(text: str) -> str:
+    """``text`` with comments and trailing commas outside strings blanked (see
+    [Note: DeepSpeed's file syntax]); the same length, newlines kept."""
+    out = list(text)
+    i, n = 0, len(text)
+    in_string = False
+    while i < n:
+        c = text[i]
+        if in_string:
+            if c == "\\":
+                i += 2
+                continue
+            if c == '"':
+                in_string = False
+            i += 1
+        elif c == '"':
+            in_string = True
+            i += 1
+        elif c == "#" or text.startswith("//", i):
+            end = text.find("\n", i)
+            end = n if end < 0 else end
+            out[i:end] = " " * (end - i)
+            i = end
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            end = n if end < 0 else end + 2
+            out[i:end] = [ch if ch == "\n" else " " for ch in text[i:end]]
+            i = end
+        else:
+            i += 1
+    # Trailing commas: a comma whose next non-blank character closes the object or array.
+    blanked = "".join(out)
+    in_string = False
+    i = 0
+    while i < n:
+        c = blanked[i]
+        if in_string:
+            if c == "\\":
+                i += 2
+                continue
+            in_string = c != '"'
+        elif c == '"':
+            in_string = True
+        elif c == ",":
+            j = i + 1
+            while j < n and blanked[j] in " \t\r\n":
+                j += 1
+            if j < n and blanked[j] in "}]":
+                out[i] = " "
+        i += 1
+    return "".join(out)
 
 
 class _Reader:
@@ -164,6 +251,8 @@ class _Reader:
         # the TrainingArguments field the Trainer would have taken it from.
         if isinstance(obj, dict):
             for k, v in obj.items():
+                if not prefix and k in _TOP_REFUSED:
+                    continue  # refused whatever it holds: say that, not "fill in this auto"
                 self.check_values(f"{prefix}.{k}" if prefix else k, v)
         elif obj == "auto" and not _auto_is_moot(prefix):
             source = _HF_AUTO_SOURCES.get(prefix)
@@ -208,6 +297,8 @@ class _Reader:
 
     def read(self, cfg: dict[str, Any], ranks_per_node: int | None) -> DeepSpeedTranslation:
         self.check_values("", cfg)
+        if "scheduler" in cfg:
+            raise self.fail("scheduler", _scheduler_refusal(cfg["scheduler"]))
         if "bfloat16" in cfg:  # DeepSpeed's old name of the bf16 section
             if "bf16" in cfg:
                 raise self.fail("bfloat16", "give either bf16 or its old name bfloat16, not both")
@@ -279,15 +370,18 @@ class _Reader:
         value = cfg.get(key)
         if value is None:
             return None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        whole = _whole(value)
+        if whole is None or whole < 1:
             raise self.fail(key, f"must be an int >= 1; got {value!r}")
-        return value
+        return whole
 
     def zero_stage(self, cfg: dict[str, Any]) -> int:
         zero = self.section(cfg, "zero_optimization")
-        stage = zero.get("stage", 0)
-        if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-            raise self.fail("zero_optimization.stage", f"must be 0, 1, 2 or 3; got {stage!r}")
+        stage = _whole(zero.get("stage", 0))
+        if stage not in (0, 1, 2, 3):
+            raise self.fail(
+                "zero_optimization.stage", f"must be 0, 1, 2 or 3; got {zero.get('stage')!r}"
+            )
         if stage in (1, 2):
             raise self.fail(
                 "zero_optimization.stage",
@@ -404,16 +498,21 @@ class _Reader:
                     )
                 value = (float(value[0]), float(value[1]))
             elif isinstance(default, int):
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                whole = _whole(value)
+                if whole is None or whole < 1:
                     raise self.fail(
                         f"optimizer.params.{key}", f"must be an int >= 1; got {value!r}"
                     )
+                value = whole
             elif (
                 not isinstance(value, (int, float))
                 or isinstance(value, bool)
                 or not math.isfinite(value)
             ):
-                raise self.fail(f"optimizer.params.{key}", f"must be a number; got {value!r}")
+                unquote = " (write it without quotes)" if isinstance(value, str) else ""
+                raise self.fail(
+                    f"optimizer.params.{key}", f"must be a number; got {value!r}{unquote}"
+                )
             elif value < 0:  # lr, eps, weight_decay: torch's optimizers refuse them negative
                 raise self.fail(f"optimizer.params.{key}", f"must be >= 0; got {value!r}")
             else:
@@ -514,10 +613,11 @@ class _Reader:
             no_equivalent=_ZERO_NO_EQUIVALENT,
             only_default={**_ZERO_ONLY_DEFAULT, **_offload_values(self, zero)},
         )
-        size = zero.get("zero_hpz_partition_size", 1)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        size = _whole(zero.get("zero_hpz_partition_size", 1))
+        if size is None or size < 0:
             raise self.fail(
-                "zero_optimization.zero_hpz_partition_size", f"must be an int >= 0; got {size!r}"
+                "zero_optimization.zero_hpz_partition_size",
+                f"must be an int >= 0; got {zero.get('zero_hpz_partition_size')!r}",
             )
         qwz = _flag(self, zero, "zero_quantized_weights")
         qgz = _flag(self, zero, "zero_quantized_gradients")
@@ -579,6 +679,57 @@ class _Reader:
         )
 
 
+def _scheduler_refusal(section: Any) -> str:
+    """Why a ``scheduler`` section is refused, saying what DeepSpeed would have computed (its
+    defaults are easy to miss: the warm-up is logarithmic unless ``warmup_type`` is
+    ``"linear"``) so the user can reproduce it."""
+    kind = section.get("type") if isinstance(section, dict) else None
+    what = _SCHEDULES.get(str(kind).lower()) if isinstance(kind, str) else None
+    said = f"DeepSpeed's {kind} {what}; " if what else ""
+    return (
+        f"{said}qshard does not own the learning-rate schedule: remove the section and set the "
+        "lr in your loop (e.g. a torch.optim.lr_scheduler.LambdaLR stepped once per optimizer "
+        "step, as DeepSpeed steps its scheduler); qshard train's own schedule is a linear "
+        "warm-up to --lr over --warmup-steps, then a cosine decay to --min-lr"
+    )
+
+
+_WARMUP = (
+    'over warmup_num_steps (default 1000), logarithmically (warmup_type default "log": '
+    'log(step + 1) / log(warmup_num_steps)) unless warmup_type is "linear"'
+)
+_SCHEDULES = {
+    "warmuplr": (
+        "raises the lr from warmup_min_lr (default 0) to warmup_max_lr (default 0.001) "
+        f"{_WARMUP}, then holds it"
+    ),
+    "warmupdecaylr": (
+        "raises the lr from warmup_min_lr (default 0) to warmup_max_lr (default 0.001) "
+        f"{_WARMUP}, then decays it linearly to 0 at total_num_steps"
+    ),
+    "warmupcosinelr": (
+        "scales the optimizer's lr by a ratio rising from warmup_min_ratio (default 0) to 1 "
+        f"{_WARMUP}, then falling along a cosine to cos_min_ratio (default 0.0001) at "
+        "total_num_steps"
+    ),
+    "onecycle": "cycles the lr (and momentum) between cycle_min_lr and cycle_max_lr",
+    "lrrangetest": "grows the lr from lr_range_test_min_lr for a learning-rate range test",
+}
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is one: a JSON integer, or a number written with a point or
+    an exponent that is whole (``1e5``, ``8.0``; DeepSpeed's pydantic fields and its 1-bit
+    optimizers take those as the integer); else ``None`` (booleans, fractions, strings)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 def _flag(
     reader: _Reader,
     section: dict[str, Any],
@@ -591,7 +742,8 @@ def _flag(
     # truthiness (bool("false") is True) would silently invert such a value.
     value = section.get(key, default)
     if not isinstance(value, bool):
-        raise reader.fail(f"{where}.{key}", f"must be true or false; got {value!r}")
+        unquote = " (JSON true/false, without quotes)" if isinstance(value, str) else ""
+        raise reader.fail(f"{where}.{key}", f"must be true or false; got {value!r}{unquote}")
     return value
 
 
