@@ -69,6 +69,9 @@ def test_defaults_are_the_main_job():
         (["--n-embd", "100", "--n-head", "3"], "must be divisible by --n-head"),
         (["--steps", "0"], "--steps must be an int >= 1"),
         (["--warmup-steps", "50", "--steps", "50"], "--warmup-steps 50 must be below --steps 50"),
+        # --steps 1 was exempt: it trained at a twentieth of --lr
+        (["--warmup-steps", "1", "--steps", "1"], "--warmup-steps 1 must be below --steps 1"),
+        (["--warmup-steps", "5", "--steps", "3"], "(e.g. --warmup-steps 0)"),
         (["--min-lr", "1", "--lr", "0.1"], "must not exceed --lr"),
         (["--val-fraction", "1.5"], "--val-fraction must be in (0, 1)"),
         # NaN passed every comparison; inf lr / a timeout past timedelta's range crashed ranks.
@@ -83,6 +86,8 @@ def test_defaults_are_the_main_job():
         (["--seed", str(2**64)], "--seed must be below 2**64"),
         (["--data", ""], "--data is an empty string; omit it"),  # was: train on the cwd
         (["--cache-dir", ""], "--cache-dir is an empty string; omit it"),
+        # was: trained on the flags' defaults as if no file had been named
+        (["--deepspeed-config", ""], "--deepspeed-config is an empty string; omit it"),
     ],
 )
 def test_bad_combinations_are_refused_with_the_fix(argv, message, capsys):
@@ -92,6 +97,52 @@ def test_bad_combinations_are_refused_with_the_fix(argv, message, capsys):
     # The command prints the same message and exits 2, before launching anything.
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("steps", "warmup", "said"),
+    [
+        (1, 0, "no warm-up instead"),  # ran silently at lr / 20
+        (3, 0, "no warm-up instead"),  # refused: "--warmup-steps 20 must be below --steps 3"
+        (15, 1, "warming up over 1 step instead"),
+        (20, 2, "warming up over 2 steps instead"),
+        (21, 20, None),  # the default fits: kept, nothing said
+    ],
+)
+def test_a_short_run_fits_the_default_warmup_and_says_so(steps, warmup, said, capsys):
+    from qshard.train.schedule import learning_rate
+
+    cfg = config_from_args(["--steps", str(steps)])
+    assert cfg.warmup_steps == warmup
+    err = capsys.readouterr().err
+    if said is None:
+        assert err == ""
+    else:
+        assert (
+            f"note: --warmup-steps defaults to 20, which does not end before --steps {steps}" in err
+        )
+        assert said in err and "pass --warmup-steps to choose" in err
+    if steps == 1:
+        assert learning_rate(0, cfg) == cfg.lr  # the one step is at the peak, not lr / 20
+
+
+def test_defaults_that_cannot_fit_are_noted_once_and_only_for_a_valid_run(capsys, monkeypatch):
+    # --lr below the default --min-lr was refused naming --min-lr, a flag never given.
+    cfg = config_from_args(["--lr", "1e-4"])
+    assert cfg.min_lr == pytest.approx(1e-5)
+    assert "note: --min-lr defaults to 0.0003, above --lr 0.0001" in capsys.readouterr().err
+    assert config_from_args(["--lr", "1e-3"]).min_lr == 3e-4  # fits: unchanged
+    with pytest.raises(ValueError, match=r"--min-lr 0\.001 must not exceed --lr 0\.0001"):
+        config_from_args(["--lr", "1e-4", "--min-lr", "1e-3"])  # given: never changed
+    # A run refused for another reason prints only its error.
+    assert main(["--steps", "3", "--nproc", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "must be divisible by the number of ranks 3" in err and "note:" not in err
+    # Under torchrun every rank parses the flags; rank 0 alone says it.
+    for var, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(var, value)
+    assert config_from_args(["--steps", "3", "--batch-size", "2"]).warmup_steps == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_unknown_and_mistyped_flags_are_errors(capsys):

@@ -142,6 +142,10 @@ def _two_rank_world(rank, world, tmp):
     dist.barrier()
     dp_resumed = train(dp.replace(out=str(tmp / "dp_resumed"), resume=True))
     out["dp_full"], out["dp_resumed"] = dp_full["losses"], dp_resumed["losses"]
+    # bf16 of the replicated model: autocast (it computed in fp32 under a "bf16" banner, its
+    # losses bit-identical to the fp32 run's)
+    dp_bf16 = train(dp.replace(dtype="bf16", steps=3, out=str(tmp / "dp_bf16")))
+    out["dp_bf16"] = dp_bf16["losses"]
     # Its per-rank files hold each rank's part of the model: the replicated run's full tensors
     # do not load into HSDP's shards (under torchrun, where no launcher compares --parallel).
     # Before: a bare "The size of tensor a (128) must match the size of tensor b (256)".
@@ -228,6 +232,14 @@ def test_zero_one_adam_saves_the_synchronised_model(worlds):
     _, _, two = worlds
     assert len(two["dp_final_names"]) > 0
     assert two["dp_final_differ"] == []
+
+
+def test_bf16_of_a_replicated_run_computes_in_bf16(worlds):
+    _, _, two = worlds
+    bf16, fp32 = two["dp_bf16"], {s: two["dp_full"][s] for s in range(3)}
+    assert sorted(bf16) == [0, 1, 2]
+    assert bf16 != fp32  # not the fp32 computation
+    assert all(abs(bf16[s] - fp32[s]) < 0.02 * fp32[s] for s in fp32), (bf16, fp32)
 
 
 def test_per_rank_checkpoint_of_another_layout_is_refused(worlds):

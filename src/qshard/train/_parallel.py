@@ -7,6 +7,7 @@ can refuse an unavailable option in the launcher, before any rank starts.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from typing import Any
@@ -23,6 +24,7 @@ from qshard.train.schedule import learning_rate
 __all__ = [
     "build_optimizer",
     "distribute",
+    "forward_context",
     "missing_features",
     "zero_one_adam_schedule",
     "zeropp_blocks",
@@ -125,8 +127,9 @@ def distribute(
     mp_policy = None
     if compute_dtype != torch.float32:
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    if config.optim in DATA_PARALLEL_OPTIMIZERS and config.parallel != "hsdp":
-        return f"replicated (data parallel, {config.optim} communicates)"
+    if _replicated(config):
+        dtype = "" if compute_dtype == torch.float32 else f"; {_dtype_name(compute_dtype)} autocast"
+        return f"replicated (data parallel, {config.optim} communicates{dtype})"
     features = config.zeropp_features
     shard = _optional("qshard.zeropp", "shard")
     if shard is not None:
@@ -154,6 +157,28 @@ def distribute(
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return f"FSDP2 ZeRO-3 (plain fully_shard) on {_n(topology.world_size, 'rank')}"
+
+
+def _replicated(config: TrainConfig) -> bool:
+    """The model stays whole on every rank (a data-parallel optimizer without HSDP)."""
+    return config.optim in DATA_PARALLEL_OPTIMIZERS and config.parallel != "hsdp"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def forward_context(
+    config: TrainConfig, compute_dtype: torch.dtype, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
+    """What a forward runs under. [Note: bf16 of a replicated model] A sharded model computes
+    in ``compute_dtype`` through FSDP2's ``MixedPrecisionPolicy``; a replicated one (the
+    data-parallel optimizers without HSDP) is not under FSDP2, so it runs under
+    ``torch.autocast`` instead (fp32 parameters, gradients and optimizer; matmuls in bf16).
+    Before, it computed in fp32 while the run said bf16."""
+    if compute_dtype == torch.float32 or not _replicated(config):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=compute_dtype)
 
 
 def _n(count: int, noun: str) -> str:

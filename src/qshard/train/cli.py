@@ -138,16 +138,67 @@ def config_from_args(argv: Sequence[str]) -> TrainConfig:
     args = vars(build_parser().parse_args(list(argv)))
     if _under_torchrun():
         args["nproc"] = int(os.environ["WORLD_SIZE"])
+    explicit = _explicit_fields(argv)
+    notes = _fit_defaults(args, explicit)
     if not args.get("deepspeed_config"):
-        return TrainConfig(**args)
-    from qshard.train import _deepspeed
+        config = TrainConfig(**args)
+    else:
+        from qshard.train import _deepspeed
 
-    config = TrainConfig(**_deepspeed.apply_deepspeed(args, explicit=_explicit_fields(argv)))
-    # hpZ's secondary group is one node: check the file's partition size against this launch.
-    local = os.environ.get("LOCAL_WORLD_SIZE") if _under_torchrun() else None
-    rpn = config.ranks_per_node or (int(local) if local else config.local_ranks_per_node())
-    _deepspeed.translation(config.deepspeed_config, ranks_per_node=rpn)
+        config = TrainConfig(**_deepspeed.apply_deepspeed(args, explicit=explicit))
+        # hpZ's secondary group is one node: check the file's partition size against this launch.
+        local = os.environ.get("LOCAL_WORLD_SIZE") if _under_torchrun() else None
+        rpn = config.ranks_per_node or (int(local) if local else config.local_ranks_per_node())
+        _deepspeed.translation(config.deepspeed_config, ranks_per_node=rpn)
+    if os.environ.get("RANK", "0") == "0":  # once per job under torchrun; after the checks
+        for note in notes:
+            print(f"qshard train: note: {note}", file=sys.stderr)
     return config
+
+
+def _fit_defaults(args: dict[str, Any], explicit: set[str]) -> list[str]:
+    """[Note: defaults that cannot fit] Two schedule defaults depend on flags a user does
+    give: the warm-up must end before the run (TrainConfig refuses ``--warmup-steps`` >=
+    ``--steps``) and the floor may not exceed the peak (``--min-lr`` <= ``--lr``). A short run
+    (``--steps 5``, a smoke test) or a small ``--lr 1e-4`` was refused for a flag its user never
+    gave (and ``--steps 1`` ran silently at a twentieth of ``--lr``). Left at its default, such
+    a flag now takes the defaults' ratio instead (a warm-up of a tenth of the run, 20 of 200,
+    none below 10 steps; a floor of a tenth of ``--lr``, 3e-4 of 3e-3, as with a DeepSpeed
+    config's lr) and the command notes it; a flag given explicitly is never changed, and is
+    refused when it does not fit. ``args`` is changed in place; returns the notes."""
+    notes = []
+    steps, warmup = args.get("steps"), args.get("warmup_steps")
+    if (
+        "warmup_steps" not in explicit
+        and isinstance(steps, int)
+        and isinstance(warmup, int)
+        and 1 <= steps <= warmup
+    ):
+        fitted = args["warmup_steps"] = steps // 10
+        instead = (
+            f"warming up over {fitted} step{'s' if fitted > 1 else ''} instead (a tenth of the run)"
+            if fitted
+            else "no warm-up instead (a tenth of the run rounds to 0)"
+        )
+        notes.append(
+            f"--warmup-steps defaults to {warmup}, which does not end before --steps {steps}; "
+            f"{instead}; pass --warmup-steps to choose"
+        )
+    lr, floor = args.get("lr"), args.get("min_lr")
+    if (
+        "min_lr" not in explicit
+        and not args.get("deepspeed_config")  # the file's lr moves the floor by itself
+        and isinstance(lr, float)
+        and isinstance(floor, float)
+        and 0 < lr < floor  # NaN, inf and lr <= 0 fail this: left to TrainConfig's errors
+    ):
+        defaults = TrainConfig()
+        args["min_lr"] = lr * defaults.min_lr / defaults.lr
+        notes.append(
+            f"--min-lr defaults to {floor:g}, above --lr {lr:g}; decaying to {args['min_lr']:g} "
+            "instead (a tenth of --lr); pass --min-lr to choose"
+        )
+    return notes
 
 
 def _explicit_fields(argv: Sequence[str]) -> set[str]:

@@ -135,9 +135,11 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the cosine decay. Left at this default with an ``lr`` below
+    it, it becomes a tenth of ``lr`` (the command notes it)."""
     warmup_steps: int = 20
-    """Linear warm-up steps from 0 to ``lr``."""
+    """Linear warm-up steps to ``lr``; must be below ``steps``. Left at this default on a run
+    of 20 steps or fewer, it becomes a tenth of ``steps`` (the command notes it)."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices and embeddings (not on biases and norms)."""
     beta1: float = 0.9
@@ -213,6 +215,8 @@ class TrainConfig:
         for name, default in (
             ("data", "the Python standard library"),
             ("cache_dir", "the default"),
+            # was read as "no file": the run took the flags' defaults without a word
+            ("deepspeed_config", "the flags' own settings"),
         ):
             if getattr(self, name) == "":  # Path("") is the working directory
                 raise ValueError(
@@ -234,9 +238,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0; got {value}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} must not exceed --lr {self.lr}")
-        if self.warmup_steps >= self.steps and self.steps > 1:
+        if self.warmup_steps >= self.steps:  # --steps 1 too: it trained at lr / warmup_steps
             raise ValueError(
-                f"--warmup-steps {self.warmup_steps} must be below --steps {self.steps}"
+                f"--warmup-steps {self.warmup_steps} must be below --steps {self.steps} (e.g. "
+                f"--warmup-steps {self.steps // 10})"
             )
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:

@@ -52,7 +52,7 @@ from qshard.optim import optimizer_state_bytes
 from qshard.train import _faults, _runtime, _summary
 from qshard.train import checkpoint as ckpt
 from qshard.train._metrics import MetricsWriter, peak_memory_bytes
-from qshard.train._parallel import build_optimizer, distribute
+from qshard.train._parallel import build_optimizer, distribute, forward_context
 from qshard.train.config import (
     DATA_PARALLEL_OPTIMIZERS,
     TrainConfig,
@@ -449,7 +449,8 @@ def _step(
         rank=job.rank,
         world_size=job.world,
     )
-    _, loss = model(x.to(job.device), y.to(job.device))
+    with forward_context(config, job.compute_dtype, job.device):
+        _, loss = model(x.to(job.device), y.to(job.device))
     if poison:
         loss = _faults.poison(loss)
     loss.backward()
@@ -576,7 +577,8 @@ def _evaluate(model: nn.Module, tokens: Any, config: TrainConfig) -> float:
             world_size=world,
             stream=1,
         )
-        _, loss = model(x.to(device), y.to(device))
+        with forward_context(config, _runtime.compute_dtype(config, device), device):
+            _, loss = model(x.to(device), y.to(device))
         total += loss.float()
     model.train()
     return _runtime.mean_over_ranks(total / config.eval_batches)
