@@ -30,6 +30,7 @@ shards only; no collective is issued.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -190,14 +191,37 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         into floats and, for bf16 parameters, round absmax and fp32 states); here only the
         device follows the parameter, so a round trip is bit-exact. The saved groups' options
         are checked first, and a ``torch.optim`` state_dict loads where this optimizer computes
-        the same ([Note: loading foreign state_dicts] in ``_state_dict.py``).
+        the same ([Note: loading foreign state_dicts] in ``_state_dict.py``). Hooks registered
+        with ``register_load_state_dict_pre_hook``/``_post_hook`` run as in torch: the
+        pre-hooks before the check (so one can adapt a checkpoint), the post-hooks on the
+        loaded state with its dtypes.
         """
+        # The hooks run in torch's order around our work: the pre-hooks on the state_dict as
+        # given (a hook may adapt a checkpoint that the check would refuse, and its changes
+        # to state tensors are the ones loaded), the post-hooks once the dtypes are restored.
+        # torch's own call runs with neither (they used to run inside it, after the check, and
+        # the restore below then overwrote what a pre-hook had changed).
+        state_dict = state_dict.copy()  # shallow, as torch
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state_dict = self._checked_state_dict(state_dict)
         saved = state_dict["state"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         originals = {p: saved[i] for i, p in zip(ids, params) if i in saved}
-        super().load_state_dict(state_dict)
+        pre, post = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre
+            self._optimizer_load_state_dict_post_hooks = post
         for p, st in originals.items():
             for k, v in st.items():
                 if isinstance(v, Tensor) and k != "step":
@@ -205,6 +229,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     if v.is_floating_point() and not quantized:  # a full-precision state
                         v = v.to(dtype=_full_state_dtype(p))
                     self.state[p][k] = v.to(device=p.device)
+        for post_hook in post.values():
+            post_hook(self)
 
     # -- step -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -21,6 +22,7 @@ __all__ = [
     "_check_placements",
     "_check_real",
     "check_common_options",
+    "check_numbers",
     "check_params_and_torch_flags",
 ]
 
@@ -49,13 +51,47 @@ SCHEDULER_KEYS = frozenset(
 
 
 def _check_lr(lr: Any, name: str) -> None:
+    """``lr`` is a real number >= 0: a Python float or int, or a NumPy scalar (as
+    ``torch.optim`` takes them; an LR scheduler whose lambda returns NumPy values writes such an
+    lr into the group, and a checkpoint of that run must load); not a Tensor, bool or NaN."""
     if isinstance(lr, Tensor):
         raise ValueError(
             f"{name}: lr must be a Python float, not a Tensor (the update reads it as a number; "
             f"pass lr=float(lr)); got {lr!r}"
         )
-    if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr >= 0:  # NaN too
-        raise ValueError(f"{name}: lr must be a float >= 0; got {lr!r}")
+    # (np.float32 and NumPy's ints are not Python floats and ints; np.float64 is one)
+    real = isinstance(lr, float | int | np.floating | np.integer)
+    if isinstance(lr, bool) or not real or not lr >= 0:  # NaN too
+        raise ValueError(f"{name}: lr must be a float >= 0; got {lr!r}{_str_hint(lr)}")
+
+
+def _str_hint(value: Any) -> str:
+    """What to do about a number given as a string (from a config file), else nothing."""
+    if not isinstance(value, str):
+        return ""
+    return " (a string: pass float(value); YAML 1.1 reads 1e-8 as a string, write 1.0e-8)"
+
+
+def check_numbers(group: dict[str, Any], name: str, keys: tuple[str, ...]) -> None:
+    """The hyperparameters ``keys`` of ``group`` are numbers (``betas``: a pair of them; a
+    one-element Tensor too, as ``torch.optim`` takes), checked before the range checks compare
+    them: a config value read as a string (YAML 1.1 reads ``1e-8`` as one) was a TypeError of
+    a comparison that named nothing, and SGD's ``dampening``, never compared, passed and
+    failed at the first step, after that step's counters had advanced."""
+    for k in keys:
+        value = group[k]
+        if k == "betas":  # any pair: a tuple, a list, a NumPy array, a Tensor of two
+            items = list(value) if isinstance(value, Iterable) else []
+            if len(items) != 2:
+                raise ValueError(f"{name}: betas must be a pair (beta1, beta2); got {value!r}")
+        else:
+            items = [value]
+        for v in items:
+            if isinstance(v, Tensor) and v.numel() == 1:
+                continue
+            if not isinstance(v, float | int | np.floating | np.integer):
+                what = "two numbers" if k == "betas" else "a number"
+                raise ValueError(f"{name}: {k} must be {what}; got {value!r}{_str_hint(v)}")
 
 
 def _check_real(params: Iterable[Tensor], name: str) -> None:

@@ -10,6 +10,7 @@ from torch.optim.adagrad import adagrad as _torch_adagrad
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
+from qshard.optim._options import check_numbers
 
 __all__ = ["Adagrad8bit"]
 
@@ -57,7 +58,9 @@ class Adagrad8bit(Optimizer8bit):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
-        for k in ("lr_decay", "weight_decay", "initial_accumulator_value", "eps"):
+        keys = ("lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+        check_numbers(group, type(self).__name__, keys)
+        for k in keys:
             if not group[k] >= 0:  # NaN too, as torch.optim.Adagrad
                 raise ValueError(f"{k} must be >= 0; got {group[k]!r}")
 

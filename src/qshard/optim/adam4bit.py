@@ -29,7 +29,7 @@ from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
 from qshard.optim._base8bit import BlockwiseOptimizer
 from qshard.optim._multi_tensor import _hparam_table, _Item, _multi_tensor_entry
-from qshard.optim._options import _check_lr, check_params_and_torch_flags
+from qshard.optim._options import _check_lr, check_numbers, check_params_and_torch_flags
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
 from qshard.optim._state_layout import _check_layout, _full_state_dtype, _local, _wrap_like
@@ -117,6 +117,7 @@ class Adam4bit(BlockwiseOptimizer):
                 f"{group['second_moment_map']!r}"
             )
         _check_lr(group["lr"], name)
+        check_numbers(group, name, ("betas", "eps", "weight_decay"))
         b1, b2 = group["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"{name}: betas must be in [0, 1); got {group['betas']}")

@@ -10,6 +10,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
+from qshard.optim._options import check_numbers
 
 __all__ = ["Adam8bit", "AdamW8bit"]
 
@@ -120,6 +121,7 @@ class Adam8bit(Optimizer8bit):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
+        check_numbers(group, type(self).__name__, ("betas", "eps", "weight_decay"))
         b1, b2 = group["betas"]
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1); got {group['betas']}")

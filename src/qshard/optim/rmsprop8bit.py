@@ -10,6 +10,7 @@ from torch.optim.rmsprop import rmsprop as _torch_rmsprop
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
+from qshard.optim._options import check_numbers
 
 __all__ = ["RMSprop8bit"]
 
@@ -60,6 +61,7 @@ class RMSprop8bit(Optimizer8bit):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
+        check_numbers(group, type(self).__name__, ("alpha", "eps", "weight_decay", "momentum"))
         if not 0.0 <= group["alpha"] < 1.0:
             raise ValueError(f"alpha must be in [0, 1); got {group['alpha']}")
         for k in ("eps", "weight_decay", "momentum"):

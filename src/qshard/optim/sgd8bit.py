@@ -11,6 +11,7 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
+from qshard.optim._options import check_numbers
 
 __all__ = ["SGD8bit"]
 
@@ -60,6 +61,9 @@ class SGD8bit(Optimizer8bit):
         super().__init__(params, defaults)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
+        check_numbers(group, type(self).__name__, ("momentum", "dampening", "weight_decay"))
+        if group["dampening"] != group["dampening"]:  # NaN (torch.optim does not check it)
+            raise ValueError(f"dampening must be a number, not NaN; got {group['dampening']!r}")
         if not (group["momentum"] >= 0 and group["weight_decay"] >= 0):  # NaN too
             raise ValueError(
                 f"momentum and weight_decay must be >= 0; got momentum={group['momentum']!r}, "
