@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from qshard import _replicas
+from qshard._stack import user_stacklevel
 from qshard.comm.compressed import (
     _all_gather_single,
     _check_same_layout,
@@ -372,6 +373,42 @@ class _DataParallelOneBitOptimizer(Optimizer):
             d = torch.maximum(d, mean_v.sqrt().mul_(floor))
         return d.add_(group["eps"])
 
+    # [Note: no variance yet] A trainable parameter that got no gradient on any rank in every
+    # full-precision (variance) step so far, e.g. a branch first used after the warm-up, has
+    # m and v but v == 0 everywhere: the variance floor (relative to the tensor's own mean v)
+    # cannot help, and an update after a 1-bit average, once the branch is used, moved it by
+    # lr * m / eps (2.7e7 x lr measured; torch's Adam takes steps of about lr there). Such a
+    # tensor is not moved by the m / d term of those updates (weight decay still applies):
+    # in 0/1 Adam's phase A until a variance step gives it a variance, after a freeze for good,
+    # with a warning at the freeze naming the fix. v is the same on every rank (it only ever
+    # sees averaged gradients), so every rank decides alike, and the decision is a device-side
+    # where (no host sync per step).
+    def _guard_no_variance(self, p: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+        """``denom`` where ``p`` has a variance, +inf (no m / d step) where its v is all zero;
+        see [Note: no variance yet]."""
+        has_variance = self._state(p)["exp_avg_sq"].any()
+        return torch.where(has_variance, denom, torch.inf)
+
+    def _warn_no_variance_at_freeze(self, params: list[torch.Tensor]) -> None:
+        """Once, at the variance freeze: name the trainable tensors that have no variance
+        (see [Note: no variance yet])."""
+        empty = [
+            tuple(p.shape)
+            for p in params
+            if p.numel() > 0 and not bool(self._state(p)["exp_avg_sq"].any())
+        ]
+        if empty:
+            warnings.warn(
+                f"{type(self).__name__}: {len(empty)} trainable parameter tensor(s) (shapes "
+                f"{empty[:4]}{' ...' if len(empty) > 4 else ''}) got no gradient on any rank "
+                f"before the variance freeze ({self._freeze_name()}), so they have no "
+                "variance estimate: a 1-bit step would move them by about lr * m / eps. They "
+                "are not updated from here on (weight decay still applies). If they are used "
+                "later (a branch or head enabled after the warm-up), let them get gradients "
+                "before the freeze, or train them with another optimizer",
+                stacklevel=user_stacklevel(),
+            )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)  # on HSDP: the DTensors' gradients
         if self._shards is not None:  # and the local tensors' views of them
@@ -379,11 +416,35 @@ class _DataParallelOneBitOptimizer(Optimizer):
 
     def _trainable(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
         """``(group, tensor stepped)`` of every trainable parameter (on HSDP: local shards)."""
+        self._check_built_after_init()
         if self._shards is not None:
             self._shards.pull()
         return [
             (g, self._local(p)) for g in self.param_groups for p in g["params"] if p.requires_grad
         ]
+
+    def _check_built_after_init(self) -> None:
+        """[Note: built before init_process_group] An optimizer built without a process group
+        runs as one rank (see [Note: one process]) and keeps doing so: it decided that at
+        construction. Built before ``init_process_group`` on every rank of a larger world, it
+        averaged nothing, so the replicas silently trained apart from the first step, and the
+        first 1-bit step then failed on error buffers sized for one rank ("needs a worker error
+        of 16 ... got 8"), as late as ``freeze_step``. Checked on every step (no
+        communication): refused as soon as a world of more than one rank exists."""
+        if (
+            self.process_group is None
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        ):
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name} was built before torch.distributed.init_process_group, so it runs as "
+                f"a single process and averages nothing, but a world of "
+                f"{dist.get_world_size()} ranks exists now: the replicas would train apart. "
+                f"Build the {name} after init_process_group (or, for deliberately "
+                "independent single-rank optimizers, pass a process_group of one rank)"
+            )
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor:
         # [Note: missing gradients] Every trainable parameter takes part in every step, so all

@@ -128,7 +128,10 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         extra = self._extra
         extra["step"] += 1
 
-        if extra["step"] <= self.freeze_step:
+        compressed = extra["step"] > self.freeze_step
+        if extra["step"] == self.freeze_step + 1:
+            self._warn_no_variance_at_freeze(params)  # [Note: no variance yet]
+        if not compressed:
             grads = self._all_reduce_mean(
                 [self._grad(p).float() for p in params], f"{self._algorithm}/gradient"
             )
@@ -155,7 +158,7 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
             lr, wd = group["lr"], group["weight_decay"]
             if wd != 0:
                 p.mul_(1 - lr * wd)
-            denom = self._denominator(
-                group, p, floor=self.variance_floor if extra["step"] > self.freeze_step else 0.0
-            )
+            denom = self._denominator(group, p, floor=self.variance_floor if compressed else 0.0)
+            if compressed:  # see [Note: no variance yet] in qshard.optim._onebit
+                denom = self._guard_no_variance(p, denom)
             p.addcdiv_(state["exp_avg"], denom, value=-lr)

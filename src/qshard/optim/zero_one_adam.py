@@ -311,7 +311,8 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         lr, wd = group["lr"], group["weight_decay"]
         if wd != 0:
             p.mul_(1 - lr * wd)
-        p.addcdiv_(state["exp_avg"], self._denom(group, p), value=-lr)
+        # Every 0/1 Adam update may follow a 1-bit average: [Note: no variance yet].
+        p.addcdiv_(state["exp_avg"], self._guard_no_variance(p, self._denom(group, p)), value=-lr)
 
     def _denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         return self._denominator(group, p, floor=self.variance_floor)
@@ -319,6 +320,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
     def _phase_b_step(self, pairs: list[tuple[dict[str, Any], torch.Tensor]], step: int) -> None:
         extra = self._extra
         if not extra["phase_b_started"]:
+            self._warn_no_variance_at_freeze([p for _, p in pairs])
             # The error buffers held gradient or momentum residue; now they compress the drift
             # (sum(lr * m) * -1, other units), so they restart from zero, as in DeepSpeed.
             self._reset_error_buffers()
@@ -378,11 +380,46 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """See :meth:`_DataParallelOneBitOptimizer.load_state_dict`; a state saved before the
-        interval check existed (no ``phase_b_lrs``) takes the lr of its next step."""
+        interval check existed (no ``phase_b_lrs``) takes the lr of its next step. The schedule
+        positions are reconciled with this optimizer's ``var_freeze_step``: see
+        :meth:`_reconcile_schedule`."""
         extra = state_dict.get(_EXTRA_KEY)
         if isinstance(extra, dict) and "phase_b_lrs" not in extra:
             state_dict = {**state_dict, _EXTRA_KEY: {**extra, "phase_b_lrs": None}}
         super().load_state_dict(state_dict)
+        self._reconcile_schedule()
+
+    def _reconcile_schedule(self) -> None:
+        """[Note: resuming with another var_freeze_step] The saved schedule positions were
+        computed with the saving optimizer's ``var_freeze_step``, and ``qshard train --resume
+        --steps N`` (a longer run) derives another one from the new lr schedule. Before phase B
+        the next sync is a pure function of the freeze and the step (``var_freeze_step + 1``,
+        or the next step when the new freeze is already behind), so it is recomputed; with the
+        same settings that is the saved value. Before, the saved position was kept: saved at
+        step 5 with ``var_freeze_step=100`` and resumed with 8, the first sync stayed at step
+        101 (92 local steps in a row, the replicas apart); resumed with a later freeze, the
+        saved sync step was already past when phase B began, and no sync ever came again.
+        A state saved in phase B cannot return to phase A (its variance is frozen, its error
+        buffers hold drift residue, its momenta and anchors are per interval): it stays in
+        phase B, with a warning, as if the variance had frozen at the saved step (the sync
+        intervals grow again from 1; before, the replicas never synced again)."""
+        extra = self._extra
+        step = extra["step"]
+        if extra["phase_b_started"] and step < self.var_freeze_step:
+            warnings.warn(
+                f"ZeroOneAdam.load_state_dict: this state was saved in phase B (step {step}, "
+                f"after its variance freeze), but this optimizer has var_freeze_step="
+                f"{self.var_freeze_step}: the variance cannot be unfrozen, so it stays frozen "
+                f"and var_freeze_step becomes {step} (the sync interval grows again from 1). "
+                "Build the ZeroOneAdam with the var_freeze_step it was saved with to keep the "
+                "saved schedule",
+                stacklevel=user_stacklevel(),
+            )
+            self.var_freeze_step = step
+        if not extra["phase_b_started"]:
+            extra["next_sync_step"] = max(self._next_sync(self.var_freeze_step), step + 1)
+        elif extra["next_sync_step"] <= step:  # not after a save; defensive
+            extra["next_sync_step"] = step + 1
 
     def _sync(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         """Average the drift since the last sync; see [Note: sync anchor]. Parameters frozen
