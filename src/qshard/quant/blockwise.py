@@ -40,6 +40,22 @@ torch.compile: every bf16/fp16 input, stochastic rounding, no C compiler) return
 absmax with a ``grad_fn`` when ``x`` was a parameter, while the C kernels (which write through
 pointers) did not: the same call gave different tensors by path, kept ``x``'s graph alive, and
 turned an ``out=`` buffer into a non-leaf that ``copy.deepcopy`` (of optimizer state) refuses.
+The dequantizers likewise read a detached block absmax (and code map): given ``scales`` /
+``absmax`` / ``code`` that required grad (scales computed from a parameter, a learned map),
+the torch paths returned a result with a ``grad_fn`` and the C kernels a plain tensor, so
+gradients reached the scales on some paths only. A learned-scale scheme writes the two
+multiplies itself: ``(codes.float() * code_step(qmax)) * scales[:, None]``.
+
+[Note: out buffers are written outside autograd] Every ``out=`` of the dequantizers (and of
+:func:`~qshard.quant.quantize_codebook` and :func:`~qshard.quant.unpack_signs`) is checked by
+``_prepare_out``: the C kernels write through a pointer, so autograd never saw those writes.
+A buffer saved for backward (``loss = (w * buf).sum()``, then ``out=buf``) was overwritten
+without a version bump, so ``backward`` silently used the new values on the C path and raised
+"modified by an inplace operation" on the torch paths; an ``out`` that requires grad (a
+parameter, with grad mode on) or an inference tensor outside inference mode was written by C
+and refused with a cryptic in-place error by torch. Now every path bumps the version counter
+and refuses the last two up front, naming the fix (``torch.no_grad()`` / ``.detach()``,
+``torch.inference_mode()`` / ``.clone()``).
 
 INT4 packing follows DeepSpeed's layout: element ``2k`` in the high nibble of byte ``k``,
 ``2k+1`` in the low nibble, each a 4-bit two's-complement integer.
@@ -47,6 +63,7 @@ INT4 packing follows DeepSpeed's layout: element ``2k`` in the high nibble of by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -135,6 +152,22 @@ class BlockQuantized:
     def nbytes(self) -> int:
         """Bytes of payload (codes + scales), what a collective moves."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+    def to(self, device: torch.device | str | int, *, non_blocking: bool = False) -> BlockQuantized:
+        """This quantized tensor with codes and scales on ``device`` (as bitsandbytes'
+        ``QuantState.to``); dtypes and metadata unchanged, ``self`` if both are there already.
+        Only a device move: ``dtype`` here is the dequantization default, not a cast."""
+        if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+            raise TypeError(
+                f"BlockQuantized.to takes a device (moving only); got {device!r} (to change the "
+                "result dtype pass dtype= to dequantize_blockwise)"
+            )
+        device = torch.device(device)
+        codes = self.codes.to(device, non_blocking=non_blocking)
+        scales = self.scales.to(device, non_blocking=non_blocking)
+        if codes is self.codes and scales is self.scales:
+            return self
+        return dataclasses.replace(self, codes=codes, scales=scales)
 
 
 # torch.load reads only allow-listed types by default (weights_only=True since torch 2.6): a
@@ -296,9 +329,11 @@ def dequantize_blocks(
     if codes2d.dtype != torch.int8:
         raise TypeError(f"dequantize_blocks expects int8 codes; got {codes2d.dtype}")
     _check_float_scales(scales.dtype, "scales")
+    scales = scales.detach()  # [Note: quantizers are outside autograd] (dequantizers too)
     qmax = qmax_for_bits(bits)
     if out is not None:
         _check_out(out, codes2d.numel())
+        _prepare_out(out, "out")
         result = out
     else:
         _check_float_output(dtype)
@@ -340,6 +375,25 @@ def _check_out(out: Tensor, numel: int) -> None:
             f" (contiguous={out.is_contiguous()})"
         )
     _check_float_output(out.dtype, "out")
+
+
+def _prepare_out(t: Tensor, what: str) -> None:
+    """Admit a caller's buffer that a kernel is about to overwrite; see [Note: out buffers are
+    written outside autograd]. Refuses what torch refuses of an in-place write (the torch paths
+    used to raise that cryptically while the C kernels wrote anyway), then bumps ``t``'s version
+    counter, which the C and Triton kernels (writing through a pointer) would not."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} requires grad, and qshard.quant writes it in place outside autograd; call "
+            f"under torch.no_grad() (as for param.copy_) or pass {what}.detach()"
+        )
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{what} is an inference tensor (made under torch.inference_mode()), which torch "
+            f"does not let anything update in place outside inference mode; call under "
+            f"torch.inference_mode() or pass {what}.clone()"
+        )
+    torch.autograd.graph.increment_version(t)
 
 
 def _check_float_output(dtype: torch.dtype, what: str = "dtype") -> None:
@@ -496,12 +550,23 @@ def dequantize_blockwise(
     the values are written there and ``out`` is returned; ``dtype`` must then be ``None`` or
     ``out.dtype``.
     """
+    if not isinstance(q, BlockQuantized):
+        # bitsandbytes passes (codes, absmax) / a QuantState here: that used to end in
+        # "AttributeError: 'tuple' object has no attribute 'bits'"
+        raise TypeError(
+            f"dequantize_blockwise takes the BlockQuantized that quantize_blockwise returned; got "
+            f"{type(q).__name__} (for quantize_codebook's (codes, absmax) use dequantize_codebook, "
+            "for quantize_blocks' rows use dequantize_blocks)"
+        )
     # the kernels trust these sizes: a hand-built BlockQuantized must not read or write past them
     per_block = _check_quantized(q)
+    if q.scales.requires_grad:  # [Note: quantizers are outside autograd] (dequantizers too)
+        q = dataclasses.replace(q, scales=q.scales.detach())
     if out is not None:
         _check_out(out, q.numel)
         if dtype is not None and dtype != out.dtype:
             raise ValueError(f"dtype {dtype} conflicts with out.dtype {out.dtype}; pass one")
+        _prepare_out(out, "out")
         result = out
     else:
         dtype = q.dtype if dtype is None else dtype

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from qshard._native import advise_huge_pages
 from qshard.quant import _codetable, _fastpath, _native_kernels
-from qshard.quant.blockwise import _check_float_output, _check_float_scales
+from qshard.quant.blockwise import _check_float_output, _check_float_scales, _prepare_out
 
 __all__ = [
     "DEFAULT_CODEBOOK_BLOCK_SIZE",
@@ -149,6 +149,16 @@ def _check_block_size(block_size: int) -> None:
 def _check_out(
     out: tuple[Tensor, Tensor], numel: int, num_blocks: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
+    if (
+        isinstance(out, Tensor)
+        or not isinstance(out, (tuple, list))
+        or len(out) != 2
+        or not all(isinstance(t, Tensor) for t in out)
+    ):
+        raise TypeError(
+            "out must be a (codes, absmax) pair of tensors, as quantize_codebook returns; got "
+            f"{type(out).__name__} (pass out=(codes, absmax))"
+        )
     codes, absmax = out
     for t, name, dtype, n in (
         (codes, "codes", torch.uint8, numel),
@@ -160,6 +170,8 @@ def _check_out(
                 f"got {t.dtype}, {t.numel()} elements, contiguous={t.is_contiguous()}, "
                 f"{t.device}"
             )
+    for t, name in ((codes, "out codes"), (absmax, "out absmax")):
+        _prepare_out(t, name)  # [Note: out buffers are written outside autograd]
     return codes.view(-1), absmax.view(-1)
 
 
@@ -286,6 +298,12 @@ def _quantize_codebook_reference(
     absmax_out: Tensor,
 ) -> Tensor:
     """The plain torch definition (bit-exact reference of the fast path); returns codes."""
+    if rounding == "nearest":
+        # A block longer than the tensor is one block either way, and the codes have no
+        # padding: do not materialise it. block_size=2**31 on 4 elements asked this path for
+        # 8 GiB (the C kernels, which never pad, took it in stride). Stochastic rounding keeps
+        # the padded shape, so a seeded generator still draws the same uniforms.
+        block_size = min(block_size, max(flat.numel(), 1))
     v, absmax = _normalize(flat, block_size)
     absmax_out.copy_(absmax)
     if rounding == "nearest":
@@ -330,9 +348,14 @@ def dequantize_codebook(
             f"got shape {tuple(absmax.shape)}"
         )
     _check_float_scales(absmax.dtype, "absmax")
+    # outside autograd on every path: blockwise.py [Note: quantizers are outside autograd]
+    absmax, code = absmax.detach(), code.detach()
     if out is not None:
         if out.numel() != numel or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous tensor of {numel} elements")
+            raise ValueError(
+                f"out must be a contiguous tensor of {numel} elements (one per code); got shape "
+                f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"
+            )
         _check_float_output(out.dtype, "out")
         result = out
     else:
@@ -348,6 +371,8 @@ def dequantize_codebook(
             f"codes hold {int(flat.max())}, but the map has {code.numel()} values; dequantize "
             "with the map the codes were made with"
         )
+    if out is not None:
+        _prepare_out(out, "out")  # [Note: out buffers are written outside autograd]
     values = result.view(-1)
     full = numel // block_size
     split = 0
@@ -383,6 +408,8 @@ def _dequantize_codebook_reference(
 ) -> Tensor:
     numel = flat.numel()
     num_blocks = absmax.numel()
+    if num_blocks == 1:
+        block_size = numel  # one block: no padding to materialise (see the quantizer)
     padded = num_blocks * block_size
     idx = flat.long()
     if padded != numel:

@@ -10,12 +10,14 @@ are zero. The magnitude (the compression scale) travels separately; see
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
 from qshard import _triton
 from qshard.quant import _fastpath, _native_kernels
-from qshard.quant.blockwise import _check_float_output
+from qshard.quant.blockwise import _check_float_output, _prepare_out
 
 __all__ = ["pack_signs", "unpack_signs"]
 
@@ -69,6 +71,17 @@ def unpack_signs(
     """
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_signs expects uint8; got {packed.dtype}")
+    # 9.0 passed the size check below (-(-9.0 // 8) == 2) and then failed inside torch.empty
+    # ("must be tuple of ints, not float"), or was accepted with out=; True unpacked one sign.
+    try:
+        if isinstance(numel, bool):
+            raise TypeError
+        numel = operator.index(numel)  # ints, numpy ints, 0-d integer tensors
+    except TypeError:
+        raise TypeError(
+            f"numel must be an int (the element count given to pack_signs); got {numel!r} "
+            f"(pass int(numel))"
+        ) from None
     flat = packed.reshape(-1)
     if numel < 0 or flat.numel() != -(-numel // 8):
         raise ValueError(
@@ -86,6 +99,8 @@ def unpack_signs(
         out = out.view(-1)
         dtype = out.dtype
     _check_float_output(dtype, "out" if result is not None else "dtype")
+    if result is not None:
+        _prepare_out(result, "out")  # blockwise.py [Note: out buffers are written outside autograd]
     if _triton.serves(flat):  # docs/gpu.md
         values = _triton.unpack_signs(flat.contiguous(), numel, dtype=dtype)
         if result is None:
