@@ -127,8 +127,17 @@ class ZeroPPConfig:
             "replicate_error_feedback",
             "replicate_reduce",
         ):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool; got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if name == "hpz" and _is_int(value) and value > 1:
+                # DeepSpeed's zero_hpz_partition_size is a rank count; here it is the node
+                raise TypeError(
+                    f"hpz must be a bool; got {value!r}: hpZ's secondary partition is one node "
+                    "(DeepSpeed's zero_hpz_partition_size), whose size the topology gives: set "
+                    f"hpz=True with Topology.from_env(ranks_per_node={value}) (or "
+                    f"Topology(world_size=..., ranks_per_node={value}))"
+                )
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool; got {value!r}")
         # ints, not floats or bools: 8.0 == 8 would pass a membership test and break the
         # wire layout's byte arithmetic in the first collective
         if not _is_int(self.weight_bits) or self.weight_bits not in (4, 8):

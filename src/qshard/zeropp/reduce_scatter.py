@@ -147,7 +147,12 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
     (see [Note: deferred qgZ] in :mod:`qshard.zeropp._overlap`) issues the collective
     asynchronously and returns; the wait (and the 16-bit wire's fp32 sum) runs at a later
     reduce-scatter call, or in the drain at the end of backward (ledger event
-    ``reduce_scatter_overlapped``). Same collective, same bits.
+    ``reduce_scatter_overlapped``). Same collective, same bits. A call that cannot be
+    deferred drains the queue first, as qgZ's does: FSDP2 may add its output into a gradient
+    that is a deferred reduction's output, not yet written (a module called twice in one
+    forward is reduced twice in a backward after a ``set_requires_gradient_sync(False)``
+    micro-batch; the add went into the unwritten buffer, and the deferred write then replaced
+    the sum, dropping one call's gradient).
     """
 
     def __init__(
@@ -224,6 +229,7 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
             if (ledger := active_ledger()) is not None:
                 ledger.count("reduce_scatter_overlapped")
             return None
+        self.queue.drain()  # FSDP2 may add this output into a deferred one: finish those first
         return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
 
 
@@ -357,7 +363,14 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
         ledger = active_ledger()
         if nodes == 1 and world > 1:
-            log_once("qgz-one-node", "qgZ on a single node: one intra-node hop, no inter-node hop")
+            # unlike qwZ, which sends nothing quantized on one node, qgZ still quantizes its one
+            # hop; the message says so, and how to send full precision
+            quantized = f"quantized to {self.bits} bits" if self.bits else "unquantized"
+            log_once(
+                "qgz-one-node",
+                f"qgZ on a single node: one intra-node hop, {quantized}, no inter-node hop "
+                "(qgz=False reduces in full precision)",
+            )
             if ledger is not None:
                 ledger.count("qgz_single_node")
         if per_node == 1 and nodes > 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -304,6 +304,10 @@ def shard(
         ``model``, now an :class:`FSDPModule`.
     """
     _check_arguments(model, topology, config, mp_policy, mesh)
+    if isinstance(model, FSDPModule):
+        # before finding blocks: a sharded model without a ModuleList (blocks= passed the first
+        # time) was refused as "found no blocks ... pass blocks=", not as sharded
+        raise _already_sharded(f"the model ({_class_name(model)})")
     config = config or ZeroPPConfig()
     if not dist.is_initialized():
         raise RuntimeError("shard() needs torch.distributed: call init_process_group() first")
@@ -420,6 +424,15 @@ def _check_arguments(
         )
 
 
+def _already_sharded(what: str) -> ValueError:
+    return ValueError(
+        f"{what} is already sharded (fully_shard or shard() was applied to it): "
+        "shard() applies fully_shard to the blocks and the root itself; pass the model "
+        "before any fully_shard (a model is sharded once: to change the ZeRO++ "
+        "features, build it again and shard the new one)"
+    )
+
+
 def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
     """[Note: refuse what FSDP2 would refuse later] Before any ``fully_shard``: a unit that is
     already sharded (``shard()`` called twice, or on a model or block the user wrapped with
@@ -439,12 +452,7 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
 
     for i, unit in enumerate(units):
         if isinstance(unit, FSDPModule):
-            raise ValueError(
-                f"{label(i)} is already sharded (fully_shard or shard() was applied to it): "
-                "shard() applies fully_shard to the blocks and the root itself; pass the model "
-                "before any fully_shard (a model is sharded once: to change the ZeRO++ "
-                "features, build it again and shard the new one)"
-            )
+            raise _already_sharded(label(i))
     # Which unit owns each parameter, as FSDP2 assigns them: units wrapped in order, each
     # taking the parameters of its modules not already inside a unit wrapped before it (or
     # inside a module the user wrapped).
@@ -516,6 +524,7 @@ def _fully_shard_units(
             guard.watch(block, reshard_without_grad=True)
     fully_shard(model, **keep)
     guard.watch(model, reshard_without_grad=False)
+    guard.track(m for m in model.modules() if isinstance(m, FSDPModule))
     if callable(getattr(type(model), "generate", None)):
         # [Note: generate() is a forward] A Hugging Face encoder-decoder's generate() calls
         # its encoder directly (model.get_encoder()(...)), not the root's forward, so the
@@ -545,12 +554,36 @@ class _StaleCopyGuard:
     A training step (forward, backward, step) leaves nothing pending, so it changes nothing
     there; an evaluation loop keeps the root unsharded between its batches as FSDP2 does. A
     weight changed in place outside an optimizer step (a checkpoint loaded into the sharded
-    parameters after such a forward) still needs ``model.reshard()``."""
+    parameters after such a forward) still needs ``model.reshard()``.
+
+    Two more copies are dropped by every optimizer step outside backward (found by probes;
+    tests/zeropp/test_first_user.py):
+
+    - ``set_reshard_after_backward(False)`` (FSDP2's knob for gradient accumulation) leaves
+      every unit unsharded after its backward, and FSDP2's next forward computes with that
+      copy: left on across an optimizer step, plain FSDP2 (and ``shard()`` before this) ran
+      every later forward with the weights gathered before the first step. Such units are
+      resharded; the micro-batches of an accumulation (no step in between) keep their copy,
+      as FSDP2 intends. Resharding is local (no collective).
+    - A forward prefetch (``shard()``'s explicit ``set_modules_to_forward_prefetch``) issued in
+      a forward that then skips the prefetched block (an evaluation path or early exit that
+      leaves a block out) stays pending; FSDP2 drops such a gather only at the end of a
+      backward, and the next forward used it as is: after an optimizer step in between, the
+      block computed with its old weights (with every feature off, where plain FSDP2, which
+      prefetches nothing in forward, gathers the new ones). It is waited for and dropped, as
+      FSDP2's ``finalize_backward`` does, in the model's unit order on every rank (qwZ's
+      second hop is a collective)."""
 
     def __init__(self) -> None:
         self._pending: dict[int, nn.Module] = {}
+        self._units: list[weakref.ref[nn.Module]] = []
         _GUARDS.add(self)
         _install_step_hook()
+
+    def track(self, units: Iterable[nn.Module]) -> None:
+        """Every FSDP unit of the model, in module order, checked at each optimizer step for
+        a copy kept by ``set_reshard_after_backward(False)`` or a prefetch nobody used."""
+        self._units.extend(weakref.ref(u) for u in units)
 
     def watch(self, unit: nn.Module, *, reshard_without_grad: bool) -> None:
         # registered after FSDP2's own post-forward hook, so it runs after it
@@ -584,6 +617,42 @@ class _StaleCopyGuard:
         pending, self._pending = list(self._pending.values()), {}
         for module in pending:
             module.reshard()  # type: ignore[operator]
+        if torch._C._current_graph_task_id() != -1:
+            return  # a step inside backward (per-parameter optimizers): units are in use
+        for ref in self._units:
+            if (unit := ref()) is None:
+                continue
+            groups = _param_groups(unit)
+            for group in groups:
+                _drop_unused_gather(group)
+            if any(
+                getattr(g, "reshard_after_backward", True) is False
+                and getattr(g, "is_unsharded", False)
+                for g in groups
+            ):
+                unit.reshard()  # type: ignore[operator]
+
+
+def _param_groups(unit: nn.Module) -> list:
+    """FSDP2's parameter groups of ``unit`` (none on a torch whose FSDP2 lacks the names)."""
+    try:
+        return list(unit._get_fsdp_state()._fsdp_param_groups)  # type: ignore[operator]
+    except AttributeError:
+        return []
+
+
+def _drop_unused_gather(group: object) -> None:
+    """Wait for and drop a parameter group's all-gather that no forward consumed, as FSDP2's
+    ``finalize_backward`` does at the end of a backward (see :class:`_StaleCopyGuard`)."""
+    result = getattr(group, "_all_gather_result", None)
+    if result is None:
+        return
+    if (event := getattr(result, "all_gather_event", None)) is not None:
+        torch.accelerator.current_stream().wait_event(event)
+    work = getattr(result, "all_gather_work", None)
+    if isinstance(work, dist.distributed_c10d.Work):
+        work.wait()
+    group._all_gather_result = None  # type: ignore[attr-defined]
 
 
 _GUARDS: weakref.WeakSet[_StaleCopyGuard] = weakref.WeakSet()
