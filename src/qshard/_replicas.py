@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qshard._fsdp import fsdp_param_groups
+
 __all__ = [
     "OPTIMIZER",
     "REDUCED",
@@ -79,16 +81,16 @@ _claims: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, ...]] = weakref.Weak
 
 def _unit_params(unit: nn.Module) -> list[torch.Tensor]:
     """The sharded parameters FSDP2 manages for ``unit`` (not those of units nested in it)."""
-    try:
-        groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+    groups = fsdp_param_groups(unit)
+    if groups is not None:
         return [fp.sharded_param for g in groups for fp in g.fsdp_params]
-    except AttributeError:  # FSDP2's internals differ: the unit's own registered parameters
-        params, stack = [], [unit]
-        while stack:
-            module = stack.pop()
-            params.extend(module.parameters(recurse=False))
-            stack.extend(c for c in module.children() if c not in _units)
-        return params
+    # FSDP2's internals differ: the unit's own registered parameters
+    params, stack = [], [unit]
+    while stack:
+        module = stack.pop()
+        params.extend(module.parameters(recurse=False))
+        stack.extend(c for c in module.children() if c not in _units)
+    return params
 
 
 def record_units(units: Iterable[nn.Module], kind: str) -> None:

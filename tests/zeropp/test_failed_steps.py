@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from qshard._fsdp import fsdp_param_groups
 from qshard.comm import Topology
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
@@ -39,6 +40,10 @@ FEATURES = {
 #: step -> how it fails (every rank): see _Fault.
 FAULTS = {0: "backward", 2: "interrupt", 3: "forward", 4: "nan"}
 STEPS = 7
+# FSDP2's recovery call after a failed backward: torch 2.12 and later (torch 2.11 lacks it, and
+# those cases are left out there).
+HAS_RESET = hasattr(FSDPModule, "reset_iter_state")
+RESETS = (False, True) if HAS_RESET else (False,)
 
 
 class _Boom(RuntimeError):
@@ -86,7 +91,7 @@ def _build(kind: str, topo: Topology):
 
 def _queue_len(model) -> int:
     comms = [
-        m._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm
+        fsdp_param_groups(m)[0]._reduce_scatter_comm
         for m in model.modules()
         if isinstance(m, FSDPModule)
     ]
@@ -138,7 +143,7 @@ def _trajectory(kind: str, topo: Topology, rank: int, reset: bool) -> dict:
 
 
 def _case_trajectories(topo: Topology, rank: int, res: dict) -> None:
-    for reset in (False, True):
+    for reset in RESETS:
         runs = {kind: _trajectory(kind, topo, rank, reset) for kind in ("fsdp", *FEATURES)}
         ref = runs["fsdp"]
         for kind, run in runs.items():
@@ -196,7 +201,7 @@ def _case_repeated_failures(topo: Topology, rank: int, res: dict) -> None:
         g._all_gather_result is None
         for m in model.modules()
         if isinstance(m, FSDPModule)
-        for g in m._get_fsdp_state()._fsdp_param_groups
+        for g in fsdp_param_groups(m)
     ]
 
 
@@ -204,7 +209,7 @@ def _run(rank: int, world: int) -> dict:
     topo = Topology(world_size=world, ranks_per_node=2)
     topo.init_groups()
     res: dict = {}
-    for case in (_case_trajectories, _case_repeated_failures):
+    for case in (_case_trajectories, _case_repeated_failures)[: 2 if HAS_RESET else 1]:
         case(topo, rank, res)
         dist.barrier()
     # (d): every rank issued as many collectives on each group it belongs to.
@@ -219,7 +224,7 @@ def test_failed_steps_train_on_like_plain_fsdp2_2x2():
     expected = ["_Boom", "ok", "KeyboardInterrupt", "_Boom", "nan", "ok", "ok"]
     topo = [Topology(world_size=4, ranks_per_node=2, rank=r) for r in range(4)]
     for rank, r in enumerate(out):
-        for reset in ("noreset", "reset"):
+        for reset in ("noreset", "reset")[: len(RESETS)]:
             for kind in ("fsdp", *FEATURES):
                 key = f"{kind}_{reset}"
                 assert r[f"{key}_what"] == expected, (rank, key, r[f"{key}_what"])
@@ -228,9 +233,10 @@ def test_failed_steps_train_on_like_plain_fsdp2_2x2():
                 assert r[f"{key}_queue"] == [0] * STEPS, (rank, key, r[f"{key}_queue"])
                 assert r[f"{key}_close"] < 0.05, (rank, key, r[f"{key}_close"])
                 assert r[f"{key}_loss_close"] < 0.05, (rank, key, r[f"{key}_loss_close"])
-        a, b = r["repeat_bytes"]
-        assert a == b, (rank, a, b)
-        assert r["repeat_queue"] == 0 and all(r["repeat_unsharded"]), rank
+        if HAS_RESET:
+            a, b = r["repeat_bytes"]
+            assert a == b, (rank, a, b)
+            assert r["repeat_queue"] == 0 and all(r["repeat_unsharded"]), rank
     # Collective counts per group agree among the group's members at every step.
     seqs = out[0]["seq_all_ranks"]
     for key in seqs[0]:

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from qshard import optim as qoptim
+from qshard._fsdp import fsdp_param_groups
 from qshard.comm import CommLedger, Topology, recording
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
@@ -310,7 +311,7 @@ def _hooks_left(model) -> int:
         g._all_reduce_hook is not None
         for m in model.modules()
         if hasattr(m, "set_all_reduce_hook")
-        for g in m._get_fsdp_state()._fsdp_param_groups
+        for g in fsdp_param_groups(m)
     )
 
 

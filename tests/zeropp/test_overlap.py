@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from qshard._fsdp import fsdp_param_groups
 from qshard.comm import CommLedger, Topology, recording
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
@@ -228,15 +229,12 @@ def _case_error(topo, rank, res):
     model = _model(topo, True)
     res["error_mid"] = _failing_backward(topo, model, rank, done=True)
     res["error_mid_queue_empty"] = len(_units(model)[0]._reduce_scatter_comm.queue) == 0
-    model.reset_iter_state()
+    if hasattr(model, "reset_iter_state"):  # torch 2.12 and later
+        model.reset_iter_state()
 
 
 def _units(model) -> list:
-    return [
-        m._get_fsdp_state()._fsdp_param_groups[0]
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-    ]
+    return [fsdp_param_groups(m)[0] for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def _case_direct_call(topo, rank, res):

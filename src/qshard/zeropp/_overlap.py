@@ -46,6 +46,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.fsdp._fully_shard import _fsdp_common
 
+from qshard._fsdp import fsdp_param_groups
+
 __all__ = ["OverlapQueue", "defer_reason"]
 
 logger = logging.getLogger("qshard.zeropp")
@@ -192,11 +194,8 @@ _REPLICATED_MESH_INFOS = tuple(
 
 
 def _param_group(unit: nn.Module | None):
-    try:
-        groups = unit._get_fsdp_state()._fsdp_param_groups  # type: ignore[union-attr]
-    except AttributeError:
-        return None
-    return groups[0] if len(groups) == 1 else None
+    groups = fsdp_param_groups(unit)
+    return groups[0] if groups is not None and len(groups) == 1 else None
 
 
 def defer_reason(unit: nn.Module | None, output: torch.Tensor) -> str | None:

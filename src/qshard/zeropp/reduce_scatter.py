@@ -45,6 +45,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
 
 from qshard import _triton
+from qshard._fsdp import premul_sum_factor
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, sum_rows
@@ -71,7 +72,7 @@ def op_scale(op: object, group_size: int) -> float:
     if kind == ReduceOp.SUM:
         return 1.0
     if kind == ReduceOp.PREMUL_SUM:
-        return float(op.factor)  # type: ignore[attr-defined]
+        return premul_sum_factor(op)
     raise ValueError(f"a gradient reduce-scatter supports AVG, SUM and PREMUL_SUM; got {op}")
 
 

@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
 from qshard import _replicas
+from qshard._fsdp import fsdp_param_groups
 from qshard.comm.topology import Topology
 from qshard.zeropp._meshes import cached_hsdp_mesh, shared_post_forward_meshes
 from qshard.zeropp._overlap import OverlapQueue
@@ -189,11 +190,8 @@ def _listed_blocks(model: nn.Module) -> list[nn.Module]:
 def _shard_sizes(module: FSDPModule) -> Callable[[], list[int]] | None:
     """A callable giving the padded per-parameter shard sizes of ``module``'s flat all-gather
     input, in FSDP2's order (see [Note: qwZ block layout]); None if FSDP2's internals differ."""
-    try:
-        groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[attr-defined]
-    except AttributeError:
-        return None
-    if len(groups) != 1:
+    groups = fsdp_param_groups(module)
+    if groups is None or len(groups) != 1:
         return None
     fsdp_params = groups[0].fsdp_params
 

@@ -1,0 +1,49 @@
+"""The few FSDP2 internals qshard reads, in one place, across the torch versions it supports.
+
+[Note: FSDP2 across torch versions] qshard plugs into FSDP2 through its public comm hooks, but
+a few decisions need FSDP2's per-unit state: the parameters of a unit's flat all-gather (the
+qwZ block layout), the unit's reduce-scatter comm (the deferred qgZ queue), and a unit's
+sharded parameters (the HSDP replica sync). torch 2.13 keeps a list of parameter groups per
+state (``_fsdp_param_groups``); torch 2.11 and 2.12 keep one (``_fsdp_param_group``, ``None``
+for a unit without parameters). Reading only the newer name made every such decision fall back
+on torch 2.11 (the H200 machines' torch): qwZ lost its exact block layout, deferred qgZ found
+no queue. Likewise a ``PREMUL_SUM`` reduce op carries its factor as ``.factor`` from torch
+2.13 and only in its pickled state before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["fsdp_param_groups", "premul_sum_factor"]
+
+
+def fsdp_param_groups(module: Any) -> list[Any] | None:
+    """The FSDP2 parameter groups of ``module`` (an ``FSDPModule``): a list, empty for a unit
+    without parameters; ``None`` if this torch's FSDP2 keeps them some other way."""
+    try:
+        state = module._get_fsdp_state()
+    except AttributeError:
+        return None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if isinstance(groups, list):
+        return groups
+    if not hasattr(state, "_fsdp_param_group"):
+        return None
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def premul_sum_factor(op: Any) -> float:
+    """The factor of a ``PREMUL_SUM`` ``ReduceOp`` (``ReduceOp.PREMUL_SUM(f)`` or
+    ``torch.distributed._make_nccl_premul_sum(f)``)."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        state = op.__getstate__()  # (RedOpType.PREMUL_SUM, factor) on torch 2.11 and 2.12
+        factor = state[1]
+    if not isinstance(factor, (int, float)):
+        raise TypeError(
+            f"PREMUL_SUM with a tensor factor ({type(factor).__name__}) is not supported; "
+            "FSDP2 passes a float"
+        )
+    return float(factor)
