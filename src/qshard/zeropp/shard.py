@@ -632,11 +632,9 @@ class _StaleCopyGuard:
 
 
 def _param_groups(unit: nn.Module) -> list:
-    """FSDP2's parameter groups of ``unit`` (none on a torch whose FSDP2 lacks the names)."""
-    try:
-        return list(unit._get_fsdp_state()._fsdp_param_groups)  # type: ignore[operator]
-    except AttributeError:
-        return []
+    """FSDP2's parameter groups of ``unit`` (none on a torch whose FSDP2 keeps them otherwise:
+    [Note: FSDP2 across torch versions] in ``qshard/_fsdp.py``)."""
+    return list(fsdp_param_groups(unit) or ())
 
 
 def _drop_unused_gather(group: object) -> None:
