@@ -22,31 +22,6 @@ from qshard.quant import _fastpath, _native_kernels
 from ._helpers import FAST, float_tensors
 
 
-@pytest.fixture
-def fast_mode():
-    """Yield a function that switches between 'ref', 'native' (C kernels), 'eager'
-    (torch.compile kernel bodies run eagerly) and 'compiled'."""
-    saved = (
-        _fastpath._enabled,
-        _fastpath._min_numel,
-        _fastpath._compile_kernels,
-        _fastpath._native_enabled,
-    )
-
-    def set_mode(mode: str) -> None:
-        _fastpath._compile_kernels = mode == "compiled"
-        _fastpath._native_enabled = mode == "native"
-        Q.set_fastpath(mode != "ref", min_numel=0)
-
-    yield set_mode
-    (
-        _fastpath._enabled,
-        _fastpath._min_numel,
-        _fastpath._compile_kernels,
-        _fastpath._native_enabled,
-    ) = saved
-
-
 def same(a, b) -> bool:
     if isinstance(a, Q.BlockQuantized):
         return same(a.codes, b.codes) and same(a.scales, b.scales)

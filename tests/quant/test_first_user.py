@@ -12,34 +12,8 @@ import pytest
 import torch
 
 import qshard.quant as Q
-from qshard.quant import _fastpath
 
 MODES = ("native", "eager", "ref")
-
-
-@pytest.fixture
-def path():
-    """Yield a function forcing one CPU path: 'native' (C kernels), 'eager' (the torch.compile
-    kernel bodies, run eagerly) or 'ref' (the plain torch reference)."""
-    saved = (
-        _fastpath._enabled,
-        _fastpath._min_numel,
-        _fastpath._compile_kernels,
-        _fastpath._native_enabled,
-    )
-
-    def set_path(mode: str) -> None:
-        _fastpath._compile_kernels = False
-        _fastpath._native_enabled = mode == "native"
-        Q.set_fastpath(mode != "ref", min_numel=0)
-
-    yield set_path
-    (
-        _fastpath._enabled,
-        _fastpath._min_numel,
-        _fastpath._compile_kernels,
-        _fastpath._native_enabled,
-    ) = saved
 
 
 N = 1000  # several blocks of 256 and a partial one: every path has full rows and a tail
@@ -72,10 +46,10 @@ def _writer(name):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", WRITERS)
-def test_out_saved_for_backward_is_seen_as_modified(path, mode, name):
+def test_out_saved_for_backward_is_seen_as_modified(fast_mode, mode, name):
     # The C kernels wrote through a pointer without bumping the version counter, so backward
     # silently used the overwritten buffer (a wrong gradient); torch's copy_ raised.
-    path(mode)
+    fast_mode(mode)
     write = _writer(name)
     buf = torch.randn(N)
     w = torch.randn(N, requires_grad=True)
@@ -86,8 +60,8 @@ def test_out_saved_for_backward_is_seen_as_modified(path, mode, name):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_quantize_codebook_out_absmax_saved_for_backward(path, mode):
-    path(mode)
+def test_quantize_codebook_out_absmax_saved_for_backward(fast_mode, mode):
+    fast_mode(mode)
     x = torch.randn(N)
     absmax = torch.ones(4)
     w = torch.randn(4, requires_grad=True)
@@ -99,10 +73,10 @@ def test_quantize_codebook_out_absmax_saved_for_backward(path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", WRITERS)
-def test_out_that_requires_grad_is_refused_alike_and_written_under_no_grad(path, mode, name):
+def test_out_that_requires_grad_is_refused_alike_and_written_under_no_grad(fast_mode, mode, name):
     # Before: the C path wrote a parameter in place with grad mode on; the torch paths failed
     # with "a view of a leaf Variable that requires grad is being used in an in-place op".
-    path(mode)
+    fast_mode(mode)
     write = _writer(name)
     expect = write(torch.empty(N))
     param = torch.nn.Parameter(torch.zeros(N))
@@ -116,8 +90,8 @@ def test_out_that_requires_grad_is_refused_alike_and_written_under_no_grad(path,
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_quantize_codebook_out_absmax_that_requires_grad_is_refused(path, mode):
-    path(mode)
+def test_quantize_codebook_out_absmax_that_requires_grad_is_refused(fast_mode, mode):
+    fast_mode(mode)
     x = torch.randn(N)
     absmax = torch.zeros(4, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"out absmax requires grad.*no_grad"):
@@ -129,9 +103,9 @@ def test_quantize_codebook_out_absmax_that_requires_grad_is_refused(path, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", WRITERS)
-def test_inference_tensor_out_is_refused_alike_outside_inference_mode(path, mode, name):
+def test_inference_tensor_out_is_refused_alike_outside_inference_mode(fast_mode, mode, name):
     # Before: the C path wrote it; torch's copy_ raised "Inplace update to inference tensor".
-    path(mode)
+    fast_mode(mode)
     write = _writer(name)
     with torch.inference_mode():
         out = torch.zeros(N)
@@ -143,8 +117,8 @@ def test_inference_tensor_out_is_refused_alike_outside_inference_mode(path, mode
 
 
 @pytest.mark.parametrize("mode", ("native", "ref"))
-def test_unpack_signs_refuses_a_non_integer_count(path, mode):
-    path(mode)
+def test_unpack_signs_refuses_a_non_integer_count(fast_mode, mode):
+    fast_mode(mode)
     packed = Q.pack_signs(torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0, -6.0, 7.0, -8.0, -9.0]))
     for bad in (9.0, True, "9"):
         with pytest.raises(TypeError, match="numel must be an int"):
@@ -157,16 +131,16 @@ def test_unpack_signs_refuses_a_non_integer_count(path, mode):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_codebook_block_longer_than_the_tensor_is_not_materialised(path, dtype):
+def test_codebook_block_longer_than_the_tensor_is_not_materialised(fast_mode, dtype):
     # Codebook codes have no padding, and the C kernels take any block size; the torch paths
     # (bf16 input by default, or the fast path switched off) padded the one block to
     # block_size, so 2**40 asked the allocator for 4 TiB (2**31 got a process OOM-killed).
     x = torch.tensor([0.5, -2.0, 1e-3, 0.0, 1.5]).to(dtype)
-    path("native")
+    fast_mode("native")
     want_codes, want_absmax = Q.quantize_codebook(x.float(), CODE, block_size=64)
     want = Q.dequantize_codebook(want_codes, want_absmax, CODE, block_size=64)
     for mode in ("native", "ref"):
-        path(mode)
+        fast_mode(mode)
         codes, absmax = Q.quantize_codebook(x, CODE, block_size=2**40)
         assert torch.equal(codes, want_codes) and torch.equal(absmax, want_absmax)
         got = Q.dequantize_codebook(codes, absmax, CODE, block_size=2**40)
@@ -192,10 +166,10 @@ def test_block_quantized_moves_with_to():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_dequantizers_ignore_grad_on_scales_and_maps_on_every_path(path, mode):
+def test_dequantizers_ignore_grad_on_scales_and_maps_on_every_path(fast_mode, mode):
     # A block absmax / code map that required grad gave a result with a grad_fn on the torch
     # paths and a plain tensor from the C kernels (gradient reached the scales on some paths).
-    path(mode)
+    fast_mode(mode)
     x = torch.randn(N)
     q = Q.quantize_blockwise(x)
     rows, row_scales = Q.quantize_blocks(x.view(4, 250), bits=8)
