@@ -172,6 +172,11 @@ def _check(out: list[dict], steps: int, modes, kinds, opts=("adamw",)) -> None:
 FAST_MODES = ("blocks_before_fg", "blocks_after_fg", "model_after")
 
 
+@pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.11",
+    reason="torch 2.9's dynamo breaks the graph once at the stale-copy guard's disabled hook of "
+    "a whole-model compile (measured on 2.9.1; 2.11 and 2.13 compile it whole)",
+)
 def test_compile_one_rank():
     """One rank: blocks compiled in place with ``fullgraph=True`` before and after shard(), and
     the whole model after it, every feature off, hpZ and all three: they ran, gave plain

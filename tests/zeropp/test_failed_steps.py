@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -219,6 +220,11 @@ def _run(rank: int, world: int) -> dict:
     return res
 
 
+@pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.11",
+    reason="plain FSDP2 of torch 2.9 cannot go on after a failed backward (the next forward "
+    "meets 'mixed torch.Tensor and DTensor'), and it has no reset_iter_state() (measured on 2.9.1)",
+)
 def test_failed_steps_train_on_like_plain_fsdp2_2x2():
     out = run_world(_run, 4, timeout_s=300)
     expected = ["_Boom", "ok", "KeyboardInterrupt", "_Boom", "nan", "ok", "ok"]
