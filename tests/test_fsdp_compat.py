@@ -32,7 +32,7 @@ def test_param_groups_plural_list():  # torch 2.13
     assert fsdp_param_groups(_Unit(_State(_fsdp_param_groups=[]))) == []
 
 
-def test_param_groups_single_group():  # torch 2.11 and 2.12
+def test_param_groups_single_group():  # torch 2.9 and 2.11
     group = object()
     assert fsdp_param_groups(_Unit(_State(_fsdp_param_group=group))) == [group]
     assert fsdp_param_groups(_Unit(_State(_fsdp_param_group=None))) == []

@@ -4,7 +4,7 @@
 a few decisions need FSDP2's per-unit state: the parameters of a unit's flat all-gather (the
 qwZ block layout), the unit's reduce-scatter comm (the deferred qgZ queue), and a unit's
 sharded parameters (the HSDP replica sync). torch 2.13 keeps a list of parameter groups per
-state (``_fsdp_param_groups``); torch 2.11 and 2.12 keep one (``_fsdp_param_group``, ``None``
+state (``_fsdp_param_groups``); torch 2.9 and 2.11 keep one (``_fsdp_param_group``, ``None``
 for a unit without parameters). Reading only the newer name made every such decision fall back
 on torch 2.11 (the H200 machines' torch): qwZ lost its exact block layout, deferred qgZ found
 no queue. Likewise a ``PREMUL_SUM`` reduce op carries its factor as ``.factor`` from torch
@@ -39,7 +39,7 @@ def premul_sum_factor(op: Any) -> float:
     ``torch.distributed._make_nccl_premul_sum(f)``)."""
     factor = getattr(op, "factor", None)
     if factor is None:
-        state = op.__getstate__()  # (RedOpType.PREMUL_SUM, factor) on torch 2.11 and 2.12
+        state = op.__getstate__()  # (RedOpType.PREMUL_SUM, factor) on torch 2.9 and 2.11
         factor = state[1]
     if not isinstance(factor, (int, float)):
         raise TypeError(

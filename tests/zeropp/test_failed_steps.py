@@ -41,7 +41,7 @@ FEATURES = {
 #: step -> how it fails (every rank): see _Fault.
 FAULTS = {0: "backward", 2: "interrupt", 3: "forward", 4: "nan"}
 STEPS = 7
-# FSDP2's recovery call after a failed backward: torch 2.12 and later (torch 2.11 lacks it, and
+# FSDP2's recovery call after a failed backward: in torch 2.13 (2.9 and 2.11 lack it, and
 # those cases are left out there).
 HAS_RESET = hasattr(FSDPModule, "reset_iter_state")
 RESETS = (False, True) if HAS_RESET else (False,)

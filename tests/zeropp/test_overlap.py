@@ -229,7 +229,7 @@ def _case_error(topo, rank, res):
     model = _model(topo, True)
     res["error_mid"] = _failing_backward(topo, model, rank, done=True)
     res["error_mid_queue_empty"] = len(_units(model)[0]._reduce_scatter_comm.queue) == 0
-    if hasattr(model, "reset_iter_state"):  # torch 2.12 and later
+    if hasattr(model, "reset_iter_state"):  # not in torch 2.9 or 2.11
         model.reset_iter_state()
 
 
