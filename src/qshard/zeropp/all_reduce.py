@@ -34,13 +34,29 @@ previous step to its input (worker error per rank, server error per owned chunk)
 NaN (the block format's contract), the fp32 sum keeps it, and hop 2 sends the NaN block: a
 non-finite input never comes back finite. An error-feedback buffer that became non-finite is
 zeroed after the step, so one bad step does not poison every later one.
+
+[Note: set_requires_all_reduce on the hook path] On FSDP2 over ``mesh["shard"]`` (1-D) FSDP2
+has no all-reduce group, so ``set_requires_all_reduce(False)`` changes nothing there: it calls
+the all-reduce hook after every backward anyway (torch 2.13 ``foreach_reduce``). A torchtitan
+user's HSDP gradient accumulation (reduce-scatter every micro-batch, cross the nodes once at
+the last) therefore sent the compressed reduction of every micro-batch across nodes: K times
+the bytes for K micro-batches (found by a probe: 960 inter-node bytes per micro-batch for
+INT8 where FSDP2's HSDP sends 0, 0, then its one all-reduce). Given its ``module``,
+:class:`ReplicateAllReduce` honours the flag as FSDP2's native HSDP does: while the unit's
+``all_reduce_grads`` is off it adds the node-reduced shard to its own fp32 accumulator and
+zeroes the output (FSDP2 then accumulates zeros into ``param.grad``); the next call with it on
+adds the accumulator and reduces the sum once. Every step is linear (FSDP2's post-divide runs
+after the hook on the sum), so the gradient is the mean over micro-batches and nodes.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
+from qshard._fsdp import fsdp_param_groups
 from qshard.comm.ledger import active_ledger, record
 from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once
 from qshard.zeropp._wire import RowCodec
@@ -86,6 +102,10 @@ class ReplicateAllReduce:
             or ``None`` (fp32; then this is a plain all-reduce with ``AVG``).
         error_feedback: keep each hop's compression loss and add it to the next call's input
             (buffers per call size: one instance serves one FSDP unit).
+        module: the FSDP unit this hook is installed on. With it, the unit's
+            ``set_requires_all_reduce(False)`` defers the cross-node reduction to the next
+            backward with it on, as on FSDP2's native HSDP (see [Note: set_requires_all_reduce
+            on the hook path]); without it every call reduces.
     """
 
     def __init__(
@@ -96,6 +116,7 @@ class ReplicateAllReduce:
         block_size: int = 256,
         wire_dtype: torch.dtype | None = None,
         error_feedback: bool = False,
+        module: torch.nn.Module | None = None,
     ) -> None:
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be 4, 8 or None; got {bits}")
@@ -115,6 +136,14 @@ class ReplicateAllReduce:
         # Quantized chunks hold whole groups of 4 blocks, as qgZ's rows (16-byte aligned).
         self._unit = 4 * block_size if bits is not None else 8
         self._errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if module is not None and not callable(getattr(module, "_get_fsdp_state", None)):
+            raise TypeError(
+                f"module must be the FSDP unit the hook is installed on (fully_shard's result); "
+                f"got {type(module).__name__}: pass the module set_all_reduce_hook is called on, "
+                "or leave module=None"
+            )
+        self._module = weakref.ref(module) if module is not None else None
+        self._pending: torch.Tensor | None = None  # micro-batches whose reduction is deferred
 
     def chunk_numel(self, numel: int) -> int:
         """Elements of one rank's chunk for a shard of ``numel`` elements (padded)."""
@@ -128,10 +157,32 @@ class ReplicateAllReduce:
         return len(self.ranks) * self.codec.row_bytes(c)
 
     def reset(self) -> None:
-        """Forget the error-feedback buffers."""
+        """Forget the error-feedback buffers and any deferred micro-batches."""
         self._errors.clear()
+        self._pending = None
+
+    def _requires_all_reduce(self) -> bool:
+        """The unit's ``set_requires_all_reduce`` flag (FSDP2 keeps it on its param groups)."""
+        module = self._module() if self._module is not None else None
+        if module is None:
+            return True
+        groups = fsdp_param_groups(module) or ()  # [Note: FSDP2 across torch versions]
+        return all(getattr(g, "all_reduce_grads", True) for g in groups)
 
     def __call__(self, output: torch.Tensor) -> None:
+        # see [Note: set_requires_all_reduce on the hook path]
+        if not self._requires_all_reduce():
+            if self._pending is None:
+                self._pending = output.detach().to(torch.float32, copy=True)
+            else:
+                self._check_pending(output)
+                self._pending += output
+            output.zero_()
+            return
+        if self._pending is not None:
+            self._check_pending(output)
+            pending, self._pending = self._pending, None
+            output.copy_(pending.add_(output))
         n = len(self.ranks)
         if n == 1:
             log_once("replicate-one-node", "HSDP on one node: no replicate all-reduce")
@@ -148,6 +199,16 @@ class ReplicateAllReduce:
             dist.all_reduce(output, op=dist.ReduceOp.AVG, group=self.group)
             return
         output.copy_(self.reduce(output.reshape(-1)).view(output.shape))
+
+    def _check_pending(self, output: torch.Tensor) -> None:
+        if self._pending.shape != output.shape:
+            raise RuntimeError(
+                f"the gradient shard of this FSDP unit changed size ({tuple(output.shape)} vs "
+                f"{tuple(self._pending.shape)}) between micro-batches whose all-reduce was "
+                "deferred by set_requires_all_reduce(False): a parameter got a gradient in some "
+                "micro-batches only. Give every trainable parameter of the unit a gradient in "
+                "every micro-batch, or use set_requires_gradient_sync(False) instead"
+            )
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every

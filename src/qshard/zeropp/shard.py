@@ -718,6 +718,7 @@ def _shard_hsdp(
                     block_size=config.replicate_block_size,
                     wire_dtype=config.wire_dtype,
                     error_feedback=config.replicate_error_feedback,
+                    module=m,  # [Note: set_requires_all_reduce on the hook path]
                 )
             )
     # [Note: replica sync] in qshard._replicas: the 1-D DTensors of a compressed reduction and
