@@ -22,11 +22,15 @@ __all__ = [
     "Report",
     "Timing",
     "add_report_args",
+    "at_least",
     "cpu_vendor",
     "format_table",
     "machine_info",
+    "out_path",
     "run_origin",
     "time_call",
+    "topologies",
+    "topology",
     "vector_isa",
 ]
 
@@ -148,9 +152,74 @@ def time_call(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> 
     return Timing(samples)
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int >= ``low``, else a usage error naming the bound (instead of
+    a traceback from deep inside the run, or a division by zero after it)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def topology(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``NODESxRANKS_PER_NODE`` (e.g. ``2x2``) as two ints >= 1."""
+    nodes, sep, rpn = text.lower().partition("x")
+    try:
+        parsed = (int(nodes), int(rpn)) if sep else None
+    except ValueError:
+        parsed = None
+    if parsed is None or min(parsed) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NODESxRANKS_PER_NODE with both >= 1 (e.g. 2x2)"
+        )
+    return parsed
+
+
+def topologies(text: str) -> list[tuple[int, int]]:
+    """An argparse ``type``: a comma separated list of :func:`topology` (e.g. ``2x2,4x2``)."""
+    return [topology(t) for t in text.split(",")]
+
+
+def out_path(text: str) -> str:
+    """An argparse ``type`` for an output file: checked before the run, so a path that cannot
+    be written fails in a second with the reason, not with a traceback after the whole run.
+    A missing folder is fine (:meth:`Report.write` creates it); an existing non-folder on the
+    way, a folder at the path, or a place this user may not write are not."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file in it")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text!r} is not writable; choose another file")
+        return text
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(
+            f"cannot create {text!r}: {parent!r} is a file, not a folder"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(
+            f"cannot create {text!r}: folder {parent!r} is not writable; choose another path"
+        )
+    return text
+
+
 def add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out-md", metavar="FILE", help="also write the tables as markdown to FILE"
+        "--out-md",
+        metavar="FILE",
+        type=out_path,
+        help="also write the tables as markdown to FILE (a missing folder is created)",
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from _common import Report
@@ -312,6 +313,7 @@ def report(
     )
     rep.write(args.out_md)
     if args.out_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)
         with open(args.out_json, "w") as f:
             json.dump(
                 dict(data, wall_s=wall_s, limits=lim, phase_limits=plim, targets=issue + targets),

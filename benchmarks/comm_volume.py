@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Report, add_report_args
+from _common import Report, add_report_args, at_least, topologies
 
 PAPER = {  # the paper's Table 1 (ZeRO-3, ZeRO++) and its per-feature terms, in units of M
     "ZeRO-3 (fp32 wire)": None,
@@ -100,12 +100,22 @@ def _world(rank: int, world: int, rpn: int, model_kwargs: dict, steps: int) -> d
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--topologies", default="2x2,4x2", help="NODESxRANKS_PER_NODE list")
-    parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=1, help="warm-up steps before measuring")
+    parser.add_argument(
+        "--topologies", type=topologies, default="2x2,4x2", help="NODESxRANKS_PER_NODE list"
+    )
+    parser.add_argument("--n-embd", type=at_least(1), default=128)
+    parser.add_argument("--n-layer", type=at_least(1), default=4)
+    parser.add_argument(
+        "--steps", type=at_least(0), default=1, help="warm-up steps before measuring"
+    )
     add_report_args(parser)
     args = parser.parse_args(argv)
+    one_node = [f"{n}x{r}" for n, r in args.topologies if n < 2]
+    if one_node:
+        parser.error(
+            f"--topologies {','.join(one_node)}: one node has no cross-node bytes to count; "
+            "pass 2 or more nodes (e.g. 2x2)"
+        )
 
     from qshard.testing import run_world
 
@@ -114,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     report = Report("Cross-node communication volume per step: ZeRO-3 vs ZeRO++")
     summary_rows = []
-    for topo in args.topologies.split(","):
-        nodes, rpn = (int(v) for v in topo.split("x"))
+    for nodes, rpn in args.topologies:
+        topo = f"{nodes}x{rpn}"
         res = run_world(
             _world,
             nodes * rpn,

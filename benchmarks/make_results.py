@@ -113,7 +113,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if --out differs from a rebuild")
     args = p.parse_args(argv)
     out = Path(args.out)
-    text = build(Path(args.results_dir), out)
+    results_dir = Path(args.results_dir)
+    # A mistyped folder would otherwise rebuild --out with every section gone ("Not yet
+    # measured"), overwriting docs/RESULTS.md.
+    if not results_dir.is_dir():
+        p.error(f"--results-dir {results_dir} is not a folder; pass the one holding the *.md")
+    if not any(results_dir.glob("*.md")):
+        p.error(
+            f"--results-dir {results_dir} holds no *.md results: nothing to assemble (the "
+            "benchmarks write them with --out-md); refusing to write a RESULTS.md without sections"
+        )
+    if out.is_dir():
+        p.error(f"--out {out} is a folder; name a file")
+    text = build(results_dir, out)
     if args.check:
         current = out.read_text() if out.exists() else ""
         if current != text:

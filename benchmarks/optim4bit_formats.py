@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args
+from _common import Report, add_report_args, at_least
 from qshard.optim import _functional, _qstate4
 from qshard.train.data import batch_for_step, load_corpus
 from qshard.train.model import GPT, GPTConfig
@@ -166,9 +166,9 @@ def _run(fmt: Format, corpus, args) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=at_least(1), default=300)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=int, default=15)
+    p.add_argument("--warmup-steps", type=at_least(0), default=15)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
@@ -181,7 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     corpus = load_corpus()
     chosen = FORMATS
     if args.formats:
-        chosen = tuple(FORMATS[int(i)] for i in args.formats.split(","))
+        try:
+            chosen = tuple(FORMATS[int(i)] for i in args.formats.split(","))
+        except (ValueError, IndexError):
+            p.error(
+                f"--formats: {args.formats!r}; pass comma separated indices 0-{len(FORMATS) - 1} "
+                "into the list in --help"
+            )
     report = Report("4-bit optimizer state formats (AdamW, small GPT)")
     report.note(
         f"GPT {args.n_layer} layers, width {args.n_embd}, context {args.context}; {args.steps} "

@@ -24,15 +24,33 @@ from qshard import optim as qoptim
 from qshard.optim import _kernels, _kernels4
 
 
+def _repo_root() -> str:
+    """The checkout this script lives in (not the caller's working directory, which may be
+    anywhere)."""
+    return subprocess.run(
+        ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "--show-toplevel"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+def _has_revision(rev: str) -> bool:
+    """Whether ``rev`` names a commit of this checkout."""
+    found = subprocess.run(
+        ["git", "-C", _repo_root(), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+    )
+    return found.returncode == 0
+
+
 def _source_at(rev: str, module_name: str) -> str:
     """The C source of ``qshard.optim.<module_name>`` as revision ``rev`` builds it: the whole
     package of that revision is extracted and imported in a child process (the kernel text is
     put together from several modules, ``qshard.optim._kernel_common`` and
     ``qshard.quant._codetable`` among them, so the base module alone next to the working tree's
     helpers would mix two revisions)."""
-    root = subprocess.run(
-        ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    root = _repo_root()
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(
             ["git", "-C", root, "archive", rev, "src/qshard"], capture_output=True, check=True
@@ -105,13 +123,22 @@ class _OneTensorEntry:
         return 0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base", default="HEAD~1", help="git revision of the base kernel")
     parser.add_argument("--numel", type=int, default=1_000_000)
-    parser.add_argument("--rounds", type=int, default=61)
+    parser.add_argument("--rounds", type=int, default=61, help="interleaved rounds (>= 1)")
     parser.add_argument("--bits", type=int, choices=(8, 4), default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(
+            f"--rounds must be >= 1 (the table shows the fastest round); got {args.rounds}"
+        )
+    if not _has_revision(args.base):
+        parser.error(
+            f"--base {args.base!r} is not a commit of this checkout; pass a revision git knows "
+            "(e.g. HEAD~1, a tag or a commit hash)"
+        )
     if args.numel < 1000 or args.numel % 1000:
         parser.error(
             f"--numel must be a positive multiple of 1000 (rows of 1000); got {args.numel}"

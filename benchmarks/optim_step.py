@@ -64,7 +64,7 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args, cpu_vendor, vector_isa
+from _common import Report, add_report_args, at_least, cpu_vendor, vector_isa
 from qshard import _native
 from qshard.optim import AdamW4bit, AdamW8bit, _kernels, optimizer_state_bytes
 from qshard.optim._base8bit import _QuantizedPlan
@@ -412,14 +412,17 @@ def _load(avg: tuple[float, float, float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="10M,50M", help="comma-separated parameter counts")
-    ap.add_argument("--repeat", type=int, default=5, help="timed steps per optimizer")
+    ap.add_argument("--repeat", type=at_least(1), default=5, help="timed steps per optimizer")
     ap.add_argument(
         "--fp32-sizes",
         default="10M",
         help="sizes (of --sizes) whose table adds the fp32-state rows ('' for none)",
     )
     ap.add_argument(
-        "--warmup", type=int, default=4, help="untimed steps first (the first creates the state)"
+        "--warmup",
+        type=at_least(0),
+        default=4,
+        help="untimed steps first (the first creates the state)",
     )
     ap.add_argument(
         "--threads",

@@ -31,7 +31,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Report, add_report_args
+from _common import Report, add_report_args, topology
 
 
 def _world(rank: int, world: int, rpn: int, model_kwargs: dict, steps: int) -> dict:
@@ -185,7 +185,7 @@ def _netsim(args: argparse.Namespace, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--topology", default="2x2", help="NODESxRANKS_PER_NODE")
+    parser.add_argument("--topology", type=topology, default="2x2", help="NODESxRANKS_PER_NODE")
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
@@ -206,10 +206,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from qshard.testing import run_world
 
-    nodes, rpn = (int(v) for v in args.topology.split("x"))
+    nodes, rpn = args.topology
     model_kwargs = dict(
         vocab_size=256, context=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd
     )
+    load0 = os.getloadavg()[0]  # the host's, so a reader can judge the times
     res = run_world(
         _world,
         nodes * rpn,
@@ -217,16 +218,21 @@ def main(argv: list[str] | None = None) -> None:
         timeout_s=1800,
         env={"OMP_NUM_THREADS": "1"},
     )[0]
+    load1 = os.getloadavg()[0]
     report = Report("Overlap of communication with compute (explicit prefetch, async unshard)")
     rows = []
     for name in ("ZeRO-3", "ZeRO++"):
         off, on = res[(name, False)], res[(name, True)]
         rows.append([name, round(off * 1e3, 1), round(on * 1e3, 1), round(off / on, 3)])
     report.table(
-        f"{args.topology}, GPT n_layer={args.n_layer} n_embd={args.n_embd}: median fwd+bwd "
+        f"{nodes}x{rpn}, GPT n_layer={args.n_layer} n_embd={args.n_embd}: median fwd+bwd "
         f"ms per step over {args.steps} steps (rank 0)",
         ["config", "no prefetch (ms)", "prefetch + async (ms)", "speedup"],
         rows,
+    )
+    report.note(
+        f"Host load average {load0:.1f} at the start, {load1:.1f} at the end (the machine is "
+        "shared: times are indicative, the configurations alternate step by step)."
     )
     report.write(args.out_md)
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 import qshard.quant as Q
-from _common import Report, add_report_args
+from _common import Report, add_report_args, at_least
 
 
 def errors(x: torch.Tensor, d: torch.Tensor) -> tuple[float, float]:
@@ -104,10 +104,10 @@ def checkpoint_weights(state: object, path: str) -> list[torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=4 * 2**20)
+    parser.add_argument("--numel", type=at_least(1), default=4 * 2**20)
     parser.add_argument("--outlier-rate", type=float, default=1e-4)
     parser.add_argument("--outlier-sigma", type=float, default=20.0)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--block-sizes", type=at_least(1), nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument(
         "--checkpoint",
         help="a torch.save'd state_dict (or a checkpoint holding one under 'model', "

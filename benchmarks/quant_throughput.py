@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 import qshard.quant as Q
-from _common import Report, add_report_args
+from _common import Report, add_report_args, at_least
 from qshard.quant import _fastpath, _native_kernels
 
 
@@ -42,11 +42,11 @@ def interleaved(fn, baseline, repeat: int) -> tuple[float, float]:
     return best_fn, best_base
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=64 * 2**20, help="elements (fp32)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed calls per kernel")
-    parser.add_argument("--block-size", type=int, default=Q.DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--numel", type=at_least(1), default=64 * 2**20, help="elements (fp32)")
+    parser.add_argument("--repeat", type=at_least(1), default=5, help="timed calls per kernel")
+    parser.add_argument("--block-size", type=at_least(1), default=Q.DEFAULT_BLOCK_SIZE)
     parser.add_argument(
         "--reference",
         action="store_true",
@@ -54,9 +54,10 @@ def main() -> None:
     )
     parser.add_argument("--no-bnb", action="store_true", help="skip bitsandbytes")
     add_report_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     n, bs = args.numel, args.block_size
+    load0 = os.getloadavg()[0]  # the host's, so a reader can judge the times
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=gen)
     dst = torch.empty_like(x)
@@ -151,6 +152,10 @@ def main() -> None:
     report.note(
         f"C kernels: {'used' if _native_kernels.available() else 'unavailable'}; "
         f"torch.compile kernels compiled: {', '.join(_fastpath.compiled_kernels()) or 'none'}"
+    )
+    report.note(
+        f"Host load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+        "(other work on the machine moves the times; ratios to copy_ are side by side)."
     )
     report.write(args.out_md)
 

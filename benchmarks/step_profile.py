@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import throughput as tp  # noqa: E402
-from _common import Report, add_report_args  # noqa: E402
+from _common import Report, add_report_args, out_path  # noqa: E402
 
 VARIANTS = ("zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all")
 DEFAULT_VARIANTS = ("zero3-bf16", "qwz", "hpz", "qgz", "all")
@@ -87,7 +87,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also profile every variant with the links unshaped (reported as rate 0)",
     )
     tp.add_optimizer_arg(p)
-    p.add_argument("--out-json", metavar="FILE", help="also write the raw per-rank numbers here")
+    p.add_argument(
+        "--out-json",
+        metavar="FILE",
+        type=out_path,
+        help="also write the raw per-rank numbers here",
+    )
     add_report_args(p)
     args = p.parse_args(argv)
     check_cluster_args(p, args, variants=VARIANTS)
@@ -270,6 +275,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         return run.rc or 1
     data = dict(run.data, load=list(run.load), wall_s=time.perf_counter() - t0)
     if args.out_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out_json)), exist_ok=True)
         with open(args.out_json, "w") as f:
             json.dump(data, f)
     report(args, data)

@@ -125,7 +125,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import add_report_args, run_origin  # noqa: E402
+from _common import add_report_args, out_path, run_origin  # noqa: E402
 from _limits import limits, phase_limits  # noqa: E402, F401  (re-exported for the tests)
 from _throughput_report import (  # noqa: E402, F401  (re-exported: tests, step_profile.py)
     LEGACY_OPTIMIZER,
@@ -210,7 +210,12 @@ def _parser() -> argparse.ArgumentParser:
         "round (rotating the order); --no-interleave runs one variant after another",
     )
     add_optimizer_arg(p)
-    p.add_argument("--out-json", metavar="FILE", help="also write raw numbers, limits, targets")
+    p.add_argument(
+        "--out-json",
+        metavar="FILE",
+        type=out_path,
+        help="also write raw numbers, limits, targets",
+    )
     p.add_argument(
         "--from-json",
         metavar="FILE",
@@ -574,8 +579,16 @@ def worker(args: argparse.Namespace) -> int:
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
-        with open(args.from_json) as f:
-            data = json.load(f)
+        try:
+            with open(args.from_json) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            print(
+                f"throughput: cannot read --from-json {args.from_json}: {e}; pass a file an "
+                "earlier run wrote with --out-json",
+                file=sys.stderr,
+            )
+            return 2
         measured = data.get("optimizer", LEGACY_OPTIMIZER)
         if args.optimizer_given and args.optimizer != measured:
             print(

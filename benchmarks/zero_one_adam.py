@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import Report, add_report_args, machine_info
+from _common import Report, add_report_args, at_least, machine_info
 
 IN, HIDDEN, OUT = 32, 128, 8
 
@@ -125,14 +125,19 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     return {name: _train(rank, world, name, cfg) for name in ("adam", "onebit", "zero_one")}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=at_least(1), default=400)
+    parser.add_argument(
+        "--world",
+        type=at_least(2),
+        default=4,
+        help="gloo ranks (>= 2: one rank exchanges nothing to compress)",
+    )
+    parser.add_argument("--batch", type=at_least(1), default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     add_report_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     steps = args.steps
     cfg = {
         "steps": steps,
@@ -150,9 +155,11 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from qshard.testing import run_world
 
+    load0 = os.getloadavg()[0]  # the host's: the train s column moves with other work
     t0 = time.perf_counter()
     results = run_world(_worker, args.world, args=(cfg,), timeout_s=1800)
     wall = time.perf_counter() - t0
+    load1 = os.getloadavg()[0]
     r = results[0]
     adam, onebit, zo = r["adam"], r["onebit"], r["zero_one"]
     report = Report(title="0/1 Adam vs 1-bit Adam vs Adam")
@@ -162,7 +169,9 @@ def main() -> None:
         f"{steps} steps, lr {args.lr}; 1-bit Adam freeze_step {cfg['freeze_step']}; 0/1 Adam "
         f"var_freeze_step {cfg['var_freeze_step']}, kappa {cfg['kappa']}, alpha {cfg['alpha']}, "
         f"H {cfg['cap']}; both with bias_correction=True. 'after warm-ups' = steps after "
-        f"{max(cfg['freeze_step'], cfg['var_freeze_step'])}. {machine_info()}; {wall:.0f} s."
+        f"{max(cfg['freeze_step'], cfg['var_freeze_step'])}. {machine_info()}; {wall:.0f} s; host load "
+        f"average {load0:.1f} at the start, {load1:.1f} at the end (times only; bits and losses "
+        "do not depend on it)."
     )
     names = {"adam": "Adam (fp32 all-reduce)", "onebit": "1-bit Adam", "zero_one": "0/1 Adam"}
     rows = []

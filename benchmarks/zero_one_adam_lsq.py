@@ -68,12 +68,16 @@ def _world(rank: int, world: int, cases: list, steps: int) -> dict:
     return {name: _run(rank, world, *case, steps) for name, case in cases}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--lrs", default="3e-3,1e-2,3e-2,1e-1")
     parser.add_argument("--steps", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(
+            f"--steps must be >= 1 (the table shows the loss after the last); got {args.steps}"
+        )
     from qshard.testing import run_world
 
     print(f"host load average {os.getloadavg()[0]:.1f} (times not measured)")

@@ -31,3 +31,23 @@ def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected
     assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 0
     (results / "zz_extra.md").write_text("## Extra, changed\n")
     assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 1
+
+
+def test_a_results_dir_without_results_is_refused_and_out_is_left_alone(
+    load_benchmark, tmp_path, capsys
+):
+    # A mistyped --results-dir used to rebuild RESULTS.md with every section gone.
+    mr = load_benchmark("make_results")
+    out = tmp_path / "RESULTS.md"
+    out.write_text("## Kept\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for results in (tmp_path / "no-such-folder", empty):
+        try:
+            mr.main(["--results-dir", str(results), "--out", str(out)])
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            raise AssertionError(f"--results-dir {results} was accepted")
+        assert "--results-dir" in capsys.readouterr().err
+        assert out.read_text() == "## Kept\n"
