@@ -89,14 +89,19 @@ def test_checkpoint_of_a_run_scheduled_with_numpy_values_loads(cls):
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
-def test_load_state_dict_pre_hook_adapts_the_checkpoint_before_the_check(cls):
-    # torch's documented way to migrate a checkpoint; our check used to run before the hooks
+def _saved_after_one_step(cls) -> dict:
+    """A ``cls`` optimizer's state_dict (a deep copy) after one step on :func:`_params`."""
     ps = _params()
     opt = cls(ps)
     _grads(ps, 0)
     opt.step()
-    sd = copy.deepcopy(opt.state_dict())
+    return copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("cls", [AdamW8bit, AdamW4bit], ids=lambda c: c.__name__)
+def test_load_state_dict_pre_hook_adapts_the_checkpoint_before_the_check(cls):
+    # torch's documented way to migrate a checkpoint; our check used to run before the hooks
+    sd = _saved_after_one_step(cls)
     sd["param_groups"][0]["legacy_option"] = 1  # what an older version might have saved
 
     def drop_legacy(optimizer, state_dict):
@@ -118,11 +123,7 @@ def test_load_state_dict_pre_hook_adapts_the_checkpoint_before_the_check(cls):
 def test_load_state_dict_pre_hook_changes_to_states_are_loaded(cls):
     # The dtype restore after torch's load used to copy the states of the state_dict as given,
     # so a pre-hook's change to a state tensor was silently dropped.
-    ps = _params()
-    opt = cls(ps)
-    _grads(ps, 0)
-    opt.step()
-    sd = copy.deepcopy(opt.state_dict())
+    sd = _saved_after_one_step(cls)
 
     def reset_second_moments(optimizer, state_dict):
         state_dict = copy.deepcopy(state_dict)

@@ -174,53 +174,38 @@ def _parse(text: str, where: str) -> Any:
 
 def _strip_comments(text: str) -> str:
     """``text`` with comments and trailing commas outside strings blanked (see
-    [Note: DeepSpeed's file syntax]); the same length, newlines kept."""
+    [Note: DeepSpeed's file syntax]); the same length, newlines kept. One pass: a comma is
+    trailing when the next character that is neither blank nor inside a comment closes the
+    object or array."""
     out = list(text)
     i, n = 0, len(text)
     in_string = False
+    comma = None  # the last comma outside strings, while only blanks and comments followed it
     while i < n:
         c = text[i]
         if in_string:
             if c == "\\":
                 i += 2
                 continue
-            if c == '"':
-                in_string = False
-            i += 1
-        elif c == '"':
-            in_string = True
-            i += 1
-        elif c == "#" or text.startswith("//", i):
-            end = text.find("\n", i)
-            end = n if end < 0 else end
-            out[i:end] = " " * (end - i)
-            i = end
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            end = n if end < 0 else end + 2
+            in_string = c != '"'
+        elif c == "#" or text.startswith("//", i) or text.startswith("/*", i):
+            if c == "#" or text[i + 1] == "/":
+                end = text.find("\n", i)
+                end = n if end < 0 else end
+            else:
+                end = text.find("*/", i + 2)
+                end = n if end < 0 else end + 2
             out[i:end] = [ch if ch == "\n" else " " for ch in text[i:end]]
             i = end
-        else:
-            i += 1
-    # Trailing commas: a comma whose next non-blank character closes the object or array.
-    blanked = "".join(out)
-    in_string = False
-    i = 0
-    while i < n:
-        c = blanked[i]
-        if in_string:
-            if c == "\\":
-                i += 2
-                continue
-            in_string = c != '"'
-        elif c == '"':
-            in_string = True
+            continue
+        elif c in "}]" and comma is not None:
+            out[comma] = " "
+            comma = None
         elif c == ",":
-            j = i + 1
-            while j < n and blanked[j] in " \t\r\n":
-                j += 1
-            if j < n and blanked[j] in "}]":
-                out[i] = " "
+            comma = i
+        elif c not in " \t\r\n":
+            comma = None
+            in_string = c == '"'
         i += 1
     return "".join(out)
 

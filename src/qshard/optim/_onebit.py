@@ -386,8 +386,8 @@ class _DataParallelOneBitOptimizer(Optimizer):
     def _guard_no_variance(self, p: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
         """``denom`` where ``p`` has a variance, +inf (no m / d step) where its v is all zero;
         see [Note: no variance yet]."""
-        has_variance = self._state(p)["exp_avg_sq"].any()
-        return torch.where(has_variance, denom, torch.inf)
+        # in place: ``denom`` is the fresh tensor of _denominator (no allocation per step)
+        return denom.masked_fill_(~self._state(p)["exp_avg_sq"].any(), torch.inf)
 
     def _warn_no_variance_at_freeze(self, params: list[torch.Tensor]) -> None:
         """Once, at the variance freeze: name the trainable tensors that have no variance

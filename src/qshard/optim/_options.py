@@ -50,6 +50,11 @@ SCHEDULER_KEYS = frozenset(
 )
 
 
+# Real numbers as torch.optim takes them (np.float32 and NumPy's ints are not Python floats
+# and ints; np.float64 is one).
+_REAL = (float, int, np.floating, np.integer)
+
+
 def _check_lr(lr: Any, name: str) -> None:
     """``lr`` is a real number >= 0: a Python float or int, or a NumPy scalar (as
     ``torch.optim`` takes them; an LR scheduler whose lambda returns NumPy values writes such an
@@ -59,8 +64,7 @@ def _check_lr(lr: Any, name: str) -> None:
             f"{name}: lr must be a Python float, not a Tensor (the update reads it as a number; "
             f"pass lr=float(lr)); got {lr!r}"
         )
-    # (np.float32 and NumPy's ints are not Python floats and ints; np.float64 is one)
-    real = isinstance(lr, float | int | np.floating | np.integer)
+    real = isinstance(lr, _REAL)
     if isinstance(lr, bool) or not real or not lr >= 0:  # NaN too
         raise ValueError(f"{name}: lr must be a float >= 0; got {lr!r}{_str_hint(lr)}")
 
@@ -89,7 +93,7 @@ def check_numbers(group: dict[str, Any], name: str, keys: tuple[str, ...]) -> No
         for v in items:
             if isinstance(v, Tensor) and v.numel() == 1:
                 continue
-            if not isinstance(v, float | int | np.floating | np.integer):
+            if not isinstance(v, _REAL):
                 what = "two numbers" if k == "betas" else "a number"
                 raise ValueError(f"{name}: {k} must be {what}; got {value!r}{_str_hint(v)}")
 

@@ -418,8 +418,6 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             self.var_freeze_step = step
         if not extra["phase_b_started"]:
             extra["next_sync_step"] = max(self._next_sync(self.var_freeze_step), step + 1)
-        elif extra["next_sync_step"] <= step:  # not after a save; defensive
-            extra["next_sync_step"] = step + 1
 
     def _sync(self, pairs: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         """Average the drift since the last sync; see [Note: sync anchor]. Parameters frozen

@@ -620,7 +620,7 @@ class _StaleCopyGuard:
         for ref in self._units:
             if (unit := ref()) is None:
                 continue
-            groups = _param_groups(unit)
+            groups = fsdp_param_groups(unit) or ()
             for group in groups:
                 _drop_unused_gather(group)
             if any(
@@ -629,12 +629,6 @@ class _StaleCopyGuard:
                 for g in groups
             ):
                 unit.reshard()  # type: ignore[operator]
-
-
-def _param_groups(unit: nn.Module) -> list:
-    """FSDP2's parameter groups of ``unit`` (none on a torch whose FSDP2 keeps them otherwise:
-    [Note: FSDP2 across torch versions] in ``qshard/_fsdp.py``)."""
-    return list(fsdp_param_groups(unit) or ())
 
 
 def _drop_unused_gather(group: object) -> None:
