@@ -96,26 +96,27 @@ SCRIPT = textwrap.dedent(
          {"BYTES": 1024, "BF16": False})
     comp("unpack_signs", S._unpack_signs_kernel, {"packed_ptr": "*u8", "out_ptr": "*fp32", "numel": "i64"}, {"BYTES": 1024})
     osig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "c1_ptr": "*u8", "a1_ptr": "*fp32", "code1_ptr": "*fp32",
-            "mid1_ptr": "*fp32", "zero1": "i32", "c2_ptr": "*u8", "a2_ptr": "*fp32", "code2_ptr": "*fp32",
-            "mid2_ptr": "*fp32", "zero2": "i32", "n_blocks": "i32", "blocks_per_row": "i32", "row_numel": "i32",
+            "mid1_ptr": "*fp32", "lut1_ptr": "*i32", "zero1": "i32", "c2_ptr": "*u8", "a2_ptr": "*fp32",
+            "code2_ptr": "*fp32", "mid2_ptr": "*fp32", "lut2_ptr": "*i32", "zero2": "i32", "n_blocks": "i32", "blocks_per_row": "i32", "row_numel": "i32",
             **{f"hp{i}": "fp32" for i in range(8)}, "w1": "fp32", "w2": "fp32"}
     ob = {"KIND": 0, "FLAGS": 3, "HAS2": True, "SIGNED1": True, "SIGNED2": False, "BS": 256, "BLOCK_N": 256,
-          "G": 16, "P_BF16": False, "G_BF16": False}
+          "G": 16, "P_BF16": False, "G_BF16": False, "LUT1": True, "LUT2": True}
     comp("adam8bit", O._step8_kernel, osig, ob, num_warps=8)
     comp("adam8bit_bnb_bf16_2048", O._step8_kernel, {**osig, "p_ptr": "*i16", "g_ptr": "*i16"},
          {**ob, "FLAGS": 4, "BS": 2048, "BLOCK_N": 2048, "G": 2, "P_BF16": True, "G_BF16": True}, num_warps=8)
+    comp("adam8bit_binary_search", O._step8_kernel, osig, {**ob, "LUT1": False, "LUT2": False}, num_warps=4)
     for kind, has2, s1, s2 in ((1, False, True, True), (2, False, True, True), (3, True, False, True), (4, False, False, True)):
         comp(f"optim_kind{kind}", O._step8_kernel, osig,
              {**ob, "KIND": kind, "FLAGS": 19, "HAS2": has2, "SIGNED1": s1, "SIGNED2": s2})
     from qshard._triton import _optim4bit as O4
     s4 = {"p_ptr": "*fp32", "g_ptr": "*fp32", "c1_ptr": "*u8", "a1_ptr": "*fp32", "code1_ptr": "*fp32",
-          "mid1_ptr": "*fp32", "c2_ptr": "*u8", "a2_ptr": "*fp32", "code2_ptr": "*fp32",
-          "mid2_ptr": "*fp32", "n_blocks": "i32", "blocks_per_row": "i32", "row_numel": "i32",
+          "mid1_ptr": "*fp32", "lut1_ptr": "*i32", "c2_ptr": "*u8", "a2_ptr": "*fp32", "code2_ptr": "*fp32",
+          "mid2_ptr": "*fp32", "lut2_ptr": "*i32", "n_blocks": "i32", "blocks_per_row": "i32", "row_numel": "i32",
           "row_bytes": "i32", **{k: "fp32" for k in ("b2", "eps", "wd", "step_size", "ibc2", "decay", "w1", "w2")}}
     comp("adam4bit", O4._step4_kernel, s4,
-         {"BS": 128, "HALF_N": 64, "G": 32, "P_BF16": False, "G_BF16": False}, num_warps=8)
+         {"BS": 128, "HALF_N": 64, "G": 32, "P_BF16": False, "G_BF16": False, "LUT1": True, "LUT2": True}, num_warps=8)
     comp("adam4bit_bf16", O4._step4_kernel, {**s4, "p_ptr": "*i16", "g_ptr": "*i16"},
-         {"BS": 128, "HALF_N": 64, "G": 32, "P_BF16": True, "G_BF16": True}, num_warps=8)
+         {"BS": 128, "HALF_N": 64, "G": 32, "P_BF16": True, "G_BF16": True, "LUT1": True, "LUT2": True}, num_warps=8)
     print(json.dumps(out))
     """
 )
@@ -136,7 +137,7 @@ def compiled() -> dict:
 
 
 def test_every_kernel_compiles_to_a_cubin(compiled):
-    assert len(compiled) == 20
+    assert len(compiled) == 21
     for name, facts in compiled.items():
         assert facts["cubin"] > 0, name
 

@@ -1,7 +1,8 @@
 """The fused 4-bit Adam/AdamW Triton kernel vs the torch reference
 `qshard.optim._qstate4.adam4bit_reference` (and so the CPU kernel), bit for bit: Adam, AdamW and
 no decay, every second-moment map, rows with partial blocks and odd lengths, bf16 parameters;
-and `AdamW4bit` dispatching CUDA tensors to it (CPU tensors routed through the hook here).
+and `AdamW4bit` dispatching CUDA tensors to it (CPU tensors routed through the hook under the
+interpreter).
 Under TRITON_INTERPRET=1 on a machine without a GPU (tests/gpu/conftest.py).
 """
 
@@ -15,6 +16,7 @@ pytest.importorskip("triton", reason="the GPU kernels need triton (pip install q
 from qshard import _triton
 from qshard.optim import _qstate4
 from qshard.optim.adam4bit import AdamW4bit
+from tests.gpu.conftest import DEVICE
 
 _HP = [
     dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True),
@@ -38,9 +40,11 @@ def _warm_state(shape, block, v_map, gen, device):
     return [t.to(device) for t in (mc, ma, vc, va)]
 
 
+@pytest.mark.parametrize("lut", [True, False], ids=["table", "binary"])
 @pytest.mark.parametrize("v_map", _qstate4.SECOND_MOMENT_MAPS)
 @pytest.mark.parametrize("hp_case", range(len(_HP)))
-def test_kernel_equals_torch_reference(device, v_map, hp_case):
+def test_kernel_equals_torch_reference(device, v_map, hp_case, lut):
+    """Both encoders (the maps' search tables, the midpoints' binary search) bit for bit."""
     gen = torch.Generator().manual_seed(hp_case)
     qm, qv = _qstate4.qmap4("signed-dynamic"), _qstate4.qmap4(v_map)
     for rows, row_numel, block in _SHAPES:
@@ -72,6 +76,7 @@ def test_kernel_equals_torch_reference(device, v_map, hp_case):
                 row_numel=row_numel,
                 block_size=block,
                 hp=hp,
+                **({"m_lut": qm.lut, "v_lut": qv.lut} if lut else {}),
             )
             where = (v_map, hp_case, rows, row_numel, block, dtype)
             bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
@@ -101,32 +106,41 @@ def test_bad_arguments_are_rejected(device):
 
 
 def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):
-    """Two AdamW4bit steps through the hook (CPU tensors routed to the kernel) equal the CPU
-    path (C kernel or torch reference: bit-identical to each other)."""
+    """Two AdamW4bit steps through the kernel equal the CPU path (C kernel or torch reference:
+    bit-identical to each other). On CUDA the second run's parameter is a CUDA tensor, which the
+    optimizer hands to the compiled kernel by itself; under the interpreter it stays on CPU and
+    `_triton.serves` is patched to route it there. Either way every call of the real kernel
+    entry is counted, and the results are compared on CPU."""
     if not _triton.interpreter() and not torch.cuda.is_available():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
 
-    def run():
+    def run(device):
         gen = torch.Generator().manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(8, 300, generator=gen))
+        p = torch.nn.Parameter(torch.randn(8, 300, generator=gen).to(device))
         opt = AdamW4bit([p], lr=1e-2, weight_decay=0.1, min_4bit_size=1024)
         for _ in range(2):
-            p.grad = torch.randn(8, 300, generator=gen) * 0.1
+            p.grad = (torch.randn(8, 300, generator=gen) * 0.1).to(device)
             opt.step()
-        return [p.detach().clone()] + [opt.state[p][k].clone() for k in sorted(opt.state[p])]
+        state = {k: v.cpu() for k, v in sorted(opt.state[p].items())}
+        return {"param": p.detach().cpu(), **state}
 
-    want = run()
+    want = run("cpu")
     calls = []
+    kernel = _triton.optim4bit_step
 
-    def serves(t):
-        calls.append(1)
-        return True
+    def counted(**kwargs):
+        calls.append(kwargs["param"].device)
+        return kernel(**kwargs)
 
-    monkeypatch.setattr(_triton, "serves", serves)
-    got = run()
+    monkeypatch.setattr(_triton, "optim4bit_step", counted)
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(_triton, "serves", lambda t: True)
+    got = run(DEVICE)
     monkeypatch.undo()
-    assert len(calls) >= 2
-    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert len(calls) == 2 and all(d.type == DEVICE.type for d in calls), calls
+    assert got.keys() == want.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
 
 
 @pytest.mark.parametrize("v_map", _qstate4.SECOND_MOMENT_MAPS)

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
 
 from qshard import _triton
+from qshard.quant import _codetable
 from qshard.quant.dynamic import dynamic_map
 from tests.gpu.conftest import DEVICE
 
@@ -29,6 +30,7 @@ class Map:
         self.code = dynamic_map(signed=signed)
         self.mid = (self.code[:-1] + self.code[1:]) / 2.0
         self.zero = int((self.code == 0).nonzero()[0, 0])
+        self.lut = _codetable.search_table(self.code)  # the encoder's one-gather table
 
 
 SIGNED, UNSIGNED = Map(True), Map(False)
@@ -153,19 +155,22 @@ def _problem(rows, row_numel, bs, seed, q1, q2):
     return p, g, st1, st2
 
 
-def _run_kernel(kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, pdtype):
+def _run_kernel(kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, pdtype, lut=True):
+    """The kernel's step; `lut`: encode through the maps' search tables (else the midpoints'
+    binary search)."""
     param = p.to(pdtype).to(DEVICE, copy=True)  # stepped in place: never alias the input
     c1, a1 = (t.clone().to(DEVICE) for t in st1)
-    kw = {}
+    kw = {"lut1": q1.lut} if lut else {}
     if st2 is not None:
         c2, a2 = (t.clone().to(DEVICE) for t in st2)
-        kw = dict(
+        kw.update(
             codes2=c2,
             absmax2=a2,
             code2=q2.code.to(DEVICE),
             mid2=q2.mid.to(DEVICE),
             zero2=q2.zero,
             signed2=q2.signed,
+            **({"lut2": q2.lut} if lut else {}),
         )
     _triton.optim8bit_step(
         kind=kind,
@@ -184,7 +189,7 @@ def _run_kernel(kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, pd
         flags=flags,
         **kw,
     )
-    out2 = (kw["codes2"].cpu(), kw["absmax2"].cpu()) if kw else None
+    out2 = (kw["codes2"].cpu(), kw["absmax2"].cpu()) if "codes2" in kw else None
     return param.cpu(), (c1.cpu(), a1.cpu()), out2
 
 
@@ -208,15 +213,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("lut", [True, False], ids=["table", "binary"])
 @pytest.mark.parametrize(("kind", "hp", "flags", "q1", "q2", "shape"), CASES)
-def test_step_matches_reference_bit_for_bit(kind, hp, flags, q1, q2, shape):
+def test_step_matches_reference_bit_for_bit(kind, hp, flags, q1, q2, shape, lut):
     rows, row_numel, bs = shape
     p, g, st1, st2 = _problem(rows, row_numel, bs, seed=rows * row_numel, q1=q1, q2=q2)
     want_p, want1, want2 = step_reference(
         kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2
     )
     got_p, got1, got2 = _run_kernel(
-        kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, torch.float32
+        kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, torch.float32, lut
     )
     assert torch.equal(got_p, want_p)
     assert torch.equal(got1[0], want1[0]) and torch.equal(got1[1], want1[1])
@@ -372,7 +378,9 @@ OPTIMIZERS = [
 @pytest.mark.parametrize(("name", "kwargs"), OPTIMIZERS)
 def test_matches_qshard_optimizer_cpu_kernel(name, kwargs):
     """Steps 2 and 3 of a qshard 8-bit optimizer on CPU (its C kernel) and of this kernel from
-    the same state with the optimizer's own hyperparameter vector and flags: bit for bit."""
+    the same state with the optimizer's own hyperparameter vector and flags: bit for bit. The
+    kernel runs on DEVICE (the compiled kernel on a GPU, the interpreter on CPU) and its
+    results are compared on CPU."""
     optim = pytest.importorskip("qshard.optim")
     from qshard.optim import _kernels, _qstate
 
@@ -395,29 +403,32 @@ def test_matches_qshard_optimizer_cpu_kernel(name, kwargs):
         opt.step()
         rounding = _qstate.Rounding.make(bnb_compat=group["bnb_compat"], stochastic=False)
         maps = [_qstate.qmap(signed) for _, signed in specs]
-        p = p0.clone()
-        codes = [before[f"{n}_codes"].clone() for n, _ in specs]
-        absmax = [before[f"{n}_absmax"].clone() for n, _ in specs]
+        # Copies on DEVICE, stepped in place there (never aliasing the CPU optimizer's tensors).
+        p = p0.to(DEVICE, copy=True)
+        codes = [before[f"{n}_codes"].to(DEVICE, copy=True) for n, _ in specs]
+        absmax = [before[f"{n}_absmax"].to(DEVICE, copy=True) for n, _ in specs]
         extra = {}
         if len(specs) == 2:
             extra = dict(
                 codes2=codes[1],
                 absmax2=absmax[1],
-                code2=maps[1].code,
-                mid2=maps[1].mid,
+                code2=maps[1].code.to(DEVICE),
+                mid2=maps[1].mid.to(DEVICE),
                 zero2=maps[1].zero_idx,
                 signed2=maps[1].signed,
+                lut2=maps[1].lut,
             )
         _triton.optim8bit_step(
             kind=opt._kind,
             param=p,
-            grad=param.grad,
+            grad=param.grad.to(DEVICE, copy=True),
             codes1=codes[0],
             absmax1=absmax[0],
-            code1=maps[0].code,
-            mid1=maps[0].mid,
+            code1=maps[0].code.to(DEVICE),
+            mid1=maps[0].mid.to(DEVICE),
             zero1=maps[0].zero_idx,
             signed1=maps[0].signed,
+            lut1=maps[0].lut,
             rows=8,
             row_numel=300,
             block_size=256,
@@ -425,10 +436,10 @@ def test_matches_qshard_optimizer_cpu_kernel(name, kwargs):
             flags=rounding.flags(),
             **extra,
         )
-        assert torch.equal(p, param.detach()), (name, step)
+        assert torch.equal(p.cpu(), param.detach()), (name, step)
         for (n, _), c, a in zip(specs, codes, absmax):
-            assert torch.equal(c, state[f"{n}_codes"]), (name, step, n)
-            assert torch.equal(a, state[f"{n}_absmax"]), (name, step, n)
+            assert torch.equal(c.cpu(), state[f"{n}_codes"]), (name, step, n)
+            assert torch.equal(a.cpu(), state[f"{n}_absmax"]), (name, step, n)
 
 
 def test_code_maps_are_copied_to_the_device_once_and_dropped_with_the_map():

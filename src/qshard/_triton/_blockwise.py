@@ -226,9 +226,16 @@ def _seed(rounding: str, generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=device).item())
 
 
-def _geometry(block_size: int) -> tuple[int, int, int]:
+def _geometry(block_size: int, pack: bool = False) -> tuple[int, int, int]:
+    """(padded block width, blocks per program, warps) of a quantize/dequantize launch.
+
+    Packing INT4 codes pairs neighbouring lanes (a reshape and split of the tile), which costs
+    more with larger tiles: on an H200, quantize+pack of 268M fp32 elements took 0.43 ms with
+    2048-element tiles and 0.56 ms with 4096 (0.67 vs 0.51 of copy bandwidth), where the
+    unpacked kernels move within 3% either way (benchmarks/gpu/sweep.py).
+    """
     block_n = next_pow2(max(block_size, 2))
-    rows = rows_per_program(block_size)
+    rows = rows_per_program(block_size, 2048) if pack else rows_per_program(block_size)
     return block_n, rows, num_warps_for(block_n * rows)
 
 
@@ -273,7 +280,7 @@ def quantize_flat(
         check_device(x, codes, scales)
     if n_blocks == 0:
         return codes, scales
-    block_n, rows, warps = _geometry(block_size)
+    block_n, rows, warps = _geometry(block_size, pack)
     xk, bf16 = kernel_view(x)
     _quantize_kernel[(triton.cdiv(n_blocks, rows),)](
         xk,

@@ -126,3 +126,19 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if key not in copies:
         copies[key] = t.to(device)
     return copies[key]
+
+
+@triton.jit
+def table_code(x, lut_ptr):
+    """The code of fp32 `x` by the exact nearest-code search table of `qshard.quant._codetable`
+    (`NEAREST_C` there, the C kernels' rule): one table gather and one integer compare where a
+    binary search over 255 midpoints takes 8 dependent gathers (on an H200 those gathers, not
+    HBM traffic, bounded the 8-bit step). `lut_ptr`: the map's int32 table (`QMap.lut`).
+    NaN -> 0, as the binary search gives."""
+    b = x.to(tl.int32, bitcast=True)
+    t = ((b & 0x7FFFFFFF) >> 16) - 12288  # magnitudes clamped to [2**-31, 2): 96 << 7
+    t = tl.minimum(tl.maximum(t, 0), 4095)
+    e = tl.load(lut_ptr + tl.where(b < 0, t + 4096, t))
+    key = (b ^ (b >> 31)) & 0xFFFF
+    code = (e >> 16) + tl.where(key > (e & 0xFFFF), 1, 0)
+    return tl.where(x == x, code, 0)

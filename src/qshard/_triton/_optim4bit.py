@@ -11,7 +11,8 @@ of codes is loaded, decoded into two values, and stored once, without interleavi
 parameter that is 4 + 4 + 1 bytes read (param, grad, both codes) and 4 + 1 written.
 
 Encoding: the code is the number of the map's 15 midpoints strictly below ``x * (1 / absmax)``
-(ties to the lower code), found by a 4-step branchless binary search; an all-zero block uses a
+(ties to the lower code), read from the map's search table (`table_code`: one gather) when the
+caller passes it, else found by a 4-step branchless binary search; an all-zero block uses a
 reciprocal of 1; a block holding NaN/Inf stores a NaN absmax and the code of 0.0 (the C kernel's
 [Note: non-finite state blocks]). Launched with fp fusion off (no FMA), like the C kernel's -ffp-contract=off;
 division and square root are the IEEE-rounded `div_rn` / `sqrt_rn`.
@@ -35,6 +36,7 @@ from qshard._triton._common import (
     on_device,
     rows_per_program,
     store_as,
+    table_code,
 )
 
 __all__ = ["optim4bit_step"]
@@ -51,6 +53,14 @@ def _nearest16(x, mid_ptr):
     lo = tl.where(tl.load(mid_ptr + lo + 1) < x, lo + 2, lo)
     lo = tl.where(tl.load(mid_ptr + lo) < x, lo + 1, lo)
     return lo
+
+
+@triton.jit
+def _code16(x, mid_ptr, lut_ptr, LUT: tl.constexpr):
+    if LUT:  # the map's search table: one gather (`table_code`)
+        return table_code(x, lut_ptr)
+    else:
+        return _nearest16(x, mid_ptr)
 
 
 @triton.jit
@@ -88,10 +98,12 @@ def _step4_kernel(
     a1_ptr,
     code1_ptr,
     mid1_ptr,
+    lut1_ptr,
     c2_ptr,
     a2_ptr,
     code2_ptr,
     mid2_ptr,
+    lut2_ptr,
     n_blocks,
     blocks_per_row,
     row_numel,
@@ -109,6 +121,8 @@ def _step4_kernel(
     G: tl.constexpr,
     P_BF16: tl.constexpr,
     G_BF16: tl.constexpr,
+    LUT1: tl.constexpr,
+    LUT2: tl.constexpr,
 ):
     b = tl.program_id(0) * G + tl.arange(0, G)
     b_ok = b < n_blocks
@@ -150,14 +164,22 @@ def _step4_kernel(
     r1 = tl.math.div_rn(one, tl.where(n1 == 0.0, 1.0, n1))[:, None]  # zero block: 1
     r2 = tl.math.div_rn(one, tl.where(n2 == 0.0, 1.0, n2))[:, None]
     bad1, bad2 = (n1 != n1)[:, None], (n2 != n2)[:, None]
-    q1e = _nearest16(tl.where(bad1, 0.0, m_e * r1), mid1_ptr)
-    q1o = tl.where(v1, _nearest16(tl.where(bad1, 0.0, m_o * r1), mid1_ptr), 0)
-    q2e = _nearest16(tl.where(bad2, 0.0, v_e * r2), mid2_ptr)
-    q2o = tl.where(v1, _nearest16(tl.where(bad2, 0.0, v_o * r2), mid2_ptr), 0)
+    q1e = _code16(tl.where(bad1, 0.0, m_e * r1), mid1_ptr, lut1_ptr, LUT1)
+    q1o = tl.where(v1, _code16(tl.where(bad1, 0.0, m_o * r1), mid1_ptr, lut1_ptr, LUT1), 0)
+    q2e = _code16(tl.where(bad2, 0.0, v_e * r2), mid2_ptr, lut2_ptr, LUT2)
+    q2o = tl.where(v1, _code16(tl.where(bad2, 0.0, v_o * r2), mid2_ptr, lut2_ptr, LUT2), 0)
     tl.store(c1_ptr + coff, (q1e | (q1o << 4)).to(tl.uint8), mask=v0)
     tl.store(c2_ptr + coff, (q2e | (q2o << 4)).to(tl.uint8), mask=v0)
     tl.store(a1_ptr + b, n1, mask=b_ok)
     tl.store(a2_ptr + b, n2, mask=b_ok)
+
+
+def _geometry(block_size: int) -> tuple[int, int, int]:
+    """(padded half-block width, blocks per program, warps) of a launch."""
+    # 2048 elements a program, 4 warps: on an H200 the 134M-parameter step took 1.75-1.77 ms
+    # so and 3.79 ms with 4096 elements and 8 warps, the earlier default; the table and the
+    # binary search were within 3% of each other here (benchmarks/gpu/sweep.py).
+    return next_pow2(block_size // 2), rows_per_program(block_size, 2048), 4
 
 
 def optim4bit_step(
@@ -176,11 +198,14 @@ def optim4bit_step(
     row_numel: int,
     block_size: int,
     hp: Sequence[float],
+    m_lut: torch.Tensor | None = None,
+    v_lut: torch.Tensor | None = None,
 ) -> None:
     """One in-place Adam/AdamW step on `param` (fp32 or bf16) and its 4-bit moments, as
     `adam4bit_multi` does for one tensor; `hp` the 10 values of
     `qshard.optim._qstate4.adam_hparams`, the maps 16 fp32 codes and their 15 midpoints (more
-    entries are ignored)."""
+    entries are ignored); `m_lut` / `v_lut` the maps' exact search tables (`QMap.lut` of
+    `qshard.quant._codetable`: one gather per code instead of a 4-step binary search)."""
     if not 2 <= block_size <= _MAX_BLOCK or block_size % 2:
         raise ValueError(f"block_size must be even, in 2..{_MAX_BLOCK}; got {block_size}")
     numel = rows * row_numel
@@ -218,13 +243,20 @@ def optim4bit_step(
     if n_blocks == 0:
         return
     dev = param.device
+    for name, lut in (("m_lut", m_lut), ("v_lut", v_lut)):
+        if lut is not None and (lut.shape != (8192,) or lut.dtype != torch.int32):
+            raise ValueError(
+                f"{name}: expected the int32 (8192,) search table of qshard.quant._codetable; "
+                f"got {lut.dtype} {tuple(lut.shape)}"
+            )
+    m_lut = None if m_lut is None else on_device(m_lut, dev)
+    v_lut = None if v_lut is None else on_device(v_lut, dev)
     m_code, m_mid = on_device(m_code, dev), on_device(m_mid, dev)
     v_code, v_mid = on_device(v_code, dev), on_device(v_mid, dev)
     # The C kernel reads hp as fp32: pass fp32-exact values (CUDA and the interpreter then
     # evaluate the same fp32 expressions).
     _, _, b2, eps, wd, step_size, ibc2, decay, w1, w2 = (float(np.float32(x)) for x in hp)
-    half_n = next_pow2(block_size // 2)
-    g = rows_per_program(block_size)
+    half_n, g, warps = _geometry(block_size)
     pk, p_bf16 = kernel_view(param)
     gk, g_bf16 = kernel_view(grad)
     _step4_kernel[(triton.cdiv(n_blocks, g),)](
@@ -234,10 +266,12 @@ def optim4bit_step(
         m_absmax,
         m_code,
         m_mid,
+        m_code if m_lut is None else m_lut,
         v_codes,
         v_absmax,
         v_code,
         v_mid,
+        v_code if v_lut is None else v_lut,
         n_blocks,
         nbr,
         row_numel,
@@ -255,6 +289,8 @@ def optim4bit_step(
         G=g,
         P_BF16=p_bf16,
         G_BF16=g_bf16,
-        num_warps=8 if half_n * g >= 2048 else 4,
+        LUT1=m_lut is not None,
+        LUT2=v_lut is not None,
+        num_warps=warps,
         enable_fp_fusion=False,
     )

@@ -13,8 +13,13 @@ elements; each row is cut into ceil(row_numel / block_size) blocks (the last one
 fp32 absmax per block, block b = row * blocks_per_row + j.
 
 Encoding is exact nearest: the code index is the number of map midpoints strictly below
-x / absmax (ties to the lower code), found with an 8-step branchless binary search over the
-255 midpoints (L1-resident), plus the reference's optional fix-ups (flags below). An all-zero
+x / absmax (ties to the lower code), read from the map's search table of
+`qshard.quant._codetable` (one gather and one integer compare, the C kernel's rule) when the
+caller passes it, else found with an 8-step branchless binary search over the 255 midpoints
+(L1-resident). On an H200 the table took the 134M-parameter AdamW step from 2.57 to 1.82 ms
+(same launch geometry): the binary search's 16 dependent gathers per parameter, not HBM
+traffic, bounded the kernel.
+Then the reference's optional fix-ups (flags below). An all-zero
 block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
 stream would have to be reproduced); callers keep their torch path for it.
 
@@ -40,6 +45,7 @@ from qshard._triton._common import (
     on_device,
     rows_per_program,
     store_as,
+    table_code,
 )
 
 __all__ = [
@@ -94,11 +100,24 @@ def _signbit(x):
 
 
 @triton.jit
-def _encode(s, amax, code_ptr, mid_ptr, zero_idx, SIGNED: tl.constexpr, FLAGS: tl.constexpr):
+def _encode(
+    s,
+    amax,
+    code_ptr,
+    mid_ptr,
+    lut_ptr,
+    zero_idx,
+    SIGNED: tl.constexpr,
+    FLAGS: tl.constexpr,
+    LUT: tl.constexpr,
+):
     """uint8 codes of a (G, BLOCK_N) fp32 state tile given each block's absmax (G,)."""
     zero_block = (amax == 0.0)[:, None]
     x = tl.where(zero_block, s * 0.0, tl.math.div_rn(s, tl.where(zero_block, 1.0, amax[:, None])))
-    i = _nearest(x, mid_ptr)
+    if LUT:
+        i = table_code(x, lut_ptr)
+    else:  # a map without a search table: the 8-step binary search
+        i = _nearest(x, mid_ptr)
     if SIGNED:
         if FLAGS & 4:  # bitsandbytes: a code of the other sign moves one step towards x's sign
             wrong = _signbit(tl.load(code_ptr + i)) != _signbit(x)
@@ -129,11 +148,13 @@ def _step8_kernel(
     a1_ptr,
     code1_ptr,
     mid1_ptr,
+    lut1_ptr,
     zero1,
     c2_ptr,
     a2_ptr,
     code2_ptr,
     mid2_ptr,
+    lut2_ptr,
     zero2,
     n_blocks,
     blocks_per_row,
@@ -158,6 +179,8 @@ def _step8_kernel(
     G: tl.constexpr,
     P_BF16: tl.constexpr,
     G_BF16: tl.constexpr,
+    LUT1: tl.constexpr,
+    LUT2: tl.constexpr,
 ):
     b = tl.program_id(0) * G + tl.arange(0, G)
     b_ok = b < n_blocks
@@ -220,14 +243,36 @@ def _step8_kernel(
 
     store_as(p_ptr + off, pi, valid)
     m1 = _block_absmax(s1, valid)
-    tl.store(c1_ptr + off, _encode(s1, m1, code1_ptr, mid1_ptr, zero1, SIGNED1, FLAGS), mask=valid)
+    tl.store(
+        c1_ptr + off,
+        _encode(s1, m1, code1_ptr, mid1_ptr, lut1_ptr, zero1, SIGNED1, FLAGS, LUT1),
+        mask=valid,
+    )
     tl.store(a1_ptr + b, m1, mask=b_ok)
     if HAS2:
         m2 = _block_absmax(s2, valid)
         tl.store(
-            c2_ptr + off, _encode(s2, m2, code2_ptr, mid2_ptr, zero2, SIGNED2, FLAGS), mask=valid
+            c2_ptr + off,
+            _encode(s2, m2, code2_ptr, mid2_ptr, lut2_ptr, zero2, SIGNED2, FLAGS, LUT2),
+            mask=valid,
         )
         tl.store(a2_ptr + b, m2, mask=b_ok)
+
+
+def _geometry(block_size: int) -> tuple[int, int, int]:
+    """(padded block width, blocks per program, warps) of a launch."""
+    # 2048 elements a program, 4 warps: on an H200 the 134M-parameter Adam step (block 256,
+    # table encoder) took 1.46 ms so, 1.82 ms with 4096 and 4 warps, 2.06 ms with 4096 and 8
+    # (the earlier default), 1.85 ms with 8192 and 8 (benchmarks/gpu/sweep.py).
+    return next_pow2(block_size), rows_per_program(block_size, 2048), 4
+
+
+def _check_lut(name: str, lut: torch.Tensor | None) -> None:
+    if lut is not None and (lut.shape != (8192,) or lut.dtype != torch.int32):
+        raise ValueError(
+            f"{name}: expected the int32 (8192,) search table of qshard.quant._codetable; got "
+            f"{lut.dtype} {tuple(lut.shape)}"
+        )
 
 
 def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
@@ -263,13 +308,17 @@ def optim8bit_step(
     mid2: torch.Tensor | None = None,
     zero2: int = 0,
     signed2: bool = False,
+    lut1: torch.Tensor | None = None,
+    lut2: torch.Tensor | None = None,
 ) -> None:
     """One in-place step on `param` (fp32 or bf16) and its 8-bit states, as `step8_multi` does
     for one tensor.
 
     `kind` is "adam" | "lion" | "sgd" | "rmsprop" | "adagrad" (or the C kernel's int);
     `hp` the kind's hyperparameters in `step8_multi`'s order; `flags` its FLAG_* bits. State 2 is
-    given for Adam (second moment) and RMSprop with momentum (buffer).
+    given for Adam (second moment) and RMSprop with momentum (buffer). `lut1` / `lut2`: the
+    maps' exact search tables (`QMap.lut`, `qshard.quant._codetable`), which turn the encoder's
+    8-gather binary search into one gather; without them the kernel searches the midpoints.
     """
     kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
     if kind_id not in KINDS.values():
@@ -300,10 +349,15 @@ def optim8bit_step(
                 f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
             )
     dev = param.device
-    code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
-    if code2 is not None and mid2 is not None:
-        code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
     _check_map("state 1", code1, mid1)
+    _check_lut("lut1", lut1)
+    code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
+    lut1 = None if lut1 is None else on_device(lut1, dev)
+    if code2 is not None and mid2 is not None:
+        _check_map("state 2", code2, mid2)
+        _check_lut("lut2", lut2)
+        code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
+        lut2 = None if lut2 is None else on_device(lut2, dev)
     if has2:
         assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None
         # As strict as state 1's: the kernel reads both through raw pointers, so int8 codes or
@@ -317,7 +371,6 @@ def optim8bit_step(
                 raise ValueError(
                     f"{name}: expected {count} elements of {dtype}; got {t.dtype} {t.numel()}"
                 )
-        _check_map("state 2", code2, mid2)
     check_device(param, grad, codes1, absmax1, *((codes2, absmax2) if has2 else ()))
     if len(hp) > 10:
         raise ValueError(f"hp takes at most 10 values; got {len(hp)}")
@@ -331,8 +384,7 @@ def optim8bit_step(
     w2 = hps[w2_at] if w2_at is not None and len(hp) > w2_at else _complement(hp, 2)
     if n_blocks == 0:
         return
-    block_n = next_pow2(block_size)
-    g = rows_per_program(block_size)
+    block_n, g, warps = _geometry(block_size)
     pk, p_bf16 = kernel_view(param)
     gk, g_bf16 = kernel_view(grad)
     _step8_kernel[(triton.cdiv(n_blocks, g),)](
@@ -342,11 +394,13 @@ def optim8bit_step(
         absmax1,
         code1,
         mid1,
+        code1 if lut1 is None else lut1,
         int(zero1),
         codes2 if has2 else codes1,
         absmax2 if has2 else absmax1,
         code2 if has2 else code1,
         mid2 if has2 else mid1,
+        code1 if lut2 is None or not has2 else lut2,
         int(zero2),
         n_blocks,
         nbr,
@@ -364,6 +418,8 @@ def optim8bit_step(
         G=g,
         P_BF16=p_bf16,
         G_BF16=g_bf16,
-        num_warps=8 if block_n * g >= 4096 else 4,
+        LUT1=lut1 is not None,
+        LUT2=lut2 is not None and has2,
+        num_warps=warps,
         enable_fp_fusion=False,
     )

@@ -352,7 +352,7 @@ def _launch_reorder_quantize(
     blocks_per_slot = -(-slot_numel // block_size)
     if n_slots * blocks_per_slot == 0:
         return
-    block_n, rows, warps = _geometry(block_size)
+    block_n, rows, warps = _geometry(block_size, pack)
     xk, bf16 = kernel_view(x)
     if n_slots > 65535:
         raise ValueError(f"reorder_quantize takes at most 65535 slots (CUDA's grid); got {n_slots}")
@@ -518,7 +518,7 @@ def _launch_dequant_reduce_requant(
     generator,
     dst: _Blocks,
 ) -> None:
-    block_n, rows, warps = _geometry(block_size)
+    block_n, rows, warps = _geometry(block_size, pack_out)
     _dequant_reduce_requant_kernel[(triton.cdiv(n_blocks, rows),)](
         src.codes,
         src.scales,

@@ -607,6 +607,7 @@ class Optimizer8bit(BlockwiseOptimizer):
                     mid2=maps[1].mid,
                     zero2=maps[1].zero_idx,
                     signed2=maps[1].signed,
+                    lut2=maps[1].lut,
                 )
             )
             rows, row_numel = _qstate.row_view(p_l.shape)
@@ -620,6 +621,7 @@ class Optimizer8bit(BlockwiseOptimizer):
                 mid1=maps[0].mid,
                 zero1=maps[0].zero_idx,
                 signed1=maps[0].signed,
+                lut1=maps[0].lut,
                 rows=rows,
                 row_numel=row_numel,
                 block_size=bs,

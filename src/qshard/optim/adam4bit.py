@@ -283,6 +283,8 @@ class Adam4bit(BlockwiseOptimizer):
                 row_numel=row_numel,
                 block_size=bs,
                 hp=hp,
+                m_lut=qm.lut,
+                v_lut=qv.lut,
             )
             return
         _qstate4.adam4bit_reference(

@@ -53,12 +53,14 @@ def sum_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     """The fp32 sum over dim 0 of ``rows`` (2-D), added one row after another in row order
     (as qgZ's Triton kernels add their peers).
 
-    torch's ``rows.float().sum(dim=0)`` adds in the same order for rows of whole SIMD vectors
-    (every wire row of qshard's: multiples of the block size) and may round a ragged tail
-    differently. This skips the fp32 copy of every row and is 2.5-3x faster on CPU, where
-    torch reduces a contiguous tensor's outer dim slowly (2 rows of 786,432 fp32: 0.10 vs
-    0.30 ms; 4 bf16 rows: 0.47 vs 1.35 ms; one thread). ``out`` (fp32, one row's shape)
-    receives it when given; ``rows`` is not written.
+    On CPU, torch's ``rows.float().sum(dim=0)`` adds in the same order for rows of whole SIMD
+    vectors (every wire row of qshard's: multiples of the block size) and may round a ragged
+    tail differently. On CUDA that does not hold: torch's reduction of 8 rows adds them in
+    another order (measured on an H200, torch 2.11), one more reason the library defines the
+    order itself rather than leaving it to torch. This skips the fp32 copy of every row and is
+    2.5-3x faster on CPU, where torch reduces a contiguous tensor's outer dim slowly (2 rows
+    of 786,432 fp32: 0.10 vs 0.30 ms; 4 bf16 rows: 0.47 vs 1.35 ms; one thread). ``out``
+    (fp32, one row's shape) receives it when given; ``rows`` is not written.
     """
     if out is not None:
         out.copy_(rows[0])

@@ -1,0 +1,311 @@
+"""Launch-geometry and search-mode sweep of qshard's memory-bound Triton kernels on one GPU.
+
+The defaults in `qshard._triton` (elements per program, warps, the 8/4-bit state encoders'
+nearest-code search) were chosen without a GPU; this measures the alternatives side by side in
+one process, so a GPU session can pick them from numbers:
+
+- the fused 8-bit Adam step (`_optim8bit`) and the fused 4-bit Adam step (`_optim4bit`): the
+  state encoder's search ("table": the maps' one-gather search tables, as the optimizers
+  dispatch; "binary": the midpoints' binary search) and the tile / warp geometry, against
+  torch's fused fp32 AdamW on the same parameters;
+- blockwise quantize (INT8 fp32, INT8 bf16, INT4 unpacked and packed): tile / warps, against a
+  device-to-device copy of the input.
+
+Every variant's output is compared bit for bit with the default's (a geometry or search change
+must not change a byte). Timings: CUDA events, median of --repeat after warm-up.
+
+    PYTHONPATH=src python3 benchmarks/gpu/sweep.py [--numel N] [--repeat R] [--out FILE]
+    python benchmarks/gpu/sweep.py --smoke      # CPU, Triton interpreter, toy sizes
+
+Writes markdown to stdout and to --out (default: $OUT/sweep.md when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if importlib.util.find_spec("qshard") is None:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"))
+
+
+def _ms(fn, repeat: int, cuda: bool) -> float:
+    import torch
+
+    for _ in range(2):
+        fn()
+    if not cuda:
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(repeat):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        events.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def _table(title: str, header: list[str], rows: list[list[object]]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+class _Patch:
+    """Set module attributes for the duration of a block."""
+
+    def __init__(self, module, **attrs) -> None:
+        self.module, self.attrs, self.saved = module, attrs, {}
+
+    def __enter__(self) -> None:
+        for k, v in self.attrs.items():
+            self.saved[k] = getattr(self.module, k)
+            setattr(self.module, k, v)
+
+    def __exit__(self, *exc: object) -> None:
+        for k, v in self.saved.items():
+            setattr(self.module, k, v)
+
+
+def _fixed_geometry(tile: int, warps: int, half: bool = False):
+    from qshard._triton._common import next_pow2
+
+    def geometry(block_size: int) -> tuple[int, int, int]:
+        width = next_pow2(block_size // 2 if half else max(block_size, 2))
+        return width, max(1, tile // next_pow2(block_size)), warps
+
+    return geometry
+
+
+def _adam_baseline(n: int, device, repeat: int, cuda: bool) -> float:
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(n, device=device))
+    p.grad = torch.randn(n, device=device) * 1e-2
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=cuda)
+    return _ms(opt.step, repeat, cuda)
+
+
+def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> str:
+    import torch
+
+    from qshard._triton import _optim8bit
+    from qshard.optim._qstate import qmap
+
+    bs, row = 256, 4096
+    rows = n // row
+    m1, m2 = qmap(True), qmap(False)
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen).to(device)
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(device)
+    c10 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).to(device)
+    c20 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).to(device)
+    a10 = (torch.rand(n // bs, generator=gen) * 1e-2).to(device)
+    a20 = (torch.rand(n // bs, generator=gen) * 1e-4).to(device)
+    hp = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3 / 0.1, math.sqrt(1 - 0.999), 1 - 1e-5]
+
+    luts: dict = {}
+
+    def run(state) -> None:
+        p, c1, a1, c2, a2 = state
+        _optim8bit.optim8bit_step(
+            kind="adam", param=p, grad=grad, codes1=c1, absmax1=a1, code1=m1.code, mid1=m1.mid,
+            zero1=m1.zero_idx, signed1=True, codes2=c2, absmax2=a2, code2=m2.code, mid2=m2.mid,
+            zero2=m2.zero_idx, signed2=False, rows=rows, row_numel=row, block_size=bs, hp=hp,
+            flags=3, **luts,
+        )  # fmt: skip
+
+    base = _adam_baseline(n, device, repeat, cuda)
+    out, ref = [], None
+    for search, geometry in variants:
+        state = [t.clone() for t in (p0, c10, a10, c20, a20)]
+        luts.clear()
+        if search == "table":
+            luts.update(lut1=m1.lut, lut2=m2.lut)
+        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry)}
+        with _Patch(_optim8bit, **patch):
+            run(state)  # one step from the common state: the bytes every variant must give
+            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
+            ref = ref or [t.clone() for t in state]
+            ms = _ms(lambda s=state: run(s), repeat, cuda)
+        gbs = 16 * n / ms / 1e6  # 4+4+1+1 read, 4+1+1 written per parameter
+        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+        out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
+    return _table(
+        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs} (torch fused fp32 AdamW: "
+        f"{base:.3f} ms)",
+        ["search", "geometry", "ms", "x fused fp32", "GB/s", "bytes = default"],
+        out,
+    )
+
+
+def sweep_step4(n: int, device, repeat: int, cuda: bool, variants) -> str:
+    import torch
+
+    from qshard._triton import _optim4bit
+    from qshard.optim import _qstate4
+
+    bs, row = 128, 4096
+    rows = n // row
+    qm, qv = _qstate4.qmap4("signed-dynamic"), _qstate4.qmap4(_qstate4.SECOND_MOMENT_MAPS[0])
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen).to(device)
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(device)
+    c10 = torch.randint(0, 256, (n // 2,), generator=gen, dtype=torch.uint8).to(device)
+    c20 = torch.randint(0, 256, (n // 2,), generator=gen, dtype=torch.uint8).to(device)
+    a10 = (torch.rand(n // bs, generator=gen) * 1e-2).to(device)
+    a20 = (torch.rand(n // bs, generator=gen) * 1e-4).to(device)
+    hp = _qstate4.adam_hparams(
+        step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True
+    )
+
+    luts: dict = {}
+
+    def run(state) -> None:
+        p, c1, a1, c2, a2 = state
+        _optim4bit.optim4bit_step(
+            param=p, grad=grad, m_codes=c1, m_absmax=a1, m_code=qm.code, m_mid=qm.mid,
+            v_codes=c2, v_absmax=a2, v_code=qv.code, v_mid=qv.mid, rows=rows, row_numel=row,
+            block_size=bs, hp=hp, **luts,
+        )  # fmt: skip
+
+    base = _adam_baseline(n, device, repeat, cuda)
+    out, ref = [], None
+    for search, geometry in variants:
+        state = [t.clone() for t in (p0, c10, a10, c20, a20)]
+        luts.clear()
+        if search == "table":
+            luts.update(m_lut=qm.lut, v_lut=qv.lut)
+        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry, half=True)}
+        with _Patch(_optim4bit, **patch):
+            run(state)
+            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
+            ref = ref or [t.clone() for t in state]
+            ms = _ms(lambda s=state: run(s), repeat, cuda)
+        gbs = 14 * n / ms / 1e6  # 4+4+0.5+0.5 read, 4+0.5+0.5 written per parameter
+        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+        out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
+    return _table(
+        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs} (torch fused fp32 AdamW: "
+        f"{base:.3f} ms)",
+        ["search", "geometry", "ms", "x fused fp32", "GB/s", "bytes = default"],
+        out,
+    )
+
+
+def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> str:
+    import torch
+
+    from qshard._triton import _blockwise
+
+    x32 = torch.randn(n, device=device)
+    xbf = x32.to(torch.bfloat16)
+    out = []
+    for name, x, bits, pack in (
+        ("INT8 fp32", x32, 8, False),
+        ("INT8 bf16", xbf, 8, False),
+        ("INT4 fp32 unpacked", x32, 4, False),
+        ("INT4 fp32 packed", x32, 4, True),
+    ):
+        dst = torch.empty_like(x)
+        copy_ms = _ms(lambda d=dst, x=x: d.copy_(x), repeat, cuda)
+        ref = None
+        for geometry in [None, *geometries]:
+            ctx = _Patch(_blockwise, **({} if geometry is None else {"_geometry": _g(geometry)}))
+            with ctx:
+
+                def q(x=x, bits=bits, pack=pack):
+                    return _blockwise.quantize_flat(x, block_size=256, bits=bits, pack=pack)
+
+                got = q()
+                same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, got))
+                ref = ref or got
+                ms = _ms(q, repeat, cuda)
+            nbytes = x.numel() * x.element_size() + got[0].numel() + got[1].numel() * 4
+            label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+            frac = copy_ms / ms * nbytes / (2 * x.numel() * x.element_size())
+            out.append([name, label, f"{ms:.3f}", f"{frac:.2f}", same])
+    return _table(
+        f"Blockwise quantize, {n / 1e6:.0f}M elements, block 256 (x copy: bytes moved per ms vs "
+        "a device-to-device copy of the input)",
+        ["kernel", "geometry", "ms", "x copy", "bytes = default"],
+        out,
+    )
+
+
+def _g(geometry):
+    from qshard._triton._common import next_pow2
+
+    tile, warps = geometry
+
+    def fn(block_size: int, pack: bool = False) -> tuple[int, int, int]:
+        block_n = next_pow2(max(block_size, 2))
+        return block_n, max(1, tile // block_n), warps
+
+    return fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=128 * 1024 * 1024)
+    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU interpreter, toy sizes")
+    parser.add_argument("--only", default="step8,step4,quantize")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.numel, args.repeat = 2 * 4096, 1
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        print("sweep.py needs CUDA (or --smoke)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    numel = args.numel // 4096 * 4096
+    if numel == 0:
+        parser.error("--numel must be at least 4096")
+    only = set(args.only.split(","))
+    geoms = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
+    if args.smoke:
+        geoms = geoms[:1]
+    parts = []
+    if "step8" in only:
+        variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
+        parts.append(sweep_step8(numel, device, args.repeat, cuda, variants))
+        print(parts[-1], flush=True)
+    if "step4" in only:
+        variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
+        parts.append(sweep_step4(numel, device, args.repeat, cuda, variants))
+        print(parts[-1], flush=True)
+    if "quantize" in only:
+        qgeoms = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]
+        parts.append(sweep_quantize(2 * numel, device, args.repeat, cuda, qgeoms[: len(geoms)]))
+        print(parts[-1], flush=True)
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "sweep.md") if os.environ.get("OUT") else None
+    )
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
