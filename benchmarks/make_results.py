@@ -51,6 +51,12 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "python benchmarks/convergence.py --steps 600 --out-md docs/results/convergence.md",
     ),
     (
+        "gpu_h200.md",
+        "on a CUDA machine: PYTHONPATH=src python3 benchmarks/gpu/run_all.py and "
+        "benchmarks/gpu/sweep.py; the tables are assembled by hand from their output "
+        "(see the section's header)",
+    ),
+    (
         "convergence_2000.md",
         "python benchmarks/convergence.py --steps 2000 --variants zero3,onebit_adam,zero_one_adam "
         "--results docs/results/steps2000/convergence.json "

@@ -39,7 +39,7 @@ poisons only its own process) with its own time cap, all within the global --bud
 8. gpu_tests: `pytest tests/gpu` (not slow) on the GPU: the interpreter-verified tests on the
    real kernels;
 9. gpt_step: a single-GPU training step of qshard's GPT with the quantized paths on vs
-   fp32 AdamW;
+   fp32 AdamW (qwZ/qgZ codecs per FSDP unit: one flat buffer a transformer block);
 10. sm90_ptx: tests/gpu/test_compile_sm90.py (sm_90 cubins, IEEE div/sqrt, no FMA, v4 loads)
     with the device's triton.
 
@@ -201,7 +201,7 @@ def env(rec: Recorder, args) -> None:
     rows = [(k, v) for k, v in rec.facts.items() if k not in ("env", "argv")]
     if torch.cuda.is_available():
         guarded("device_count", torch.cuda.device_count)
-        guarded("driver_version", lambda: torch._C._cuda_getDriverVersion())
+        guarded("driver_version", _driver_version)
         guarded("cuda_runtime", lambda: torch._C._cuda_getCompiledVersion())
         props = torch.cuda.get_device_properties(0)
         p = {
@@ -243,8 +243,59 @@ def env(rec: Recorder, args) -> None:
     rec.fact(nvidia_smi="\n".join(smi))
     print("\n".join(smi), flush=True)
     tv = str(rec.facts.get("triton", ""))
-    if tv[:1].isdigit() and tuple(int(x) for x in tv.split(".")[:2]) < (3, 9):
-        rec.note(f"note: triton {tv} here; qshard's kernels were written and tested against 3.9")
+    try:
+        tv_minor = tuple(int(x) for x in tv.split(".")[:2])
+    except ValueError:  # "unavailable (...)" or a local build's odd version string
+        tv_minor = None
+    if tv_minor is not None and tv_minor not in _TESTED_TRITON:
+        tested = " and ".join(".".join(map(str, v)) for v in _TESTED_TRITON)
+        rec.note(
+            f"note: triton {tv} here; qshard's kernels need triton >= 3.6 and are tested on "
+            f"{tested} (README, docs/gpu.md)"
+        )
+
+
+# The triton versions README and docs/gpu.md say the kernels are tested on; env notes others.
+_TESTED_TRITON = ((3, 6), (3, 9))
+
+
+def _driver_version() -> str:
+    """The NVIDIA driver version, from the first source that answers: torch (where it has a
+    getter; torch 2.11 has no `torch._C._cuda_getDriverVersion`), nvidia-smi, NVML."""
+    import torch
+
+    errors = []
+    fn = getattr(torch.cuda, "driver_version", None)
+    if callable(fn):
+        try:
+            return str(fn())
+        except Exception as e:
+            errors.append(f"torch.cuda.driver_version: {_err(e)}")
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        first = out.stdout.strip().splitlines()[:1]
+        if out.returncode == 0 and first and first[0].strip():
+            return first[0].strip()
+        errors.append(f"nvidia-smi: exit {out.returncode} {out.stderr.strip()[:80]}")
+    except Exception as e:
+        errors.append(f"nvidia-smi: {_err(e)}")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception as e:
+        errors.append(f"pynvml: {_err(e)}")
+    raise RuntimeError("; ".join(errors))
 
 
 def adamw4bit(rec: Recorder, args) -> None:
@@ -469,11 +520,10 @@ def _qgz_rows_correctness(g) -> list[tuple[str, bool]]:
     x[0, :bs] = 0
     for bits in (4, 8):
         codec = RowCodec(bits=bits, block_size=bs)
-        with _TorchPath():
+        with _TorchPath():  # RowCodec's own sums: rows added in row order (sum_rows)
             recv = codec.encode(x)
-            summed = codec.decode(recv, m).sum(dim=0)
-            want_rows = codec.encode(summed.view(nodes, m // nodes))
-            want_out = (codec.decode(want_rows, m // nodes).sum(dim=0) * 0.125).bfloat16()
+            want_rows = codec.reduce_encode(recv, m, nodes)
+            want_out = (codec.reduce(want_rows, m // nodes) * 0.125).bfloat16()
         out = torch.empty(nodes, codec.row_bytes(m // nodes), dtype=torch.uint8, device=DEVICE)
         got_rows = _triton.dequant_reduce_requant_rows(recv, block_size=bs, bits=bits, out=out)
         got_out = torch.empty(m // nodes, dtype=torch.bfloat16, device=DEVICE)
@@ -609,8 +659,11 @@ def _middle_hop_row(peers: int, args) -> tuple:
         )
 
     def unfused_torch():
+        # qshard's own path (what reduce_scatter runs without the kernels): decode, add the rows
+        # in row order (`sum_rows`), re-encode. Not `decode(...).sum(dim=0)`: torch's CUDA
+        # reduction of 8 rows adds in another order (H200, torch 2.11), so it is no reference.
         with _TorchPath():
-            return codec.encode(codec.decode(recv, m * bs).sum(dim=0).view(nodes, -1))
+            return codec.reduce_encode(recv, m * bs, nodes)
 
     t_rows, t_fused = _ms(dispatched, rep), _ms(fused, rep)
     t_plain, t_torch = _ms(plain_dequantize, rep), _ms(unfused_torch, rep)
@@ -807,7 +860,11 @@ def adamw8bit(rec: Recorder, args) -> None:
         )
     )
     del opt, opt_f, p_ref, p_f
+    from qshard.quant import _codetable
+
     code1, code2 = dynamic_map(signed=True).to(DEVICE), dynamic_map(signed=False).to(DEVICE)
+    # The maps' search tables: the encoder's one-gather path, as AdamW8bit dispatches it.
+    lut1, lut2 = (_codetable.search_table(c.cpu()).to(DEVICE) for c in (code1, code2))
     mid1, mid2 = (code1[:-1] + code1[1:]) / 2, (code2[:-1] + code2[1:]) / 2
     z1, z2 = int((code1 == 0).nonzero()[0]), int((code2 == 0).nonzero()[0])
     p = p32.clone()
@@ -836,6 +893,8 @@ def adamw8bit(rec: Recorder, args) -> None:
             mid2=mid2,
             zero2=z2,
             signed2=False,
+            lut1=lut1,
+            lut2=lut2,
             rows=rows,
             row_numel=row_numel,
             block_size=bs,
@@ -906,6 +965,26 @@ def adamw8bit(rec: Recorder, args) -> None:
         rows_.append((f"AdamW8bit(optim_bits=32, fused=True): {type(e).__name__}", "", "", "", ""))
 
 
+def _fsdp_units(model) -> list[list]:
+    """``model``'s parameters grouped as qshard.train wraps a GPT with ``fully_shard``: one unit
+    per transformer block, then the root's (embeddings, final norm, head; a tied head once)."""
+    units = [[p for p in block.parameters() if p.requires_grad] for block in model.blocks]
+    in_blocks = {id(p) for unit in units for p in unit}
+    root = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
+    return [unit for unit in [*units, root] if unit]
+
+
+def _copy_out(flat, tensors) -> None:
+    """FSDP's copy-out: ``flat`` split into ``tensors`` (contiguous, in order), one launch."""
+    import torch
+
+    outs = [t.view(-1) for t in tensors]
+    if hasattr(torch, "split_with_sizes_copy"):
+        torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
+    else:
+        torch._foreach_copy_(outs, list(flat.split([t.numel() for t in outs])))
+
+
 def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
     import torch
 
@@ -921,30 +1000,38 @@ def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
 
         opt = AdamW8bit(params, lr=3e-4, fused=True)  # fp32-state tensors: the same kernel
     codecs = "codecs" in name
+    units = _fsdp_units(model)
     offset0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
 
     def step() -> None:
+        # What one rank runs for qwZ (quantize its weights, dequantize the gathered ones) and
+        # for qgZ (encode its gradients, decode the reduced ones), without the network: the
+        # kernels' cost inside a real training step. Per FSDP unit, as ZeRO++ on FSDP2 runs
+        # them: each block's (and the root's) parameters go through one flat buffer (FSDP's
+        # copy-in, the codec on the whole buffer, FSDP's copy-out). Per parameter (~150 small
+        # tensors, 4 launches each) the row measured Python and launch overhead instead (3.0x
+        # fp32 on an H200), a cost no FSDP2 step pays.
         if codecs:
-            # What one rank runs for qwZ (quantize its weights, dequantize the gathered ones)
-            # and for qgZ (encode its gradients, decode the reduced ones), without the
-            # network: the kernels' cost inside a real training step.
             with torch.no_grad():
-                for p in params:
-                    c, s = _triton.quantize_flat(p.data.view(-1), block_size=256, bits=8)
-                    _triton.dequantize_blocks(c, s, bits=8, numel=p.numel(), out=p.data.view(-1))
+                for unit in units:
+                    flat = torch.cat([p.data.view(-1) for p in unit])
+                    c, s = _triton.quantize_flat(flat, block_size=256, bits=8)
+                    _triton.dequantize_blocks(c, s, bits=8, numel=flat.numel(), out=flat)
+                    _copy_out(flat, [p.data for p in unit])
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             _, loss = model(data[:, :-1], data[:, 1:])
         loss.backward()
         if codecs:
             with torch.no_grad():
-                for p in params:
-                    flat = p.grad.view(-1)
+                for unit in units:
+                    flat = torch.cat([p.grad.view(-1) for p in unit])
                     c, s = _triton.reorder_quantize(
                         flat, offset0, slot_numel=flat.numel(), block_size=256
                     )
                     _triton.dequant_reduce(
                         c.unsqueeze(0), s.unsqueeze(0), block_size=256, numel=flat.numel(), out=flat
                     )
+                    _copy_out(flat, [p.grad for p in unit])
         opt.step()
         opt.zero_grad(set_to_none=False)
 
@@ -969,7 +1056,11 @@ def gpt_step(rec: Recorder, args) -> None:
     )
     data = torch.randint(0, 256, (batch, cfg.context + 1), device=DEVICE)
     base_ms = None
-    for name in ("fp32 AdamW(fused)", "AdamW8bit", "AdamW8bit + qwZ INT8 + qgZ INT4 codecs"):
+    for name in (
+        "fp32 AdamW(fused)",
+        "AdamW8bit",
+        "AdamW8bit + qwZ INT8 + qgZ INT4 codecs per FSDP unit",
+    ):
         if name != "fp32 AdamW(fused)" and not _optimizer_dispatches_to_triton():
             rows.append((name, "skipped: qshard.optim has no CUDA dispatch", "", ""))
             continue
@@ -1000,7 +1091,7 @@ _FNS = {name: fn for name, fn, _, _ in SECTIONS}
 GPU_TESTS = (
     "tests/gpu/test_blockwise.py tests/gpu/test_optim8bit.py tests/gpu/test_optim4bit.py "
     "tests/gpu/test_qgz.py tests/gpu/test_signs.py tests/gpu/test_dispatch.py "
-    "tests/gpu/test_qgz_dispatch.py -x --maxfail=20"
+    "tests/gpu/test_qgz_dispatch.py tests/gpu/test_search_table.py -x --maxfail=20"
 )
 GPU_TESTS_SMOKE = "tests/gpu/test_signs.py::test_unpack_rejects_wrong_byte_count"
 DEFAULT_BUDGET_S = 510  # 8.5 min: the device tool's command limit is 10 min
