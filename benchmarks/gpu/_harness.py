@@ -37,6 +37,35 @@ OK, FAILED, TIMEOUT, CRASHED, SKIPPED = "ok", "failed", "timeout", "crashed", "s
 INJECT_ENV = "QSHARD_GPU_RUN_INJECT"  # "section=raise|hang|crash,..." (tests of the harness)
 
 
+def median_ms(fn: Callable[[], object], repeat: int, cuda: bool, warmup: int = 2) -> float:
+    """Median milliseconds of `fn`: on CUDA between two events recorded around each call (the
+    device's time, no host timer read before the work is done); on CPU (smoke) wall clock."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if not cuda:
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(samples)
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(repeat):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
 def write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

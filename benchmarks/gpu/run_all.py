@@ -62,7 +62,6 @@ import argparse
 import contextlib
 import importlib.util
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,30 +106,8 @@ def _sync() -> None:
 
 
 def _ms(fn, repeat: int, warmup: int = 2) -> float:
-    """Median milliseconds of `fn`: on CUDA between two events recorded around each call (the
-    device's time, no host timer read before the work is done); on CPU (smoke) wall clock."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    _sync()
-    if DEVICE == "cuda":
-        events = []
-        for _ in range(repeat):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    """`_harness.median_ms` on this run's device."""
+    return _harness.median_ms(fn, repeat, DEVICE == "cuda", warmup)
 
 
 def _gbs(nbytes: int, ms: float) -> float:

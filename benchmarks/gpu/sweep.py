@@ -26,37 +26,18 @@ import argparse
 import importlib.util
 import math
 import os
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 if importlib.util.find_spec("qshard") is None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "src"))
 
+from _harness import median_ms  # noqa: E402
+
 
 def _ms(fn, repeat: int, cuda: bool) -> float:
-    import torch
-
-    for _ in range(2):
-        fn()
-    if not cuda:
-        samples = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples)
-    torch.cuda.synchronize()
-    events = []
-    for _ in range(repeat):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        events.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events)
+    return median_ms(fn, repeat, cuda)
 
 
 def _table(title: str, header: list[str], rows: list[list[object]]) -> str:
@@ -101,6 +82,35 @@ def _adam_baseline(n: int, device, repeat: int, cuda: bool) -> float:
     return _ms(opt.step, repeat, cuda)
 
 
+def _step_variants(
+    title, module, run, state0, luts, table_luts, half, variants, base, n, nbytes, repeat, cuda
+):
+    """Time `run(state, **luts)` per (search, geometry) variant from the same `state0`; the
+    first variant's one step is the reference every other variant's bytes must equal."""
+    import torch
+
+    out, ref = [], None
+    for search, geometry in variants:
+        state = [t.clone() for t in state0]
+        luts.clear()
+        if search == "table":
+            luts.update(table_luts)
+        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry, half=half)}
+        with _Patch(module, **patch):
+            run(state)  # one step from the common state: the bytes every variant must give
+            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
+            ref = ref or [t.clone() for t in state]
+            ms = _ms(lambda s=state: run(s), repeat, cuda)
+        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+        gbs = nbytes * n / ms / 1e6
+        out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
+    return _table(
+        f"{title} (torch fused fp32 AdamW: {base:.3f} ms)",
+        ["search", "geometry", "ms", "x fused fp32", "GB/s", "bytes = default"],
+        out,
+    )
+
+
 def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> str:
     import torch
 
@@ -131,27 +141,11 @@ def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> str:
         )  # fmt: skip
 
     base = _adam_baseline(n, device, repeat, cuda)
-    out, ref = [], None
-    for search, geometry in variants:
-        state = [t.clone() for t in (p0, c10, a10, c20, a20)]
-        luts.clear()
-        if search == "table":
-            luts.update(lut1=m1.lut, lut2=m2.lut)
-        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry)}
-        with _Patch(_optim8bit, **patch):
-            run(state)  # one step from the common state: the bytes every variant must give
-            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
-            ref = ref or [t.clone() for t in state]
-            ms = _ms(lambda s=state: run(s), repeat, cuda)
-        gbs = 16 * n / ms / 1e6  # 4+4+1+1 read, 4+1+1 written per parameter
-        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
-        out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
-    return _table(
-        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs} (torch fused fp32 AdamW: "
-        f"{base:.3f} ms)",
-        ["search", "geometry", "ms", "x fused fp32", "GB/s", "bytes = default"],
-        out,
-    )
+    return _step_variants(
+        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim8bit, run,
+        (p0, c10, a10, c20, a20), luts, {"lut1": m1.lut, "lut2": m2.lut}, False, variants,
+        base, n, 16, repeat, cuda,  # 16 bytes a parameter: 4+4+1+1 read, 4+1+1 written
+    )  # fmt: skip
 
 
 def sweep_step4(n: int, device, repeat: int, cuda: bool, variants) -> str:
@@ -185,27 +179,11 @@ def sweep_step4(n: int, device, repeat: int, cuda: bool, variants) -> str:
         )  # fmt: skip
 
     base = _adam_baseline(n, device, repeat, cuda)
-    out, ref = [], None
-    for search, geometry in variants:
-        state = [t.clone() for t in (p0, c10, a10, c20, a20)]
-        luts.clear()
-        if search == "table":
-            luts.update(m_lut=qm.lut, v_lut=qv.lut)
-        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry, half=True)}
-        with _Patch(_optim4bit, **patch):
-            run(state)
-            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
-            ref = ref or [t.clone() for t in state]
-            ms = _ms(lambda s=state: run(s), repeat, cuda)
-        gbs = 14 * n / ms / 1e6  # 4+4+0.5+0.5 read, 4+0.5+0.5 written per parameter
-        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
-        out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
-    return _table(
-        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs} (torch fused fp32 AdamW: "
-        f"{base:.3f} ms)",
-        ["search", "geometry", "ms", "x fused fp32", "GB/s", "bytes = default"],
-        out,
-    )
+    return _step_variants(
+        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim4bit, run,
+        (p0, c10, a10, c20, a20), luts, {"m_lut": qm.lut, "v_lut": qv.lut}, True, variants,
+        base, n, 14, repeat, cuda,  # 14 bytes a parameter: 4+4+0.5+0.5 read, 4+0.5+0.5 written
+    )  # fmt: skip
 
 
 def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> str:
