@@ -52,11 +52,12 @@ def _quantize_tile(x, valid, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, seed,
 
     Shared by the plain quantizer and qgZ's fused kernels so that all of them round alike.
     """
+    # NaN and Inf poison the block. Raising both to +Inf before the reduction (which would
+    # skip a NaN) lets one maximum answer "absmax" and "any non-finite" (a finite block's
+    # maximum is at most FLT_MAX).
     xa = tl.where(valid, tl.abs(x), 0.0)
-    absmax = tl.max(xa, axis=1)
-    # NaN compares false with everything and Inf exceeds FLT_MAX: either poisons the block.
-    bad = tl.where(valid, (x != x) | (xa > 3.4028234663852886e38), False)
-    nonfinite = tl.max(bad.to(tl.int32), axis=1) > 0
+    absmax = tl.max(tl.where(xa <= 3.4028234663852886e38, xa, float("inf")), axis=1)
+    nonfinite = absmax > 3.4028234663852886e38
     stored = tl.where(nonfinite, float("nan"), absmax)
     # A zero (or poisoned) block divides by 1: its codes come out 0 and `stored` says the rest.
     divisor = tl.where((absmax == 0.0) | nonfinite, 1.0, absmax)

@@ -66,15 +66,14 @@ def _code16(x, mid_ptr, lut_ptr, LUT: tl.constexpr):
 @triton.jit
 def _absmax2(x_e, x_o, v0, v1):
     """max |x| over the valid even and odd elements of each block; NaN where one of them is NaN
-    or Inf (tl.max skips NaNs, so the non-finite test is separate, as in the 8-bit kernel)."""
+    or Inf (raised to +Inf before the reduction, which skips NaNs: as in the 8-bit kernel)."""
+    big = 3.4028234663852886e38
     a_e = tl.where(v0, tl.abs(x_e), 0.0)
     a_o = tl.where(v1, tl.abs(x_o), 0.0)
-    big = 3.4028234663852886e38
-    bad = tl.maximum(
-        tl.max(tl.where(~(a_e <= big), 1, 0), axis=1), tl.max(tl.where(~(a_o <= big), 1, 0), axis=1)
-    )
+    a_e = tl.where(a_e <= big, a_e, float("inf"))
+    a_o = tl.where(a_o <= big, a_o, float("inf"))
     m = tl.maximum(tl.max(a_e, axis=1), tl.max(a_o, axis=1))
-    return tl.where(bad > 0, float("nan"), m)
+    return tl.where(m <= big, m, float("nan"))
 
 
 @triton.jit

@@ -134,10 +134,12 @@ def _encode(
 @triton.jit
 def _block_absmax(s, valid):
     # A block holding NaN or Inf has a NaN absmax (the C kernel's [Note: non-finite state
-    # blocks]); tl.max would skip NaNs, so the non-finite test is separate.
+    # blocks]). tl.max would skip NaNs, so NaN and Inf are raised to +Inf first: one reduction
+    # answers both "the largest magnitude" and "any non-finite" (a finite block's maximum is
+    # at most FLT_MAX).
     a = tl.where(valid, tl.abs(s), 0.0)
-    bad = tl.max(tl.where(valid & ~(a <= 3.4028234663852886e38), 1, 0), axis=1)
-    return tl.where(bad > 0, float("nan"), tl.max(tl.where(a == a, a, 0.0), axis=1))
+    m = tl.max(tl.where(a <= 3.4028234663852886e38, a, float("inf")), axis=1)
+    return tl.where(m <= 3.4028234663852886e38, m, float("nan"))
 
 
 @triton.jit
