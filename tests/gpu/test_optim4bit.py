@@ -103,6 +103,8 @@ def test_bad_arguments_are_rejected(device):
     # v's midpoints were not checked (m's were): the search reads 15 of them unmasked.
     with pytest.raises(ValueError, match="v_mid: expected >= 15"):
         _triton.optim4bit_step(**{**common, "v_mid": qm.mid[:7]}, block_size=8, hp=hp)
+    with pytest.raises(ValueError, match="m_lut: expected the int32"):
+        _triton.optim4bit_step(**common, block_size=8, hp=hp, m_lut=qm.lut[:100])
 
 
 def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):

@@ -361,6 +361,10 @@ def test_rejects_bad_arguments():
     ):
         with pytest.raises(ValueError, match=match):
             _triton.optim8bit_step(kind="adam", flags=0, **common, **{**second, **bad})
+    # The search tables are read through raw pointers too: a wrong one must not be indexed.
+    for bad in ({"lut1": SIGNED.lut[:4096]}, {"lut2": UNSIGNED.lut.float()}):
+        with pytest.raises(ValueError, match="search table"):
+            _triton.optim8bit_step(kind="adam", flags=0, **common, **second, **bad)
 
 
 # ---- against qshard.optim itself (its fused C kernel on CPU) --------------------------------
