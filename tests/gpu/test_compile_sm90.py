@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
 
-# 20 compilations take ~1-5 minutes of CPU: out of the default suite.
+# 21 compilations take ~1-5 minutes of CPU: out of the default suite.
 pytestmark = pytest.mark.slow
 
 # Compiling needs kernels defined in compiler mode, so run in a fresh process without
