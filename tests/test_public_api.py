@@ -50,7 +50,7 @@ EXCEPTIONS = {
 #: is removed here.
 #: OverlapQueue (qshard.zeropp._overlap) is a parameter type of the public reduce-scatter classes.
 KNOWN_MISSING_EXCEPTIONS: set[str] = set()
-KNOWN_PRIVATE_SIGNATURE_TYPES = {"qshard.zeropp._overlap.OverlapQueue"}
+KNOWN_PRIVATE_SIGNATURE_TYPES: set[str] = set()
 
 
 def _is_private(module_name: str) -> bool:

@@ -10,6 +10,7 @@ one).
 """
 
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
+from qshard.zeropp._overlap import OverlapQueue
 from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
 from qshard.zeropp.config import ZeroPPConfig
 from qshard.zeropp.reduce_scatter import (
@@ -21,6 +22,7 @@ from qshard.zeropp.shard import HSDP_MESH_DIMS, find_blocks, hsdp_mesh, shard
 __all__ = [
     "HSDP_MESH_DIMS",
     "HierarchicalQuantizedReduceScatter",
+    "OverlapQueue",
     "QuantizedAllGather",
     "RecordingAllGather",
     "RecordingAllReduceHook",

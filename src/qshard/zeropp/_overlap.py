@@ -70,7 +70,10 @@ class OverlapQueue:
     """The FIFO of deferred reductions of one topology's qgZ comms (see [Note: deferred qgZ]).
 
     Every FSDP unit's comm of one :func:`qshard.zeropp.shard` call shares one queue, because
-    they share the intra- and inter-node process groups whose issue order must agree.
+    they share the intra- and inter-node process groups whose issue order must agree. Building
+    reduce-scatter comms by hand with ``overlap=True``: pass one queue to every comm over the
+    same process groups (``queue=``); each comm makes its own otherwise. ``drain()`` finishes
+    every pending reduction (backward does it at its end); ``len()`` counts them.
     """
 
     def __init__(self) -> None:
@@ -80,7 +83,7 @@ class OverlapQueue:
     def __len__(self) -> int:
         return len(self._items)
 
-    def push(self, item: Pending) -> None:
+    def _push(self, item: Pending) -> None:
         """Queue ``item`` and make sure the current backward drains it before it returns."""
         task = torch._C._current_graph_task_id()
         if task == -1:

@@ -226,7 +226,7 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         if self._deferrable(output_tensor, async_op, len(ranks)):
             self.queue.prepare()
             work = self._plain(output_tensor, input_tensor, group, op, ranks, True)
-            self.queue.push(_Waiting(work))
+            self.queue._push(_Waiting(work))
             if (ledger := active_ledger()) is not None:
                 ledger.count("reduce_scatter_overlapped")
             return None
@@ -350,7 +350,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         ):
             self.queue.prepare()
             self._count_topology_events()
-            self.queue.push(_Reduction(self, output_tensor, input_tensor, scale))
+            self.queue._push(_Reduction(self, output_tensor, input_tensor, scale))
             if (ledger := active_ledger()) is not None:
                 ledger.count("qgz_overlapped")
             return None
