@@ -175,9 +175,9 @@ def _step4_kernel(
 
 def _geometry(block_size: int) -> tuple[int, int, int]:
     """(padded half-block width, blocks per program, warps) of a launch."""
-    # 2048 elements a program, 4 warps: on an H200 the 134M-parameter step took 1.75-1.77 ms
-    # so and 3.79 ms with 4096 elements and 8 warps, the earlier default; the table and the
-    # binary search were within 3% of each other here (benchmarks/gpu/sweep.py).
+    # 2048 elements a program, 4 warps. On an H200 the 134M-parameter step took 1.75-1.77 ms
+    # with these and 3.79 ms with 4096 elements and 8 warps (the earlier default); the table
+    # and the binary search were within 3% of each other here (benchmarks/gpu/sweep.py).
     return next_pow2(block_size // 2), rows_per_program(block_size, 2048), 4
 
 

@@ -17,10 +17,9 @@ x / absmax (ties to the lower code), read from the map's search table of
 `qshard.quant._codetable` (one gather and one integer compare, the C kernel's rule) when the
 caller passes it, else found with an 8-step branchless binary search over the 255 midpoints
 (L1-resident). On an H200 the table took the 134M-parameter AdamW step from 2.57 to 1.82 ms
-(same launch geometry): the binary search's 16 dependent gathers per parameter, not HBM
-traffic, bounded the kernel.
-Then the reference's optional fix-ups (flags below). An all-zero
-block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
+at the same launch geometry: the binary search's 16 dependent gathers per parameter, not HBM
+traffic, bounded the kernel. Then come the reference's optional fix-ups (flags below). An
+all-zero block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
 stream would have to be reproduced); callers keep their torch path for it.
 
 The kernel is launched with fp fusion off, so no multiply-add is contracted into an FMA and
@@ -263,9 +262,9 @@ def _step8_kernel(
 
 def _geometry(block_size: int) -> tuple[int, int, int]:
     """(padded block width, blocks per program, warps) of a launch."""
-    # 2048 elements a program, 4 warps: on an H200 the 134M-parameter Adam step (block 256,
-    # table encoder) took 1.46 ms so, 1.82 ms with 4096 and 4 warps, 2.06 ms with 4096 and 8
-    # (the earlier default), 1.85 ms with 8192 and 8 (benchmarks/gpu/sweep.py).
+    # 2048 elements a program, 4 warps. On an H200 the 134M-parameter Adam step (block 256,
+    # table encoder) took 1.46 ms with these, 1.82 ms with 4096 elements and 4 warps, 2.06 ms
+    # with 4096 and 8 (the earlier default), 1.85 ms with 8192 and 8 (benchmarks/gpu/sweep.py).
     return next_pow2(block_size), rows_per_program(block_size, 2048), 4
 
 

@@ -9,8 +9,8 @@ optionally compressed inter-node gradient all-reduce (:class:`ReplicateAllReduce
 one).
 """
 
-from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
 from qshard.zeropp._overlap import OverlapQueue
+from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
 from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
 from qshard.zeropp.config import ZeroPPConfig
 from qshard.zeropp.reduce_scatter import (
