@@ -40,7 +40,9 @@ poisons only its own process) with its own time cap, all within the global --bud
    real kernels;
 9. gpt_step: a single-GPU training step of qshard's GPT with the quantized paths on vs
    fp32 AdamW (qwZ/qgZ codecs per FSDP unit: one flat buffer a transformer block);
-10. sm90_ptx: tests/gpu/test_compile_sm90.py (sm_90 cubins, IEEE div/sqrt, no FMA, v4 loads)
+10. sweep: benchmarks/gpu/sweep.py's tables (launch geometry and encoder variants of the
+    optimizer and quantize kernels, each byte-checked against the default; ~100 s);
+11. sm90_ptx: tests/gpu/test_compile_sm90.py (sm_90 cubins, IEEE div/sqrt, no FMA, v4 loads)
     with the device's triton.
 
 Timings: CUDA events around each call after warm-up calls (median of --repeat).
@@ -363,6 +365,16 @@ def _pytest_section(rec: Recorder, heading: str, pytest_args: list[str]) -> None
 
 def gpu_tests(rec: Recorder, args) -> None:
     _pytest_section(rec, "tests/gpu on the device", args.gpu_tests.split())
+
+
+def sweep_section(rec: Recorder, args) -> None:
+    """benchmarks/gpu/sweep.py's tables: launch geometry and encoder variants of the optimizer
+    and quantize kernels, each checked byte for byte against the default."""
+    import sweep  # benchmarks/gpu, on sys.path
+
+    n = 2 * 4096 if args.smoke else max(4096, args.params // 4096 * 4096)
+    repeat = 1 if args.smoke else max(5, args.repeat // 2)
+    sweep.run(n, repeat, {"step8", "step4", "quantize"}, args.smoke, lambda t: rec.table(*t))
 
 
 def sm90_ptx(rec: Recorder, args) -> None:
@@ -1060,6 +1072,7 @@ SECTIONS = [
     ("qgz_reduce_scatter", qgz_reduce_scatter, 60, "qgZ reduce-scatter per rank, 3 paths"),
     ("gpu_tests", gpu_tests, 150, "pytest tests/gpu on the GPU"),
     ("gpt_step", gpt_step, 75, "GPT training step, quantized paths vs fp32"),
+    ("sweep", sweep_section, 110, "launch geometry / encoder variants (benchmarks/gpu/sweep.py)"),
     ("sm90_ptx", sm90_ptx, 60, "sm_90 AOT compile + PTX checks (slow test)"),
 ]
 _FNS = {name: fn for name, fn, _, _ in SECTIONS}

@@ -40,7 +40,15 @@ def _ms(fn, repeat: int, cuda: bool) -> float:
     return median_ms(fn, repeat, cuda)
 
 
-def _table(title: str, header: list[str], rows: list[list[object]]) -> str:
+Table = tuple[str, list[str], list[list[object]]]  # (title, header, rows)
+
+
+def _table(title: str, header: list[str], rows: list[list[object]]) -> Table:
+    return title, header, rows
+
+
+def to_markdown(table: Table) -> str:
+    title, header, rows = table
     lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
     lines.append("|" + "|".join("---" for _ in header) + "|")
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
@@ -238,6 +246,26 @@ def _g(geometry):
     return fn
 
 
+def run(numel: int, repeat: int, only: set[str], smoke: bool, emit) -> None:
+    """Every selected sweep (of "step8", "step4", "quantize"), each table handed to `emit` as
+    soon as it is measured (run_all's `sweep` section records them)."""
+    import torch
+
+    cuda = torch.cuda.is_available() and not smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    geoms = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
+    if smoke:
+        geoms = geoms[:1]
+    variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
+    if "step8" in only:
+        emit(sweep_step8(numel, device, repeat, cuda, variants))
+    if "step4" in only:
+        emit(sweep_step4(numel, device, repeat, cuda, variants))
+    if "quantize" in only:
+        qgeoms = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]
+        emit(sweep_quantize(2 * numel, device, repeat, cuda, qgeoms[: len(geoms)]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=128 * 1024 * 1024)
@@ -246,36 +274,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, toy sizes")
     parser.add_argument("--only", default="step8,step4,quantize")
     args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if unknown := only - {"step8", "step4", "quantize"}:
+        parser.error(f"--only takes step8, step4, quantize; got {sorted(unknown)}")
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         args.numel, args.repeat = 2 * 4096, 1
     import torch
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not cuda and not args.smoke:
+    if not torch.cuda.is_available() and not args.smoke:
         print("sweep.py needs CUDA (or --smoke)", file=sys.stderr)
         return 2
-    device = torch.device("cuda" if cuda else "cpu")
     numel = args.numel // 4096 * 4096
     if numel == 0:
         parser.error("--numel must be at least 4096")
-    only = set(args.only.split(","))
-    geoms = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
-    if args.smoke:
-        geoms = geoms[:1]
-    parts = []
-    if "step8" in only:
-        variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
-        parts.append(sweep_step8(numel, device, args.repeat, cuda, variants))
+    parts: list[str] = []
+
+    def emit(table: Table) -> None:
+        parts.append(to_markdown(table))
         print(parts[-1], flush=True)
-    if "step4" in only:
-        variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
-        parts.append(sweep_step4(numel, device, args.repeat, cuda, variants))
-        print(parts[-1], flush=True)
-    if "quantize" in only:
-        qgeoms = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]
-        parts.append(sweep_quantize(2 * numel, device, args.repeat, cuda, qgeoms[: len(geoms)]))
-        print(parts[-1], flush=True)
+
+    run(numel, args.repeat, only, args.smoke, emit)
     out = args.out or (
         os.path.join(os.environ["OUT"], "sweep.md") if os.environ.get("OUT") else None
     )
