@@ -178,6 +178,77 @@ def _case_accumulation(topo: Topology, mesh, results: dict) -> None:
     results["acc_shard_int8"] = inter
 
 
+class Branchy(Block):
+    """A block whose extra layer is used in even steps only (an expert that got no tokens)."""
+
+    use_extra = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(9, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        return x + self.extra(x) if Branchy.use_extra else x
+
+
+class BranchyModel(Odd):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList([Branchy() for _ in range(2)])
+
+
+def _case_changing_parameter_set(topo: Topology, mesh, results: dict) -> None:
+    """Error feedback on a unit whose parameters with a gradient change between steps: the
+    hook warns once and names the fix; with FSDP2's set_reduce_scatter_unused_params(True) the
+    shard keeps one size (one error buffer per hook) and nothing is warned."""
+    import logging
+
+    from qshard._fsdp import fsdp_param_groups
+
+    replicate = mesh.get_group("replicate")
+    records: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Catch()
+    logging.getLogger("qshard.zeropp").addHandler(handler)
+    cfg = ZeroPPConfig(
+        hsdp=True, replicate_bits=4, replicate_block_size=8, replicate_error_feedback=True
+    )
+    try:
+        for unused_too in (False, True):
+            records.clear()
+            model = shard(BranchyModel(), topology=topo, config=cfg, blocks=Branchy)
+            fix = getattr(model, "set_reduce_scatter_unused_params", None)
+            if unused_too and fix is None:
+                results["branchy_unused_params"] = "unavailable"
+                break
+            if unused_too:
+                fix(True)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            same = True
+            for step in range(4):
+                Branchy.use_extra = step % 2 == 0
+                model(_batch(topo.rank, step)).backward()
+                opt.step()
+                opt.zero_grad()
+                same = _same_across(replicate, _flat(model.parameters())) and same
+            Branchy.use_extra = True
+            sizes = [
+                len(g._all_reduce_hook._errors)
+                for block in model.blocks
+                for g in fsdp_param_groups(block) or ()
+            ]
+            warned = [m for m in records if "changed size" in m]
+            results[f"branchy_{unused_too}"] = (sizes, warned, same)
+    finally:
+        logging.getLogger("qshard.zeropp").removeHandler(handler)
+
+
 def _run(rank: int, world: int) -> dict:
     topo = Topology(world_size=world, ranks_per_node=2)
     topo.init_groups()
@@ -186,6 +257,7 @@ def _run(rank: int, world: int) -> dict:
     _case_accumulation(topo, mesh, results)
     _case_training(topo, mesh, results)
     _case_degenerate(rank, results)
+    _case_changing_parameter_set(topo, mesh, results)
     return results
 
 
@@ -228,3 +300,17 @@ def test_set_requires_all_reduce_defers_the_compressed_reduction(world):
 def test_shard_defers_the_compressed_reduction(world):
     for r in world:
         assert [b > 0 for b in r["acc_shard_int8"]] == [False, False, True] * 2
+
+
+def test_error_feedback_warns_when_a_units_parameter_set_changes(world):
+    """[Note: error feedback keyed by size] in qshard.zeropp.all_reduce."""
+    for rank, r in enumerate(world):
+        sizes, warned, same = r["branchy_False"]
+        assert same, rank
+        assert sizes == [2, 2], (rank, sizes)  # one buffer per shard size seen
+        assert len(warned) == 2, (rank, warned)  # once per hook (block)
+        assert "set_reduce_scatter_unused_params(True)" in warned[0], warned[0]
+        if r.get("branchy_unused_params") == "unavailable":
+            continue
+        sizes, warned, same = r["branchy_True"]
+        assert same and sizes == [1, 1] and not warned, (rank, sizes, warned)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from qshard._fsdp import fsdp_param_groups
 from qshard.comm.ledger import active_ledger, record
-from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once
+from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once, logger
 from qshard.zeropp._wire import RowCodec
 
 __all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
@@ -144,6 +144,7 @@ class ReplicateAllReduce:
             )
         self._module = weakref.ref(module) if module is not None else None
         self._pending: torch.Tensor | None = None  # micro-batches whose reduction is deferred
+        self._warned_resize = False
 
     def chunk_numel(self, numel: int) -> int:
         """Elements of one rank's chunk for a shard of ``numel`` elements (padded)."""
@@ -210,6 +211,34 @@ class ReplicateAllReduce:
                 "every micro-batch, or use set_requires_gradient_sync(False) instead"
             )
 
+    def _warn_resize(self, size: int) -> None:
+        """[Note: error feedback keyed by size] FSDP2 hands the hook a unit's gradient shard
+        and nothing about which parameters it holds; the buffers are kept per shard size. A
+        unit whose set of parameters with a gradient changes between steps (a branch or an
+        expert unused in some steps) shows up here as a new size: its residuals are kept apart,
+        but two different sets of equal size would share a buffer. Warned once per hook."""
+        self._warned_resize = True
+        module = self._module() if self._module is not None else None
+        if module is not None and callable(
+            getattr(module, "set_reduce_scatter_unused_params", None)
+        ):
+            fix = (
+                "call set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces "
+                "every trainable parameter in every step, zeros for unused ones, so the shard "
+                "keeps one size)"
+            )
+        else:
+            fix = "give every trainable parameter of the unit a gradient in every step"
+        logger.warning(
+            "replicate error feedback: this FSDP unit's gradient shard changed size (%s -> %d "
+            "elements): a parameter got no gradient in some steps. The error buffers are kept "
+            "per size, so two different sets of parameters of equal size would share one. To "
+            "keep them matched, %s, or turn replicate_error_feedback off.",
+            sorted(self._errors),
+            size,
+            fix,
+        )
+
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every
         rank). Collective."""
@@ -223,6 +252,8 @@ class ReplicateAllReduce:
         if self.error_feedback:
             errors = self._errors.get(size)
             if errors is None:
+                if self._errors and not self._warned_resize:
+                    self._warn_resize(size)
                 errors = (xin.new_zeros(n * c), xin.new_zeros(c))
                 self._errors[size] = errors
             xin[:size] += errors[0][:size]
