@@ -254,7 +254,9 @@ def optim4bit_step(
     v_code, v_mid = on_device(v_code, dev), on_device(v_mid, dev)
     # The C kernel reads hp as fp32: pass fp32-exact values (CUDA and the interpreter then
     # evaluate the same fp32 expressions).
-    _, _, b2, eps, wd, step_size, ibc2, decay, w1, w2 = (float(np.float32(x)) for x in hp)
+    _, _, b2, eps, wd, step_size, ibc2, decay, w1, w2 = (
+        np.asarray(hp, dtype=np.float64).astype(np.float32).tolist()
+    )
     half_n, g, warps = _geometry(block_size)
     pk, p_bf16 = kernel_view(param)
     gk, g_bf16 = kernel_view(grad)

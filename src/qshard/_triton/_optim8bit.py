@@ -379,7 +379,7 @@ def optim8bit_step(
     # 1 - dampening, 1 - alpha) ride in hp too, computed in double and rounded once, as torch
     # rounds its Python-float constants. They are passed as fp32-exact values, so CUDA (fp32
     # arguments) and the interpreter (Python floats) evaluate the same fp32 expressions.
-    hps = [float(np.float32(v)) for v in hp] + [0.0] * (10 - len(hp))
+    hps = np.asarray(hp, dtype=np.float64).astype(np.float32).tolist() + [0.0] * (10 - len(hp))
     w1_at, w2_at = _COMPLEMENTS[kind_id]
     w1 = hps[w1_at] if w1_at is not None and len(hp) > w1_at else _complement(hp, 1)
     w2 = hps[w2_at] if w2_at is not None and len(hp) > w2_at else _complement(hp, 2)

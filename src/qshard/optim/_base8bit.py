@@ -588,7 +588,7 @@ class Optimizer8bit(BlockwiseOptimizer):
             return
         codes = [_local(state[f"{n}_codes"]) for n, _ in specs]
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
-        _check_layout(type(self).__name__, p_l, codes, absmax, tuple(p_l.shape), bs)
+        # The layout was checked by _plan_quantized (_check_state) before any tensor moved.
         maps = [_qstate.qmap(signed) for _, signed in specs]
         if (
             _triton.serves(p_l)
