@@ -72,11 +72,14 @@ class _Patch:
 
 
 def _fixed_geometry(tile: int, warps: int, half: bool = False):
+    """A kernel module's `_geometry` fixed to `tile` elements a program and `warps` warps
+    (`half`: the 4-bit step's width is half a block; `pack`, the quantize kernels' argument,
+    is ignored: the tile is the variant)."""
     from qshard._triton._common import next_pow2
 
-    def geometry(block_size: int) -> tuple[int, int, int]:
+    def geometry(block_size: int, pack: bool = False) -> tuple[int, int, int]:
         width = next_pow2(block_size // 2 if half else max(block_size, 2))
-        return width, max(1, tile // next_pow2(block_size)), warps
+        return width, max(1, tile // next_pow2(max(block_size, 2))), warps
 
     return geometry
 
@@ -212,7 +215,10 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> str:
         copy_ms = _ms(lambda d=dst, x=x: d.copy_(x), repeat, cuda)
         ref = None
         for geometry in [None, *geometries]:
-            ctx = _Patch(_blockwise, **({} if geometry is None else {"_geometry": _g(geometry)}))
+            ctx = _Patch(
+                _blockwise,
+                **({} if geometry is None else {"_geometry": _fixed_geometry(*geometry)}),
+            )
             with ctx:
 
                 def q(x=x, bits=bits, pack=pack):
@@ -232,18 +238,6 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> str:
         ["kernel", "geometry", "ms", "x copy", "bytes = default"],
         out,
     )
-
-
-def _g(geometry):
-    from qshard._triton._common import next_pow2
-
-    tile, warps = geometry
-
-    def fn(block_size: int, pack: bool = False) -> tuple[int, int, int]:
-        block_n = next_pow2(max(block_size, 2))
-        return block_n, max(1, tile // block_n), warps
-
-    return fn
 
 
 def run(numel: int, repeat: int, only: set[str], smoke: bool, emit) -> None:
