@@ -239,17 +239,9 @@ _TESTED_TRITON = ((3, 6), (3, 9))
 
 
 def _driver_version() -> str:
-    """The NVIDIA driver version, from the first source that answers: torch (where it has a
-    getter; torch 2.11 has no `torch._C._cuda_getDriverVersion`), nvidia-smi, NVML."""
-    import torch
-
+    """The NVIDIA driver version, from the first source that answers: nvidia-smi, NVML (torch
+    2.11 has no `torch._C._cuda_getDriverVersion`, which this read before)."""
     errors = []
-    fn = getattr(torch.cuda, "driver_version", None)
-    if callable(fn):
-        try:
-            return str(fn())
-        except Exception as e:
-            errors.append(f"torch.cuda.driver_version: {_err(e)}")
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -849,11 +841,11 @@ def adamw8bit(rec: Recorder, args) -> None:
         )
     )
     del opt, opt_f, p_ref, p_f
-    from qshard.quant import _codetable
+    from qshard.optim._qstate import qmap
 
     code1, code2 = dynamic_map(signed=True).to(DEVICE), dynamic_map(signed=False).to(DEVICE)
     # The maps' search tables: the encoder's one-gather path, as AdamW8bit dispatches it.
-    lut1, lut2 = (_codetable.search_table(c.cpu()).to(DEVICE) for c in (code1, code2))
+    lut1, lut2 = qmap(True).lut, qmap(False).lut
     mid1, mid2 = (code1[:-1] + code1[1:]) / 2, (code2[:-1] + code2[1:]) / 2
     z1, z2 = int((code1 == 0).nonzero()[0]), int((code2 == 0).nonzero()[0])
     p = p32.clone()
@@ -968,10 +960,7 @@ def _copy_out(flat, tensors) -> None:
     import torch
 
     outs = [t.view(-1) for t in tensors]
-    if hasattr(torch, "split_with_sizes_copy"):
-        torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
-    else:
-        torch._foreach_copy_(outs, list(flat.split([t.numel() for t in outs])))
+    torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
 
 
 def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:

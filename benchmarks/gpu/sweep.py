@@ -43,10 +43,6 @@ def _ms(fn, repeat: int, cuda: bool) -> float:
 Table = tuple[str, list[str], list[list[object]]]  # (title, header, rows)
 
 
-def _table(title: str, header: list[str], rows: list[list[object]]) -> Table:
-    return title, header, rows
-
-
 def to_markdown(table: Table) -> str:
     title, header, rows = table
     lines = [f"### {title}", "", "| " + " | ".join(header) + " |"]
@@ -93,111 +89,100 @@ def _adam_baseline(n: int, device, repeat: int, cuda: bool) -> float:
     return _ms(opt.step, repeat, cuda)
 
 
+def _adam_problem(n: int, code_bytes: int, block: int, device):
+    """(gradient, (param, codes1, absmax1, codes2, absmax2)): one random Adam state, the same
+    for every variant of a sweep."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen) * 1e-2
+    c1, c2 = (torch.randint(0, 256, (code_bytes,), generator=gen, dtype=torch.uint8) for _ in "ab")
+    a1 = torch.rand(n // block, generator=gen) * 1e-2
+    a2 = torch.rand(n // block, generator=gen) * 1e-4
+    return grad.to(device), tuple(t.to(device) for t in (p0, c1, a1, c2, a2))
+
+
 def _step_variants(
-    title, module, run, state0, luts, table_luts, half, variants, base, n, nbytes, repeat, cuda
-):
-    """Time `run(state, **luts)` per (search, geometry) variant from the same `state0`; the
-    first variant's one step is the reference every other variant's bytes must equal."""
+    title, module, run, state0, tables, half, variants, base, n, nbytes, repeat, cuda
+) -> Table:
+    """Time `run(state, tables)` per (search, geometry) variant from the same `state0`
+    (`tables`: the maps' search tables for "table", none for "binary"); the first variant's one
+    step is the reference every other variant's bytes must equal."""
     import torch
 
     out, ref = [], None
     for search, geometry in variants:
         state = [t.clone() for t in state0]
-        luts.clear()
-        if search == "table":
-            luts.update(table_luts)
+        luts = tables if search == "table" else {}
         patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry, half=half)}
         with _Patch(module, **patch):
-            run(state)  # one step from the common state: the bytes every variant must give
+            run(state, luts)  # one step from the common state: the bytes every variant must give
             same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
             ref = ref or [t.clone() for t in state]
-            ms = _ms(lambda s=state: run(s), repeat, cuda)
+            ms = _ms(lambda s=state, t=luts: run(s, t), repeat, cuda)
         label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
         gbs = nbytes * n / ms / 1e6
         out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
-    return _table(
+    return (
         f"{title} (torch fused fp32 AdamW: {base:.3f} ms)",
         ["search", "geometry", "ms", "x fused fp32", "GB/s", "bytes = default"],
         out,
     )
 
 
-def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> str:
-    import torch
-
+def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> Table:
     from qshard._triton import _optim8bit
     from qshard.optim._qstate import qmap
 
     bs, row = 256, 4096
-    rows = n // row
     m1, m2 = qmap(True), qmap(False)
-    gen = torch.Generator().manual_seed(0)
-    p0 = torch.randn(n, generator=gen).to(device)
-    grad = (torch.randn(n, generator=gen) * 1e-2).to(device)
-    c10 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).to(device)
-    c20 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8).to(device)
-    a10 = (torch.rand(n // bs, generator=gen) * 1e-2).to(device)
-    a20 = (torch.rand(n // bs, generator=gen) * 1e-4).to(device)
+    grad, state0 = _adam_problem(n, n, bs, device)
     hp = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3 / 0.1, math.sqrt(1 - 0.999), 1 - 1e-5]
 
-    luts: dict = {}
-
-    def run(state) -> None:
+    def run(state, luts) -> None:
         p, c1, a1, c2, a2 = state
         _optim8bit.optim8bit_step(
             kind="adam", param=p, grad=grad, codes1=c1, absmax1=a1, code1=m1.code, mid1=m1.mid,
             zero1=m1.zero_idx, signed1=True, codes2=c2, absmax2=a2, code2=m2.code, mid2=m2.mid,
-            zero2=m2.zero_idx, signed2=False, rows=rows, row_numel=row, block_size=bs, hp=hp,
+            zero2=m2.zero_idx, signed2=False, rows=n // row, row_numel=row, block_size=bs, hp=hp,
             flags=3, **luts,
         )  # fmt: skip
 
-    base = _adam_baseline(n, device, repeat, cuda)
     return _step_variants(
-        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim8bit, run,
-        (p0, c10, a10, c20, a20), luts, {"lut1": m1.lut, "lut2": m2.lut}, False, variants,
-        base, n, 16, repeat, cuda,  # 16 bytes a parameter: 4+4+1+1 read, 4+1+1 written
+        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim8bit, run, state0,
+        {"lut1": m1.lut, "lut2": m2.lut}, False, variants, _adam_baseline(n, device, repeat, cuda),
+        n, 16, repeat, cuda,  # 16 bytes a parameter: 4+4+1+1 read, 4+1+1 written
     )  # fmt: skip
 
 
-def sweep_step4(n: int, device, repeat: int, cuda: bool, variants) -> str:
-    import torch
-
+def sweep_step4(n: int, device, repeat: int, cuda: bool, variants) -> Table:
     from qshard._triton import _optim4bit
     from qshard.optim import _qstate4
 
     bs, row = 128, 4096
-    rows = n // row
     qm, qv = _qstate4.qmap4("signed-dynamic"), _qstate4.qmap4(_qstate4.SECOND_MOMENT_MAPS[0])
-    gen = torch.Generator().manual_seed(0)
-    p0 = torch.randn(n, generator=gen).to(device)
-    grad = (torch.randn(n, generator=gen) * 1e-2).to(device)
-    c10 = torch.randint(0, 256, (n // 2,), generator=gen, dtype=torch.uint8).to(device)
-    c20 = torch.randint(0, 256, (n // 2,), generator=gen, dtype=torch.uint8).to(device)
-    a10 = (torch.rand(n // bs, generator=gen) * 1e-2).to(device)
-    a20 = (torch.rand(n // bs, generator=gen) * 1e-4).to(device)
+    grad, state0 = _adam_problem(n, n // 2, bs, device)
     hp = _qstate4.adam_hparams(
         step=3, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True
     )
 
-    luts: dict = {}
-
-    def run(state) -> None:
+    def run(state, luts) -> None:
         p, c1, a1, c2, a2 = state
         _optim4bit.optim4bit_step(
             param=p, grad=grad, m_codes=c1, m_absmax=a1, m_code=qm.code, m_mid=qm.mid,
-            v_codes=c2, v_absmax=a2, v_code=qv.code, v_mid=qv.mid, rows=rows, row_numel=row,
+            v_codes=c2, v_absmax=a2, v_code=qv.code, v_mid=qv.mid, rows=n // row, row_numel=row,
             block_size=bs, hp=hp, **luts,
         )  # fmt: skip
 
-    base = _adam_baseline(n, device, repeat, cuda)
     return _step_variants(
-        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim4bit, run,
-        (p0, c10, a10, c20, a20), luts, {"m_lut": qm.lut, "v_lut": qv.lut}, True, variants,
-        base, n, 14, repeat, cuda,  # 14 bytes a parameter: 4+4+0.5+0.5 read, 4+0.5+0.5 written
+        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim4bit, run, state0,
+        {"m_lut": qm.lut, "v_lut": qv.lut}, True, variants, _adam_baseline(n, device, repeat, cuda),
+        n, 14, repeat, cuda,  # 14 bytes a parameter: 4+4+0.5+0.5 read, 4+0.5+0.5 written
     )  # fmt: skip
 
 
-def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> str:
+def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> Table:
     import torch
 
     from qshard._triton import _blockwise
@@ -232,7 +217,7 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> str:
             label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
             frac = copy_ms / ms * nbytes / (2 * x.numel() * x.element_size())
             out.append([name, label, f"{ms:.3f}", f"{frac:.2f}", same])
-    return _table(
+    return (
         f"Blockwise quantize, {n / 1e6:.0f}M elements, block 256 (x copy: bytes moved per ms vs "
         "a device-to-device copy of the input)",
         ["kernel", "geometry", "ms", "x copy", "bytes = default"],

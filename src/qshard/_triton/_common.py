@@ -128,6 +128,20 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return copies[key]
 
 
+def search_table_on(name: str, lut: torch.Tensor | None, device: torch.device):
+    """``lut`` (a map's int32 search table of `qshard.quant._codetable`, 8192 entries) on
+    ``device``, copied once ([Note: device copies of code maps]); None stays None. The kernels
+    index it by raw pointer, so anything else is refused."""
+    if lut is None:
+        return None
+    if lut.shape != (8192,) or lut.dtype != torch.int32:
+        raise ValueError(
+            f"{name}: expected the int32 (8192,) search table of qshard.quant._codetable; got "
+            f"{lut.dtype} {tuple(lut.shape)}"
+        )
+    return on_device(lut, device)
+
+
 @triton.jit
 def table_code(x, lut_ptr):
     """The code of fp32 `x` by the exact nearest-code search table of `qshard.quant._codetable`

@@ -35,6 +35,7 @@ from qshard._triton._common import (
     next_pow2,
     on_device,
     rows_per_program,
+    search_table_on,
     store_as,
     table_code,
 )
@@ -242,14 +243,7 @@ def optim4bit_step(
     if n_blocks == 0:
         return
     dev = param.device
-    for name, lut in (("m_lut", m_lut), ("v_lut", v_lut)):
-        if lut is not None and (lut.shape != (8192,) or lut.dtype != torch.int32):
-            raise ValueError(
-                f"{name}: expected the int32 (8192,) search table of qshard.quant._codetable; "
-                f"got {lut.dtype} {tuple(lut.shape)}"
-            )
-    m_lut = None if m_lut is None else on_device(m_lut, dev)
-    v_lut = None if v_lut is None else on_device(v_lut, dev)
+    m_lut, v_lut = search_table_on("m_lut", m_lut, dev), search_table_on("v_lut", v_lut, dev)
     m_code, m_mid = on_device(m_code, dev), on_device(m_mid, dev)
     v_code, v_mid = on_device(v_code, dev), on_device(v_mid, dev)
     # The C kernel reads hp as fp32: pass fp32-exact values (CUDA and the interpreter then

@@ -43,6 +43,7 @@ from qshard._triton._common import (
     next_pow2,
     on_device,
     rows_per_program,
+    search_table_on,
     store_as,
     table_code,
 )
@@ -268,14 +269,6 @@ def _geometry(block_size: int) -> tuple[int, int, int]:
     return next_pow2(block_size), rows_per_program(block_size, 2048), 4
 
 
-def _check_lut(name: str, lut: torch.Tensor | None) -> None:
-    if lut is not None and (lut.shape != (8192,) or lut.dtype != torch.int32):
-        raise ValueError(
-            f"{name}: expected the int32 (8192,) search table of qshard.quant._codetable; got "
-            f"{lut.dtype} {tuple(lut.shape)}"
-        )
-
-
 def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
     if code.shape != (256,) or code.dtype != torch.float32:
         raise ValueError(
@@ -351,14 +344,12 @@ def optim8bit_step(
             )
     dev = param.device
     _check_map("state 1", code1, mid1)
-    _check_lut("lut1", lut1)
+    lut1 = search_table_on("lut1", lut1, dev)
     code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
-    lut1 = None if lut1 is None else on_device(lut1, dev)
     if code2 is not None and mid2 is not None:
         _check_map("state 2", code2, mid2)
-        _check_lut("lut2", lut2)
+        lut2 = search_table_on("lut2", lut2, dev)
         code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
-        lut2 = None if lut2 is None else on_device(lut2, dev)
     if has2:
         assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None
         # As strict as state 1's: the kernel reads both through raw pointers, so int8 codes or
