@@ -138,4 +138,7 @@ def test_smoke_run_every_section(tmp_path):
         "GPT training step",
     ):
         assert heading in text
-    assert "|False|" not in text.replace(" ", "")  # every kernel bit-exact in the smoke run
+    # every kernel bit-exact in the smoke run (the Environment table's cuda_available is False
+    # on CPU: the check reads the tables after it)
+    measured = text.split("### On-device correctness", 1)[1]
+    assert "|False|" not in measured.replace(" ", "")
