@@ -47,6 +47,11 @@ poisons only its own process) with its own time cap, all within the global --bud
 
 Timings: CUDA events around each call after warm-up calls (median of --repeat).
 
+Layout: this file holds the orchestration and the environment, correctness, kernel-bandwidth,
+test and sweep sections; `_step_sections.py` the optimizer-step and GPT-step sections,
+`_qgz_sections.py` the qgZ ones, `_device.py` the device the sections run on and their shared
+helpers, `_harness.py` the child-process machinery.
+
     python benchmarks/gpu/run_all.py [--quick] [--budget-s 510] [--sections a,b] [--skip c]
                                      [--cap name=SECONDS] [--out-dir DIR] [--out-md FILE]
     python benchmarks/gpu/run_all.py --smoke       # = --dry-run
@@ -61,7 +66,6 @@ survive (tests/gpu/test_benchmark_smoke.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import subprocess
@@ -75,11 +79,12 @@ sys.path.insert(0, HERE)
 if importlib.util.find_spec("qshard") is None:  # not installed (the device machine): the tree's
     sys.path.insert(0, os.path.join(REPO, "src"))
 
+import _device as D  # noqa: E402
 import _harness  # noqa: E402
+from _device import _err, _gbs, _ms, _Rows, _TorchPath  # noqa: E402
 from _harness import Recorder, Section  # noqa: E402
-
-# "cuda" on the GPU; the smoke run switches it to "cpu" (interpreter) before any section runs.
-DEVICE = "cuda"
+from _qgz_sections import _qgz_rows_correctness, qgz_middle_hop, qgz_reduce_scatter  # noqa: E402
+from _step_sections import adamw4bit, adamw8bit, gpt_step  # noqa: E402
 
 
 def _require_cuda() -> None:
@@ -98,35 +103,6 @@ def _require_cuda() -> None:
         import triton  # noqa: F401
     except ImportError:
         sys.exit("run_all.py needs triton: pip install 'qshard[gpu]'")
-
-
-def _sync() -> None:
-    import torch
-
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def _ms(fn, repeat: int, warmup: int = 2) -> float:
-    """`_harness.median_ms` on this run's device."""
-    return _harness.median_ms(fn, repeat, DEVICE == "cuda", warmup)
-
-
-def _gbs(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
-
-
-def _optimizer_dispatches_to_triton() -> bool:
-    """AdamW8bit steps CUDA parameters through the Triton kernel (not the CPU C kernel)."""
-    import inspect
-
-    from qshard.optim import _base8bit
-
-    return "_triton" in inspect.getsource(_base8bit)
-
-
-def _err(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
 
 
 def env(rec: Recorder, args) -> None:
@@ -269,58 +245,6 @@ def _driver_version() -> str:
     raise RuntimeError("; ".join(errors))
 
 
-def adamw4bit(rec: Recorder, args) -> None:
-    """The fused 4-bit AdamW step (`AdamW4bit.step()`, which dispatches CUDA parameters to
-    `_triton.optim4bit_step`) vs torch's fused fp32 AdamW on the same parameters."""
-    from unittest import mock
-
-    import torch
-
-    from qshard import _triton
-    from qshard.optim import AdamW4bit
-
-    n, rep, row = args.params, args.repeat, 4096
-    rows_ = []
-    heading = f"AdamW4bit step on {n / 1e6:.0f}M fp32 parameters (vs torch AdamW fused=True)"
-    header = ["optimizer", "ms", "x fused fp32", "kernel calls/step", "state bytes/param"]
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    p32 = torch.randn(n // row, row, device=DEVICE, generator=g)
-    grad = torch.randn(n // row, row, device=DEVICE, generator=g) * 1e-2
-    p_ref = torch.nn.Parameter(p32.clone())
-    p_ref.grad = grad.clone()
-    opt = torch.optim.AdamW([p_ref], lr=1e-3, weight_decay=0.01, fused=DEVICE == "cuda")
-    t_fused = _ms(opt.step, rep)
-    rows_.append(("torch AdamW(fused=True) fp32", f"{t_fused:.3f}", "1.00", "", "8"))
-    rec.table(heading, header, rows_)
-    del opt, p_ref
-    for dtype in (torch.float32, torch.bfloat16):
-        try:
-            pq = torch.nn.Parameter(p32.clone().to(dtype))
-            pq.grad = grad.clone().to(dtype)
-            optq = AdamW4bit([pq], lr=1e-3, weight_decay=0.01)
-            with (
-                _route(),
-                mock.patch.object(_triton, "optim4bit_step", wraps=_triton.optim4bit_step) as k,
-            ):
-                optq.step()  # the states exist from here on
-                k.reset_mock()
-                t4 = _ms(optq.step, rep)
-                calls = k.call_count / (rep + 2)
-            rows_.append(
-                (
-                    f"qshard AdamW4bit.step() {str(dtype)[6:]} params",
-                    f"{t4:.3f}",
-                    f"{t4 / t_fused:.2f}",
-                    f"{calls:g}",
-                    "~1.06",
-                )
-            )
-            del optq, pq
-        except Exception as e:
-            rows_.append((f"AdamW4bit {dtype}: {_err(e)}", "", "", "", ""))
-        rec.table(heading, header, rows_)
-
-
 def _pytest_section(rec: Recorder, heading: str, pytest_args: list[str]) -> None:
     """pytest in this process (a SIGINT at the cap makes it stop and still report); the
     outcome of every test as a table, failures with their message."""
@@ -376,55 +300,13 @@ def sm90_ptx(rec: Recorder, args) -> None:
     _pytest_section(rec, "sm_90 compile checks", ["tests/gpu/test_compile_sm90.py", *sel])
 
 
-class _Rows(list):
-    """A table's rows, written to the section's files at every append (a section stopped
-    half-way keeps what it measured)."""
-
-    def __init__(self, rec: Recorder, heading: str, header: list[str]) -> None:
-        super().__init__()
-        self.rec, self.heading, self.header = rec, heading, header
-
-    def append(self, row) -> None:
-        super().append(row)
-        self.rec.table(self.heading, self.header, self)
-
-
-@contextlib.contextmanager
-def _route():
-    """--smoke: CPU tensors take the CUDA dispatch (in the interpreter), as in tests/gpu."""
-    if DEVICE != "cpu":
-        yield
-        return
-    from unittest import mock
-
-    from qshard import _triton
-    from qshard.quant import _fastpath
-
-    with (
-        mock.patch.object(_triton, "serves", lambda t: True),
-        mock.patch.object(_fastpath, "use_native", lambda t: False),
-        mock.patch.object(_fastpath, "use_native_out", lambda t: False),
-    ):
-        yield
-
-
-class _TorchPath:
-    """References must not dispatch to the kernels they check: force qshard's torch path."""
-
-    def __enter__(self) -> None:
-        os.environ["QSHARD_DISABLE_TRITON"] = "1"
-
-    def __exit__(self, *exc: object) -> None:
-        os.environ.pop("QSHARD_DISABLE_TRITON", None)
-
-
 def correctness(rec: Recorder, args) -> None:
     import torch
 
     from qshard import _triton
     from qshard.quant import blockwise, signs
 
-    dev = DEVICE
+    dev = D.DEVICE
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(4096, 256, device=dev, generator=g) * 3
     x[1] = 0
@@ -487,33 +369,6 @@ def correctness(rec: Recorder, args) -> None:
         raise RuntimeError(f"not bit-exact or failed on the device: {', '.join(bad)}")
 
 
-def _qgz_rows_correctness(g) -> list[tuple[str, bool]]:
-    """qgZ's wire-row kernels vs RowCodec's torch path on CUDA (what the reduce-scatter sends)."""
-    import torch
-
-    from qshard import _triton
-    from qshard.zeropp._wire import RowCodec
-
-    rows = []
-    bs, peers, nodes = 256, 4, 2
-    m = nodes * 16 * bs  # elements per received row
-    x = torch.randn(peers, m, device=DEVICE, generator=g) * 3
-    x[0, :bs] = 0
-    for bits in (4, 8):
-        codec = RowCodec(bits=bits, block_size=bs)
-        with _TorchPath():  # RowCodec's own sums: rows added in row order (sum_rows)
-            recv = codec.encode(x)
-            want_rows = codec.reduce_encode(recv, m, nodes)
-            want_out = (codec.reduce(want_rows, m // nodes) * 0.125).bfloat16()
-        out = torch.empty(nodes, codec.row_bytes(m // nodes), dtype=torch.uint8, device=DEVICE)
-        got_rows = _triton.dequant_reduce_requant_rows(recv, block_size=bs, bits=bits, out=out)
-        got_out = torch.empty(m // nodes, dtype=torch.bfloat16, device=DEVICE)
-        _triton.dequant_reduce_rows(got_rows, block_size=bs, bits=bits, out=got_out, scale=0.125)
-        rows.append((f"qgZ INT{bits} middle hop on wire rows", torch.equal(got_rows, want_rows)))
-        rows.append((f"qgZ INT{bits} last hop -> bf16 (x 1/8)", torch.equal(got_out, want_out)))
-    return rows
-
-
 def kernels(rec: Recorder, args) -> None:
     import torch
 
@@ -523,7 +378,7 @@ def kernels(rec: Recorder, args) -> None:
     n = args.numel
     bs = 256
     rep = args.repeat
-    src = torch.randn(n, device=DEVICE)
+    src = torch.randn(n, device=D.DEVICE)
     dst = torch.empty_like(src)
     copy_ms = _ms(lambda: dst.copy_(src), rep)
     copy_gbs = _gbs(8 * n, copy_ms)
@@ -531,8 +386,8 @@ def kernels(rec: Recorder, args) -> None:
     x_bf16 = src.bfloat16()
     c8, s8 = _triton.quantize_flat(src, block_size=bs, bits=8)
     c4, s4 = _triton.quantize_flat(src, block_size=bs, bits=4, pack=True)
-    out32 = torch.empty(n, device=DEVICE)
-    out16 = torch.empty(n, device=DEVICE, dtype=torch.bfloat16)
+    out32 = torch.empty(n, device=D.DEVICE)
+    out16 = torch.empty(n, device=D.DEVICE, dtype=torch.bfloat16)
     signs = _triton.pack_signs(src)
     cases = [
         ("copy fp32 (reference)", lambda: dst.copy_(src), 8 * n),
@@ -580,7 +435,7 @@ def kernels(rec: Recorder, args) -> None:
     off, lens, slot = _triton.qgz_slots(
         nodes=nodes, ranks_per_node=per_node, stages=2, size=size, block_size=bs
     )
-    off, lens = off.to(DEVICE), lens.to(DEVICE)
+    off, lens = off.to(D.DEVICE), lens.to(D.DEVICE)
     cases.append(
         (
             "qgZ reorder+INT4 quantize (2x4)",
@@ -605,449 +460,6 @@ def kernels(rec: Recorder, args) -> None:
         rec.table(heading, ["kernel", "ms", "GB/s", "x copy"], rows)
     if any(not r[2] for r in rows):
         raise RuntimeError("some kernels failed: " + "; ".join(r[0] for r in rows if not r[2]))
-
-
-def _middle_hop_row(peers: int, args) -> tuple:
-    import torch
-
-    from qshard import _triton
-    from qshard.zeropp._wire import RowCodec
-
-    bs, rep, nodes = 256, args.repeat, 2
-    m = args.numel // peers // bs // nodes * nodes  # blocks per peer: K * m * bs ~ numel codes
-    x = torch.randn(peers * m, bs, device=DEVICE)
-    codes, scales = _triton.quantize_blocks(x, bits=4, pack=True)
-    codes, scales = codes.view(peers, m, bs // 2), scales.view(peers, m)
-    out32 = torch.empty(peers * m * bs, device=DEVICE)
-    # What qgZ's middle hop receives and sends: RowCodec rows, one per peer / per node.
-    codec = RowCodec(bits=4, block_size=bs)
-    recv = torch.cat([scales.view(torch.uint8), codes.view(peers, -1)], dim=1).contiguous()
-    send = torch.empty(nodes, codec.row_bytes(m // nodes * bs), dtype=torch.uint8, device=DEVICE)
-
-    def dispatched():
-        return _triton.dequant_reduce_requant_rows(recv, block_size=bs, bits=4, out=send)
-
-    def fused():
-        return _triton.dequant_reduce_requant(codes, scales, block_size=bs, bits=4)
-
-    def plain_dequantize():
-        return _triton.dequantize_blocks(
-            codes.view(peers * m, -1),
-            scales.view(-1),
-            block_size=bs,
-            out=out32,
-            numel=out32.numel(),
-        )
-
-    def unfused_torch():
-        # qshard's own path (what reduce_scatter runs without the kernels): decode, add the rows
-        # in row order (`sum_rows`), re-encode. Not `decode(...).sum(dim=0)`: torch's CUDA
-        # reduction of 8 rows adds in another order (H200, torch 2.11), so it is no reference.
-        with _TorchPath():
-            return codec.reduce_encode(recv, m * bs, nodes)
-
-    t_rows, t_fused = _ms(dispatched, rep), _ms(fused, rep)
-    t_plain, t_torch = _ms(plain_dequantize, rep), _ms(unfused_torch, rep)
-    with _TorchPath():
-        same = torch.equal(dispatched(), unfused_torch())
-    nbytes = peers * m * (bs // 2 + 4) + m * (bs // 2 + 4)
-    return (
-        peers,
-        f"{t_rows:.3f}",
-        f"{t_fused:.3f}",
-        f"{t_plain:.3f}",
-        f"{t_rows / t_plain:.2f}",
-        f"{t_torch:.3f}",
-        f"{t_torch / t_rows:.1f}",
-        f"{_gbs(nbytes, t_rows):.0f}",
-        same,
-    )
-
-
-def qgz_middle_hop(rec: Recorder, args) -> None:
-
-    rows = [_middle_hop_row(peers, args) for peers in (4, 8)]
-    rec.table(
-        "qgZ middle hop: fused dequantize+reduce+requantize (INT4) as dispatched, on wire rows, vs "
-        "a plain dequantize of the same codes (target <= 1.3x)",
-        [
-            "peers",
-            "fused rows ms",
-            "fused 2-tensor ms",
-            "dequantize ms",
-            "fused rows/dequantize",
-            "torch RowCodec ms",
-            "speed-up vs torch",
-            "fused GB/s",
-            "bit-exact vs torch",
-        ],
-        rows,
-    )
-
-
-class _LocalTopology:
-    """Rank 0 of `nodes` x `per_node` without process groups: the all-to-alls are local."""
-
-    def __init__(self, nodes: int, per_node: int) -> None:
-        self.num_nodes, self.ranks_per_node = nodes, per_node
-        self.world_size = nodes * per_node
-        self.intra_node_group = self.inter_node_group = object()
-        self.node = self.local_rank = 0
-
-    def node_ranks(self, node: int) -> list[int]:
-        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
-
-    def peer_ranks(self, local_rank: int) -> list[int]:
-        return list(range(local_rank, self.world_size, self.ranks_per_node))
-
-
-class _LocalAllToAll:
-    """Replace dist.all_to_all_single by a copy of the send buffer into the receive buffer:
-    one rank's computation of the reduce-scatter, with the network taken out."""
-
-    class _Done:
-        def wait(self) -> bool:
-            return True
-
-    def __enter__(self) -> None:
-        import torch.distributed as dist
-
-        self._saved = dist.all_to_all_single
-
-        def a2a(recv, send, group=None, async_op=False):
-            recv.copy_(send)
-            return self._Done() if async_op else None
-
-        dist.all_to_all_single = a2a
-
-    def __exit__(self, *exc: object) -> None:
-        import torch.distributed as dist
-
-        dist.all_to_all_single = self._saved
-
-
-def qgz_reduce_scatter(rec: Recorder, args) -> None:
-    """The whole qgZ reduce-scatter as dispatched, per rank, without the network."""
-    import contextlib
-    import types
-    from unittest import mock
-
-    import torch
-
-    from qshard import _triton
-    from qshard.zeropp import HierarchicalQuantizedReduceScatter, reduce_scatter
-
-    nodes, per_node, rep = 2, 4, args.repeat
-    world = nodes * per_node
-    size = args.numel // world
-    grads = torch.randn(world * size, device=DEVICE)
-    rows = []
-
-    for stages in (1, 2):
-        rs = HierarchicalQuantizedReduceScatter(
-            topology=_LocalTopology(nodes, per_node), bits=4, block_size=256, pipeline_stages=stages
-        )
-        outputs, found = {}, []
-        for name in (
-            "fused kernels (dispatched)",
-            "RowCodec on plain Triton kernels",
-            "torch path (QSHARD_DISABLE_TRITON=1)",
-        ):
-            out = torch.empty(size, device=DEVICE)
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(_LocalAllToAll())
-                if name.startswith("torch"):
-                    stack.enter_context(_TorchPath())
-                else:
-                    stack.enter_context(_route())
-                if name.startswith("RowCodec"):
-                    no_fused = types.SimpleNamespace(serves=lambda t: False)
-                    stack.enter_context(mock.patch.object(reduce_scatter, "_triton", no_fused))
-                calls = stack.enter_context(
-                    mock.patch.object(
-                        _triton,
-                        "dequant_reduce_requant_rows",
-                        wraps=_triton.dequant_reduce_requant_rows,
-                    )
-                )
-                ms = _ms(lambda out=out, rs=rs: rs._reduce(out, grads, 1.0 / world), rep)
-            outputs[name] = out
-            found.append((name, ms, calls.call_count))
-        base = found[0][1]
-        want = outputs["torch path (QSHARD_DISABLE_TRITON=1)"]
-        for name, ms, n_calls in found:
-            same = torch.equal(outputs[name], want)
-            # Only the dispatched path may run the fused kernels, and it must.
-            expected = (n_calls > 0) == name.startswith("fused")
-            rows.append((stages, name, f"{ms:.3f}", f"{ms / base:.2f}", n_calls, expected, same))
-    rec.table(
-        f"qgZ reduce-scatter per rank, INT4, {nodes} nodes x {per_node} ranks, "
-        f"{world * size / 1e6:.1f}M fp32 gradient elements (all-to-alls replaced by local copies)",
-        [
-            "stages",
-            "path",
-            "ms",
-            "x fused",
-            "fused middle-hop calls",
-            "dispatch as expected",
-            "output = torch path",
-        ],
-        rows,
-    )
-
-
-def adamw8bit(rec: Recorder, args) -> None:
-    import math
-
-    import torch
-
-    from qshard import _triton
-    from qshard.quant.dynamic import dynamic_map
-
-    n, rep = args.params, args.repeat
-    bs = 256
-    p32 = torch.randn(n, device=DEVICE)
-    grad = torch.randn(n, device=DEVICE) * 1e-2
-    rows_ = _Rows(
-        rec,
-        f"AdamW step on {n / 1e6:.0f}M fp32 parameters (target: 8-bit <= 1.0x fused fp32)",
-        ["optimizer", "ms", "x fused fp32", "GB/s moved", "state bytes/param"],
-    )
-    # torch fused fp32 AdamW (the target's baseline).
-    p_ref = torch.nn.Parameter(p32.clone())
-    p_ref.grad = grad.clone()
-    opt = torch.optim.AdamW([p_ref], lr=1e-3, weight_decay=0.01, fused=True)
-    t_fused = _ms(opt.step, rep)
-    rows_.append(
-        (
-            "torch AdamW(fused=True) fp32",
-            f"{t_fused:.3f}",
-            "1.00",
-            f"{_gbs(28 * n, t_fused):.0f}",
-            "8",
-        )
-    )
-    p_f = torch.nn.Parameter(p32.clone())
-    p_f.grad = grad.clone()
-    opt_f = torch.optim.AdamW([p_f], lr=1e-3, weight_decay=0.01, foreach=True)
-    t_foreach = _ms(opt_f.step, rep)
-    rows_.append(
-        (
-            "torch AdamW(foreach=True) fp32",
-            f"{t_foreach:.3f}",
-            f"{t_foreach / t_fused:.2f}",
-            f"{_gbs(28 * n, t_foreach):.0f}",
-            "8",
-        )
-    )
-    del opt, opt_f, p_ref, p_f
-    from qshard.optim._qstate import qmap
-
-    code1, code2 = dynamic_map(signed=True).to(DEVICE), dynamic_map(signed=False).to(DEVICE)
-    # The maps' search tables: the encoder's one-gather path, as AdamW8bit dispatches it.
-    lut1, lut2 = qmap(True).lut, qmap(False).lut
-    mid1, mid2 = (code1[:-1] + code1[1:]) / 2, (code2[:-1] + code2[1:]) / 2
-    z1, z2 = int((code1 == 0).nonzero()[0]), int((code2 == 0).nonzero()[0])
-    p = p32.clone()
-    rows, row_numel = n // 4096, 4096
-    c1 = torch.full((n,), z1, dtype=torch.uint8, device=DEVICE)
-    c2 = torch.full((n,), z2, dtype=torch.uint8, device=DEVICE)
-    a1 = torch.zeros(rows * (row_numel // bs), device=DEVICE)
-    a2 = torch.zeros_like(a1)
-    step = [0]
-
-    def step8() -> None:
-        step[0] += 1
-        k = step[0]
-        _triton.adam8bit_step(
-            param=p,
-            grad=grad,
-            codes1=c1,
-            absmax1=a1,
-            code1=code1,
-            mid1=mid1,
-            zero1=z1,
-            signed1=True,
-            codes2=c2,
-            absmax2=a2,
-            code2=code2,
-            mid2=mid2,
-            zero2=z2,
-            signed2=False,
-            lut1=lut1,
-            lut2=lut2,
-            rows=rows,
-            row_numel=row_numel,
-            block_size=bs,
-            hp=[
-                1e-3,
-                0.9,
-                0.999,
-                1e-8,
-                0.01,
-                1e-3 / (1 - 0.9**k),
-                math.sqrt(1 - 0.999**k),
-                1 - 1e-5,
-            ],
-            flags=3,
-        )
-
-    t8 = _ms(step8, rep)
-    rows_.append(
-        (
-            "qshard Triton AdamW8bit step",
-            f"{t8:.3f}",
-            f"{t8 / t_fused:.2f}",
-            f"{_gbs(16 * n + 8 * (n // bs), t8):.0f}",
-            "2.03",
-        )
-    )
-    try:
-        from qshard.optim import AdamW8bit
-
-        if not _optimizer_dispatches_to_triton():
-            raise RuntimeError("qshard.optim has no CUDA dispatch")
-        pq = torch.nn.Parameter(p32.clone().view(rows, row_numel))
-        pq.grad = grad.view(rows, row_numel).clone()
-        optq = AdamW8bit([pq], lr=1e-3, weight_decay=0.01)
-        with _route():
-            t_opt = _ms(optq.step, rep)
-        rows_.append(
-            (
-                "qshard.optim.AdamW8bit.step() (whole optimizer)",
-                f"{t_opt:.3f}",
-                f"{t_opt / t_fused:.2f}",
-                "",
-                "2.03",
-            )
-        )
-    except Exception as e:  # the optimizer's CUDA dispatch may not exist yet
-        rows_.append((f"qshard.optim.AdamW8bit.step(): {type(e).__name__}", "", "", "", ""))
-    try:
-        from qshard.optim import AdamW8bit
-
-        # The fp32-state path (biases, norms, small or optim_bits=32 tensors): torch's own fused
-        # kernel through the optimizer, with device copies of its CPU step counters.
-        p32s = torch.nn.Parameter(p32.clone())
-        p32s.grad = grad.clone()
-        opt32 = AdamW8bit([p32s], lr=1e-3, weight_decay=0.01, optim_bits=32, fused=True)
-        t_32 = _ms(opt32.step, rep)
-        rows_.append(
-            (
-                "qshard.optim.AdamW8bit(optim_bits=32, fused=True).step()",
-                f"{t_32:.3f}",
-                f"{t_32 / t_fused:.2f}",
-                f"{_gbs(28 * n, t_32):.0f}",
-                "8",
-            )
-        )
-        del opt32, p32s
-    except Exception as e:
-        rows_.append((f"AdamW8bit(optim_bits=32, fused=True): {type(e).__name__}", "", "", "", ""))
-
-
-def _fsdp_units(model) -> list[list]:
-    """``model``'s parameters grouped as qshard.train wraps a GPT with ``fully_shard``: one unit
-    per transformer block, then the root's (embeddings, final norm, head; a tied head once)."""
-    units = [[p for p in block.parameters() if p.requires_grad] for block in model.blocks]
-    in_blocks = {id(p) for unit in units for p in unit}
-    root = [p for p in model.parameters() if p.requires_grad and id(p) not in in_blocks]
-    return [unit for unit in [*units, root] if unit]
-
-
-def _copy_out(flat, tensors) -> None:
-    """FSDP's copy-out: ``flat`` split into ``tensors`` (contiguous, in order), one launch."""
-    import torch
-
-    outs = [t.view(-1) for t in tensors]
-    torch.split_with_sizes_copy(flat, [t.numel() for t in outs], out=outs)
-
-
-def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
-    import torch
-
-    from qshard import _triton
-    from qshard.train.model import GPT
-
-    model = GPT(cfg).to(DEVICE)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name.startswith("fp32"):
-        opt = torch.optim.AdamW(params, lr=3e-4, fused=True)
-    else:
-        from qshard.optim import AdamW8bit
-
-        opt = AdamW8bit(params, lr=3e-4, fused=True)  # fp32-state tensors: the same kernel
-    codecs = "codecs" in name
-    units = _fsdp_units(model)
-    offset0 = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-
-    def step() -> None:
-        # What one rank runs for qwZ (quantize its weights, dequantize the gathered ones) and
-        # for qgZ (encode its gradients, decode the reduced ones), without the network: the
-        # kernels' cost inside a real training step. Per FSDP unit, as ZeRO++ on FSDP2 runs
-        # them: each block's (and the root's) parameters go through one flat buffer (FSDP's
-        # copy-in, the codec on the whole buffer, FSDP's copy-out). Per parameter (~150 small
-        # tensors, 4 launches each) the row measured Python and launch overhead instead (3.0x
-        # fp32 on an H200), a cost no FSDP2 step pays.
-        if codecs:
-            with torch.no_grad():
-                for unit in units:
-                    flat = torch.cat([p.data.view(-1) for p in unit])
-                    c, s = _triton.quantize_flat(flat, block_size=256, bits=8)
-                    _triton.dequantize_blocks(c, s, bits=8, numel=flat.numel(), out=flat)
-                    _copy_out(flat, [p.data for p in unit])
-        with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            _, loss = model(data[:, :-1], data[:, 1:])
-        loss.backward()
-        if codecs:
-            with torch.no_grad():
-                for unit in units:
-                    flat = torch.cat([p.grad.view(-1) for p in unit])
-                    c, s = _triton.reorder_quantize(
-                        flat, offset0, slot_numel=flat.numel(), block_size=256
-                    )
-                    _triton.dequant_reduce(
-                        c.unsqueeze(0), s.unsqueeze(0), block_size=256, numel=flat.numel(), out=flat
-                    )
-                    _copy_out(flat, [p.grad for p in unit])
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-
-    return _ms(step, repeat)
-
-
-def gpt_step(rec: Recorder, args) -> None:
-    import torch
-
-    from qshard.train.model import GPT, GPTConfig
-
-    cfg = GPTConfig(
-        vocab_size=256, context=args.context, n_layer=args.layers, n_head=12, n_embd=args.embd
-    )
-    batch = args.batch
-    n_params = GPT(cfg).num_params()
-    rows = _Rows(
-        rec,
-        f"Single-GPU GPT training step ({n_params / 1e6:.0f}M params, {cfg.n_layer}x{cfg.n_embd}, "
-        f"batch {batch}x{cfg.context}, bf16 autocast)",
-        ["configuration", "ms/step", "x fp32 AdamW", "tokens/s"],
-    )
-    data = torch.randint(0, 256, (batch, cfg.context + 1), device=DEVICE)
-    base_ms = None
-    for name in (
-        "fp32 AdamW(fused)",
-        "AdamW8bit",
-        "AdamW8bit + qwZ INT8 + qgZ INT4 codecs per FSDP unit",
-    ):
-        if name != "fp32 AdamW(fused)" and not _optimizer_dispatches_to_triton():
-            rows.append((name, "skipped: qshard.optim has no CUDA dispatch", "", ""))
-            continue
-        ms = _gpt_step_ms(name, cfg, data, max(3, args.repeat // 2))
-        base_ms = base_ms or ms
-        tokens = batch * cfg.context
-        rows.append((name, f"{ms:.1f}", f"{ms / base_ms:.2f}", f"{tokens / (ms * 1e-3):,.0f}"))
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
 
 
 # (name, function, cap in seconds for a full run, what) in order of value: see the docstring.
@@ -1131,14 +543,13 @@ def _sizes(args) -> None:
 
 
 def _child(args) -> int:
-    global DEVICE
     if args.smoke:
         # Must precede the first kernel import: Triton picks interpreter vs compiler then.
         os.environ["TRITON_INTERPRET"] = "1"
-        DEVICE = "cpu"
+        D.DEVICE = "cpu"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-        DEVICE = "cuda"
+        D.DEVICE = "cuda"
     _sizes(args)
     fn = _FNS[args.section]
     return _harness.run_child_section(
