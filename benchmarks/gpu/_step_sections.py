@@ -108,8 +108,9 @@ def adamw8bit(rec: Recorder, args) -> None:
     from qshard.optim._qstate import qmap
 
     code1, code2 = dynamic_map(signed=True).to(D.DEVICE), dynamic_map(signed=False).to(D.DEVICE)
-    # The maps' search tables: the encoder's one-gather path, as AdamW8bit dispatches it.
-    lut1, lut2 = qmap(True).lut, qmap(False).lut
+    # The maps' search tables, as AdamW8bit dispatches them (`region`: and the region tables,
+    # the gather-free encoder, a second row).
+    q1, q2 = qmap(True), qmap(False)
     mid1, mid2 = (code1[:-1] + code1[1:]) / 2, (code2[:-1] + code2[1:]) / 2
     z1, z2 = int((code1 == 0).nonzero()[0]), int((code2 == 0).nonzero()[0])
     p = p32.clone()
@@ -120,7 +121,7 @@ def adamw8bit(rec: Recorder, args) -> None:
     a2 = torch.zeros_like(a1)
     step = [0]
 
-    def step8() -> None:
+    def step8(region: bool = False) -> None:
         step[0] += 1
         k = step[0]
         _triton.adam8bit_step(
@@ -138,8 +139,10 @@ def adamw8bit(rec: Recorder, args) -> None:
             mid2=mid2,
             zero2=z2,
             signed2=False,
-            lut1=lut1,
-            lut2=lut2,
+            lut1=q1.lut,
+            lut2=q2.lut,
+            regions1=q1.regions if region else None,
+            regions2=q2.regions if region else None,
             rows=rows,
             row_numel=row_numel,
             block_size=bs,
@@ -156,16 +159,17 @@ def adamw8bit(rec: Recorder, args) -> None:
             flags=3,
         )
 
-    t8 = _ms(step8, rep)
-    rows_.append(
-        (
-            "qshard Triton AdamW8bit step",
-            f"{t8:.3f}",
-            f"{t8 / t_fused:.2f}",
-            f"{_gbs(16 * n + 8 * (n // bs), t8):.0f}",
-            "2.03",
+    for label, region in (("", False), (", region encoder", True)):
+        t8 = _ms(lambda region=region: step8(region), rep)
+        rows_.append(
+            (
+                f"qshard Triton AdamW8bit step{label}",
+                f"{t8:.3f}",
+                f"{t8 / t_fused:.2f}",
+                f"{_gbs(16 * n + 8 * (n // bs), t8):.0f}",
+                "2.03",
+            )
         )
-    )
     try:
         from qshard.optim import AdamW8bit
 
@@ -243,7 +247,15 @@ def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
         opt = AdamW8bit(params, lr=3e-4, fused=True)  # fp32-state tensors: the same kernel
     codecs = "codecs" in name
     units = _fsdp_units(model)
+    # qgZ's slots of each unit's flat gradient, built once as zeropp builds them: one slot
+    # padded to whole wire rows of 4 blocks ([Note: 4-block rows] in zeropp.reduce_scatter).
     offset0 = torch.zeros(1, dtype=torch.int64, device=D.DEVICE)
+    slots = []
+    for unit in units:
+        numel = sum(p.numel() for p in unit)
+        slot = -(-numel // 1024) * 1024
+        length = torch.full((1,), numel, dtype=torch.int64, device=D.DEVICE)
+        slots.append((slot, length, 4 * (slot // 256) + slot // 2))
 
     def step() -> None:
         # What one rank runs for qwZ (quantize its weights, dequantize the gathered ones) and
@@ -265,14 +277,17 @@ def _gpt_step_ms(name: str, cfg, data, repeat: int) -> float:
         loss.backward()
         if codecs:
             with torch.no_grad():
-                for unit in units:
+                # The kernels zeropp's reduce-scatter dispatches on CUDA, on its trusted
+                # slots (no host-side slot check: the public reorder_quantize's check is two
+                # device syncs a call, which this row paid 13 times a step until 2026-12-04).
+                for unit, (slot, length, row_bytes) in zip(units, slots):
                     flat = torch.cat([p.grad.view(-1) for p in unit])
-                    c, s = _triton.reorder_quantize(
-                        flat, offset0, slot_numel=flat.numel(), block_size=256
-                    )
-                    _triton.dequant_reduce(
-                        c.unsqueeze(0), s.unsqueeze(0), block_size=256, numel=flat.numel(), out=flat
-                    )
+                    send = torch.empty((1, row_bytes), dtype=torch.uint8, device=D.DEVICE)
+                    _triton.reorder_quantize_rows(
+                        flat, offset0, length, slot_numel=slot, block_size=256, bits=4,
+                        out=send, check=False,
+                    )  # fmt: skip
+                    _triton.dequant_reduce_rows(send, block_size=256, bits=4, out=flat)
                     _copy_out(flat, [p.grad for p in unit])
         opt.step()
         opt.zero_grad(set_to_none=False)

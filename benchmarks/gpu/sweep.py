@@ -6,7 +6,8 @@ one process, so a GPU session can pick them from numbers:
 
 - the fused 8-bit Adam step (`_optim8bit`) and the fused 4-bit Adam step (`_optim4bit`): the
   state encoder's search ("table": the maps' one-gather search tables, as the optimizers
-  dispatch; "binary": the midpoints' binary search) and the tile / warp geometry, against
+  dispatch; "region": the 8-bit kernel's gather-free region encoder, the search table only
+  near a midpoint; "binary": the midpoints' binary search) and the tile / warp geometry, against
   torch's fused fp32 AdamW on the same parameters;
 - blockwise quantize (INT8 fp32, INT8 bf16, INT4 unpacked and packed): tile / warps, against a
   device-to-device copy of the input.
@@ -103,18 +104,26 @@ def _adam_problem(n: int, code_bytes: int, block: int, device):
     return grad.to(device), tuple(t.to(device) for t in (p0, c1, a1, c2, a2))
 
 
+def _tables_for(search: str, tables: dict) -> dict:
+    """The kernel arguments of a search mode: "region" all `tables` (search and region
+    tables), "table" the search tables alone, "binary" none."""
+    if search == "binary":
+        return {}
+    return {k: v for k, v in tables.items() if search == "region" or not k.startswith("regions")}
+
+
 def _step_variants(
     title, module, run, state0, tables, half, variants, base, n, nbytes, repeat, cuda
 ) -> Table:
     """Time `run(state, tables)` per (search, geometry) variant from the same `state0`
-    (`tables`: the maps' search tables for "table", none for "binary"); the first variant's one
+    (`tables`: the maps' tables, chosen per search by `_tables_for`); the first variant's one
     step is the reference every other variant's bytes must equal."""
     import torch
 
     out, ref = [], None
     for search, geometry in variants:
         state = [t.clone() for t in state0]
-        luts = tables if search == "table" else {}
+        luts = _tables_for(search, tables)
         patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry, half=half)}
         with _Patch(module, **patch):
             run(state, luts)  # one step from the common state: the bytes every variant must give
@@ -151,7 +160,8 @@ def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> Table:
 
     return _step_variants(
         f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim8bit, run, state0,
-        {"lut1": m1.lut, "lut2": m2.lut}, False, variants, _adam_baseline(n, device, repeat, cuda),
+        {"lut1": m1.lut, "lut2": m2.lut, "regions1": m1.regions, "regions2": m2.regions}, False,
+        variants, _adam_baseline(n, device, repeat, cuda),
         n, 16, repeat, cuda,  # 16 bytes a parameter: 4+4+1+1 read, 4+1+1 written
     )  # fmt: skip
 
@@ -237,7 +247,11 @@ def run(numel: int, repeat: int, only: set[str], smoke: bool, emit) -> None:
         geoms = geoms[:1]
     variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
     if "step8" in only:
-        emit(sweep_step8(numel, device, repeat, cuda, variants))
+        # and the 8-bit kernel's gather-free region encoder ([Note: the region encoder]),
+        # unmeasured on a GPU when it was written, at every geometry beside the table's
+        with_region = [*variants[:2], ("region", None)]
+        with_region += [(s, g) for g in geoms for s in ("table", "region")]
+        emit(sweep_step8(numel, device, repeat, cuda, with_region))
     if "step4" in only:
         emit(sweep_step4(numel, device, repeat, cuda, variants))
     if "quantize" in only:

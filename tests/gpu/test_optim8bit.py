@@ -31,6 +31,7 @@ class Map:
         self.mid = (self.code[:-1] + self.code[1:]) / 2.0
         self.zero = int((self.code == 0).nonzero()[0, 0])
         self.lut = _codetable.search_table(self.code)  # the encoder's one-gather table
+        self.regions = _codetable.build_region_table(self.code)  # the gather-free encoder
 
 
 SIGNED, UNSIGNED = Map(True), Map(False)
@@ -155,12 +156,20 @@ def _problem(rows, row_numel, bs, seed, q1, q2):
     return p, g, st1, st2
 
 
-def _run_kernel(kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, pdtype, lut=True):
-    """The kernel's step; `lut`: encode through the maps' search tables (else the midpoints'
-    binary search)."""
+def _run_kernel(
+    kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, pdtype, search="table"
+):
+    """The kernel's step; `search`: "table" encodes through the maps' search tables, "region"
+    through the region encoder (the tables near midpoints), "binary" by the midpoints' binary
+    search."""
+
+    def tables(q, i):
+        kw = {f"lut{i}": q.lut} if search != "binary" else {}
+        return kw | ({f"regions{i}": q.regions} if search == "region" else {})
+
     param = p.to(pdtype).to(DEVICE, copy=True)  # stepped in place: never alias the input
     c1, a1 = (t.clone().to(DEVICE) for t in st1)
-    kw = {"lut1": q1.lut} if lut else {}
+    kw = tables(q1, 1)
     if st2 is not None:
         c2, a2 = (t.clone().to(DEVICE) for t in st2)
         kw.update(
@@ -170,7 +179,7 @@ def _run_kernel(kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, pd
             mid2=q2.mid.to(DEVICE),
             zero2=q2.zero,
             signed2=q2.signed,
-            **({"lut2": q2.lut} if lut else {}),
+            **tables(q2, 2),
         )
     _triton.optim8bit_step(
         kind=kind,
@@ -213,16 +222,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lut", [True, False], ids=["table", "binary"])
+@pytest.mark.parametrize("search", ["table", "binary", "region"])
 @pytest.mark.parametrize(("kind", "hp", "flags", "q1", "q2", "shape"), CASES)
-def test_step_matches_reference_bit_for_bit(kind, hp, flags, q1, q2, shape, lut):
+def test_step_matches_reference_bit_for_bit(kind, hp, flags, q1, q2, shape, search):
     rows, row_numel, bs = shape
     p, g, st1, st2 = _problem(rows, row_numel, bs, seed=rows * row_numel, q1=q1, q2=q2)
     want_p, want1, want2 = step_reference(
         kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2
     )
     got_p, got1, got2 = _run_kernel(
-        kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, torch.float32, lut
+        kind, p, g, st1, st2, hp, flags, rows, row_numel, bs, q1, q2, torch.float32, search
     )
     assert torch.equal(got_p, want_p)
     assert torch.equal(got1[0], want1[0]) and torch.equal(got1[1], want1[1])
@@ -365,6 +374,17 @@ def test_rejects_bad_arguments():
     for bad in ({"lut1": SIGNED.lut[:4096]}, {"lut2": UNSIGNED.lut.float()}):
         with pytest.raises(ValueError, match="search table"):
             _triton.optim8bit_step(kind="adam", flags=0, **common, **second, **bad)
+    # So are the region tables; one of the other sign kind would give wrong codes silently.
+    tables = {"lut1": SIGNED.lut, "lut2": UNSIGNED.lut}
+    for bad, match in (
+        ({"regions1": SIGNED.regions, "lut1": None}, "regions1 needs lut1"),
+        ({"regions2": SIGNED.regions}, "signed map, given for a state whose map is unsigned"),
+        ({"regions1": UNSIGNED.regions}, "unsigned map, given for a state whose map is signed"),
+        ({"regions1": SIGNED.regions[:64]}, "region table"),
+        ({"regions1": SIGNED.regions.to(DEVICE).float()}, "region table"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _triton.optim8bit_step(kind="adam", flags=0, **common, **second, **{**tables, **bad})
 
 
 # ---- against qshard.optim itself (its fused C kernel on CPU) --------------------------------

@@ -142,6 +142,50 @@ def search_table_on(name: str, lut: torch.Tensor | None, device: torch.device):
     return on_device(lut, device)
 
 
+def region_table_on(name: str, regions: torch.Tensor | None, signed: bool, device: torch.device):
+    """``regions`` (a map's (129,) int32 region table, `QMap.regions`, on the CPU) on ``device``,
+    copied once, for `region_code`; None where it is None or all zeros (a map without region
+    table: the kernel keeps the search table). Its kind word must match ``signed``: a signed
+    table read as unsigned would give wrong codes, not an error."""
+    if regions is None:
+        return None
+    copy = _device_copies.get(regions, {}).get(str(device))
+    if copy is not None:  # checked when it was copied
+        return copy
+    if regions.shape != (129,) or regions.dtype != torch.int32 or regions.device.type != "cpu":
+        raise ValueError(
+            f"{name}: expected the CPU int32 (129,) region table of qshard.quant._codetable "
+            f"(QMap.regions); got {regions.dtype} {tuple(regions.shape)} on {regions.device}"
+        )
+    kind = int(regions[128])
+    if kind == 0:
+        return None
+    if kind != (1 if signed else 2):
+        raise ValueError(
+            f"{name}: the region table of a {'signed' if kind == 1 else 'unsigned'} map, given "
+            f"for a state whose map is {'signed' if signed else 'unsigned'}; pass the state's own "
+            "QMap.regions"
+        )
+    return on_device(regions, device)
+
+
+@triton.jit
+def _table_index(b):
+    """The search-table entry of fp32 bits `b` (sign, then the top 15 bits of the magnitude
+    clamped to [2**-31, 2): 96 << 7 buckets below)."""
+    t = ((b & 0x7FFFFFFF) >> 16) - 12288
+    t = tl.minimum(tl.maximum(t, 0), 4095)
+    return tl.where(b < 0, t + 4096, t)
+
+
+@triton.jit
+def _table_finish(x, b, e):
+    """The code of `x` (bits `b`) from its table entry `e`: base plus one 16-bit compare."""
+    key = (b ^ (b >> 31)) & 0xFFFF
+    code = (e >> 16) + tl.where(key > (e & 0xFFFF), 1, 0)
+    return tl.where(x == x, code, 0)
+
+
 @triton.jit
 def table_code(x, lut_ptr):
     """The code of fp32 `x` by the exact nearest-code search table of `qshard.quant._codetable`
@@ -150,9 +194,37 @@ def table_code(x, lut_ptr):
     HBM traffic, bounded the 8-bit step). `lut_ptr`: the map's int32 table (`QMap.lut`).
     NaN -> 0, as the binary search gives."""
     b = x.to(tl.int32, bitcast=True)
-    t = ((b & 0x7FFFFFFF) >> 16) - 12288  # magnitudes clamped to [2**-31, 2): 96 << 7
-    t = tl.minimum(tl.maximum(t, 0), 4095)
-    e = tl.load(lut_ptr + tl.where(b < 0, t + 4096, t))
-    key = (b ^ (b >> 31)) & 0xFFFF
-    code = (e >> 16) + tl.where(key > (e & 0xFFFF), 1, 0)
-    return tl.where(x == x, code, 0)
+    return _table_finish(x, b, tl.load(lut_ptr + _table_index(b)))
+
+
+@triton.jit
+def region_code(x, reg_ptr, lut_ptr, SIGNED: tl.constexpr):
+    """`table_code(x, lut_ptr)` for `x` in [-1, 1] by [Note: the region encoder] of
+    `qshard.quant._codetable` (the C kernel's AVX-512 rule, same steps): five loads from the
+    129-word region table `reg_ptr` (`QMap.regions`; each indexes at most 32 words, one 128-byte
+    line, so a warp's load is one L1 wavefront), a fused multiply-add and a clamp; only the lanes
+    flagged near a midpoint (about 1 in 2000) load the 32 KiB search table, whose gathers touch
+    up to 32 lines a warp. Exact: the flagged lanes take the table's code, and the builder
+    proves the others. NaN and |x| > 1 (non-finite blocks, whose codes the caller replaces) give
+    some code in 0..255."""
+    b = x.to(tl.int32, bitcast=True)
+    neg = b < 0
+    ab = b & 0x7FFFFFFF
+    if SIGNED:  # the float above |x| on negative lanes: "midpoints <= |x|" -> "< it"
+        ab = ab + tl.where(neg, 1, 0)
+    a = ab.to(tl.float32, bitcast=True)
+    t = tl.minimum(tl.maximum((ab >> 23) - 96, 0), 31)  # the binade; the upper clamp: NaN, Inf
+    thr = tl.load(reg_ptr + t).to(tl.float32, bitcast=True)
+    r = tl.load(reg_ptr + 32 + t) + tl.where(a > thr, 1, 0)
+    slope = tl.load(reg_ptr + 64 + r).to(tl.float32, bitcast=True)
+    icpt = tl.load(reg_ptr + 80 + r).to(tl.float32, bitcast=True)
+    top = tl.load(reg_ptr + 112 + r).to(tl.float32, bitcast=True)
+    zi = tl.minimum(tl.fma(a, slope, icpt), top).to(tl.int32, bitcast=True)
+    near = ((zi + 4) & 0x3FF8) == 0  # within REGION_EPS of an integer count
+    cnt = (zi >> 14) & 0xFF
+    if SIGNED:
+        cnt = tl.where(neg, tl.maximum(254 - cnt, 0), cnt)
+    else:  # every midpoint of an unsigned map is positive
+        cnt = tl.where(neg, 0, cnt)
+    e = tl.load(lut_ptr + _table_index(b), mask=near, other=0)
+    return tl.where(near, _table_finish(x, b, e), cnt)

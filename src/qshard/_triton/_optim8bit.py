@@ -18,12 +18,18 @@ x / absmax (ties to the lower code), read from the map's search table of
 caller passes it, else found with an 8-step branchless binary search over the 255 midpoints
 (L1-resident). On an H200 the table took the 134M-parameter AdamW step from 2.57 to 1.82 ms
 at the same launch geometry: the binary search's 16 dependent gathers per parameter, not HBM
-traffic, bounded the kernel. Then come the reference's optional fix-ups (flags below). An
-all-zero block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
+traffic, bounded the kernel. With the maps' region tables too (`regions1` / `regions2`,
+`QMap.regions`) it encodes by the C kernel's gather-free region encoder ([Note: the region
+encoder] in `qshard.quant._codetable`): five loads from 128-byte tables and an fma per value,
+the 32 KiB search table only for the ~1 in 2000 values near a midpoint. Same codes, byte for
+byte (tests); its speed on a GPU is unmeasured (benchmarks/gpu/sweep.py measures it beside the
+table), so the optimizers dispatch the table. Then come the reference's optional fix-ups (flags
+below). An all-zero block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
 stream would have to be reproduced); callers keep their torch path for it.
 
 The kernel is launched with fp fusion off, so no multiply-add is contracted into an FMA and
-the fp32 results equal the C kernel's (built with -ffp-contract=off).
+the fp32 results equal the C kernel's (built with -ffp-contract=off); the region encoder's one
+explicit fma is the C kernel's own.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from qshard._triton._common import (
     load_f32,
     next_pow2,
     on_device,
+    region_code,
+    region_table_on,
     rows_per_program,
     search_table_on,
     store_as,
@@ -106,15 +114,19 @@ def _encode(
     code_ptr,
     mid_ptr,
     lut_ptr,
+    reg_ptr,
     zero_idx,
     SIGNED: tl.constexpr,
     FLAGS: tl.constexpr,
     LUT: tl.constexpr,
+    REGION: tl.constexpr,
 ):
     """uint8 codes of a (G, BLOCK_N) fp32 state tile given each block's absmax (G,)."""
     zero_block = (amax == 0.0)[:, None]
     x = tl.where(zero_block, s * 0.0, tl.math.div_rn(s, tl.where(zero_block, 1.0, amax[:, None])))
-    if LUT:
+    if REGION:  # the gather-free encoder, the search table only near a midpoint
+        i = region_code(x, reg_ptr, lut_ptr, SIGNED)
+    elif LUT:
         i = table_code(x, lut_ptr)
     else:  # a map without a search table: the 8-step binary search
         i = _nearest(x, mid_ptr)
@@ -151,12 +163,14 @@ def _step8_kernel(
     code1_ptr,
     mid1_ptr,
     lut1_ptr,
+    reg1_ptr,
     zero1,
     c2_ptr,
     a2_ptr,
     code2_ptr,
     mid2_ptr,
     lut2_ptr,
+    reg2_ptr,
     zero2,
     n_blocks,
     blocks_per_row,
@@ -183,6 +197,8 @@ def _step8_kernel(
     G_BF16: tl.constexpr,
     LUT1: tl.constexpr,
     LUT2: tl.constexpr,
+    REGION1: tl.constexpr,
+    REGION2: tl.constexpr,
 ):
     b = tl.program_id(0) * G + tl.arange(0, G)
     b_ok = b < n_blocks
@@ -247,7 +263,9 @@ def _step8_kernel(
     m1 = _block_absmax(s1, valid)
     tl.store(
         c1_ptr + off,
-        _encode(s1, m1, code1_ptr, mid1_ptr, lut1_ptr, zero1, SIGNED1, FLAGS, LUT1),
+        _encode(
+            s1, m1, code1_ptr, mid1_ptr, lut1_ptr, reg1_ptr, zero1, SIGNED1, FLAGS, LUT1, REGION1
+        ),
         mask=valid,
     )
     tl.store(a1_ptr + b, m1, mask=b_ok)
@@ -255,7 +273,19 @@ def _step8_kernel(
         m2 = _block_absmax(s2, valid)
         tl.store(
             c2_ptr + off,
-            _encode(s2, m2, code2_ptr, mid2_ptr, lut2_ptr, zero2, SIGNED2, FLAGS, LUT2),
+            _encode(
+                s2,
+                m2,
+                code2_ptr,
+                mid2_ptr,
+                lut2_ptr,
+                reg2_ptr,
+                zero2,
+                SIGNED2,
+                FLAGS,
+                LUT2,
+                REGION2,
+            ),
             mask=valid,
         )
         tl.store(a2_ptr + b, m2, mask=b_ok)
@@ -304,6 +334,8 @@ def optim8bit_step(
     signed2: bool = False,
     lut1: torch.Tensor | None = None,
     lut2: torch.Tensor | None = None,
+    regions1: torch.Tensor | None = None,
+    regions2: torch.Tensor | None = None,
 ) -> None:
     """One in-place step on `param` (fp32 or bf16) and its 8-bit states, as `step8_multi` does
     for one tensor.
@@ -313,6 +345,8 @@ def optim8bit_step(
     given for Adam (second moment) and RMSprop with momentum (buffer). `lut1` / `lut2`: the
     maps' exact search tables (`QMap.lut`, `qshard.quant._codetable`), which turn the encoder's
     8-gather binary search into one gather; without them the kernel searches the midpoints.
+    `regions1` / `regions2`: the maps' region tables (`QMap.regions`, CPU), which with the
+    search table select the gather-free region encoder ([Note: the region encoder]); same codes.
     """
     kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
     if kind_id not in KINDS.values():
@@ -344,11 +378,16 @@ def optim8bit_step(
             )
     dev = param.device
     _check_map("state 1", code1, mid1)
+    for name, reg, lut in (("regions1", regions1, lut1), ("regions2", regions2, lut2)):
+        if reg is not None and lut is None:
+            raise ValueError(f"{name} needs lut{name[-1]} (its exact fallback near midpoints)")
     lut1 = search_table_on("lut1", lut1, dev)
+    regions1 = region_table_on("regions1", regions1, bool(signed1), dev)
     code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
     if code2 is not None and mid2 is not None:
         _check_map("state 2", code2, mid2)
         lut2 = search_table_on("lut2", lut2, dev)
+        regions2 = region_table_on("regions2", regions2, bool(signed2), dev)
         code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
     if has2:
         assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None
@@ -387,12 +426,14 @@ def optim8bit_step(
         code1,
         mid1,
         code1 if lut1 is None else lut1,
+        absmax1 if regions1 is None else regions1,
         int(zero1),
         codes2 if has2 else codes1,
         absmax2 if has2 else absmax1,
         code2 if has2 else code1,
         mid2 if has2 else mid1,
         code1 if lut2 is None or not has2 else lut2,
+        absmax1 if regions2 is None or not has2 else regions2,
         int(zero2),
         n_blocks,
         nbr,
@@ -412,6 +453,8 @@ def optim8bit_step(
         G_BF16=g_bf16,
         LUT1=lut1 is not None,
         LUT2=lut2 is not None and has2,
+        REGION1=regions1 is not None and lut1 is not None,
+        REGION2=regions2 is not None and lut2 is not None and has2,
         num_warps=warps,
         enable_fp_fusion=False,
     )
