@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
 
-# 22 compilations take ~1-5 minutes of CPU: out of the default suite.
+# 25 compilations take ~1-5 minutes of CPU: out of the default suite.
 pytestmark = pytest.mark.slow
 
 # Compiling needs kernels defined in compiler mode, so run in a fresh process without
@@ -107,6 +107,13 @@ SCRIPT = textwrap.dedent(
           "G": 16, "P_BF16": False, "G_BF16": False, "LUT1": True, "LUT2": True, "REGION1": True, "REGION2": True}
     comp("adam8bit", O._step8_kernel, osig, ob, num_warps=8)
     comp("adam8bit_table", O._step8_kernel, osig, {**ob, "REGION1": False, "REGION2": False}, num_warps=8)
+    msig = {"meta_ptr": "*i64", "hpf_ptr": "*fp32", "n_tensors": "i32", "code1_ptr": "*fp32", "mid1_ptr": "*fp32",
+            "lut1_ptr": "*i32", "reg1_ptr": "*i32", "zero1": "i32", "code2_ptr": "*fp32", "mid2_ptr": "*fp32",
+            "lut2_ptr": "*i32", "reg2_ptr": "*i32", "zero2": "i32"}
+    comp("adam8bit_multi", O._step8_multi_kernel, msig, {**ob, "LOG_T": 8, "ALIGNED": True, "G": 8, "REGION1": False, "REGION2": False})
+    comp("adam8bit_multi_unaligned", O._step8_multi_kernel, msig, {**ob, "LOG_T": 8, "ALIGNED": False, "G": 8})
+    comp("adam8bit_multi_bf16_region", O._step8_multi_kernel, msig,
+         {**ob, "LOG_T": 3, "ALIGNED": True, "G": 8, "P_BF16": True, "G_BF16": True})
     comp("adam8bit_bnb_bf16_2048", O._step8_kernel, {**osig, "p_ptr": "*i16", "g_ptr": "*i16"},
          {**ob, "FLAGS": 4, "BS": 2048, "BLOCK_N": 2048, "G": 2, "P_BF16": True, "G_BF16": True}, num_warps=8)
     comp("adam8bit_binary_search", O._step8_kernel, osig, {**ob, "LUT1": False, "LUT2": False, "REGION1": False, "REGION2": False}, num_warps=4)
@@ -142,7 +149,7 @@ def compiled() -> dict:
 
 
 def test_every_kernel_compiles_to_a_cubin(compiled):
-    assert len(compiled) == 22
+    assert len(compiled) == 25
     for name, facts in compiled.items():
         assert facts["cubin"] > 0, name
 
@@ -162,7 +169,7 @@ def test_ieee_division_and_sqrt_no_contraction(compiled):
 
 def test_wide_vector_loads_where_the_input_is_contiguous(compiled):
     """fp32 inputs are read with 16-byte loads (the bandwidth design, checked in the PTX)."""
-    for name in ("quantize_int8_fp32", "pack_signs", "adam8bit"):
+    for name in ("quantize_int8_fp32", "pack_signs", "adam8bit", "adam8bit_multi"):
         assert compiled[name]["v4"] > 0, (name, compiled[name])
 
 

@@ -78,7 +78,7 @@ def encode(s, q: Map, flags, rows, row_numel, bs):
     if not q.signed and flags & FLOOR:
         i = torch.where((x > 0) & (i == q.zero), q.zero + 1, i)
     i = torch.where(torch.isnan(amax)[..., None], q.zero, i)
-    codes = i.view(rows, -1)[:, :row_numel].to(torch.uint8).reshape(-1)
+    codes = i.view(rows, i.shape[1] * bs)[:, :row_numel].to(torch.uint8).reshape(-1)
     return codes, amax.reshape(-1)
 
 
@@ -150,7 +150,7 @@ def _problem(rows, row_numel, bs, seed, q1, q2):
     v = torch.rand(n, generator=gen) * 1e-3
     m[: min(n, bs)] = 0.0  # an all-zero first-moment block
     v[: min(n, bs)] = 0.0
-    v[-1] = 1e-12  # pitfall 1: a tiny positive second moment next to a large one
+    v[-1:] = 1e-12  # pitfall 1: a tiny positive second moment next to a large one
     st1 = _state(m if q1.signed else v, q1, rows, row_numel, bs)
     st2 = _state(v if not q2.signed else m, q2, rows, row_numel, bs) if q2 is not None else None
     return p, g, st1, st2
@@ -483,3 +483,79 @@ def test_code_maps_are_copied_to_the_device_once_and_dropped_with_the_map():
     del code
     gc.collect()
     assert len(_device_copies) == before - 1
+
+
+# ---- the multi-tensor launch ([Note: multi-tensor launch]) ---------------------------------
+
+MULTI_SHAPES = [(5, 300), (1, 77), (0, 64), (3, 256), (2, 1000), (1, 1), (4, 130)]
+
+
+@pytest.mark.parametrize("search", ["table", "region"])
+@pytest.mark.parametrize(("kind", "hp", "flags", "q1", "q2", "shape"), CASES[::2] + CASES[5:6])
+@pytest.mark.parametrize("pdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_multi_tensor_launch_equals_one_launch_per_tensor(kind, hp, flags, q1, q2, shape, search,
+                                                          pdtype):  # fmt: skip
+    """Seven tensors of odd sizes (one empty, one of a single element) in one launch, each with
+    its own hyperparameters (as tensors at different steps have): the bytes of seven
+    `optim8bit_step` calls."""
+    bs = shape[2]
+    problems, hps = [], []
+    for i, (rows, row_numel) in enumerate(MULTI_SHAPES):
+        problems.append(_problem(rows, row_numel, bs, seed=100 + i, q1=q1, q2=q2))
+        # a different step size per tensor (the learning rate, Adam's bias-corrected step
+        # size): the kernel must read each tensor's own row
+        hps.append([v * (1.0 + 0.25 * i) if j in (0, 5) else v for j, v in enumerate(hp)])
+    want = [
+        _run_kernel(kind, p, g, s1, s2, h, flags, rows, rn, bs, q1, q2, pdtype, search)
+        for (p, g, s1, s2), h, (rows, rn) in zip(problems, hps, MULTI_SHAPES)
+    ]
+    params = [p.to(pdtype).to(DEVICE, copy=True) for p, _, _, _ in problems]
+    grads = [g.to(pdtype).to(DEVICE) for _, g, _, _ in problems]
+    st1 = [tuple(t.clone().to(DEVICE) for t in s1) for _, _, s1, _ in problems]
+    st2 = [tuple(t.clone().to(DEVICE) for t in s2) for _, _, _, s2 in problems if s2 is not None]
+    kw = {"lut1": q1.lut} if search != "binary" else {}
+    if search == "region":
+        kw["regions1"] = q1.regions
+    if q2 is not None:
+        kw.update(
+            codes2=[c for c, _ in st2], absmax2=[a for _, a in st2], code2=q2.code.to(DEVICE),
+            mid2=q2.mid.to(DEVICE), zero2=q2.zero, signed2=q2.signed, lut2=q2.lut,
+            **({"regions2": q2.regions} if search == "region" else {}),
+        )  # fmt: skip
+    _triton.optim8bit_step_multi(
+        kind=kind, params=params, grads=grads, layouts=MULTI_SHAPES, codes1=[c for c, _ in st1],
+        absmax1=[a for _, a in st1], code1=q1.code.to(DEVICE), mid1=q1.mid.to(DEVICE),
+        zero1=q1.zero, signed1=q1.signed, block_size=bs, hps=hps, flags=flags, **kw,
+    )  # fmt: skip
+    for i, (w_p, w1, w2) in enumerate(want):
+        assert torch.equal(params[i].cpu(), w_p), i
+        assert torch.equal(st1[i][0].cpu(), w1[0]) and torch.equal(st1[i][1].cpu(), w1[1]), i
+        if w2 is not None:
+            assert torch.equal(st2[i][0].cpu(), w2[0]) and torch.equal(st2[i][1].cpu(), w2[1]), i
+
+
+def test_multi_tensor_launch_rejects_bad_lists():
+    z = torch.zeros(256, device=DEVICE)
+    c = torch.zeros(256, dtype=torch.uint8, device=DEVICE)
+    a = torch.zeros(1, device=DEVICE)
+    common = dict(
+        kind="sgd", layouts=[(1, 256)] * 2, codes1=[c, c.clone()], absmax1=[a, a.clone()],
+        code1=SIGNED.code.to(DEVICE), mid1=SIGNED.mid.to(DEVICE), zero1=SIGNED.zero, signed1=True,
+        block_size=256, hps=[[0.1]] * 2, flags=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="grads has 1 entries for 2 params"):
+        _triton.optim8bit_step_multi(params=[z, z.clone()], grads=[z], **common)
+    with pytest.raises(ValueError, match="split the list by dtype"):
+        _triton.optim8bit_step_multi(
+            params=[z, z.clone().bfloat16()], grads=[z, z.clone()], **common
+        )
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        _triton.optim8bit_step_multi(params=[z.half(), z.half()], grads=[z, z.clone()], **common)
+    with pytest.raises(ValueError, match=r"codes1\[1\]: expected 256 elements"):
+        _triton.optim8bit_step_multi(
+            params=[z, z.clone()], grads=[z, z.clone()], **{**common, "codes1": [c, c[:10]]}
+        )
+    with pytest.raises(ValueError, match="kind"):
+        _triton.optim8bit_step_multi(
+            params=[z, z.clone()], grads=[z, z.clone()], **{**common, "kind": "adamax"}
+        )

@@ -31,6 +31,7 @@ __all__ = [
     "interpreter",
     "optim4bit_step",
     "optim8bit_step",
+    "optim8bit_step_multi",
     "pack_int4",
     "pack_signs",
     "qgz_slots",
@@ -143,6 +144,12 @@ def dequant_reduce_rows(recv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
 def optim8bit_step(**kwargs: Any) -> None:
     """Fused in-place 8-bit optimizer step (Adam/AdamW, momentum, RMSprop, Lion, Adagrad)."""
     return _module("_optim8bit").optim8bit_step(**kwargs)
+
+
+def optim8bit_step_multi(**kwargs: Any) -> None:
+    """Fused in-place 8-bit step of a list of tensors in one launch; see
+    `_optim8bit.optim8bit_step_multi`."""
+    return _module("_optim8bit").optim8bit_step_multi(**kwargs)
 
 
 def optim4bit_step(**kwargs: Any) -> None:

@@ -8,6 +8,9 @@ the states back, so every byte of parameter, gradient and state moves once each 
 8-bit-optimizer paper's kernel). For Adam that is 4+4+1+1 bytes read and 4+1+1 written per
 parameter against 16 + 12 for fused fp32 AdamW.
 
+`optim8bit_step_multi` steps a list of tensors in one launch ([Note: multi-tensor launch]):
+the bytes of one `optim8bit_step` per tensor, without a launch and its host checks per tensor.
+
 Layout ([Note: row-block layout] in `qshard.optim._qstate`): a state of `rows * row_numel`
 elements; each row is cut into ceil(row_numel / block_size) blocks (the last one partial), one
 fp32 absmax per block, block b = row * blocks_per_row + j.
@@ -64,6 +67,7 @@ __all__ = [
     "FLAG_STOCHASTIC",
     "KINDS",
     "optim8bit_step",
+    "optim8bit_step_multi",
 ]
 
 # Mirrors qshard.optim._kernels (kept as literals so this module never imports the C builder).
@@ -155,7 +159,8 @@ def _block_absmax(s, valid):
 
 
 @triton.jit
-def _step8_kernel(
+def _step8_blocks(
+    pid,
     p_ptr,
     g_ptr,
     c1_ptr,
@@ -200,7 +205,8 @@ def _step8_kernel(
     REGION1: tl.constexpr,
     REGION2: tl.constexpr,
 ):
-    b = tl.program_id(0) * G + tl.arange(0, G)
+    """Program `pid`'s G state blocks of one tensor (the whole step: load, update, encode)."""
+    b = pid * G + tl.arange(0, G)
     b_ok = b < n_blocks
     r = b // blocks_per_row
     j = b % blocks_per_row
@@ -291,6 +297,147 @@ def _step8_kernel(
         tl.store(a2_ptr + b, m2, mask=b_ok)
 
 
+@triton.jit
+def _step8_kernel(
+    p_ptr,
+    g_ptr,
+    c1_ptr,
+    a1_ptr,
+    code1_ptr,
+    mid1_ptr,
+    lut1_ptr,
+    reg1_ptr,
+    zero1,
+    c2_ptr,
+    a2_ptr,
+    code2_ptr,
+    mid2_ptr,
+    lut2_ptr,
+    reg2_ptr,
+    zero2,
+    n_blocks,
+    blocks_per_row,
+    row_numel,
+    hp0,
+    hp1,
+    hp2,
+    hp3,
+    hp4,
+    hp5,
+    hp6,
+    hp7,
+    w1,
+    w2,
+    KIND: tl.constexpr,
+    FLAGS: tl.constexpr,
+    HAS2: tl.constexpr,
+    SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    P_BF16: tl.constexpr,
+    G_BF16: tl.constexpr,
+    LUT1: tl.constexpr,
+    LUT2: tl.constexpr,
+    REGION1: tl.constexpr,
+    REGION2: tl.constexpr,
+):
+    """One tensor's step."""
+    _step8_blocks(
+        tl.program_id(0), p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, reg1_ptr,
+        zero1, c2_ptr, a2_ptr, code2_ptr, mid2_ptr, lut2_ptr, reg2_ptr, zero2, n_blocks,
+        blocks_per_row, row_numel, hp0, hp1, hp2, hp3, hp4, hp5, hp6, hp7, w1, w2, KIND, FLAGS,
+        HAS2, SIGNED1, SIGNED2, BS, BLOCK_N, G, P_BF16, G_BF16, LUT1, LUT2, REGION1, REGION2,
+    )  # fmt: skip
+
+
+# [Note: multi-tensor launch] One launch steps every tensor of a list: each tensor's row of
+# the int64 table `meta` holds its addresses and sizes (_META fields), and the same buffer
+# read as fp32 its 10 hyperparameters (from word _HP_AT). A program finds its tensor by a
+# binary search over the rows' first-program column (LOG_T steps for up to 2**LOG_T rows),
+# then runs the one-tensor body on its own blocks. One launch and one small host-to-device
+# copy replace a launch and ~28 us of host checks per tensor (benchmarks/gpu/dispatch_overhead.py).
+_META = ("param", "grad", "codes1", "absmax1", "codes2", "absmax2", "n_blocks", "blocks_per_row",
+         "row_numel", "first_program")  # fmt: skip
+_META_WORDS = 16  # int64 words a row: the 10 fields, then 12 fp32 (hp0..hp7, w1, w2, padding)
+_HP_AT = 2 * len(_META)  # the first hyperparameter, in fp32 words
+# The kernel spells these as literals (16 words a row, field 9, fp32 word 20).
+assert _META_WORDS == 16 and _META.index("first_program") == 9 and _HP_AT == 20
+
+
+@triton.jit
+def _step8_multi_kernel(
+    meta_ptr,
+    hpf_ptr,
+    n_tensors,
+    code1_ptr,
+    mid1_ptr,
+    lut1_ptr,
+    reg1_ptr,
+    zero1,
+    code2_ptr,
+    mid2_ptr,
+    lut2_ptr,
+    reg2_ptr,
+    zero2,
+    LOG_T: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    KIND: tl.constexpr,
+    FLAGS: tl.constexpr,
+    HAS2: tl.constexpr,
+    SIGNED1: tl.constexpr,
+    SIGNED2: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    P_BF16: tl.constexpr,
+    G_BF16: tl.constexpr,
+    LUT1: tl.constexpr,
+    LUT2: tl.constexpr,
+    REGION1: tl.constexpr,
+    REGION2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid * 0  # the last row whose first program is <= pid
+    for k in tl.static_range(LOG_T):
+        cand = t + (1 << (LOG_T - 1 - k))
+        first = tl.load(meta_ptr + cand * 16 + 9, mask=cand < n_tensors, other=pid + 1)
+        t = tl.where(first <= pid, cand, t)
+    row = meta_ptr + t * 16
+    if P_BF16:
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    if G_BF16:
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+    else:
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    c1_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    a1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    c2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    a2_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    n_blocks = tl.load(row + 6).to(tl.int32)
+    blocks_per_row = tl.load(row + 7).to(tl.int32)
+    row_numel = tl.load(row + 8).to(tl.int32)
+    if ALIGNED:  # what the one-tensor launch learns from its arguments: 16-byte vector access
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        c1_ptr = tl.multiple_of(c1_ptr, 16)
+        c2_ptr = tl.multiple_of(c2_ptr, 16)
+        row_numel = tl.multiple_of(row_numel, 16)
+    first = tl.load(row + 9).to(tl.int32)
+    hp = hpf_ptr + t * 32 + 20
+    _step8_blocks(
+        pid - first, p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, reg1_ptr,
+        zero1, c2_ptr, a2_ptr, code2_ptr, mid2_ptr, lut2_ptr, reg2_ptr, zero2, n_blocks,
+        blocks_per_row, row_numel, tl.load(hp), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3),
+        tl.load(hp + 4), tl.load(hp + 5), tl.load(hp + 6), tl.load(hp + 7), tl.load(hp + 8),
+        tl.load(hp + 9), KIND, FLAGS, HAS2, SIGNED1, SIGNED2, BS, BLOCK_N, G, P_BF16, G_BF16,
+        LUT1, LUT2, REGION1, REGION2,
+    )  # fmt: skip
+
+
 def _geometry(block_size: int) -> tuple[int, int, int]:
     """(padded block width, blocks per program, warps) of a launch."""
     # 2048 elements a program, 4 warps. On an H200 the 134M-parameter Adam step (block 256,
@@ -308,6 +455,84 @@ def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
         raise ValueError(
             f"{name}: mid must be fp32 (255,) midpoints; got {mid.dtype} {tuple(mid.shape)}"
         )
+
+
+def _kind_id(kind: int | str, flags: int, block_size: int, has2: bool) -> int:
+    """The kernel's kind, after the checks both entry points share."""
+    kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
+    if kind_id not in KINDS.values():
+        raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
+    if flags & ~_KNOWN_FLAGS:
+        raise ValueError(f"unknown flag bits {flags & ~_KNOWN_FLAGS:#x}")
+    if flags & FLAG_STOCHASTIC:
+        raise NotImplementedError(
+            "stochastic state rounding has no Triton kernel; use the torch path for it"
+        )
+    if not 1 <= block_size <= _MAX_BLOCK:
+        raise ValueError(f"block_size must be in 1..{_MAX_BLOCK}; got {block_size}")
+    if (kind_id == 0) != has2 and kind_id != 3:
+        raise ValueError(f"kind {kind!r} {'needs' if kind_id == 0 else 'takes no'} a second state")
+    return kind_id
+
+
+def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None, count: int) -> None:
+    check_contiguous(name, t)
+    if t.numel() != count or (dtype is not None and t.dtype != dtype):
+        raise ValueError(
+            f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
+        )
+
+
+class _Maps:
+    """Both states' code maps, midpoints and tables on the kernel's device, checked, as kernel
+    arguments (`args`) and constexprs (`consts`). A missing state 2 repeats state 1's (never
+    read)."""
+
+    def __init__(self, dev, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2,
+                 regions2, signed2) -> None:  # fmt: skip
+        _check_map("state 1", code1, mid1)
+        for name, reg, lut in (("regions1", regions1, lut1), ("regions2", regions2, lut2)):
+            if reg is not None and lut is None:
+                raise ValueError(f"{name} needs lut{name[-1]} (its exact fallback near midpoints)")
+        lut1 = search_table_on("lut1", lut1, dev)
+        regions1 = region_table_on("regions1", regions1, bool(signed1), dev)
+        code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
+        if code2 is not None and mid2 is not None:
+            _check_map("state 2", code2, mid2)
+            lut2 = search_table_on("lut2", lut2, dev)
+            regions2 = region_table_on("regions2", regions2, bool(signed2), dev)
+            code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
+        if has2 and (code2 is None or mid2 is None):
+            raise ValueError("a second state needs code2 and mid2")
+        if not has2:
+            code2, mid2, lut2, regions2 = code1, mid1, None, None
+        # An absent table's pointer is never read (its constexpr is off): any tensor will do.
+        self.state1 = (code1, mid1, code1 if lut1 is None else lut1,
+                       code1 if regions1 is None else regions1)  # fmt: skip
+        self.state2 = (code2, mid2, code1 if lut2 is None else lut2,
+                       code1 if regions2 is None else regions2)  # fmt: skip
+        self.consts = dict(
+            LUT1=lut1 is not None,
+            LUT2=lut2 is not None,
+            REGION1=regions1 is not None and lut1 is not None,
+            REGION2=regions2 is not None and lut2 is not None,
+        )
+
+
+def _scalars(kind_id: int, hp: Sequence[float]) -> list[float]:
+    """hp0..hp7, w1, w2 of the kernel as fp32-exact Python floats.
+
+    [Note: fp32 scalars] step8_multi reads hp as fp32; the complements (1 - beta1, 1 - beta2,
+    1 - dampening, 1 - alpha) ride in hp too, computed in double and rounded once, as torch
+    rounds its Python-float constants. They are passed as fp32-exact values, so CUDA (fp32
+    arguments) and the interpreter (Python floats) evaluate the same fp32 expressions."""
+    if len(hp) > 10:
+        raise ValueError(f"hp takes at most 10 values; got {len(hp)}")
+    hps = np.asarray(hp, dtype=np.float64).astype(np.float32).tolist() + [0.0] * (10 - len(hp))
+    w1_at, w2_at = _COMPLEMENTS[kind_id]
+    w1 = hps[w1_at] if w1_at is not None and len(hp) > w1_at else _complement(hp, 1)
+    w2 = hps[w2_at] if w2_at is not None and len(hp) > w2_at else _complement(hp, 2)
+    return [*hps[:8], w1, w2]
 
 
 def optim8bit_step(
@@ -347,114 +572,170 @@ def optim8bit_step(
     8-gather binary search into one gather; without them the kernel searches the midpoints.
     `regions1` / `regions2`: the maps' region tables (`QMap.regions`, CPU), which with the
     search table select the gather-free region encoder ([Note: the region encoder]); same codes.
+    `optim8bit_step_multi` steps a list of tensors in one launch.
     """
-    kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
-    if kind_id not in KINDS.values():
-        raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
-    if flags & ~_KNOWN_FLAGS:
-        raise ValueError(f"unknown flag bits {flags & ~_KNOWN_FLAGS:#x}")
-    if flags & FLAG_STOCHASTIC:
-        raise NotImplementedError(
-            "stochastic state rounding has no Triton kernel; use the torch path for it"
-        )
-    if not 1 <= block_size <= _MAX_BLOCK:
-        raise ValueError(f"block_size must be in 1..{_MAX_BLOCK}; got {block_size}")
     has2 = codes2 is not None
-    if (kind_id == 0) != has2 and kind_id != 3:
-        raise ValueError(f"kind {kind!r} {'needs' if kind_id == 0 else 'takes no'} a second state")
+    kind_id = _kind_id(kind, flags, block_size, has2)
     numel = rows * row_numel
     nbr = -(-row_numel // block_size)
     n_blocks = rows * nbr
-    for name, t, dtype, count in (
-        ("param", param, None, numel),
-        ("grad", grad, None, numel),
-        ("codes1", codes1, torch.uint8, numel),
-        ("absmax1", absmax1, torch.float32, n_blocks),
-    ):
-        check_contiguous(name, t)
-        if t.numel() != count or (dtype is not None and t.dtype != dtype):
-            raise ValueError(
-                f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
-            )
-    dev = param.device
-    _check_map("state 1", code1, mid1)
-    for name, reg, lut in (("regions1", regions1, lut1), ("regions2", regions2, lut2)):
-        if reg is not None and lut is None:
-            raise ValueError(f"{name} needs lut{name[-1]} (its exact fallback near midpoints)")
-    lut1 = search_table_on("lut1", lut1, dev)
-    regions1 = region_table_on("regions1", regions1, bool(signed1), dev)
-    code1, mid1 = on_device(code1, dev), on_device(mid1, dev)
-    if code2 is not None and mid2 is not None:
-        _check_map("state 2", code2, mid2)
-        lut2 = search_table_on("lut2", lut2, dev)
-        regions2 = region_table_on("regions2", regions2, bool(signed2), dev)
-        code2, mid2 = on_device(code2, dev), on_device(mid2, dev)
+    _check_tensor("param", param, None, numel)
+    _check_tensor("grad", grad, None, numel)
+    _check_tensor("codes1", codes1, torch.uint8, numel)
+    _check_tensor("absmax1", absmax1, torch.float32, n_blocks)
+    maps = _Maps(param.device, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2,
+                 regions2, signed2)  # fmt: skip
     if has2:
-        assert codes2 is not None and absmax2 is not None and code2 is not None and mid2 is not None
+        assert codes2 is not None and absmax2 is not None
         # As strict as state 1's: the kernel reads both through raw pointers, so int8 codes or
         # fp64 / strided absmax values would be decoded as garbage without a word.
-        for name, t, dtype, count in (
-            ("codes2", codes2, torch.uint8, numel),
-            ("absmax2", absmax2, torch.float32, n_blocks),
-        ):
-            check_contiguous(name, t)
-            if t.numel() != count or t.dtype != dtype:
-                raise ValueError(
-                    f"{name}: expected {count} elements of {dtype}; got {t.dtype} {t.numel()}"
-                )
+        _check_tensor("codes2", codes2, torch.uint8, numel)
+        _check_tensor("absmax2", absmax2, torch.float32, n_blocks)
     check_device(param, grad, codes1, absmax1, *((codes2, absmax2) if has2 else ()))
-    if len(hp) > 10:
-        raise ValueError(f"hp takes at most 10 values; got {len(hp)}")
-    # [Note: fp32 scalars] step8_multi reads hp as fp32; the complements (1 - beta1, 1 - beta2,
-    # 1 - dampening, 1 - alpha) ride in hp too, computed in double and rounded once, as torch
-    # rounds its Python-float constants. They are passed as fp32-exact values, so CUDA (fp32
-    # arguments) and the interpreter (Python floats) evaluate the same fp32 expressions.
-    hps = np.asarray(hp, dtype=np.float64).astype(np.float32).tolist() + [0.0] * (10 - len(hp))
-    w1_at, w2_at = _COMPLEMENTS[kind_id]
-    w1 = hps[w1_at] if w1_at is not None and len(hp) > w1_at else _complement(hp, 1)
-    w2 = hps[w2_at] if w2_at is not None and len(hp) > w2_at else _complement(hp, 2)
+    scalars = _scalars(kind_id, hp)
     if n_blocks == 0:
         return
     block_n, g, warps = _geometry(block_size)
     pk, p_bf16 = kernel_view(param)
     gk, g_bf16 = kernel_view(grad)
     _step8_kernel[(triton.cdiv(n_blocks, g),)](
-        pk,
-        gk,
-        codes1,
-        absmax1,
-        code1,
-        mid1,
-        code1 if lut1 is None else lut1,
-        absmax1 if regions1 is None else regions1,
-        int(zero1),
-        codes2 if has2 else codes1,
-        absmax2 if has2 else absmax1,
-        code2 if has2 else code1,
-        mid2 if has2 else mid1,
-        code1 if lut2 is None or not has2 else lut2,
-        absmax1 if regions2 is None or not has2 else regions2,
-        int(zero2),
-        n_blocks,
-        nbr,
-        row_numel,
-        *hps[:8],
-        w1,
-        w2,
-        KIND=kind_id,
-        FLAGS=int(flags),
-        HAS2=has2,
-        SIGNED1=bool(signed1),
-        SIGNED2=bool(signed2),
-        BS=block_size,
-        BLOCK_N=block_n,
-        G=g,
-        P_BF16=p_bf16,
-        G_BF16=g_bf16,
-        LUT1=lut1 is not None,
-        LUT2=lut2 is not None and has2,
-        REGION1=regions1 is not None and lut1 is not None,
-        REGION2=regions2 is not None and lut2 is not None and has2,
-        num_warps=warps,
-        enable_fp_fusion=False,
-    )
+        pk, gk, codes1, absmax1, *maps.state1, int(zero1),
+        codes2 if has2 else codes1, absmax2 if has2 else absmax1, *maps.state2, int(zero2),
+        n_blocks, nbr, row_numel, *scalars,
+        KIND=kind_id, FLAGS=int(flags), HAS2=has2, SIGNED1=bool(signed1), SIGNED2=bool(signed2),
+        BS=block_size, BLOCK_N=block_n, G=g, P_BF16=p_bf16, G_BF16=g_bf16, **maps.consts,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _explain(i, p, gr, c1, a1, c2, a2, has2, numel, n_blocks, p_dtype, g_dtype, dev) -> None:
+    """Raise the error that says why tensor ``i`` of a multi-tensor call is refused."""
+    if p.dtype != p_dtype or gr.dtype != g_dtype:
+        raise ValueError(
+            f"tensor {i}: param {p.dtype} / grad {gr.dtype} in a call for {p_dtype} / "
+            f"{g_dtype}; split the list by dtype"
+        )
+    _check_tensor(f"params[{i}]", p, None, numel)
+    _check_tensor(f"grads[{i}]", gr, None, numel)
+    _check_tensor(f"codes1[{i}]", c1, torch.uint8, numel)
+    _check_tensor(f"absmax1[{i}]", a1, torch.float32, n_blocks)
+    if has2:
+        _check_tensor(f"codes2[{i}]", c2, torch.uint8, numel)
+        _check_tensor(f"absmax2[{i}]", a2, torch.float32, n_blocks)
+    for t in (p, gr, c1, a1, c2, a2):
+        if t.device != dev:
+            raise ValueError(
+                f"qshard Triton kernels need all tensors on one device; got {dev} and "
+                f"{t.device} (tensor {i})"
+            )
+    raise AssertionError(f"tensor {i} refused without a reason")  # (not reached)
+
+
+def optim8bit_step_multi(
+    *,
+    kind: int | str,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    layouts: Sequence[tuple[int, int]],
+    codes1: Sequence[torch.Tensor],
+    absmax1: Sequence[torch.Tensor],
+    code1: torch.Tensor,
+    mid1: torch.Tensor,
+    zero1: int,
+    signed1: bool,
+    block_size: int,
+    hps: Sequence[Sequence[float]],
+    flags: int,
+    codes2: Sequence[torch.Tensor] | None = None,
+    absmax2: Sequence[torch.Tensor] | None = None,
+    code2: torch.Tensor | None = None,
+    mid2: torch.Tensor | None = None,
+    zero2: int = 0,
+    signed2: bool = False,
+    lut1: torch.Tensor | None = None,
+    lut2: torch.Tensor | None = None,
+    regions1: torch.Tensor | None = None,
+    regions2: torch.Tensor | None = None,
+) -> None:
+    """`optim8bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]):
+    the same bytes as one call per tensor.
+
+    Tensor i is `params[i]` with `grads[i]`, its states' `codes1[i]` / `absmax1[i]` (and
+    `codes2[i]` / `absmax2[i]`), its `layouts[i] = (rows, row_numel)` and its hyperparameters
+    `hps[i]`; the maps, tables, block size and flags are shared. The parameters share one dtype
+    and the gradients one dtype, each fp32 or bf16 (split a list of mixed dtypes into calls).
+    """
+    has2 = codes2 is not None
+    kind_id = _kind_id(kind, flags, block_size, has2)
+    n = len(params)
+    lists = {"grads": grads, "layouts": layouts, "codes1": codes1, "absmax1": absmax1, "hps": hps}
+    if has2:
+        lists |= {"codes2": codes2, "absmax2": absmax2}
+    for name, seq in lists.items():
+        if seq is None or len(seq) != n:
+            raise ValueError(
+                f"{name} has {None if seq is None else len(seq)} entries for {n} params"
+            )
+    if n == 0:
+        return
+    p_dtype, g_dtype = params[0].dtype, grads[0].dtype
+    if p_dtype not in _KERNEL_DTYPES or g_dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"params and grads must be fp32 or bf16; got {p_dtype} and {g_dtype}")
+    dev = params[0].device
+    maps = _Maps(dev, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2, regions2,
+                 signed2)  # fmt: skip
+    block_n, g, warps = _geometry(block_size)
+    meta = np.zeros((n, _META_WORDS), dtype=np.int64)
+    hpf = meta.view(np.float32)  # (n, 32): a row's fp32 words; hp from word _HP_AT
+    rows_ = []
+    programs = 0
+    scalars: dict[int, list[float]] = {}  # per hyperparameter list: usually one for all
+    dev_index = params[0].get_device()  # (an int: cheaper than comparing torch.device objects)
+    u8, f32 = torch.uint8, torch.float32
+    for i in range(n):
+        p, gr, c1, a1 = params[i], grads[i], codes1[i], absmax1[i]
+        c2, a2 = (codes2[i], absmax2[i]) if has2 else (c1, a1)  # type: ignore[index]
+        rows, row_numel = layouts[i]
+        numel, nbr = rows * row_numel, -(-row_numel // block_size)
+        n_blocks = rows * nbr
+        # One expression for what a well-formed tensor passes; the named checks below only
+        # run to say what is wrong (a step asks this of every tensor).
+        fine = (
+            p.dtype is p_dtype and gr.dtype is g_dtype and c1.dtype is u8 and c2.dtype is u8
+            and a1.dtype is f32 and a2.dtype is f32
+            and p.numel() == numel and gr.numel() == numel and c1.numel() == numel
+            and c2.numel() == numel and a1.numel() == n_blocks and a2.numel() == n_blocks
+            and p.is_contiguous() and gr.is_contiguous() and c1.is_contiguous()
+            and c2.is_contiguous() and a1.is_contiguous() and a2.is_contiguous()
+            and all(t.get_device() == dev_index for t in (p, gr, c1, a1, c2, a2))
+        )  # fmt: skip
+        if not fine:
+            _explain(i, p, gr, c1, a1, c2, a2, has2, numel, n_blocks, p_dtype, g_dtype, dev)
+        if numel >= 2**31:
+            raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
+        rows_.append([p.data_ptr(), gr.data_ptr(), c1.data_ptr(), a1.data_ptr(), c2.data_ptr(),
+                      a2.data_ptr(), n_blocks, nbr, row_numel, programs])  # fmt: skip
+        hp = hps[i]
+        if id(hp) not in scalars:
+            scalars[id(hp)] = _scalars(kind_id, hp)
+        hpf[i, _HP_AT : _HP_AT + 10] = scalars[id(hp)]
+        programs += -(-n_blocks // g)
+    if programs == 0:
+        return
+    meta[:, : len(_META)] = rows_
+    # 16-byte vector loads need every vector's address aligned: the tensors' starts (the four
+    # the vectors read) and the rows' lengths (a row's start is r * row_numel elements in).
+    aligned = not (meta[:, [0, 1, 2, 4]] % 16).any() and not (meta[:, 8] % 16).any()
+    table = torch.from_numpy(meta)
+    if dev.type != "cpu":  # a pinned copy, so the transfer does not wait for the stream
+        table = table.pin_memory().to(dev, non_blocking=True)
+    _step8_multi_kernel[(programs,)](
+        table, table.view(torch.float32), n, *maps.state1, int(zero1), *maps.state2, int(zero2),
+        LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), KIND=kind_id, FLAGS=int(flags), HAS2=has2,
+        SIGNED1=bool(signed1), SIGNED2=bool(signed2), BS=block_size, BLOCK_N=block_n, G=g,
+        P_BF16=p_dtype == torch.bfloat16, G_BF16=g_dtype == torch.bfloat16, **maps.consts,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
