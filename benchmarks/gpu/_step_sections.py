@@ -212,6 +212,71 @@ def adamw8bit(rec: Recorder, args) -> None:
         del opt32, p32s
     except Exception as e:
         rows_.append((f"AdamW8bit(optim_bits=32, fused=True): {type(e).__name__}", "", "", "", ""))
+    _many_tensors(rec, args)
+
+
+def _many_tensors(rec: Recorder, args) -> None:
+    """AdamW8bit on many tensors: one launch for all ([Note: multi-tensor launch]) against one
+    launch per tensor (the optimizer's dispatch until 2026-12-04) and torch's fused AdamW,
+    whose one multi-tensor launch sets the bar."""
+    import math
+
+    import torch
+
+    from qshard import _triton
+    from qshard.optim import AdamW8bit
+    from qshard.optim._qstate import qmap
+
+    count, side = (150, 768) if D.DEVICE == "cuda" else (3, 64)
+    rep = args.repeat
+    rows_ = _Rows(
+        rec,
+        f"AdamW step on {count} tensors of {side}x{side} ({count * side * side / 1e6:.0f}M "
+        "params): one launch vs one per tensor",
+        ["optimizer", "ms", "x fused fp32", "us per tensor"],
+    )
+    gen = torch.Generator(device=D.DEVICE).manual_seed(0)
+    params = [torch.randn(side, side, device=D.DEVICE, generator=gen) for _ in range(count)]
+    grads = [torch.randn(side, side, device=D.DEVICE, generator=gen) * 1e-2 for _ in params]
+
+    def fresh():
+        ps = [torch.nn.Parameter(p.clone()) for p in params]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        return ps
+
+    ref = fresh()
+    opt = torch.optim.AdamW(ref, lr=1e-3, weight_decay=0.01, fused=D.DEVICE == "cuda")
+    t_fused = _ms(opt.step, rep)
+    rows_.append(("torch AdamW(fused=True) fp32", f"{t_fused:.3f}", "1.00", f"{t_fused / count * 1e3:.1f}"))  # fmt: skip
+    del opt, ref
+    try:
+        ps = fresh()
+        opt8 = AdamW8bit(ps, lr=1e-3, weight_decay=0.01)
+        with _route():
+            t_one = _ms(opt8.step, rep)
+            rows_.append(("qshard.optim.AdamW8bit.step(): one launch", f"{t_one:.3f}",
+                          f"{t_one / t_fused:.2f}", f"{t_one / count * 1e3:.1f}"))  # fmt: skip
+            q1, q2 = qmap(True), qmap(False)
+            hp = [1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3 / 0.1, math.sqrt(1 - 0.999), 1 - 1e-5]
+
+            def per_tensor() -> None:
+                for p in ps:
+                    st = opt8.state[p]
+                    _triton.optim8bit_step(
+                        kind="adam", param=p.data, grad=p.grad, codes1=st["exp_avg_codes"],
+                        absmax1=st["exp_avg_absmax"], code1=q1.code, mid1=q1.mid,
+                        zero1=q1.zero_idx, signed1=True, codes2=st["exp_avg_sq_codes"],
+                        absmax2=st["exp_avg_sq_absmax"], code2=q2.code, mid2=q2.mid,
+                        zero2=q2.zero_idx, signed2=False, rows=side, row_numel=side,
+                        block_size=256, hp=hp, flags=3, lut1=q1.lut, lut2=q2.lut,
+                    )  # fmt: skip
+
+            t_each = _ms(per_tensor, rep)
+            rows_.append(("one optim8bit_step launch per tensor", f"{t_each:.3f}",
+                          f"{t_each / t_fused:.2f}", f"{t_each / count * 1e3:.1f}"))  # fmt: skip
+    except Exception as e:
+        rows_.append((f"AdamW8bit, {count} tensors: {_err(e)}", "", "", ""))
 
 
 def _fsdp_units(model) -> list[list]:

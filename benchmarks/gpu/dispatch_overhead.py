@@ -1,10 +1,12 @@
 """Host time AdamW8bit spends per tensor on its Triton path, without a GPU.
 
-On CUDA each tensor of a group costs one kernel launch plus the optimizer's Python around it
-(state lookups, layout checks, argument checks). For a model of many small tensors that host
-time, not the kernel, sets the step time (docs/gpu.md). This measures the Python part on the
-CPU: the optimizer dispatches to the Triton path as on a GPU, and the launch itself is replaced
-by a no-op, so what is left is what a faster dispatch would save.
+On CUDA the optimizer steps a group's tensors in one kernel launch ([Note: multi-tensor launch]
+in qshard._triton._optim8bit; until 2026-12-04 one launch per tensor), plus its Python per
+tensor (state lookups, layout checks, the launch table's row). For a model of many small tensors
+that host time, not the kernel, can set the step time (docs/gpu.md). This measures the Python
+part on the CPU: the optimizer dispatches to the Triton path as on a GPU, and the launch itself
+is replaced by a no-op, so what is left is what a faster dispatch would save. The launch
+table's copy to the GPU (one pinned host-to-device copy a launch) is not in it.
 
     python benchmarks/gpu/dispatch_overhead.py [--tensors 150] [--steps 50]
 
@@ -45,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from qshard.optim import AdamW8bit
 
     _optim8bit._step8_kernel = _NoLaunch()
+    _optim8bit._step8_multi_kernel = (
+        _NoLaunch()
+    )  # (one launch a group: [Note: multi-tensor launch])
     _triton.serves = lambda t: True  # the CUDA dispatch decision, for CPU tensors
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(768, 768)) for _ in range(args.tensors)]

@@ -152,3 +152,52 @@ def test_optimizer_steps(monkeypatch, name):
     want, got, calls = _both(monkeypatch, run)
     assert calls >= 2
     assert _equal(want, got)
+
+
+def test_optimizer_steps_many_tensors_in_one_launch_per_dtype(monkeypatch):
+    """A group of fp32 and bf16 parameters of odd shapes (and an fp16 gradient): two steps on
+    the kernels, one launch per parameter dtype a step ([Note: multi-tensor launch]), equal to
+    the CPU path (the C kernel for fp32; the torch reference for bf16, see below). Each tensor
+    of the launch against its own one-tensor launch, bit for bit: test_optim8bit."""
+    from qshard import optim
+    from qshard.optim import _kernels
+
+    if not _kernels.available():
+        pytest.skip("qshard.optim's C kernel is not built here")
+    shapes = [((8, 300), torch.float32), ((40, 64), torch.float32), ((3, 1000), torch.bfloat16),
+              ((17, 77), torch.float32), ((5, 512), torch.bfloat16)]  # fmt: skip
+    launches = []
+
+    def run():
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt)) for s, dt in shapes]
+        ps[3].grad_dtype = None  # (torch >= 2.10 refuses a gradient of another dtype otherwise)
+        opt = optim.AdamW8bit(ps, lr=1e-2, weight_decay=0.01, block_size=256, min_8bit_size=1024)
+        for _ in range(2):
+            for i, p in enumerate(ps):
+                g = torch.randn(p.shape, generator=gen) * 0.1
+                p.grad = g.half() if i == 3 else g.to(p.dtype)  # fp16: the kernel reads fp32
+            opt.step()
+        out = []
+        for p in ps:
+            st = opt.state[p]
+            out += [p.detach().clone()] + [st[k].clone() for k in sorted(st) if "_" in k]
+        return out
+
+    real = _triton.optim8bit_step_multi
+
+    def counted(**kw):
+        launches.append([p.dtype for p in kw["params"]])
+        return real(**kw)
+
+    monkeypatch.setattr(_triton, "optim8bit_step_multi", counted)
+    want, got, _ = _both(monkeypatch, run)
+    assert launches == [[torch.float32] * 3, [torch.bfloat16] * 2] * 2
+    # fp32 parameters: bit for bit (the C kernel is the kernel's twin). bf16 ones take the torch
+    # reference on CPU, whose first moment is torch's lerp (torch.optim's rounding), not the
+    # kernel's m + (1 - b1) * (g - m): same codes, absmax within an ulp or two.
+    for k, (w, g) in enumerate(zip(want, got)):
+        if shapes[k // 5][1] == torch.float32:
+            assert _equal(w, g), k
+        else:
+            assert w.dtype == g.dtype and torch.allclose(w.float(), g.float(), rtol=1e-6, atol=0), k

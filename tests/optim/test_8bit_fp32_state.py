@@ -391,7 +391,9 @@ def test_triton_step_only_takes_its_dtypes(monkeypatch):
 
     calls = []
     monkeypatch.setattr(_triton, "serves", lambda t: True)
-    monkeypatch.setattr(_triton, "optim8bit_step", lambda **kw: calls.append(kw["param"].dtype))
+    monkeypatch.setattr(
+        _triton, "optim8bit_step_multi", lambda **kw: calls.extend(p.dtype for p in kw["params"])
+    )
     for dtype in (torch.float64, torch.float16, torch.float32):
         p = nn.Parameter(torch.randn(64, 128, dtype=dtype))
         o8 = qoptim.AdamW8bit([p], min_8bit_size=0)

@@ -30,7 +30,7 @@ shards only; no collective is issued.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -69,6 +69,9 @@ from qshard.optim._state_layout import (  # noqa: F401
     _local,
     _wrap_like,
 )
+
+#: The parameter and gradient dtypes of the Triton kernels.
+_TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
 __all__ = ["BlockwiseOptimizer", "Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
 
@@ -287,7 +290,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             entry = self._multi_tensor_row(group, item[1], item[2])
             if entry is None:
                 self._check_state(item[1], group, item[2])
-                plan.rest.append(item)
+                (plan.triton if self._triton_takes(group, item[1]) else plan.rest).append(item)
             else:
                 plan.batch.append(item)
                 plan.rows.append(entry[0])
@@ -302,6 +305,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
         if plan.batch:
             self._multi_tensor_step(gi, group, plan.batch, plan.rows, _advance_steps(plan.batch))
+        if plan.triton:
+            self._triton_multi_step(group, plan.triton, _advance_steps(plan.triton))
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
@@ -321,6 +326,17 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     ) -> None:
         """One kernel call for ``items``, with their :meth:`_multi_tensor_row` entries and their
         step counts (already advanced)."""
+        raise NotImplementedError
+
+    def _triton_takes(self, group: dict[str, Any], p: Tensor) -> bool:
+        """Whether :meth:`_triton_multi_step` steps ``p`` (a CUDA tensor the Triton kernel
+        serves); else :meth:`_step_param` does."""
+        return False
+
+    def _triton_multi_step(
+        self, group: dict[str, Any], items: list[_Item], steps: list[int]
+    ) -> None:
+        """One Triton launch (per dtype and flags) for ``items``, their step counts advanced."""
         raise NotImplementedError
 
     def _has_quantized_state(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
@@ -476,6 +492,68 @@ class Optimizer8bit(BlockwiseOptimizer):
         if rc != 0:
             raise RuntimeError(f"fused 8-bit kernel rejected block_size={bs}")
 
+    def _triton_takes(self, group: dict[str, Any], p: Tensor) -> bool:
+        """CUDA tensors (``_triton.serves``), contiguous fp32 / bf16, unless stochastic rounding
+        is on (no Triton kernel: the torch path)."""
+        p_l = _local(p)
+        return (
+            _triton.serves(p_l)
+            and p_l.dtype in _TRITON_DTYPES
+            and p_l.is_contiguous()
+            and not group["stochastic_rounding"]
+        )
+
+    def _triton_multi_step(
+        self, group: dict[str, Any], items: list[_Item], steps: list[int]
+    ) -> None:
+        """The Triton twin of ``step8_multi`` ([Note: multi-tensor launch] in
+        ``qshard._triton._optim8bit``): one launch for each (parameter dtype, gradient dtype,
+        flags) among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
+        specs = self._state_specs(group)
+        maps = [_qstate.qmap(signed) for _, signed in specs]
+        rounding = _qstate.Rounding.make(
+            bnb_compat=group["bnb_compat"], stochastic=group["stochastic_rounding"]
+        )
+        base_flags = rounding.flags()
+        keys = [(f"codes{k}", f"absmax{k}", f"{name}_codes", f"{name}_absmax")
+                for k, (name, _) in enumerate(specs, start=1)]  # fmt: skip
+        hparams: dict[int, list[float]] = {}  # per step count: usually one for all
+        calls: dict[tuple, dict[str, list]] = {}
+        for (_, p, state), step in zip(items, steps):
+            p_l, g_l = _local(p), _local(p.grad)
+            if g_l.dtype not in _TRITON_DTYPES:  # fp16 / fp64 gradients: fp32 (the kernel's math)
+                g_l = g_l.float()
+            flags = base_flags | (_kernels.FLAG_FIRST_STEP if step == 1 else 0)
+            if step not in hparams:
+                hparams[step] = self._kernel_hparams(group, step)
+            call = calls.get((p_l.dtype, g_l.dtype, flags))
+            if call is None:
+                call = calls[(p_l.dtype, g_l.dtype, flags)] = defaultdict(list)
+            call["params"].append(p_l)
+            call["grads"].append(g_l.contiguous())  # (a copy lives until the launch)
+            call["layouts"].append(_qstate.row_view(p_l.shape))
+            call["hps"].append(hparams[step])
+            for codes_key, absmax_key, codes_name, absmax_name in keys:
+                call[codes_key].append(_local(state[codes_name]))
+                call[absmax_key].append(_local(state[absmax_name]))
+        for (_, _, flags), call in calls.items():
+            two = {}
+            if len(maps) == 2:
+                m = maps[1]
+                two = dict(code2=m.code, mid2=m.mid, zero2=m.zero_idx, signed2=m.signed, lut2=m.lut)
+            _triton.optim8bit_step_multi(
+                kind=self._kind,
+                code1=maps[0].code,
+                mid1=maps[0].mid,
+                zero1=maps[0].zero_idx,
+                signed1=maps[0].signed,
+                lut1=maps[0].lut,
+                block_size=group["block_size"],
+                flags=flags,
+                **call,
+                **two,
+            )
+
     # -- options ----------------------------------------------------------------------------
 
     def _validate_common(self, group: dict[str, Any]) -> None:
@@ -590,46 +668,7 @@ class Optimizer8bit(BlockwiseOptimizer):
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
         # The layout was checked by _plan_quantized (_check_state) before any tensor moved.
         maps = [_qstate.qmap(signed) for _, signed in specs]
-        if (
-            _triton.serves(p_l)
-            and p_l.is_contiguous()
-            and p_l.dtype in (torch.float32, torch.bfloat16)  # the kernel's dtypes
-            and not rounding.stochastic
-        ):
-            # The Triton twin of step8_multi's per-tensor work: same numerics (docs/gpu.md).
-            two = (
-                {}
-                if len(specs) == 1
-                else dict(
-                    codes2=codes[1],
-                    absmax2=absmax[1],
-                    code2=maps[1].code,
-                    mid2=maps[1].mid,
-                    zero2=maps[1].zero_idx,
-                    signed2=maps[1].signed,
-                    lut2=maps[1].lut,
-                )
-            )
-            rows, row_numel = _qstate.row_view(p_l.shape)
-            _triton.optim8bit_step(
-                kind=self._kind,
-                param=p_l,
-                grad=g_l.contiguous(),
-                codes1=codes[0],
-                absmax1=absmax[0],
-                code1=maps[0].code,
-                mid1=maps[0].mid,
-                zero1=maps[0].zero_idx,
-                signed1=maps[0].signed,
-                lut1=maps[0].lut,
-                rows=rows,
-                row_numel=row_numel,
-                block_size=bs,
-                hp=self._kernel_hparams(group, step),
-                flags=rounding.flags() | (_kernels.FLAG_FIRST_STEP if step == 1 else 0),
-                **two,
-            )
-            return
+        # (CUDA tensors the Triton kernel takes were stepped by _triton_multi_step.)
         # Reference path: dequantize, pure update in fp32 (fp64 for fp64 parameters), requantize.
         dt = _full_state_dtype(p_l)
         states = [

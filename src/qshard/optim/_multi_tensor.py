@@ -34,12 +34,14 @@ _Item = tuple[int, Tensor, dict[str, Any]]
 @dataclass
 class _QuantizedPlan:
     """A group's quantized tensors for one step, their layouts checked: ``batch`` for one
-    multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``rest`` for
+    multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``triton``
+    for the Triton kernel's multi-tensor launch (CUDA), ``rest`` for
     :meth:`BlockwiseOptimizer._step_param` one by one."""
 
     batch: list[_Item] = field(default_factory=list)
     rows: list[list[int]] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
+    triton: list[_Item] = field(default_factory=list)
     rest: list[_Item] = field(default_factory=list)
 
 
