@@ -33,8 +33,8 @@ def _warm_state(shape, block, v_map, gen, device):
     rows, row_numel = shape
     m = torch.randn(rows, row_numel, generator=gen) * 0.1
     v = torch.rand(rows, row_numel, generator=gen).pow(4) * 0.01
-    m[0, :5] = 0.0
-    v[0, :5] = 0.0
+    m[:1, :5] = 0.0
+    v[:1, :5] = 0.0
     mc, ma = _qstate4.quantize_rows4(m, _qstate4.qmap4("signed-dynamic"), block)
     vc, va = _qstate4.quantize_rows4(v, _qstate4.qmap4(v_map), block)
     return [t.to(device) for t in (mc, ma, vc, va)]
@@ -128,13 +128,13 @@ def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):
 
     want = run("cpu")
     calls = []
-    kernel = _triton.optim4bit_step
+    kernel = _triton.optim4bit_step_multi  # one launch a step ([Note: multi-tensor launch])
 
     def counted(**kwargs):
-        calls.append(kwargs["param"].device)
+        calls.extend(p.device for p in kwargs["params"])
         return kernel(**kwargs)
 
-    monkeypatch.setattr(_triton, "optim4bit_step", counted)
+    monkeypatch.setattr(_triton, "optim4bit_step_multi", counted)
     if DEVICE.type == "cpu":
         monkeypatch.setattr(_triton, "serves", lambda t: True)
     got = run(DEVICE)
@@ -193,3 +193,112 @@ def test_nonfinite_blocks_store_nan_absmax_as_the_reference(device, v_map):
                 assert torch.equal(k.isnan(), bad) and torch.equal(r.isnan(), bad), (v_map, i)
                 k, r = k[~bad], r[~bad]
             assert torch.equal(k, r), (v_map, hp_case, i)
+
+
+@pytest.mark.parametrize("v_map", _qstate4.SECOND_MOMENT_MAPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_multi_tensor_launch_equals_the_reference_per_tensor(device, v_map, dtype):
+    """Six tensors of odd shapes (an empty one, a single element, odd rows) in one launch
+    ([Note: multi-tensor launch]), each at its own step: each equals the torch reference (and so
+    its own one-tensor launch) bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    qm, qv = _qstate4.qmap4("signed-dynamic"), _qstate4.qmap4(v_map)
+    block = 128
+    shapes = [(5, 300), (3, 129), (0, 64), (1, 1), (2, 256), (7, 77)]
+    want, args = [], {k: [] for k in ("params", "grads", "layouts", "m_codes", "m_absmax",
+                                      "v_codes", "v_absmax", "hps")}  # fmt: skip
+    for i, (rows, row_numel) in enumerate(shapes):
+        p = torch.randn(rows, row_numel, generator=gen).to(dtype)
+        g = (torch.randn(rows, row_numel, generator=gen) * 0.3).to(dtype)
+        hp = _qstate4.adam_hparams(step=2 + i, **_HP[i % len(_HP)])
+        if rows == 0:  # an empty shard: nothing to step (the reference takes no empty rows)
+            packed = _qstate4.packed_row(row_numel)
+            nbr = -(-row_numel // block)
+            state = [torch.empty(0, packed, dtype=torch.uint8), torch.empty(0, nbr)] * 2
+            ref_p, ref_state = p.clone(), [t.clone() for t in state]
+        else:
+            state = _warm_state((rows, row_numel), block, v_map, gen, "cpu")
+            ref_p, ref_state = p.clone(), [t.clone() for t in state]
+            _qstate4.adam4bit_reference(
+                ref_p, g, *ref_state, m_map=qm, v_map=qv, block_size=block, hp=hp
+            )
+        want.append((ref_p, ref_state))
+        ks = [t.to(device) for t in state]
+        for k, v in zip(("params", "grads", "layouts", "m_codes", "m_absmax", "v_codes",
+                         "v_absmax", "hps"),
+                        (p.to(device), g.to(device), (rows, row_numel), *ks, hp)):  # fmt: skip
+            args[k].append(v)
+    _triton.optim4bit_step_multi(
+        **args, m_code=qm.code, m_mid=qm.mid, v_code=qv.code, v_mid=qv.mid, block_size=block,
+        m_lut=qm.lut, v_lut=qv.lut,
+    )  # fmt: skip
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    for i, (ref_p, ref_state) in enumerate(want):
+        assert torch.equal(args["params"][i].cpu().view(bits), ref_p.view(bits)), i
+        got = [args[k][i].cpu() for k in ("m_codes", "m_absmax", "v_codes", "v_absmax")]
+        for k, r in zip(got, ref_state):
+            if k.dtype == torch.float32:
+                k, r = k.view(torch.int32), r.view(torch.int32)
+            assert torch.equal(k, r), i
+
+
+def test_multi_tensor_launch_rejects_bad_lists(device):
+    qm = _qstate4.qmap4("linear")
+    z = torch.zeros(2, 8, device=device)
+    c = torch.zeros(2, 4, dtype=torch.uint8, device=device)
+    a = torch.zeros(2, 1, device=device)
+    hp = _qstate4.adam_hparams(step=1, **_HP[0])
+    common = dict(layouts=[(2, 8)] * 2, m_absmax=[a, a], v_codes=[c, c], v_absmax=[a, a],
+                  m_code=qm.code, m_mid=qm.mid, v_code=qm.code, v_mid=qm.mid, block_size=8,
+                  hps=[hp, hp])  # fmt: skip
+    with pytest.raises(ValueError, match="m_codes has 1 entries for 2 params"):
+        _triton.optim4bit_step_multi(params=[z, z], grads=[z, z], m_codes=[c], **common)
+    with pytest.raises(ValueError, match=r"m_codes\[1\]: expected 8 elements"):
+        _triton.optim4bit_step_multi(
+            params=[z, z], grads=[z, z], m_codes=[c, c[:, :3].contiguous()], **common
+        )
+    with pytest.raises(ValueError, match="split the list by dtype"):
+        _triton.optim4bit_step_multi(
+            params=[z, z.bfloat16()], grads=[z, z], m_codes=[c, c], **common
+        )
+
+
+def test_adamw4bit_launches_once_per_dtype_for_many_tensors(monkeypatch):
+    """Five fp32 / bf16 parameters of odd shapes: one launch per parameter dtype a step, equal
+    to the CPU path (C kernel and torch reference: bit-identical to each other)."""
+    if not _triton.interpreter() and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    shapes = [((8, 300), torch.float32), ((3, 1000), torch.bfloat16), ((40, 64), torch.float32),
+              ((17, 77), torch.float32), ((5, 512), torch.bfloat16)]  # fmt: skip
+
+    def run(device):
+        gen = torch.Generator().manual_seed(0)
+        ps = [
+            torch.nn.Parameter(torch.randn(s, generator=gen).to(dt).to(device)) for s, dt in shapes
+        ]
+        opt = AdamW4bit(ps, lr=1e-2, weight_decay=0.1, min_4bit_size=1024)
+        for _ in range(2):
+            for p in ps:
+                p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype).to(device)
+            opt.step()
+        return [
+            t.cpu() for p in ps for t in (p.detach(), *(v for _, v in sorted(opt.state[p].items())))
+        ]
+
+    want = run("cpu")
+    launches = []
+    kernel = _triton.optim4bit_step_multi
+
+    def counted(**kwargs):
+        launches.append([p.dtype for p in kwargs["params"]])
+        return kernel(**kwargs)
+
+    monkeypatch.setattr(_triton, "optim4bit_step_multi", counted)
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(_triton, "serves", lambda t: True)
+    got = run(DEVICE)
+    monkeypatch.undo()
+    assert launches == [[torch.float32] * 3, [torch.bfloat16] * 2] * 2
+    assert len(got) == len(want)
+    for k, (w, g) in enumerate(zip(want, got)):
+        assert w.dtype == g.dtype and torch.equal(w, g), k

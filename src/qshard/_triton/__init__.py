@@ -30,6 +30,7 @@ __all__ = [
     "dequantize_blocks",
     "interpreter",
     "optim4bit_step",
+    "optim4bit_step_multi",
     "optim8bit_step",
     "optim8bit_step_multi",
     "pack_int4",
@@ -155,6 +156,12 @@ def optim8bit_step_multi(**kwargs: Any) -> None:
 def optim4bit_step(**kwargs: Any) -> None:
     """Fused in-place 4-bit Adam/AdamW step (`qshard.optim.AdamW4bit`'s CUDA path)."""
     return _module("_optim4bit").optim4bit_step(**kwargs)
+
+
+def optim4bit_step_multi(**kwargs: Any) -> None:
+    """Fused in-place 4-bit Adam/AdamW step of a list of tensors in one launch; see
+    `_optim4bit.optim4bit_step_multi`."""
+    return _module("_optim4bit").optim4bit_step_multi(**kwargs)
 
 
 def adam8bit_step(**kwargs: Any) -> None:

@@ -228,3 +228,41 @@ def region_code(x, reg_ptr, lut_ptr, SIGNED: tl.constexpr):
         cnt = tl.where(neg, 0, cnt)
     e = tl.load(lut_ptr + _table_index(b), mask=near, other=0)
     return tl.where(near, _table_finish(x, b, e), cnt)
+
+
+# [Note: multi-tensor launch] One launch steps every tensor of a list (the 8- and 4-bit
+# optimizer kernels): each tensor's row of an int64 table holds its addresses and sizes, with
+# the number of its first program in field FIRST and its fp32 hyperparameters in the row's
+# upper words (the same buffer read as fp32). A program finds its tensor by a binary search over
+# the rows' first programs (`find_row`), then runs the one-tensor body on its own blocks. One
+# launch and one small host-to-device copy replace a launch and its host checks per tensor.
+TABLE_WORDS = 16  # int64 words a row
+
+
+@triton.jit
+def find_row(meta_ptr, pid, n_rows, LOG_T: tl.constexpr, FIRST: tl.constexpr):
+    """The last row (of `n_rows` <= 2**LOG_T, 16 int64 words each) whose first program (word
+    FIRST) is <= `pid`: the tensor program `pid` works on (empty tensors share their first
+    program with the next row and lose the tie)."""
+    t = pid * 0
+    for k in tl.static_range(LOG_T):
+        cand = t + (1 << (LOG_T - 1 - k))
+        first = tl.load(meta_ptr + cand * 16 + FIRST, mask=cand < n_rows, other=pid + 1)
+        t = tl.where(first <= pid, cand, t)
+    return t
+
+
+def launch_table(rows: list[list[int]], hps: list[list[float]], hp_at: int, device):
+    """The int64 (len(rows), TABLE_WORDS) table of a multi-tensor launch on ``device``: each
+    row's ints from word 0, its fp32 hyperparameters from fp32 word ``hp_at``; copied through
+    pinned memory without waiting for the stream (torch keeps the pinned block until the copy
+    has run)."""
+    import numpy as np
+
+    table = np.zeros((len(rows), TABLE_WORDS), dtype=np.int64)
+    table[:, : len(rows[0])] = rows
+    table.view(np.float32)[:, hp_at : hp_at + len(hps[0])] = hps
+    out = torch.from_numpy(table)
+    if device.type != "cpu":
+        out = out.pin_memory().to(device, non_blocking=True)
+    return out

@@ -28,9 +28,12 @@ import triton
 import triton.language as tl
 
 from qshard._triton._common import (
+    TABLE_WORDS,
     check_contiguous,
     check_device,
+    find_row,
     kernel_view,
+    launch_table,
     load_f32,
     next_pow2,
     on_device,
@@ -40,7 +43,7 @@ from qshard._triton._common import (
     table_code,
 )
 
-__all__ = ["optim4bit_step"]
+__all__ = ["optim4bit_step", "optim4bit_step_multi"]
 
 _MAX_BLOCK = 4096
 
@@ -91,7 +94,8 @@ def _adam(pi, gi, m, v, b2, eps, wd, step_size, ibc2, decay, w1, w2):
 
 
 @triton.jit
-def _step4_kernel(
+def _step4_blocks(
+    pid,
     p_ptr,
     g_ptr,
     c1_ptr,
@@ -124,7 +128,8 @@ def _step4_kernel(
     LUT1: tl.constexpr,
     LUT2: tl.constexpr,
 ):
-    b = tl.program_id(0) * G + tl.arange(0, G)
+    """Program `pid`'s G state blocks of one tensor (the whole step)."""
+    b = pid * G + tl.arange(0, G)
     b_ok = b < n_blocks
     r = b // blocks_per_row
     j = b % blocks_per_row
@@ -174,12 +179,147 @@ def _step4_kernel(
     tl.store(a2_ptr + b, n2, mask=b_ok)
 
 
+@triton.jit
+def _step4_kernel(
+    p_ptr,
+    g_ptr,
+    c1_ptr,
+    a1_ptr,
+    code1_ptr,
+    mid1_ptr,
+    lut1_ptr,
+    c2_ptr,
+    a2_ptr,
+    code2_ptr,
+    mid2_ptr,
+    lut2_ptr,
+    n_blocks,
+    blocks_per_row,
+    row_numel,
+    row_bytes,
+    b2,
+    eps,
+    wd,
+    step_size,
+    ibc2,
+    decay,
+    w1,
+    w2,
+    BS: tl.constexpr,
+    HALF_N: tl.constexpr,
+    G: tl.constexpr,
+    P_BF16: tl.constexpr,
+    G_BF16: tl.constexpr,
+    LUT1: tl.constexpr,
+    LUT2: tl.constexpr,
+):
+    """One tensor's step."""
+    _step4_blocks(
+        tl.program_id(0), p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, c2_ptr,
+        a2_ptr, code2_ptr, mid2_ptr, lut2_ptr, n_blocks, blocks_per_row, row_numel, row_bytes, b2,
+        eps, wd, step_size, ibc2, decay, w1, w2, BS, HALF_N, G, P_BF16, G_BF16, LUT1, LUT2,
+    )  # fmt: skip
+
+
+# [Note: multi-tensor launch] in _common: a row's fields, then b2 .. w2 as fp32.
+_META = ("param", "grad", "m_codes", "m_absmax", "v_codes", "v_absmax", "n_blocks",
+         "blocks_per_row", "row_numel", "first_program", "row_bytes")  # fmt: skip
+_HP_AT = 24  # the first hyperparameter, in fp32 words (after the 11 fields, 16-byte aligned)
+# The kernel spells these as literals (16 words a row, fields 9 and 10, fp32 word 24).
+assert TABLE_WORDS == 16 and _META.index("first_program") == 9 and _META.index("row_bytes") == 10
+assert 2 * len(_META) <= _HP_AT and _HP_AT + 8 <= 2 * TABLE_WORDS
+
+
+@triton.jit
+def _step4_multi_kernel(
+    meta_ptr,
+    hpf_ptr,
+    n_tensors,
+    code1_ptr,
+    mid1_ptr,
+    lut1_ptr,
+    code2_ptr,
+    mid2_ptr,
+    lut2_ptr,
+    LOG_T: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BS: tl.constexpr,
+    HALF_N: tl.constexpr,
+    G: tl.constexpr,
+    P_BF16: tl.constexpr,
+    G_BF16: tl.constexpr,
+    LUT1: tl.constexpr,
+    LUT2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = find_row(meta_ptr, pid, n_tensors, LOG_T, 9)
+    row = meta_ptr + t * 16
+    if P_BF16:
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    if G_BF16:
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+    else:
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    c1_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    a1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    c2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    a2_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    n_blocks = tl.load(row + 6).to(tl.int32)
+    blocks_per_row = tl.load(row + 7).to(tl.int32)
+    row_numel = tl.load(row + 8).to(tl.int32)
+    first = tl.load(row + 9).to(tl.int32)
+    row_bytes = tl.load(row + 10).to(tl.int32)
+    if ALIGNED:  # what the one-tensor launch learns from its arguments
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        c1_ptr = tl.multiple_of(c1_ptr, 16)
+        c2_ptr = tl.multiple_of(c2_ptr, 16)
+        row_numel = tl.multiple_of(row_numel, 16)
+        row_bytes = tl.multiple_of(row_bytes, 16)
+    hp = hpf_ptr + t * 32 + 24
+    _step4_blocks(
+        pid - first, p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, c2_ptr, a2_ptr,
+        code2_ptr, mid2_ptr, lut2_ptr, n_blocks, blocks_per_row, row_numel, row_bytes,
+        tl.load(hp), tl.load(hp + 1), tl.load(hp + 2), tl.load(hp + 3), tl.load(hp + 4),
+        tl.load(hp + 5), tl.load(hp + 6), tl.load(hp + 7), BS, HALF_N, G, P_BF16, G_BF16, LUT1,
+        LUT2,
+    )  # fmt: skip
+
+
 def _geometry(block_size: int) -> tuple[int, int, int]:
     """(padded half-block width, blocks per program, warps) of a launch."""
     # 2048 elements a program, 4 warps. On an H200 the 134M-parameter step took 1.75-1.77 ms
     # with these and 3.79 ms with 4096 elements and 8 warps (the earlier default); the table
     # and the binary search were within 3% of each other here (benchmarks/gpu/sweep.py).
     return next_pow2(block_size // 2), rows_per_program(block_size, 2048), 4
+
+
+def _maps(dev, m_code, m_mid, v_code, v_mid, m_lut, v_lut):
+    """The two maps and their search tables on ``dev``, checked (copied once)."""
+    for name, t, count in (
+        ("m_code", m_code, 16),
+        ("v_code", v_code, 16),
+        ("m_mid", m_mid, 15),
+        ("v_mid", v_mid, 15),
+    ):
+        # The binary search reads mid[0..14], the decode code[0..15], unmasked.
+        if t.dtype != torch.float32 or t.numel() < count or not t.is_contiguous():
+            raise ValueError(
+                f"{name}: expected >= {count} contiguous fp32 values; got {t.dtype} {t.numel()}"
+            )
+    luts = (search_table_on("m_lut", m_lut, dev), search_table_on("v_lut", v_lut, dev))
+    return tuple(on_device(t, dev) for t in (m_code, m_mid, v_code, v_mid)), luts
+
+
+def _scalars(hp: Sequence[float]) -> list[float]:
+    """b2, eps, wd, step_size, ibc2, decay, w1, w2 of the 10 values of adam_hparams, as
+    fp32-exact floats: the C kernel reads hp as fp32 (CUDA and the interpreter then evaluate
+    the same fp32 expressions)."""
+    if len(hp) != 10:
+        raise ValueError(f"hp takes the 10 values of adam_hparams; got {len(hp)}")
+    return np.asarray(hp, dtype=np.float64).astype(np.float32).tolist()[2:]
 
 
 def optim4bit_step(
@@ -226,31 +366,13 @@ def optim4bit_step(
                 f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype}"
                 f" {t.numel()}"
             )
-    for name, t, count in (
-        ("m_code", m_code, 16),
-        ("v_code", v_code, 16),
-        ("m_mid", m_mid, 15),
-        ("v_mid", v_mid, 15),
-    ):
-        # The binary search reads mid[0..14], the decode code[0..15], unmasked.
-        if t.dtype != torch.float32 or t.numel() < count or not t.is_contiguous():
-            raise ValueError(
-                f"{name}: expected >= {count} contiguous fp32 values; got {t.dtype} {t.numel()}"
-            )
     check_device(param, grad, m_codes, m_absmax, v_codes, v_absmax)
-    if len(hp) != 10:
-        raise ValueError(f"hp takes the 10 values of adam_hparams; got {len(hp)}")
+    maps, luts = _maps(param.device, m_code, m_mid, v_code, v_mid, m_lut, v_lut)
+    b2, eps, wd, step_size, ibc2, decay, w1, w2 = _scalars(hp)
     if n_blocks == 0:
         return
-    dev = param.device
-    m_lut, v_lut = search_table_on("m_lut", m_lut, dev), search_table_on("v_lut", v_lut, dev)
-    m_code, m_mid = on_device(m_code, dev), on_device(m_mid, dev)
-    v_code, v_mid = on_device(v_code, dev), on_device(v_mid, dev)
-    # The C kernel reads hp as fp32: pass fp32-exact values (CUDA and the interpreter then
-    # evaluate the same fp32 expressions).
-    _, _, b2, eps, wd, step_size, ibc2, decay, w1, w2 = (
-        np.asarray(hp, dtype=np.float64).astype(np.float32).tolist()
-    )
+    m_code, m_mid, v_code, v_mid = maps
+    m_lut, v_lut = luts
     half_n, g, warps = _geometry(block_size)
     pk, p_bf16 = kernel_view(param)
     gk, g_bf16 = kernel_view(grad)
@@ -289,3 +411,117 @@ def optim4bit_step(
         num_warps=warps,
         enable_fp_fusion=False,
     )
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def optim4bit_step_multi(
+    *,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    layouts: Sequence[tuple[int, int]],
+    m_codes: Sequence[torch.Tensor],
+    m_absmax: Sequence[torch.Tensor],
+    v_codes: Sequence[torch.Tensor],
+    v_absmax: Sequence[torch.Tensor],
+    m_code: torch.Tensor,
+    m_mid: torch.Tensor,
+    v_code: torch.Tensor,
+    v_mid: torch.Tensor,
+    block_size: int,
+    hps: Sequence[Sequence[float]],
+    m_lut: torch.Tensor | None = None,
+    v_lut: torch.Tensor | None = None,
+) -> None:
+    """`optim4bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]
+    in `_common`): the same bytes as one call per tensor. Tensor i is `params[i]` with
+    `grads[i]`, its moments' codes and absmaxes, its `layouts[i] = (rows, row_numel)` and its
+    `hps[i]`; the parameters share one dtype and the gradients one, each fp32 or bf16."""
+    if not 2 <= block_size <= _MAX_BLOCK or block_size % 2:
+        raise ValueError(f"block_size must be even, in 2..{_MAX_BLOCK}; got {block_size}")
+    n = len(params)
+    for name, seq in (("grads", grads), ("layouts", layouts), ("m_codes", m_codes),
+                      ("m_absmax", m_absmax), ("v_codes", v_codes), ("v_absmax", v_absmax),
+                      ("hps", hps)):  # fmt: skip
+        if len(seq) != n:
+            raise ValueError(f"{name} has {len(seq)} entries for {n} params")
+    if n == 0:
+        return
+    p_dtype, g_dtype = params[0].dtype, grads[0].dtype
+    if p_dtype not in _KERNEL_DTYPES or g_dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"params and grads must be fp32 or bf16; got {p_dtype} and {g_dtype}")
+    dev = params[0].device
+    maps, luts = _maps(dev, m_code, m_mid, v_code, v_mid, m_lut, v_lut)
+    half_n, g, warps = _geometry(block_size)
+    rows_, hp_rows = [], []
+    scalars: dict[int, list[float]] = {}
+    programs = 0
+    dev_index = params[0].get_device()
+    u8, f32 = torch.uint8, torch.float32
+    for i in range(n):
+        p, gr, c1, a1, c2, a2 = (
+            params[i],
+            grads[i],
+            m_codes[i],
+            m_absmax[i],
+            v_codes[i],
+            v_absmax[i],
+        )
+        rows, row_numel = layouts[i]
+        numel, nbr, row_bytes = rows * row_numel, -(-row_numel // block_size), (row_numel + 1) // 2
+        n_blocks, n_bytes = rows * nbr, rows * row_bytes
+        fine = (
+            p.dtype is p_dtype and gr.dtype is g_dtype and c1.dtype is u8 and c2.dtype is u8
+            and a1.dtype is f32 and a2.dtype is f32
+            and p.numel() == numel and gr.numel() == numel and c1.numel() == n_bytes
+            and c2.numel() == n_bytes and a1.numel() == n_blocks and a2.numel() == n_blocks
+            and p.is_contiguous() and gr.is_contiguous() and c1.is_contiguous()
+            and c2.is_contiguous() and a1.is_contiguous() and a2.is_contiguous()
+            and all(t.get_device() == dev_index for t in (p, gr, c1, a1, c2, a2))
+        )  # fmt: skip
+        if not fine:  # say what is wrong
+            if p.dtype != p_dtype or gr.dtype != g_dtype:
+                raise ValueError(
+                    f"tensor {i}: param {p.dtype} / grad {gr.dtype} in a call for {p_dtype} / "
+                    f"{g_dtype}; split the list by dtype"
+                )
+            for name, t, dtype, count in (
+                ("params", p, None, numel), ("grads", gr, None, numel),
+                ("m_codes", c1, u8, n_bytes), ("v_codes", c2, u8, n_bytes),
+                ("m_absmax", a1, f32, n_blocks), ("v_absmax", a2, f32, n_blocks),
+            ):  # fmt: skip
+                check_contiguous(f"{name}[{i}]", t)
+                if t.numel() != count or (dtype is not None and t.dtype != dtype):
+                    raise ValueError(
+                        f"{name}[{i}]: expected {count} elements of {dtype or 'float'}; got "
+                        f"{t.dtype} {t.numel()}"
+                    )
+            check_device(p, gr, c1, a1, c2, a2)
+        if numel >= 2**31:
+            raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
+        rows_.append([p.data_ptr(), gr.data_ptr(), c1.data_ptr(), a1.data_ptr(), c2.data_ptr(),
+                      a2.data_ptr(), n_blocks, nbr, row_numel, programs, row_bytes])  # fmt: skip
+        hp = hps[i]
+        if id(hp) not in scalars:
+            scalars[id(hp)] = _scalars(hp)
+        hp_rows.append(scalars[id(hp)])
+        programs += -(-n_blocks // g)
+    if programs == 0:
+        return
+    # 16-byte vector access needs the starts (param, grad, both codes) and the rows' lengths
+    # (elements and code bytes) to keep every vector aligned.
+    aligned = all(
+        r[0] % 16 == r[1] % 16 == r[2] % 16 == r[4] % 16 == r[8] % 16 == r[10] % 16 == 0
+        for r in rows_
+    )
+    table = launch_table(rows_, hp_rows, _HP_AT, dev)
+    _step4_multi_kernel[(programs,)](
+        table, table.view(torch.float32), n, maps[0], maps[1],
+        maps[0] if luts[0] is None else luts[0], maps[2], maps[3],
+        maps[2] if luts[1] is None else luts[1],
+        LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), BS=block_size, HALF_N=half_n,
+        G=g, P_BF16=p_dtype == torch.bfloat16, G_BF16=g_dtype == torch.bfloat16,
+        LUT1=luts[0] is not None, LUT2=luts[1] is not None, num_warps=warps,
+        enable_fp_fusion=False,
+    )  # fmt: skip

@@ -45,9 +45,12 @@ import triton
 import triton.language as tl
 
 from qshard._triton._common import (
+    TABLE_WORDS,
     check_contiguous,
     check_device,
+    find_row,
     kernel_view,
+    launch_table,
     load_f32,
     next_pow2,
     on_device,
@@ -352,18 +355,12 @@ def _step8_kernel(
     )  # fmt: skip
 
 
-# [Note: multi-tensor launch] One launch steps every tensor of a list: each tensor's row of
-# the int64 table `meta` holds its addresses and sizes (_META fields), and the same buffer
-# read as fp32 its 10 hyperparameters (from word _HP_AT). A program finds its tensor by a
-# binary search over the rows' first-program column (LOG_T steps for up to 2**LOG_T rows),
-# then runs the one-tensor body on its own blocks. One launch and one small host-to-device
-# copy replace a launch and ~28 us of host checks per tensor (benchmarks/gpu/dispatch_overhead.py).
+# [Note: multi-tensor launch] in _common: a row's fields, then hp0..hp7, w1, w2 as fp32.
 _META = ("param", "grad", "codes1", "absmax1", "codes2", "absmax2", "n_blocks", "blocks_per_row",
          "row_numel", "first_program")  # fmt: skip
-_META_WORDS = 16  # int64 words a row: the 10 fields, then 12 fp32 (hp0..hp7, w1, w2, padding)
 _HP_AT = 2 * len(_META)  # the first hyperparameter, in fp32 words
 # The kernel spells these as literals (16 words a row, field 9, fp32 word 20).
-assert _META_WORDS == 16 and _META.index("first_program") == 9 and _HP_AT == 20
+assert TABLE_WORDS == 16 and _META.index("first_program") == 9 and _HP_AT == 20
 
 
 @triton.jit
@@ -399,11 +396,7 @@ def _step8_multi_kernel(
     REGION2: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t = pid * 0  # the last row whose first program is <= pid
-    for k in tl.static_range(LOG_T):
-        cand = t + (1 << (LOG_T - 1 - k))
-        first = tl.load(meta_ptr + cand * 16 + 9, mask=cand < n_tensors, other=pid + 1)
-        t = tl.where(first <= pid, cand, t)
+    t = find_row(meta_ptr, pid, n_tensors, LOG_T, 9)
     row = meta_ptr + t * 16
     if P_BF16:
         p_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
@@ -688,9 +681,7 @@ def optim8bit_step_multi(
     maps = _Maps(dev, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2, regions2,
                  signed2)  # fmt: skip
     block_n, g, warps = _geometry(block_size)
-    meta = np.zeros((n, _META_WORDS), dtype=np.int64)
-    hpf = meta.view(np.float32)  # (n, 32): a row's fp32 words; hp from word _HP_AT
-    rows_ = []
+    rows_, hp_rows = [], []
     programs = 0
     scalars: dict[int, list[float]] = {}  # per hyperparameter list: usually one for all
     dev_index = params[0].get_device()  # (an int: cheaper than comparing torch.device objects)
@@ -721,17 +712,14 @@ def optim8bit_step_multi(
         hp = hps[i]
         if id(hp) not in scalars:
             scalars[id(hp)] = _scalars(kind_id, hp)
-        hpf[i, _HP_AT : _HP_AT + 10] = scalars[id(hp)]
+        hp_rows.append(scalars[id(hp)])
         programs += -(-n_blocks // g)
     if programs == 0:
         return
-    meta[:, : len(_META)] = rows_
     # 16-byte vector loads need every vector's address aligned: the tensors' starts (the four
     # the vectors read) and the rows' lengths (a row's start is r * row_numel elements in).
-    aligned = not (meta[:, [0, 1, 2, 4]] % 16).any() and not (meta[:, 8] % 16).any()
-    table = torch.from_numpy(meta)
-    if dev.type != "cpu":  # a pinned copy, so the transfer does not wait for the stream
-        table = table.pin_memory().to(dev, non_blocking=True)
+    aligned = all(r[0] % 16 == r[1] % 16 == r[2] % 16 == r[4] % 16 == r[8] % 16 == 0 for r in rows_)
+    table = launch_table(rows_, hp_rows, _HP_AT, dev)
     _step8_multi_kernel[(programs,)](
         table, table.view(torch.float32), n, *maps.state1, int(zero1), *maps.state2, int(zero2),
         LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), KIND=kind_id, FLAGS=int(flags), HAS2=has2,

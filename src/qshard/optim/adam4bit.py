@@ -19,6 +19,7 @@ Paths, same numerics (bit for bit): the Triton kernel (CUDA, fp32/bf16), the fus
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
-from qshard.optim._base8bit import BlockwiseOptimizer
+from qshard.optim._base8bit import _TRITON_DTYPES, BlockwiseOptimizer
 from qshard.optim._multi_tensor import _hparam_table, _Item, _multi_tensor_entry
 from qshard.optim._options import _check_lr, check_numbers, check_params_and_torch_flags
 from qshard.optim._overrides import is_full_precision_param
@@ -241,6 +242,50 @@ class Adam4bit(BlockwiseOptimizer):
         if rc != 0:
             raise RuntimeError(f"fused 4-bit kernel rejected block_size={bs}")
 
+    def _triton_takes(self, group: dict[str, Any], p: Tensor) -> bool:
+        """CUDA tensors the Triton kernel serves: contiguous fp32 / bf16."""
+        p_l = _local(p)
+        return _triton.serves(p_l) and p_l.dtype in _TRITON_DTYPES and p_l.is_contiguous()
+
+    def _triton_multi_step(
+        self, group: dict[str, Any], items: list[_Item], steps: list[int]
+    ) -> None:
+        """The Triton twin of ``adam4bit_multi`` ([Note: multi-tensor launch] in
+        ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype)
+        among ``items``; same numerics."""
+        hparams: dict[int, list[float]] = {}
+        calls: dict[tuple, dict[str, list]] = {}
+        for (_, p, state), step in zip(items, steps):
+            p_l, g_l = _local(p), _local(p.grad)
+            if g_l.dtype not in _TRITON_DTYPES:  # fp16 / fp64 gradients: fp32 (the kernel's math)
+                g_l = g_l.float()
+            if step not in hparams:
+                hparams[step] = adam_group_hparams(
+                    group, step, decoupled=self._decoupled, inverse_bc2=True
+                )
+            call = calls.get((p_l.dtype, g_l.dtype))
+            if call is None:
+                call = calls[(p_l.dtype, g_l.dtype)] = defaultdict(list)
+            call["params"].append(p_l)
+            call["grads"].append(g_l.contiguous())  # (a copy lives until the launch)
+            call["layouts"].append(row_view(p_l.shape))
+            call["hps"].append(hparams[step])
+            for moment, name in zip("mv", _STATES):
+                call[f"{moment}_codes"].append(_local(state[f"{name}_codes"]))
+                call[f"{moment}_absmax"].append(_local(state[f"{name}_absmax"]))
+        qm, qv = self._maps(group)
+        for call in calls.values():
+            _triton.optim4bit_step_multi(
+                m_code=qm.code,
+                m_mid=qm.mid,
+                v_code=qv.code,
+                v_mid=qv.mid,
+                block_size=group["block_size"],
+                m_lut=qm.lut,
+                v_lut=qv.lut,
+                **call,
+            )
+
     def _step_param(
         self,
         p: Tensor,
@@ -249,8 +294,9 @@ class Adam4bit(BlockwiseOptimizer):
         step: int,
         index: tuple[int, int],
     ) -> None:
-        """The 4-bit step of one tensor the CPU kernel does not take (:meth:`_multi_tensor_row`):
-        the Triton kernel or the torch reference (fp32 state goes through ``_torch_update``)."""
+        """The 4-bit step of one tensor neither the CPU kernel (:meth:`_multi_tensor_row`) nor the
+        Triton kernel (:meth:`_triton_takes`) takes: the torch reference (fp32 state goes
+        through ``_torch_update``)."""
         p_l, g_l = _local(p), _local(p.grad)
         if p_l.numel() == 0:
             return
@@ -262,31 +308,7 @@ class Adam4bit(BlockwiseOptimizer):
         packed = (rows, _qstate4.packed_row(row_numel))
         _check_layout(type(self).__name__, p_l, codes, absmax, packed, bs)
         hp = adam_group_hparams(group, step, decoupled=self._decoupled, inverse_bc2=True)
-        if (
-            _triton.serves(p_l)
-            and p_l.is_contiguous()
-            and p_l.dtype in (torch.float32, torch.bfloat16)
-        ):
-            # The Triton twin of adam4bit_multi's per-tensor work: same numerics.
-            _triton.optim4bit_step(
-                param=p_l,
-                grad=g_l.contiguous(),
-                m_codes=codes[0],
-                m_absmax=absmax[0],
-                m_code=qm.code,
-                m_mid=qm.mid,
-                v_codes=codes[1],
-                v_absmax=absmax[1],
-                v_code=qv.code,
-                v_mid=qv.mid,
-                rows=rows,
-                row_numel=row_numel,
-                block_size=bs,
-                hp=hp,
-                m_lut=qm.lut,
-                v_lut=qv.lut,
-            )
-            return
+        # (CUDA tensors the Triton kernel takes were stepped by _triton_multi_step.)
         _qstate4.adam4bit_reference(
             p_l,
             g_l,
