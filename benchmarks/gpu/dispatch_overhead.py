@@ -46,10 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from qshard._triton import _optim8bit
     from qshard.optim import AdamW8bit
 
-    _optim8bit._step8_kernel = _NoLaunch()
-    _optim8bit._step8_multi_kernel = (
-        _NoLaunch()
-    )  # (one launch a group: [Note: multi-tensor launch])
+    # one launch a group ([Note: multi-tensor launch]), here a no-op
+    _optim8bit._step8_multi_kernel = _NoLaunch()
     _triton.serves = lambda t: True  # the CUDA dispatch decision, for CPU tensors
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(768, 768)) for _ in range(args.tensors)]

@@ -21,6 +21,8 @@
 #   -n NODES (2)  -r RANKS_PER_NODE (2)  -b RATE_MBIT (100; 0 = unshaped)  -m MTU (1500)
 #   -p PREFIX (qsn<pid>-; [a-z0-9-], <= 20 chars)  -P MASTER_PORT (29500)  -t RANK_TIMEOUT_S (600)
 #   -l LOGDIR (one log per rank; default: ranks write to this terminal)
+# Environment: NETSIM_SYSCTL="key=value ..." sets these sysctls in every node namespace (e.g.
+#   net.ipv4.tcp_slow_start_after_idle=0; docs/netsim.md), each with "sysctl -w".
 # Per-rank environment: RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE NODE_RANK NNODES MASTER_ADDR
 #   MASTER_PORT GLOO_SOCKET_IFNAME=eth0 NETSIM_PREFIX NETSIM_RATE_MBIT NETSIM_MTU NETSIM_SCRIPT
 #   NETSIM_IFACE=eth0 OMP_NUM_THREADS (1 unless set) PYTHONUNBUFFERED=1
@@ -123,6 +125,9 @@ up() {
         printf '%s' "$hosts" >"/etc/netns/$ns/hosts"
         : >"/etc/netns/$ns/resolv.conf"  # no DNS: the host's resolver is unreachable from here
         ip -n "$ns" link set lo up
+        for kv in ${NETSIM_SYSCTL:-}; do
+            ip netns exec "$ns" sysctl -qw "$kv" >/dev/null || die "sysctl $kv failed in $ns"
+        done
         ip link add name eth0 mtu "$mtu" netns "$ns" type veth peer name "v$i" mtu "$mtu" netns "$sw" \
             || unavailable "the kernel has no veth support"
         ip -n "$sw" link set "v$i" master br0 up

@@ -252,6 +252,39 @@ def find_row(meta_ptr, pid, n_rows, LOG_T: tl.constexpr, FIRST: tl.constexpr):
     return t
 
 
+@triton.jit
+def read_row(meta_ptr, t, P_BF16: tl.constexpr, G_BF16: tl.constexpr, ALIGNED: tl.constexpr):
+    """Row `t`'s ten leading fields, as both optimizer kernels lay them out: the pointers of
+    param, grad (int16 for bf16 bits), codes 1, absmax 1, codes 2, absmax 2, then n_blocks,
+    blocks_per_row, row_numel and the first program. ALIGNED: the host checked that the
+    pointers the vectors read and row_numel are multiples of 16, as the JIT would have
+    specialized them in a one-tensor launch (16-byte vector access)."""
+    row = meta_ptr + t * 16
+    if P_BF16:
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
+    else:
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    if G_BF16:
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
+    else:
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    c1_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+    a1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    c2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
+    a2_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    n_blocks = tl.load(row + 6).to(tl.int32)
+    blocks_per_row = tl.load(row + 7).to(tl.int32)
+    row_numel = tl.load(row + 8).to(tl.int32)
+    first = tl.load(row + 9).to(tl.int32)
+    if ALIGNED:
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        c1_ptr = tl.multiple_of(c1_ptr, 16)
+        c2_ptr = tl.multiple_of(c2_ptr, 16)
+        row_numel = tl.multiple_of(row_numel, 16)
+    return p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first
+
+
 def launch_table(rows: list[list[int]], hps: list[list[float]], hp_at: int, device):
     """The int64 (len(rows), TABLE_WORDS) table of a multi-tensor launch on ``device``: each
     row's ints from word 0, its fp32 hyperparameters from fp32 word ``hp_at``; copied through

@@ -32,11 +32,11 @@ from qshard._triton._common import (
     check_contiguous,
     check_device,
     find_row,
-    kernel_view,
     launch_table,
     load_f32,
     next_pow2,
     on_device,
+    read_row,
     rows_per_program,
     search_table_on,
     store_as,
@@ -179,48 +179,6 @@ def _step4_blocks(
     tl.store(a2_ptr + b, n2, mask=b_ok)
 
 
-@triton.jit
-def _step4_kernel(
-    p_ptr,
-    g_ptr,
-    c1_ptr,
-    a1_ptr,
-    code1_ptr,
-    mid1_ptr,
-    lut1_ptr,
-    c2_ptr,
-    a2_ptr,
-    code2_ptr,
-    mid2_ptr,
-    lut2_ptr,
-    n_blocks,
-    blocks_per_row,
-    row_numel,
-    row_bytes,
-    b2,
-    eps,
-    wd,
-    step_size,
-    ibc2,
-    decay,
-    w1,
-    w2,
-    BS: tl.constexpr,
-    HALF_N: tl.constexpr,
-    G: tl.constexpr,
-    P_BF16: tl.constexpr,
-    G_BF16: tl.constexpr,
-    LUT1: tl.constexpr,
-    LUT2: tl.constexpr,
-):
-    """One tensor's step."""
-    _step4_blocks(
-        tl.program_id(0), p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, c2_ptr,
-        a2_ptr, code2_ptr, mid2_ptr, lut2_ptr, n_blocks, blocks_per_row, row_numel, row_bytes, b2,
-        eps, wd, step_size, ibc2, decay, w1, w2, BS, HALF_N, G, P_BF16, G_BF16, LUT1, LUT2,
-    )  # fmt: skip
-
-
 # [Note: multi-tensor launch] in _common: a row's fields, then b2 .. w2 as fp32.
 _META = ("param", "grad", "m_codes", "m_absmax", "v_codes", "v_absmax", "n_blocks",
          "blocks_per_row", "row_numel", "first_program", "row_bytes")  # fmt: skip
@@ -253,30 +211,11 @@ def _step4_multi_kernel(
 ):
     pid = tl.program_id(0)
     t = find_row(meta_ptr, pid, n_tensors, LOG_T, 9)
-    row = meta_ptr + t * 16
-    if P_BF16:
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
-    else:
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    if G_BF16:
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
-    else:
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    c1_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    a1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    c2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-    a2_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    n_blocks = tl.load(row + 6).to(tl.int32)
-    blocks_per_row = tl.load(row + 7).to(tl.int32)
-    row_numel = tl.load(row + 8).to(tl.int32)
-    first = tl.load(row + 9).to(tl.int32)
-    row_bytes = tl.load(row + 10).to(tl.int32)
-    if ALIGNED:  # what the one-tensor launch learns from its arguments
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        c1_ptr = tl.multiple_of(c1_ptr, 16)
-        c2_ptr = tl.multiple_of(c2_ptr, 16)
-        row_numel = tl.multiple_of(row_numel, 16)
+    p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first = (
+        read_row(meta_ptr, t, P_BF16, G_BF16, ALIGNED)
+    )
+    row_bytes = tl.load(meta_ptr + t * 16 + 10).to(tl.int32)
+    if ALIGNED:  # (the host checked it with the rest)
         row_bytes = tl.multiple_of(row_bytes, 16)
     hp = hpf_ptr + t * 32 + 24
     _step4_blocks(
@@ -342,75 +281,16 @@ def optim4bit_step(
     v_lut: torch.Tensor | None = None,
 ) -> None:
     """One in-place Adam/AdamW step on `param` (fp32 or bf16) and its 4-bit moments, as
-    `adam4bit_multi` does for one tensor; `hp` the 10 values of
+    `adam4bit_multi` does for one tensor (`optim4bit_step_multi` with a list of one: tensor
+    errors name it [0]); `hp` the 10 values of
     `qshard.optim._qstate4.adam_hparams`, the maps 16 fp32 codes and their 15 midpoints (more
     entries are ignored); `m_lut` / `v_lut` the maps' exact search tables (`QMap.lut` of
     `qshard.quant._codetable`: one gather per code instead of a 4-step binary search)."""
-    if not 2 <= block_size <= _MAX_BLOCK or block_size % 2:
-        raise ValueError(f"block_size must be even, in 2..{_MAX_BLOCK}; got {block_size}")
-    numel = rows * row_numel
-    nbr = -(-row_numel // block_size)
-    row_bytes = (row_numel + 1) // 2
-    n_blocks = rows * nbr
-    for name, t, dtype, count in (
-        ("param", param, None, numel),
-        ("grad", grad, None, numel),
-        ("m_codes", m_codes, torch.uint8, rows * row_bytes),
-        ("v_codes", v_codes, torch.uint8, rows * row_bytes),
-        ("m_absmax", m_absmax, torch.float32, n_blocks),
-        ("v_absmax", v_absmax, torch.float32, n_blocks),
-    ):
-        check_contiguous(name, t)
-        if t.numel() != count or (dtype is not None and t.dtype != dtype):
-            raise ValueError(
-                f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype}"
-                f" {t.numel()}"
-            )
-    check_device(param, grad, m_codes, m_absmax, v_codes, v_absmax)
-    maps, luts = _maps(param.device, m_code, m_mid, v_code, v_mid, m_lut, v_lut)
-    b2, eps, wd, step_size, ibc2, decay, w1, w2 = _scalars(hp)
-    if n_blocks == 0:
-        return
-    m_code, m_mid, v_code, v_mid = maps
-    m_lut, v_lut = luts
-    half_n, g, warps = _geometry(block_size)
-    pk, p_bf16 = kernel_view(param)
-    gk, g_bf16 = kernel_view(grad)
-    _step4_kernel[(triton.cdiv(n_blocks, g),)](
-        pk,
-        gk,
-        m_codes,
-        m_absmax,
-        m_code,
-        m_mid,
-        m_code if m_lut is None else m_lut,
-        v_codes,
-        v_absmax,
-        v_code,
-        v_mid,
-        v_code if v_lut is None else v_lut,
-        n_blocks,
-        nbr,
-        row_numel,
-        row_bytes,
-        b2,
-        eps,
-        wd,
-        step_size,
-        ibc2,
-        decay,
-        w1,
-        w2,
-        BS=block_size,
-        HALF_N=half_n,
-        G=g,
-        P_BF16=p_bf16,
-        G_BF16=g_bf16,
-        LUT1=m_lut is not None,
-        LUT2=v_lut is not None,
-        num_warps=warps,
-        enable_fp_fusion=False,
-    )
+    optim4bit_step_multi(
+        params=[param], grads=[grad], layouts=[(rows, row_numel)], m_codes=[m_codes],
+        m_absmax=[m_absmax], v_codes=[v_codes], v_absmax=[v_absmax], m_code=m_code, m_mid=m_mid,
+        v_code=v_code, v_mid=v_mid, block_size=block_size, hps=[hp], m_lut=m_lut, v_lut=v_lut,
+    )  # fmt: skip
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)

@@ -47,13 +47,12 @@ import triton.language as tl
 from qshard._triton._common import (
     TABLE_WORDS,
     check_contiguous,
-    check_device,
     find_row,
-    kernel_view,
     launch_table,
     load_f32,
     next_pow2,
     on_device,
+    read_row,
     region_code,
     region_table_on,
     rows_per_program,
@@ -300,61 +299,6 @@ def _step8_blocks(
         tl.store(a2_ptr + b, m2, mask=b_ok)
 
 
-@triton.jit
-def _step8_kernel(
-    p_ptr,
-    g_ptr,
-    c1_ptr,
-    a1_ptr,
-    code1_ptr,
-    mid1_ptr,
-    lut1_ptr,
-    reg1_ptr,
-    zero1,
-    c2_ptr,
-    a2_ptr,
-    code2_ptr,
-    mid2_ptr,
-    lut2_ptr,
-    reg2_ptr,
-    zero2,
-    n_blocks,
-    blocks_per_row,
-    row_numel,
-    hp0,
-    hp1,
-    hp2,
-    hp3,
-    hp4,
-    hp5,
-    hp6,
-    hp7,
-    w1,
-    w2,
-    KIND: tl.constexpr,
-    FLAGS: tl.constexpr,
-    HAS2: tl.constexpr,
-    SIGNED1: tl.constexpr,
-    SIGNED2: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    G: tl.constexpr,
-    P_BF16: tl.constexpr,
-    G_BF16: tl.constexpr,
-    LUT1: tl.constexpr,
-    LUT2: tl.constexpr,
-    REGION1: tl.constexpr,
-    REGION2: tl.constexpr,
-):
-    """One tensor's step."""
-    _step8_blocks(
-        tl.program_id(0), p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, reg1_ptr,
-        zero1, c2_ptr, a2_ptr, code2_ptr, mid2_ptr, lut2_ptr, reg2_ptr, zero2, n_blocks,
-        blocks_per_row, row_numel, hp0, hp1, hp2, hp3, hp4, hp5, hp6, hp7, w1, w2, KIND, FLAGS,
-        HAS2, SIGNED1, SIGNED2, BS, BLOCK_N, G, P_BF16, G_BF16, LUT1, LUT2, REGION1, REGION2,
-    )  # fmt: skip
-
-
 # [Note: multi-tensor launch] in _common: a row's fields, then hp0..hp7, w1, w2 as fp32.
 _META = ("param", "grad", "codes1", "absmax1", "codes2", "absmax2", "n_blocks", "blocks_per_row",
          "row_numel", "first_program")  # fmt: skip
@@ -397,29 +341,9 @@ def _step8_multi_kernel(
 ):
     pid = tl.program_id(0)
     t = find_row(meta_ptr, pid, n_tensors, LOG_T, 9)
-    row = meta_ptr + t * 16
-    if P_BF16:
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
-    else:
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-    if G_BF16:
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
-    else:
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-    c1_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    a1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    c2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-    a2_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    n_blocks = tl.load(row + 6).to(tl.int32)
-    blocks_per_row = tl.load(row + 7).to(tl.int32)
-    row_numel = tl.load(row + 8).to(tl.int32)
-    if ALIGNED:  # what the one-tensor launch learns from its arguments: 16-byte vector access
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        c1_ptr = tl.multiple_of(c1_ptr, 16)
-        c2_ptr = tl.multiple_of(c2_ptr, 16)
-        row_numel = tl.multiple_of(row_numel, 16)
-    first = tl.load(row + 9).to(tl.int32)
+    p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first = (
+        read_row(meta_ptr, t, P_BF16, G_BF16, ALIGNED)
+    )
     hp = hpf_ptr + t * 32 + 20
     _step8_blocks(
         pid - first, p_ptr, g_ptr, c1_ptr, a1_ptr, code1_ptr, mid1_ptr, lut1_ptr, reg1_ptr,
@@ -556,7 +480,7 @@ def optim8bit_step(
     regions2: torch.Tensor | None = None,
 ) -> None:
     """One in-place step on `param` (fp32 or bf16) and its 8-bit states, as `step8_multi` does
-    for one tensor.
+    for one tensor: `optim8bit_step_multi` with a list of one (tensor errors name it [0]).
 
     `kind` is "adam" | "lion" | "sgd" | "rmsprop" | "adagrad" (or the C kernel's int);
     `hp` the kind's hyperparameters in `step8_multi`'s order; `flags` its FLAG_* bits. State 2 is
@@ -565,39 +489,15 @@ def optim8bit_step(
     8-gather binary search into one gather; without them the kernel searches the midpoints.
     `regions1` / `regions2`: the maps' region tables (`QMap.regions`, CPU), which with the
     search table select the gather-free region encoder ([Note: the region encoder]); same codes.
-    `optim8bit_step_multi` steps a list of tensors in one launch.
     """
     has2 = codes2 is not None
-    kind_id = _kind_id(kind, flags, block_size, has2)
-    numel = rows * row_numel
-    nbr = -(-row_numel // block_size)
-    n_blocks = rows * nbr
-    _check_tensor("param", param, None, numel)
-    _check_tensor("grad", grad, None, numel)
-    _check_tensor("codes1", codes1, torch.uint8, numel)
-    _check_tensor("absmax1", absmax1, torch.float32, n_blocks)
-    maps = _Maps(param.device, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2,
-                 regions2, signed2)  # fmt: skip
-    if has2:
-        assert codes2 is not None and absmax2 is not None
-        # As strict as state 1's: the kernel reads both through raw pointers, so int8 codes or
-        # fp64 / strided absmax values would be decoded as garbage without a word.
-        _check_tensor("codes2", codes2, torch.uint8, numel)
-        _check_tensor("absmax2", absmax2, torch.float32, n_blocks)
-    check_device(param, grad, codes1, absmax1, *((codes2, absmax2) if has2 else ()))
-    scalars = _scalars(kind_id, hp)
-    if n_blocks == 0:
-        return
-    block_n, g, warps = _geometry(block_size)
-    pk, p_bf16 = kernel_view(param)
-    gk, g_bf16 = kernel_view(grad)
-    _step8_kernel[(triton.cdiv(n_blocks, g),)](
-        pk, gk, codes1, absmax1, *maps.state1, int(zero1),
-        codes2 if has2 else codes1, absmax2 if has2 else absmax1, *maps.state2, int(zero2),
-        n_blocks, nbr, row_numel, *scalars,
-        KIND=kind_id, FLAGS=int(flags), HAS2=has2, SIGNED1=bool(signed1), SIGNED2=bool(signed2),
-        BS=block_size, BLOCK_N=block_n, G=g, P_BF16=p_bf16, G_BF16=g_bf16, **maps.consts,
-        num_warps=warps, enable_fp_fusion=False,
+    optim8bit_step_multi(
+        kind=kind, params=[param], grads=[grad], layouts=[(rows, row_numel)], codes1=[codes1],
+        absmax1=[absmax1], code1=code1, mid1=mid1, zero1=zero1, signed1=signed1,
+        block_size=block_size, hps=[hp], flags=flags,
+        codes2=[codes2] if has2 else None, absmax2=[absmax2] if has2 else None, code2=code2,
+        mid2=mid2, zero2=zero2, signed2=signed2, lut1=lut1, lut2=lut2, regions1=regions1,
+        regions2=regions2,
     )  # fmt: skip
 
 
