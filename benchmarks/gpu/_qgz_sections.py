@@ -7,6 +7,33 @@ from _device import _gbs, _ms, _route, _TorchPath
 from _harness import Recorder
 
 
+def qgz_first_hop(src, offsets, lengths, slot: int, bs: int, per_node: int):
+    """qgZ's first hop as zeropp's reduce-scatter dispatches it on CUDA: per pipeline stage (2),
+    `reorder_quantize_rows` of the stage's slots straight into the all-to-all's wire rows (one
+    row per local peer), on trusted slots (`check=False`: the public `reorder_quantize` checks
+    them on the host, two device syncs a call). Returns (run, the send buffers it writes)."""
+    import torch
+
+    from qshard import _triton
+
+    per_stage = offsets.numel() // 2
+    m = per_stage // per_node * slot  # elements a row: its N slots
+    sends = [
+        torch.empty((per_node, 4 * (m // bs) + m // 2), dtype=torch.uint8, device=src.device)
+        for _ in range(2)
+    ]
+
+    def run() -> None:
+        for k, send in enumerate(sends):
+            sl = slice(k * per_stage, (k + 1) * per_stage)
+            _triton.reorder_quantize_rows(
+                src, offsets[sl], lengths[sl], slot_numel=slot, block_size=bs, bits=4,
+                out=send, check=False,
+            )  # fmt: skip
+
+    return run, sends
+
+
 def _qgz_rows_correctness(g) -> list[tuple[str, bool]]:
     """qgZ's wire-row kernels vs RowCodec's torch path on CUDA (what the reduce-scatter sends)."""
     import torch

@@ -83,7 +83,12 @@ import _device as D  # noqa: E402
 import _harness  # noqa: E402
 from _device import _err, _gbs, _ms, _Rows, _TorchPath  # noqa: E402
 from _harness import Recorder, Section  # noqa: E402
-from _qgz_sections import _qgz_rows_correctness, qgz_middle_hop, qgz_reduce_scatter  # noqa: E402
+from _qgz_sections import (  # noqa: E402
+    _qgz_rows_correctness,
+    qgz_first_hop,
+    qgz_middle_hop,
+    qgz_reduce_scatter,
+)
 from _step_sections import adamw4bit, adamw8bit, gpt_step  # noqa: E402
 
 
@@ -436,15 +441,8 @@ def kernels(rec: Recorder, args) -> None:
         nodes=nodes, ranks_per_node=per_node, stages=2, size=size, block_size=bs
     )
     off, lens = off.to(D.DEVICE), lens.to(D.DEVICE)
-    cases.append(
-        (
-            "qgZ reorder+INT4 quantize (2x4)",
-            lambda: _triton.reorder_quantize(
-                src, off, lengths=lens, slot_numel=slot, block_size=bs
-            ),
-            4 * n + n // 2 + 4 * nb,
-        )
-    )
+    first_hop, _ = qgz_first_hop(src, off, lens, slot, bs, per_node)
+    cases.append(("qgZ reorder+INT4 quantize (2x4)", first_hop, 4 * n + n // 2 + 4 * nb))
     rows = []
     heading = (
         f"Kernel bandwidth, {n / 1e6:.0f}M elements, block 256 "

@@ -9,7 +9,8 @@ one process, so a GPU session can pick them from numbers:
   dispatch; "region": the 8-bit kernel's gather-free region encoder, the search table only
   near a midpoint; "binary": the midpoints' binary search) and the tile / warp geometry, against
   torch's fused fp32 AdamW on the same parameters;
-- blockwise quantize (INT8 fp32, INT8 bf16, INT4 unpacked and packed): tile / warps, against a
+- blockwise quantize (INT8 fp32, INT8 bf16, INT4 unpacked and packed) and qgZ's first hop
+  (reorder + INT4 quantize into wire rows, as zeropp dispatches it): tile / warps, against a
   device-to-device copy of the input.
 
 Every variant's output is compared bit for bit with the default's (a geometry or search change
@@ -227,12 +228,46 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> Table
             label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
             frac = copy_ms / ms * nbytes / (2 * x.numel() * x.element_size())
             out.append([name, label, f"{ms:.3f}", f"{frac:.2f}", same])
+    out += _sweep_qgz_first_hop(x32, repeat, cuda, geometries)
     return (
         f"Blockwise quantize, {n / 1e6:.0f}M elements, block 256 (x copy: bytes moved per ms vs "
         "a device-to-device copy of the input)",
         ["kernel", "geometry", "ms", "x copy", "bytes = default"],
         out,
     )
+
+
+def _sweep_qgz_first_hop(x, repeat: int, cuda: bool, geometries) -> list[list]:
+    """qgZ's reorder + INT4 quantize into wire rows (2 nodes x 4 ranks, 2 stages, as zeropp
+    dispatches it: `_qgz_sections.qgz_first_hop`) at each geometry of the packing kernels."""
+    import torch
+    from _qgz_sections import qgz_first_hop
+
+    from qshard import _triton
+    from qshard._triton import _qgz
+
+    bs, per_node = 256, 4
+    off, lens, slot = _triton.qgz_slots(
+        nodes=2, ranks_per_node=per_node, stages=2, size=x.numel() // 8, block_size=bs
+    )
+    off, lens = off.to(x.device), lens.to(x.device)
+    dst = torch.empty_like(x)
+    copy_ms = _ms(lambda: dst.copy_(x), repeat, cuda)
+    nbytes = 4 * x.numel() + x.numel() // 2 + 4 * (x.numel() // bs)
+    rows, ref = [], None
+    for geometry in [None, *geometries]:
+        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry)}
+        with _Patch(_qgz, **patch):
+            hop, sends = qgz_first_hop(x, off, lens, slot, bs, per_node)
+            hop()
+            got = [t.clone() for t in sends]
+            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, got))
+            ref = ref or got
+            ms = _ms(hop, repeat, cuda)
+        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+        frac = copy_ms / ms * nbytes / (2 * 4 * x.numel())
+        rows.append(["qgZ reorder+INT4 (2x4)", label, f"{ms:.3f}", f"{frac:.2f}", same])
+    return rows
 
 
 def run(numel: int, repeat: int, only: set[str], smoke: bool, emit) -> None:
