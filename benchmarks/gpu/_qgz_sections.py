@@ -7,11 +7,12 @@ from _device import _gbs, _ms, _route, _TorchPath
 from _harness import Recorder
 
 
-def qgz_first_hop(src, offsets, lengths, slot: int, bs: int, per_node: int):
+def qgz_first_hop(src, offsets, lengths, slot: int, bs: int, per_node: int, aligned_to: int):
     """qgZ's first hop as zeropp's reduce-scatter dispatches it on CUDA: per pipeline stage (2),
     `reorder_quantize_rows` of the stage's slots straight into the all-to-all's wire rows (one
     row per local peer), on trusted slots (`check=False`: the public `reorder_quantize` checks
-    them on the host, two device syncs a call). Returns (run, the send buffers it writes)."""
+    them on the host, a device sync a call) with zeropp's promise `aligned_to` = gcd(partition
+    size, slot) ([Note: aligned slots]; 1: none). Returns (run, the send buffers it writes)."""
     import torch
 
     from qshard import _triton
@@ -28,7 +29,7 @@ def qgz_first_hop(src, offsets, lengths, slot: int, bs: int, per_node: int):
             sl = slice(k * per_stage, (k + 1) * per_stage)
             _triton.reorder_quantize_rows(
                 src, offsets[sl], lengths[sl], slot_numel=slot, block_size=bs, bits=4,
-                out=send, check=False,
+                out=send, check=False, aligned_to=aligned_to,
             )  # fmt: skip
 
     return run, sends

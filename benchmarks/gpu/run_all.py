@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -441,7 +442,7 @@ def kernels(rec: Recorder, args) -> None:
         nodes=nodes, ranks_per_node=per_node, stages=2, size=size, block_size=bs
     )
     off, lens = off.to(D.DEVICE), lens.to(D.DEVICE)
-    first_hop, _ = qgz_first_hop(src, off, lens, slot, bs, per_node)
+    first_hop, _ = qgz_first_hop(src, off, lens, slot, bs, per_node, math.gcd(size, slot))
     cases.append(("qgZ reorder+INT4 quantize (2x4)", first_hop, 4 * n + n // 2 + 4 * nb))
     rows = []
     heading = (

@@ -255,16 +255,19 @@ def _sweep_qgz_first_hop(x, repeat: int, cuda: bool, geometries) -> list[list]:
     copy_ms = _ms(lambda: dst.copy_(x), repeat, cuda)
     nbytes = 4 * x.numel() + x.numel() // 2 + 4 * (x.numel() // bs)
     rows, ref = [], None
-    for geometry in [None, *geometries]:
+    aligned = math.gcd(x.numel() // 8, slot)  # zeropp's promise ([Note: aligned slots])
+    for geometry, aligned_to in [(None, aligned), (None, 1), *((g, aligned) for g in geometries)]:
         patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry)}
         with _Patch(_qgz, **patch):
-            hop, sends = qgz_first_hop(x, off, lens, slot, bs, per_node)
+            hop, sends = qgz_first_hop(x, off, lens, slot, bs, per_node, aligned_to)
             hop()
             got = [t.clone() for t in sends]
             same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, got))
             ref = ref or got
             ms = _ms(hop, repeat, cuda)
         label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+        if aligned_to == 1:
+            label += ", scalar loads (no alignment promise)"
         frac = copy_ms / ms * nbytes / (2 * 4 * x.numel())
         rows.append(["qgZ reorder+INT4 (2x4)", label, f"{ms:.3f}", f"{frac:.2f}", same])
     return rows

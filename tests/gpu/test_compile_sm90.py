@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
 
-# 23 compilations take ~1-5 minutes of CPU: out of the default suite.
+# 24 compilations take ~1-5 minutes of CPU: out of the default suite.
 pytestmark = pytest.mark.slow
 
 # Compiling needs kernels defined in compiler mode, so run in a fresh process without
@@ -85,7 +85,14 @@ SCRIPT = textwrap.dedent(
          {"x_ptr": "*fp32", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp32",
           "blocks_per_slot": "i32", "blocks_per_row": "i32", "scale_stride": "i32", "code_stride": "i32",
           "seed": "i32"},
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False})
+         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False,
+          "ALIGNED": False})
+    comp("reorder_quantize_int4_aligned", Q._reorder_quantize_kernel,
+         {"x_ptr": "*fp32", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp32",
+          "blocks_per_slot": "i32", "blocks_per_row": "i32", "scale_stride": "i32", "code_stride": "i32",
+          "seed": "i32"},
+         {"BS": 256, "BLOCK_N": 256, "ROWS": 8, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False,
+          "ALIGNED": True})
     rr = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
           "n_peers": "i32", "n_blocks": "i32", "in_scale_stride": "i32", "in_code_stride": "i32",
           "out_blocks_per_row": "i32", "out_scale_stride": "i32", "out_code_stride": "i32", "seed": "i32"}
@@ -144,7 +151,7 @@ def compiled() -> dict:
 
 
 def test_every_kernel_compiles_to_a_cubin(compiled):
-    assert len(compiled) == 23
+    assert len(compiled) == 24
     for name, facts in compiled.items():
         assert facts["cubin"] > 0, name
 
@@ -164,7 +171,8 @@ def test_ieee_division_and_sqrt_no_contraction(compiled):
 
 def test_wide_vector_loads_where_the_input_is_contiguous(compiled):
     """fp32 inputs are read with 16-byte loads (the bandwidth design, checked in the PTX)."""
-    for name in ("quantize_int8_fp32", "pack_signs", "adam8bit", "adam8bit_region"):
+    for name in ("quantize_int8_fp32", "pack_signs", "adam8bit", "adam8bit_region",
+                 "reorder_quantize_int4_aligned"):  # fmt: skip
         assert compiled[name]["v4"] > 0, (name, compiled[name])
 
 

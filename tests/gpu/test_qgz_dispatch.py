@@ -11,6 +11,7 @@ fused kernels must have been called (counted), so a silent fallback to the torch
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -44,6 +45,7 @@ class _Recorder:
     def __init__(self, route: bool) -> None:
         self.route = route
         self.calls = dict.fromkeys(FUSED, 0)
+        self.aligned_to: list[int] = []  # reorder_quantize_rows' promises ([Note: aligned slots])
         self.codec_calls = 0
         self.sends: list[torch.Tensor] = []
 
@@ -86,6 +88,8 @@ class _Recorder:
     def _count(self, name, fn):
         def wrapped(*args, **kwargs):
             self.calls[name] += 1
+            if "aligned_to" in kwargs:
+                self.aligned_to.append(kwargs["aligned_to"])
             return fn(*args, **kwargs)
 
         return wrapped
@@ -136,6 +140,7 @@ def _world(rank: int, world: int) -> list[str]:
                 (8, "AVG", 37, 1, torch.float32),
                 (8, "PREMUL_SUM(1/3)", 37, 2, torch.bfloat16),
                 (8, "SUM", 5, 2, torch.float32),
+                (4, "SUM", 64, 2, torch.float32),  # slots of whole 16-byte vectors
             ]
         else:
             cases = [(4, "AVG", 37, 2, torch.bfloat16), (8, "SUM", 21, 1, torch.float32)]
@@ -158,6 +163,8 @@ def _world(rank: int, world: int) -> list[str]:
             sub = -(-size // unit) * unit // stages
             last = sum(1 for k in range(stages) if k * sub < size)
             assert fused.calls["dequant_reduce_rows"] == last, (case, fused.calls)
+            # The slots' promise: every offset and length a multiple of gcd(size, sub).
+            assert fused.aligned_to == [math.gcd(size, sub)] * stages, (case, fused.aligned_to)
             assert len(fused.sends) == len(ref.sends) > 0, case
             for i, (a, b) in enumerate(zip(ref.sends, fused.sends)):
                 assert _same(a, b), (case, "wire", i)
@@ -175,4 +182,4 @@ def test_qgz_reduce_scatter_fused_equals_torch_path():
     from qshard.testing import run_world
 
     out = run_world(_world, 4, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
-    assert all(len(r) == 10 for r in out), out
+    assert all(len(r) == 11 for r in out), out

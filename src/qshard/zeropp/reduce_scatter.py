@@ -36,6 +36,7 @@ identical, and a mixed world (some ranks on either path) agrees byte for byte
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -424,8 +425,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             )
             sl = slice(k * per_stage, (k + 1) * per_stage)
             return _triton.reorder_quantize_rows(
-                flat, offsets[sl], lengths[sl], slot_numel=sub, out=send, check=False, **kw
-            )
+                flat, offsets[sl], lengths[sl], slot_numel=sub, out=send, check=False,
+                aligned_to=math.gcd(size, sub), **kw,
+            )  # fmt: skip
 
         def output_slice(k: int) -> torch.Tensor:
             return out[k * sub : min((k + 1) * sub, size)]  # empty for an all-padding stage
