@@ -288,6 +288,21 @@ def test_fused_step_counters_on_another_device(monkeypatch, name):
         assert int(o8.state[p]["step"]) == _STEPS
 
 
+def test_device_step_copies_are_one_buffer_per_device():
+    # One copy per device (on CUDA one pinned, non-blocking transfer) instead of one blocking
+    # copy per counter, which waited for the stream once per fp32-state tensor per step.
+    from qshard.optim._base8bit import _device_steps
+
+    steps = [torch.tensor(float(k), dtype=torch.float32) for k in (3, 5, 7)]
+    params = [torch.zeros(2), torch.zeros(3, 4), torch.zeros(1)]
+    copies = _device_steps(steps, params)
+    assert [float(c) for c in copies] == [3.0, 5.0, 7.0]
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+    for c in copies:  # the kernel advances the copies; the CPU counters move on their own
+        c += 1
+    assert [float(s) for s in steps] == [3.0, 5.0, 7.0]
+
+
 def test_flags_are_validated():
     p = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="cannot both be True"):

@@ -81,6 +81,26 @@ def _steps_off_device(params: list[Tensor]) -> bool:
     return any(p.device.type != "cpu" for p in params)
 
 
+def _device_steps(steps: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+    """Copies of the CPU step counters ``steps`` on their parameters' devices, for torch's fused
+    kernels: one copy per device, through pinned memory on CUDA, so it does not wait for the
+    stream. (A copy per counter waited for every kernel queued before it: one host sync per
+    fp32-state tensor per step.) The copies are views of one buffer each; the kernels advance
+    them, and the caller the CPU counters."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    copies: list[Tensor] = list(steps)
+    for device, where in by_device.items():
+        host = torch.stack([steps[i] for i in where])
+        if device.type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(device, non_blocking=device.type == "cuda", copy=True)
+        for j, i in enumerate(where):
+            copies[i] = on_device[j]
+    return copies
+
+
 def _mix_seed(*parts: int) -> int:
     h = 0x243F6A8885A308D3
     for x in parts:
@@ -393,8 +413,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # torch keeps a fused optimizer's step counters on the parameter's device; here they
         # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
         if group.get("fused") and _steps_off_device(params):
-            copies = [s.to(p.device, copy=True) for s, p in zip(steps, params)]
-            self._torch_update(group, params, grads, states, copies)
+            self._torch_update(group, params, grads, states, _device_steps(steps, params))
             for s in steps:
                 s += 1
         else:
