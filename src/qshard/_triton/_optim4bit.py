@@ -209,6 +209,7 @@ def _step4_multi_kernel(
     LUT1: tl.constexpr,
     LUT2: tl.constexpr,
 ):
+    """The 4-bit step of every tensor of a launch table ([Note: multi-tensor launch])."""
     pid = tl.program_id(0)
     t = find_row(meta_ptr, pid, n_tensors, LOG_T, 9)
     p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first = (

@@ -339,6 +339,9 @@ def _step8_multi_kernel(
     REGION1: tl.constexpr,
     REGION2: tl.constexpr,
 ):
+    """The step of every tensor of a launch table ([Note: multi-tensor launch]): program `pid`
+    finds its tensor's row, reads its pointers, sizes and hyperparameters, and steps its G
+    blocks; a one-tensor step is a table of one row."""
     pid = tl.program_id(0)
     t = find_row(meta_ptr, pid, n_tensors, LOG_T, 9)
     p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first = (
