@@ -285,6 +285,27 @@ def read_row(meta_ptr, t, P_BF16: tl.constexpr, G_BF16: tl.constexpr, ALIGNED: t
     return p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first
 
 
+def row_tensors_fine(
+    tensors, p_dtype, g_dtype, numel: int, code_count: int, n_blocks: int, dev_index: int
+) -> bool:
+    """Whether one tensor's (param, grad, codes1, absmax1, codes2, absmax2) of a multi-tensor
+    launch are what its kernel reads by raw pointer: the call's param and grad dtypes, uint8
+    codes of `code_count` bytes, fp32 absmax of `n_blocks`, all contiguous, all on device
+    `dev_index` (`get_device()`: an int, cheaper to compare than torch.device objects). One
+    expression: a step asks it of every tensor; the named checks run only when it says no."""
+    p, gr, c1, a1, c2, a2 = tensors
+    u8, f32 = torch.uint8, torch.float32
+    return (
+        p.dtype is p_dtype and gr.dtype is g_dtype and c1.dtype is u8 and c2.dtype is u8
+        and a1.dtype is f32 and a2.dtype is f32
+        and p.numel() == numel and gr.numel() == numel and c1.numel() == code_count
+        and c2.numel() == code_count and a1.numel() == n_blocks and a2.numel() == n_blocks
+        and p.is_contiguous() and gr.is_contiguous() and c1.is_contiguous()
+        and c2.is_contiguous() and a1.is_contiguous() and a2.is_contiguous()
+        and all(t.get_device() == dev_index for t in tensors)
+    )  # fmt: skip
+
+
 def launch_table(rows: list[list[int]], hps: list[list[float]], hp_at: int, device):
     """The int64 (len(rows), TABLE_WORDS) table of a multi-tensor launch on ``device``: each
     row's ints from word 0, its fp32 hyperparameters from fp32 word ``hp_at``; copied through

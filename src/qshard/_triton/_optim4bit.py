@@ -37,6 +37,7 @@ from qshard._triton._common import (
     next_pow2,
     on_device,
     read_row,
+    row_tensors_fine,
     rows_per_program,
     search_table_on,
     store_as,
@@ -352,16 +353,8 @@ def optim4bit_step_multi(
         rows, row_numel = layouts[i]
         numel, nbr, row_bytes = rows * row_numel, -(-row_numel // block_size), (row_numel + 1) // 2
         n_blocks, n_bytes = rows * nbr, rows * row_bytes
-        fine = (
-            p.dtype is p_dtype and gr.dtype is g_dtype and c1.dtype is u8 and c2.dtype is u8
-            and a1.dtype is f32 and a2.dtype is f32
-            and p.numel() == numel and gr.numel() == numel and c1.numel() == n_bytes
-            and c2.numel() == n_bytes and a1.numel() == n_blocks and a2.numel() == n_blocks
-            and p.is_contiguous() and gr.is_contiguous() and c1.is_contiguous()
-            and c2.is_contiguous() and a1.is_contiguous() and a2.is_contiguous()
-            and all(t.get_device() == dev_index for t in (p, gr, c1, a1, c2, a2))
-        )  # fmt: skip
-        if not fine:  # say what is wrong
+        tensors = (p, gr, c1, a1, c2, a2)
+        if not row_tensors_fine(tensors, p_dtype, g_dtype, numel, n_bytes, n_blocks, dev_index):
             if p.dtype != p_dtype or gr.dtype != g_dtype:
                 raise ValueError(
                     f"tensor {i}: param {p.dtype} / grad {gr.dtype} in a call for {p_dtype} / "

@@ -55,6 +55,7 @@ from qshard._triton._common import (
     read_row,
     region_code,
     region_table_on,
+    row_tensors_fine,
     rows_per_program,
     search_table_on,
     store_as,
@@ -588,25 +589,14 @@ def optim8bit_step_multi(
     programs = 0
     scalars: dict[int, list[float]] = {}  # per hyperparameter list: usually one for all
     dev_index = params[0].get_device()  # (an int: cheaper than comparing torch.device objects)
-    u8, f32 = torch.uint8, torch.float32
     for i in range(n):
         p, gr, c1, a1 = params[i], grads[i], codes1[i], absmax1[i]
         c2, a2 = (codes2[i], absmax2[i]) if has2 else (c1, a1)  # type: ignore[index]
         rows, row_numel = layouts[i]
         numel, nbr = rows * row_numel, -(-row_numel // block_size)
         n_blocks = rows * nbr
-        # One expression for what a well-formed tensor passes; the named checks below only
-        # run to say what is wrong (a step asks this of every tensor).
-        fine = (
-            p.dtype is p_dtype and gr.dtype is g_dtype and c1.dtype is u8 and c2.dtype is u8
-            and a1.dtype is f32 and a2.dtype is f32
-            and p.numel() == numel and gr.numel() == numel and c1.numel() == numel
-            and c2.numel() == numel and a1.numel() == n_blocks and a2.numel() == n_blocks
-            and p.is_contiguous() and gr.is_contiguous() and c1.is_contiguous()
-            and c2.is_contiguous() and a1.is_contiguous() and a2.is_contiguous()
-            and all(t.get_device() == dev_index for t in (p, gr, c1, a1, c2, a2))
-        )  # fmt: skip
-        if not fine:
+        tensors = (p, gr, c1, a1, c2, a2)
+        if not row_tensors_fine(tensors, p_dtype, g_dtype, numel, numel, n_blocks, dev_index):
             _explain(i, p, gr, c1, a1, c2, a2, has2, numel, n_blocks, p_dtype, g_dtype, dev)
         if numel >= 2**31:
             raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
