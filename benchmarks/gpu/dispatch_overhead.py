@@ -8,7 +8,7 @@ part on the CPU: the optimizer dispatches to the Triton path as on a GPU, and th
 is replaced by a no-op, so what is left is what a faster dispatch would save. The launch
 table's copy to the GPU (one pinned host-to-device copy a launch) is not in it.
 
-    python benchmarks/gpu/dispatch_overhead.py [--tensors 150] [--steps 50]
+    python benchmarks/gpu/dispatch_overhead.py [--tensors 150] [--steps 50] [--optimizer adamw4bit]
 
 Prints microseconds per tensor per step (median of 5 runs) and the load average.
 """
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=int, default=150, help="768x768 parameters")
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--optimizer", choices=["adamw8bit", "adamw4bit"], default="adamw8bit")
     args = parser.parse_args(argv)
     if args.tensors < 1 or args.steps < 1:
         parser.error("--tensors and --steps must be at least 1")
@@ -43,17 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from qshard import _triton
-    from qshard._triton import _optim8bit
-    from qshard.optim import AdamW8bit
+    from qshard._triton import _optim4bit, _optim8bit
+    from qshard.optim import AdamW4bit, AdamW8bit
 
     # one launch a group ([Note: multi-tensor launch]), here a no-op
     _optim8bit._step8_multi_kernel = _NoLaunch()
+    _optim4bit._step4_multi_kernel = _NoLaunch()
     _triton.serves = lambda t: True  # the CUDA dispatch decision, for CPU tensors
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(768, 768)) for _ in range(args.tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = AdamW8bit(params, lr=1e-3)
+    opt = (AdamW8bit if args.optimizer == "adamw8bit" else AdamW4bit)(params, lr=1e-3)
     for _ in range(3):
         opt.step()
     runs = []
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((time.perf_counter() - t0) / args.steps / args.tensors * 1e6)
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"AdamW8bit Triton path, host time per tensor per step (launch excluded): "
+        f"{type(opt).__name__} Triton path, host time per tensor per step (launch excluded): "
         f"{statistics.median(runs):.1f} us (median of 5; {args.tensors} tensors; load {load})"
     )
     return 0
