@@ -10,7 +10,7 @@ from _harness import Recorder
 
 def adamw4bit(rec: Recorder, args) -> None:
     """The fused 4-bit AdamW step (`AdamW4bit.step()`, which dispatches CUDA parameters to
-    `_triton.optim4bit_step`) vs torch's fused fp32 AdamW on the same parameters."""
+    `_triton.optim4bit_step_multi`) vs torch's fused fp32 AdamW on the same parameters."""
     from unittest import mock
 
     import torch
@@ -39,7 +39,9 @@ def adamw4bit(rec: Recorder, args) -> None:
             optq = AdamW4bit([pq], lr=1e-3, weight_decay=0.01)
             with (
                 _route(),
-                mock.patch.object(_triton, "optim4bit_step", wraps=_triton.optim4bit_step) as k,
+                mock.patch.object(
+                    _triton, "optim4bit_step_multi", wraps=_triton.optim4bit_step_multi
+                ) as k,  # the optimizer's launches ([Note: multi-tensor launch])
             ):
                 optq.step()  # the states exist from here on
                 k.reset_mock()

@@ -142,3 +142,7 @@ def test_smoke_run_every_section(tmp_path):
     # on CPU: the check reads the tables after it)
     measured = text.split("### On-device correctness", 1)[1]
     assert "|False|" not in measured.replace(" ", "")
+    # AdamW4bit's step is one launch: the section counts the entry the optimizer calls
+    four = text.split("AdamW4bit step on", 1)[1].split("###", 1)[0]
+    calls = [row.split("|")[4].strip() for row in four.splitlines() if "AdamW4bit.step()" in row]
+    assert calls and all(c == "1" for c in calls), calls

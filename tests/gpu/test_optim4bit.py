@@ -40,6 +40,16 @@ def _warm_state(shape, block, v_map, gen, device):
     return [t.to(device) for t in (mc, ma, vc, va)]
 
 
+def _assert_same_bits(got, want, where) -> None:
+    """Each kernel output equals its reference bit for bit (floats compared as their bits)."""
+    for k, r in zip(got, want, strict=True):
+        k = k.cpu()
+        if k.is_floating_point():
+            bits = {2: torch.int16, 4: torch.int32}[k.element_size()]
+            k, r = k.view(bits), r.view(bits)
+        assert torch.equal(k, r), where
+
+
 @pytest.mark.parametrize("lut", [True, False], ids=["table", "binary"])
 @pytest.mark.parametrize("v_map", _qstate4.SECOND_MOMENT_MAPS)
 @pytest.mark.parametrize("hp_case", range(len(_HP)))
@@ -79,13 +89,7 @@ def test_kernel_equals_torch_reference(device, v_map, hp_case, lut):
                 **({"m_lut": qm.lut, "v_lut": qv.lut} if lut else {}),
             )
             where = (v_map, hp_case, rows, row_numel, block, dtype)
-            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
-            assert torch.equal(kp.cpu().view(bits), ref_p.view(bits)), where
-            for k, r in zip(ks, ref_state):
-                k = k.cpu()
-                if k.dtype == torch.float32:
-                    k, r = k.view(torch.int32), r.view(torch.int32)
-                assert torch.equal(k, r), where
+            _assert_same_bits([kp, *ks], [ref_p, *ref_state], where)
 
 
 def test_bad_arguments_are_rejected(device):
@@ -232,14 +236,9 @@ def test_multi_tensor_launch_equals_the_reference_per_tensor(device, v_map, dtyp
         **args, m_code=qm.code, m_mid=qm.mid, v_code=qv.code, v_mid=qv.mid, block_size=block,
         m_lut=qm.lut, v_lut=qv.lut,
     )  # fmt: skip
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for i, (ref_p, ref_state) in enumerate(want):
-        assert torch.equal(args["params"][i].cpu().view(bits), ref_p.view(bits)), i
-        got = [args[k][i].cpu() for k in ("m_codes", "m_absmax", "v_codes", "v_absmax")]
-        for k, r in zip(got, ref_state):
-            if k.dtype == torch.float32:
-                k, r = k.view(torch.int32), r.view(torch.int32)
-            assert torch.equal(k, r), i
+        got = [args[k][i] for k in ("params", "m_codes", "m_absmax", "v_codes", "v_absmax")]
+        _assert_same_bits(got, [ref_p, *ref_state], i)
 
 
 def test_multi_tensor_launch_rejects_bad_lists(device):

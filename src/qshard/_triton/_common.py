@@ -5,6 +5,7 @@ Everything here is used by the kernel modules of this package; nothing is public
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -149,9 +150,6 @@ def region_table_on(name: str, regions: torch.Tensor | None, signed: bool, devic
     table read as unsigned would give wrong codes, not an error."""
     if regions is None:
         return None
-    copy = _device_copies.get(regions, {}).get(str(device))
-    if copy is not None:  # checked when it was copied
-        return copy
     if regions.shape != (129,) or regions.dtype != torch.int32 or regions.device.type != "cpu":
         raise ValueError(
             f"{name}: expected the CPU int32 (129,) region table of qshard.quant._codetable "
@@ -285,6 +283,32 @@ def read_row(meta_ptr, t, P_BF16: tl.constexpr, G_BF16: tl.constexpr, ALIGNED: t
     return p_ptr, g_ptr, c1_ptr, a1_ptr, c2_ptr, a2_ptr, n_blocks, blocks_per_row, row_numel, first
 
 
+def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None, count: int) -> None:
+    """Refuse a kernel input that is not contiguous or not `count` elements of `dtype` (None:
+    any float dtype)."""
+    check_contiguous(name, t)
+    if t.numel() != count or (dtype is not None and t.dtype != dtype):
+        raise ValueError(
+            f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
+        )
+
+
+def explain_row(i: int, named, p_dtype, g_dtype) -> None:
+    """Raise the error that says why tensor `i` of a multi-tensor launch failed
+    `row_tensors_fine`; `named`: its (name, tensor, dtype, count) in the order of the launch's
+    lists, param and grad first."""
+    (_, p, _, _), (_, gr, _, _) = named[:2]
+    if p.dtype != p_dtype or gr.dtype != g_dtype:
+        raise ValueError(
+            f"tensor {i}: param {p.dtype} / grad {gr.dtype} in a call for {p_dtype} / "
+            f"{g_dtype}; split the list by dtype"
+        )
+    for name, t, dtype, count in named:
+        check_tensor(f"{name}[{i}]", t, dtype, count)
+    check_device(*(t for _, t, _, _ in named))
+    raise AssertionError(f"tensor {i} refused without a reason")  # (not reached)
+
+
 def row_tensors_fine(
     tensors, p_dtype, g_dtype, numel: int, code_count: int, n_blocks: int, dev_index: int
 ) -> bool:
@@ -311,8 +335,6 @@ def launch_table(rows: list[list[int]], hps: list[list[float]], hp_at: int, devi
     row's ints from word 0, its fp32 hyperparameters from fp32 word ``hp_at``; copied through
     pinned memory without waiting for the stream (torch keeps the pinned block until the copy
     has run)."""
-    import numpy as np
-
     table = np.zeros((len(rows), TABLE_WORDS), dtype=np.int64)
     table[:, : len(rows[0])] = rows
     table.view(np.float32)[:, hp_at : hp_at + len(hps[0])] = hps

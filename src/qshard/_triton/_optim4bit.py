@@ -29,8 +29,7 @@ import triton.language as tl
 
 from qshard._triton._common import (
     TABLE_WORDS,
-    check_contiguous,
-    check_device,
+    explain_row,
     find_row,
     launch_table,
     load_f32,
@@ -340,38 +339,19 @@ def optim4bit_step_multi(
     scalars: dict[int, list[float]] = {}
     programs = 0
     dev_index = params[0].get_device()
-    u8, f32 = torch.uint8, torch.float32
     for i in range(n):
-        p, gr, c1, a1, c2, a2 = (
-            params[i],
-            grads[i],
-            m_codes[i],
-            m_absmax[i],
-            v_codes[i],
-            v_absmax[i],
-        )
+        tensors = p, gr, c1, a1, c2, a2 = (
+            params[i], grads[i], m_codes[i], m_absmax[i], v_codes[i], v_absmax[i]
+        )  # fmt: skip
         rows, row_numel = layouts[i]
         numel, nbr, row_bytes = rows * row_numel, -(-row_numel // block_size), (row_numel + 1) // 2
         n_blocks, n_bytes = rows * nbr, rows * row_bytes
-        tensors = (p, gr, c1, a1, c2, a2)
         if not row_tensors_fine(tensors, p_dtype, g_dtype, numel, n_bytes, n_blocks, dev_index):
-            if p.dtype != p_dtype or gr.dtype != g_dtype:
-                raise ValueError(
-                    f"tensor {i}: param {p.dtype} / grad {gr.dtype} in a call for {p_dtype} / "
-                    f"{g_dtype}; split the list by dtype"
-                )
-            for name, t, dtype, count in (
-                ("params", p, None, numel), ("grads", gr, None, numel),
-                ("m_codes", c1, u8, n_bytes), ("v_codes", c2, u8, n_bytes),
-                ("m_absmax", a1, f32, n_blocks), ("v_absmax", a2, f32, n_blocks),
-            ):  # fmt: skip
-                check_contiguous(f"{name}[{i}]", t)
-                if t.numel() != count or (dtype is not None and t.dtype != dtype):
-                    raise ValueError(
-                        f"{name}[{i}]: expected {count} elements of {dtype or 'float'}; got "
-                        f"{t.dtype} {t.numel()}"
-                    )
-            check_device(p, gr, c1, a1, c2, a2)
+            explain_row(i, [("params", p, None, numel), ("grads", gr, None, numel),
+                            ("m_codes", c1, torch.uint8, n_bytes),
+                            ("m_absmax", a1, torch.float32, n_blocks),
+                            ("v_codes", c2, torch.uint8, n_bytes),
+                            ("v_absmax", a2, torch.float32, n_blocks)], p_dtype, g_dtype)  # fmt: skip
         if numel >= 2**31:
             raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
         rows_.append([p.data_ptr(), gr.data_ptr(), c1.data_ptr(), a1.data_ptr(), c2.data_ptr(),

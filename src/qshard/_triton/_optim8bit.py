@@ -46,7 +46,7 @@ import triton.language as tl
 
 from qshard._triton._common import (
     TABLE_WORDS,
-    check_contiguous,
+    explain_row,
     find_row,
     launch_table,
     load_f32,
@@ -396,18 +396,10 @@ def _kind_id(kind: int | str, flags: int, block_size: int, has2: bool) -> int:
     return kind_id
 
 
-def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None, count: int) -> None:
-    check_contiguous(name, t)
-    if t.numel() != count or (dtype is not None and t.dtype != dtype):
-        raise ValueError(
-            f"{name}: expected {count} elements of {dtype or 'float'}; got {t.dtype} {t.numel()}"
-        )
-
-
 class _Maps:
-    """Both states' code maps, midpoints and tables on the kernel's device, checked, as kernel
-    arguments (`args`) and constexprs (`consts`). A missing state 2 repeats state 1's (never
-    read)."""
+    """Both states' code maps, midpoints and tables on the kernel's device, checked: kernel
+    arguments (`state1`, `state2`: code, mid, search table, region table) and constexprs
+    (`consts`). A missing state 2 repeats state 1's (never read)."""
 
     def __init__(self, dev, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2,
                  regions2, signed2) -> None:  # fmt: skip
@@ -508,29 +500,6 @@ def optim8bit_step(
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _explain(i, p, gr, c1, a1, c2, a2, has2, numel, n_blocks, p_dtype, g_dtype, dev) -> None:
-    """Raise the error that says why tensor ``i`` of a multi-tensor call is refused."""
-    if p.dtype != p_dtype or gr.dtype != g_dtype:
-        raise ValueError(
-            f"tensor {i}: param {p.dtype} / grad {gr.dtype} in a call for {p_dtype} / "
-            f"{g_dtype}; split the list by dtype"
-        )
-    _check_tensor(f"params[{i}]", p, None, numel)
-    _check_tensor(f"grads[{i}]", gr, None, numel)
-    _check_tensor(f"codes1[{i}]", c1, torch.uint8, numel)
-    _check_tensor(f"absmax1[{i}]", a1, torch.float32, n_blocks)
-    if has2:
-        _check_tensor(f"codes2[{i}]", c2, torch.uint8, numel)
-        _check_tensor(f"absmax2[{i}]", a2, torch.float32, n_blocks)
-    for t in (p, gr, c1, a1, c2, a2):
-        if t.device != dev:
-            raise ValueError(
-                f"qshard Triton kernels need all tensors on one device; got {dev} and "
-                f"{t.device} (tensor {i})"
-            )
-    raise AssertionError(f"tensor {i} refused without a reason")  # (not reached)
-
-
 def optim8bit_step_multi(
     *,
     kind: int | str,
@@ -597,7 +566,16 @@ def optim8bit_step_multi(
         n_blocks = rows * nbr
         tensors = (p, gr, c1, a1, c2, a2)
         if not row_tensors_fine(tensors, p_dtype, g_dtype, numel, numel, n_blocks, dev_index):
-            _explain(i, p, gr, c1, a1, c2, a2, has2, numel, n_blocks, p_dtype, g_dtype, dev)
+            named = [
+                ("params", p, None, numel),
+                ("grads", gr, None, numel),
+                ("codes1", c1, torch.uint8, numel),
+                ("absmax1", a1, torch.float32, n_blocks),
+            ]
+            if has2:
+                named += [("codes2", c2, torch.uint8, numel),
+                          ("absmax2", a2, torch.float32, n_blocks)]  # fmt: skip
+            explain_row(i, named, p_dtype, g_dtype)
         if numel >= 2**31:
             raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
         rows_.append([p.data_ptr(), gr.data_ptr(), c1.data_ptr(), a1.data_ptr(), c2.data_ptr(),
@@ -611,12 +589,13 @@ def optim8bit_step_multi(
         return
     # 16-byte vector loads need every vector's address aligned: the tensors' starts (the four
     # the vectors read) and the rows' lengths (a row's start is r * row_numel elements in).
-    aligned = all(r[0] % 16 == r[1] % 16 == r[2] % 16 == r[4] % 16 == r[8] % 16 == 0 for r in rows_)
+    aligned = all(r[0] % 16 == r[1] % 16 == r[2] % 16 == r[4] % 16 == r[8] % 16 == 0
+                  for r in rows_)  # fmt: skip
     table = launch_table(rows_, hp_rows, _HP_AT, dev)
     _step8_multi_kernel[(programs,)](
         table, table.view(torch.float32), n, *maps.state1, int(zero1), *maps.state2, int(zero2),
-        LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), KIND=kind_id, FLAGS=int(flags), HAS2=has2,
-        SIGNED1=bool(signed1), SIGNED2=bool(signed2), BS=block_size, BLOCK_N=block_n, G=g,
+        LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), KIND=kind_id,
+        FLAGS=int(flags), HAS2=has2, SIGNED1=bool(signed1), SIGNED2=bool(signed2), BS=block_size, BLOCK_N=block_n, G=g,
         P_BF16=p_dtype == torch.bfloat16, G_BF16=g_dtype == torch.bfloat16, **maps.consts,
         num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip

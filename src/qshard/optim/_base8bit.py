@@ -30,7 +30,7 @@ shards only; no collective is issued.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -44,12 +44,14 @@ from qshard.optim import _kernels, _qstate, _state_dict
 # those modules were split off; they stay importable from here (adam4bit.py, tests/ and
 # benchmarks/ imported some), hence re-exported (noqa: F401) where this module does not use them.
 from qshard.optim._multi_tensor import (  # noqa: F401
+    _TRITON_DTYPES,
     _advance_steps,
     _hparam_table,
     _Item,
     _kernel_takes,
     _multi_tensor_entry,
     _QuantizedPlan,
+    _triton_launches,
 )
 from qshard.optim._options import (  # noqa: F401
     COMMON_DEFAULTS,
@@ -69,9 +71,6 @@ from qshard.optim._state_layout import (  # noqa: F401
     _local,
     _wrap_like,
 )
-
-#: The parameter and gradient dtypes of the Triton kernels.
-_TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
 __all__ = ["BlockwiseOptimizer", "Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
 
@@ -530,36 +529,24 @@ class Optimizer8bit(BlockwiseOptimizer):
         flags) among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
         specs = self._state_specs(group)
         maps = [_qstate.qmap(signed) for _, signed in specs]
-        rounding = _qstate.Rounding.make(
+        base_flags = _qstate.Rounding.make(
             bnb_compat=group["bnb_compat"], stochastic=group["stochastic_rounding"]
+        ).flags()
+        states = {}
+        for k, (name, _) in enumerate(specs, start=1):
+            states |= {f"codes{k}": f"{name}_codes", f"absmax{k}": f"{name}_absmax"}
+        calls = _triton_launches(
+            items,
+            steps,
+            lambda step: self._kernel_hparams(group, step),
+            states,
+            lambda step: base_flags | (_kernels.FLAG_FIRST_STEP if step == 1 else 0),
         )
-        base_flags = rounding.flags()
-        keys = [(f"codes{k}", f"absmax{k}", f"{name}_codes", f"{name}_absmax")
-                for k, (name, _) in enumerate(specs, start=1)]  # fmt: skip
-        hparams: dict[int, list[float]] = {}  # per step count: usually one for all
-        calls: dict[tuple, dict[str, list]] = {}
-        for (_, p, state), step in zip(items, steps):
-            p_l, g_l = _local(p), _local(p.grad)
-            if g_l.dtype not in _TRITON_DTYPES:  # fp16 / fp64 gradients: fp32 (the kernel's math)
-                g_l = g_l.float()
-            flags = base_flags | (_kernels.FLAG_FIRST_STEP if step == 1 else 0)
-            if step not in hparams:
-                hparams[step] = self._kernel_hparams(group, step)
-            call = calls.get((p_l.dtype, g_l.dtype, flags))
-            if call is None:
-                call = calls[(p_l.dtype, g_l.dtype, flags)] = defaultdict(list)
-            call["params"].append(p_l)
-            call["grads"].append(g_l.contiguous())  # (a copy lives until the launch)
-            call["layouts"].append(_qstate.row_view(p_l.shape))
-            call["hps"].append(hparams[step])
-            for codes_key, absmax_key, codes_name, absmax_name in keys:
-                call[codes_key].append(_local(state[codes_name]))
-                call[absmax_key].append(_local(state[absmax_name]))
+        two = {}
+        if len(maps) == 2:
+            m = maps[1]
+            two = dict(code2=m.code, mid2=m.mid, zero2=m.zero_idx, signed2=m.signed, lut2=m.lut)
         for (_, _, flags), call in calls.items():
-            two = {}
-            if len(maps) == 2:
-                m = maps[1]
-                two = dict(code2=m.code, mid2=m.mid, zero2=m.zero_idx, signed2=m.signed, lut2=m.lut)
             _triton.optim8bit_step_multi(
                 kind=self._kind,
                 code1=maps[0].code,

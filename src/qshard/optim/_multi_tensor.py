@@ -19,13 +19,18 @@ from qshard.optim import _qstate
 from qshard.optim._state_layout import _check_layout, _layout_fits, _local
 
 __all__ = [
+    "_TRITON_DTYPES",
     "_Item",
     "_QuantizedPlan",
     "_advance_steps",
     "_hparam_table",
     "_kernel_takes",
     "_multi_tensor_entry",
+    "_triton_launches",
 ]
+
+#: The parameter and gradient dtypes of the Triton kernels.
+_TRITON_DTYPES = (torch.float32, torch.bfloat16)
 
 #: A parameter met by ``step``: its index in the group, the parameter, its state.
 _Item = tuple[int, Tensor, dict[str, Any]]
@@ -124,3 +129,37 @@ def _multi_tensor_entry(
         row_numel,
     ]
     return row, g_l
+
+
+def _triton_launches(
+    items: list[_Item],
+    steps: list[int],
+    hparams: Callable[[int], list[float]],
+    states: dict[str, str],
+    flags: Callable[[int], int] | None = None,
+) -> dict[tuple, dict[str, list]]:
+    """The keyword lists of the Triton multi-tensor launches of ``items`` (``(index,
+    parameter, state)``, at the advanced ``steps``): one launch per (parameter dtype, gradient
+    dtype[, ``flags(step)``]), each with ``params``, ``grads``, ``layouts``, ``hps`` (one
+    ``hparams(step)`` per distinct step) and, per entry of ``states`` (kernel argument name ->
+    state key), the local state tensors. Gradients of other dtypes go as fp32 (the kernels'
+    math), and non-contiguous ones as contiguous copies, held by the lists until the launch."""
+    rows: dict[int, list[float]] = {}
+    launches: dict[tuple, dict[str, list]] = {}
+    for (_, p, state), step in zip(items, steps):
+        p_l, g_l = _local(p), _local(p.grad)
+        if g_l.dtype not in _TRITON_DTYPES:
+            g_l = g_l.float()
+        if step not in rows:
+            rows[step] = hparams(step)
+        key = (p_l.dtype, g_l.dtype) if flags is None else (p_l.dtype, g_l.dtype, flags(step))
+        launch = launches.get(key)
+        if launch is None:
+            launch = launches[key] = {k: [] for k in ("params", "grads", "layouts", "hps", *states)}
+        launch["params"].append(p_l)
+        launch["grads"].append(g_l.contiguous())
+        launch["layouts"].append(_qstate.row_view(p_l.shape))
+        launch["hps"].append(rows[step])
+        for arg, name in states.items():
+            launch[arg].append(_local(state[name]))
+    return launches

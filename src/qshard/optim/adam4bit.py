@@ -19,7 +19,6 @@ Paths, same numerics (bit for bit): the Triton kernel (CUDA, fp32/bf16), the fus
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,8 +27,14 @@ from torch import Tensor
 
 from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
-from qshard.optim._base8bit import _TRITON_DTYPES, BlockwiseOptimizer
-from qshard.optim._multi_tensor import _hparam_table, _Item, _multi_tensor_entry
+from qshard.optim._base8bit import BlockwiseOptimizer
+from qshard.optim._multi_tensor import (
+    _TRITON_DTYPES,
+    _hparam_table,
+    _Item,
+    _multi_tensor_entry,
+    _triton_launches,
+)
 from qshard.optim._options import _check_lr, check_numbers, check_params_and_torch_flags
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
@@ -253,26 +258,17 @@ class Adam4bit(BlockwiseOptimizer):
         """The Triton twin of ``adam4bit_multi`` ([Note: multi-tensor launch] in
         ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype)
         among ``items``; same numerics."""
-        hparams: dict[int, list[float]] = {}
-        calls: dict[tuple, dict[str, list]] = {}
-        for (_, p, state), step in zip(items, steps):
-            p_l, g_l = _local(p), _local(p.grad)
-            if g_l.dtype not in _TRITON_DTYPES:  # fp16 / fp64 gradients: fp32 (the kernel's math)
-                g_l = g_l.float()
-            if step not in hparams:
-                hparams[step] = adam_group_hparams(
-                    group, step, decoupled=self._decoupled, inverse_bc2=True
-                )
-            call = calls.get((p_l.dtype, g_l.dtype))
-            if call is None:
-                call = calls[(p_l.dtype, g_l.dtype)] = defaultdict(list)
-            call["params"].append(p_l)
-            call["grads"].append(g_l.contiguous())  # (a copy lives until the launch)
-            call["layouts"].append(row_view(p_l.shape))
-            call["hps"].append(hparams[step])
-            for moment, name in zip("mv", _STATES):
-                call[f"{moment}_codes"].append(_local(state[f"{name}_codes"]))
-                call[f"{moment}_absmax"].append(_local(state[f"{name}_absmax"]))
+        states = {}
+        for moment, name in zip("mv", _STATES):
+            states |= {f"{moment}_codes": f"{name}_codes", f"{moment}_absmax": f"{name}_absmax"}
+        calls = _triton_launches(
+            items,
+            steps,
+            lambda step: adam_group_hparams(
+                group, step, decoupled=self._decoupled, inverse_bc2=True
+            ),
+            states,
+        )
         qm, qv = self._maps(group)
         for call in calls.values():
             _triton.optim4bit_step_multi(
