@@ -209,6 +209,8 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> Table
     ):
         dst = torch.empty_like(x)
         copy_ms = _ms(lambda d=dst, x=x: d.copy_(x), repeat, cuda)
+        if x is x32:
+            fp32_copy_ms = copy_ms
         ref = None
         for geometry in [None, *geometries]:
             ctx = _Patch(
@@ -228,7 +230,7 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> Table
             label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
             frac = copy_ms / ms * nbytes / (2 * x.numel() * x.element_size())
             out.append([name, label, f"{ms:.3f}", f"{frac:.2f}", same])
-    out += _sweep_qgz_first_hop(x32, repeat, cuda, geometries)
+    out += _sweep_qgz_first_hop(x32, fp32_copy_ms, repeat, cuda, geometries)
     return (
         f"Blockwise quantize, {n / 1e6:.0f}M elements, block 256 (x copy: bytes moved per ms vs "
         "a device-to-device copy of the input)",
@@ -237,9 +239,10 @@ def sweep_quantize(n: int, device, repeat: int, cuda: bool, geometries) -> Table
     )
 
 
-def _sweep_qgz_first_hop(x, repeat: int, cuda: bool, geometries) -> list[list]:
+def _sweep_qgz_first_hop(x, copy_ms: float, repeat: int, cuda: bool, geometries) -> list[list]:
     """qgZ's reorder + INT4 quantize into wire rows (2 nodes x 4 ranks, 2 stages, as zeropp
-    dispatches it: `_qgz_sections.qgz_first_hop`) at each geometry of the packing kernels."""
+    dispatches it: `_qgz_sections.qgz_first_hop`) at each geometry of the packing kernels;
+    `copy_ms`: the device-to-device copy of fp32 `x` the other rows are measured against."""
     import torch
     from _qgz_sections import qgz_first_hop
 
@@ -251,8 +254,6 @@ def _sweep_qgz_first_hop(x, repeat: int, cuda: bool, geometries) -> list[list]:
         nodes=2, ranks_per_node=per_node, stages=2, size=x.numel() // 8, block_size=bs
     )
     off, lens = off.to(x.device), lens.to(x.device)
-    dst = torch.empty_like(x)
-    copy_ms = _ms(lambda: dst.copy_(x), repeat, cuda)
     nbytes = 4 * x.numel() + x.numel() // 2 + 4 * (x.numel() // bs)
     rows, ref = [], None
     aligned = math.gcd(x.numel() // 8, slot)  # zeropp's promise ([Note: aligned slots])
