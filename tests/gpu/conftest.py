@@ -96,3 +96,22 @@ def huge(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
     except (RuntimeError, MemoryError) as e:  # a strict overcommit policy refuses it
         pytest.skip(f"cannot reserve {numel} {dtype} elements: {e}")
+
+
+def spy_launches(monkeypatch, module, name: str) -> list[tuple[tuple, tuple, dict]]:
+    """Record every launch of the Triton kernel `module.<name>` (grid, arguments, keyword
+    arguments: constexprs and options), then launch it. Patch before the code under test reads
+    the kernel (a prepared launch keeps the kernel it was built with)."""
+    launches: list[tuple[tuple, tuple, dict]] = []
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, args, kwargs))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, name, Spy())
+    return launches

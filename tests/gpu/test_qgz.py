@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the GPU kernels need triton (pip install q
 from qshard import _triton
 from qshard.quant import blockwise as ref
 from qshard.zeropp._wire import RowCodec
+from tests.gpu.conftest import spy_launches
 
 BS = 16
 
@@ -331,25 +332,14 @@ def test_reorder_quantize_grid_keeps_the_long_axis_first(monkeypatch):
         _qgz._launch_reorder_quantize(x, many, many, 256, 256, 7, True, "nearest", None, blocks)
 
 
-def test_aligned_slots_take_vector_loads_and_the_same_bytes(monkeypatch):
+def test_aligned_slots_take_vector_loads_and_the_same_bytes(monkeypatch, device):
     """[Note: aligned slots]: the kernel is told ALIGNED only when every offset and length is a
     multiple of a 16-byte vector (4 fp32, 8 bf16 elements) and x starts on 16 bytes, found by
     the host check or promised by a trusted caller (zeropp: gcd(partition size, slot)); a
     broken promise is refused when checked; the bytes do not change."""
     from qshard._triton import _qgz
 
-    flags = []
-    kernel = _qgz._reorder_quantize_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                flags.append(kwargs["ALIGNED"])
-                return kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(_qgz, "_reorder_quantize_kernel", Spy())
+    launches = spy_launches(monkeypatch, _qgz, "_reorder_quantize_kernel")
     codec = RowCodec(bits=4, block_size=BS)
     gen = torch.Generator().manual_seed(0)
     for size, dtype, aligned in ((64, torch.float32, True), (50, torch.float32, False),
@@ -359,26 +349,28 @@ def test_aligned_slots_take_vector_loads_and_the_same_bytes(monkeypatch):
         offsets, lengths, slot = _triton.qgz_slots(
             nodes=2, ranks_per_node=2, stages=1, size=size, block_size=BS
         )
-        send = torch.empty((2, codec.row_bytes(2 * slot)), dtype=torch.uint8)
-        args = (x, offsets, lengths)
+        send = torch.empty((2, codec.row_bytes(2 * slot)), dtype=torch.uint8, device=device)
+        args = (x.to(device), offsets.to(device), lengths.to(device))
         kw = dict(slot_numel=slot, block_size=BS, bits=4)
         checked = _triton.reorder_quantize_rows(*args, out=send.clone(), **kw).clone()
         promised = _triton.reorder_quantize_rows(
             *args, out=send.clone(), check=False, aligned_to=math.gcd(size, slot), **kw
         )
         want = codec.encode(_layout(x, 2, 2, 1, size)[0].view(2, 2 * slot))
-        assert torch.equal(checked, want) and torch.equal(promised, want), (size, dtype)
-        assert flags[-2:] == [aligned, aligned], (size, dtype, flags)
+        assert torch.equal(checked.cpu(), want) and torch.equal(promised.cpu(), want), (size, dtype)
+        flags = [kw["ALIGNED"] for _, _, kw in launches[-2:]]
+        assert flags == [aligned, aligned], (size, dtype, flags)
     # A view that starts 4 bytes in: its slots are multiples of 4 elements, x is not aligned.
-    x = torch.randn(4 * 64 + 1)[1:]
+    x = torch.randn(4 * 64 + 1, device=device)[1:]
     offsets, lengths, slot = _triton.qgz_slots(
         nodes=2, ranks_per_node=2, stages=1, size=64, block_size=BS
     )
-    send = torch.empty((2, codec.row_bytes(2 * slot)), dtype=torch.uint8)
+    send = torch.empty((2, codec.row_bytes(2 * slot)), dtype=torch.uint8, device=device)
+    offsets, lengths = offsets.to(device), lengths.to(device)
     _triton.reorder_quantize_rows(
         x, offsets, lengths, slot_numel=slot, block_size=BS, bits=4, out=send
     )
-    assert flags[-1] is False
+    assert launches[-1][2]["ALIGNED"] is False
     with pytest.raises(ValueError, match="multiples of aligned_to=8"):
         _triton.reorder_quantize_rows(
             x, offsets + 4, lengths - 4, slot_numel=slot, block_size=BS, bits=4, out=send,
