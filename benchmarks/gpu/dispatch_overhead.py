@@ -1,14 +1,17 @@
 """Host time AdamW8bit spends per tensor on its Triton path, without a GPU.
 
 On CUDA the optimizer steps a group's tensors in one kernel launch ([Note: multi-tensor launch]
-in qshard._triton._optim8bit; until 2026-12-04 one launch per tensor), plus its Python per
-tensor (state lookups, layout checks, the launch table's row). For a model of many small tensors
+in qshard._triton._common; until 2026-12-04 one launch per tensor), checked and built once and
+kept across steps ([Note: prepared launch]), plus its Python per tensor (state lookups, the
+check that the tensors are the same). `--prepare-each-step` drops the kept launch before every
+step (the dispatch before it was kept: every layout checked, the table built). For a model of many small tensors
 that host time, not the kernel, can set the step time (docs/gpu.md). This measures the Python
 part on the CPU: the optimizer dispatches to the Triton path as on a GPU, and the launch itself
 is replaced by a no-op, so what is left is what a faster dispatch would save. The launch
 table's copy to the GPU (one pinned host-to-device copy a launch) is not in it.
 
     python benchmarks/gpu/dispatch_overhead.py [--tensors 150] [--steps 50] [--optimizer adamw4bit]
+                                               [--prepare-each-step]
 
 Prints microseconds per tensor per step (median of 5 runs) and the load average.
 """
@@ -37,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=150, help="768x768 parameters")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--optimizer", choices=["adamw8bit", "adamw4bit"], default="adamw8bit")
+    parser.add_argument(
+        "--prepare-each-step", action="store_true", help="drop the kept launch before each step"
+    )
     args = parser.parse_args(argv)
     if args.tensors < 1 or args.steps < 1:
         parser.error("--tensors and --steps must be at least 1")
@@ -56,17 +62,25 @@ def main(argv: list[str] | None = None) -> int:
     for p in params:
         p.grad = torch.randn_like(p)
     opt = (AdamW8bit if args.optimizer == "adamw8bit" else AdamW4bit)(params, lr=1e-3)
-    for _ in range(3):
+
+    def step() -> None:
+        if args.prepare_each_step:
+            opt.__dict__.pop("_triton_cache", None)
         opt.step()
+
+    for _ in range(3):
+        step()
     runs = []
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            opt.step()
+            step()
         runs.append((time.perf_counter() - t0) / args.steps / args.tensors * 1e6)
     load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
-        f"{type(opt).__name__} Triton path, host time per tensor per step (launch excluded): "
+        f"{type(opt).__name__} Triton path"
+        f"{', launch prepared each step' if args.prepare_each_step else ''}, host time per "
+        "tensor per step (launch excluded): "
         f"{statistics.median(runs):.1f} us (median of 5; {args.tensors} tensors; load {load})"
     )
     return 0

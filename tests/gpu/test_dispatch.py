@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton", reason="the GPU kernels need triton (pip install qshard[gpu])")
 
 from qshard import _triton
-from tests.gpu.conftest import DEVICE
+from tests.gpu.conftest import DEVICE, spy_launches
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
@@ -127,8 +127,12 @@ def test_signs(monkeypatch):
 
 @pytest.mark.parametrize("name", ["AdamW8bit", "SGD8bit"])
 def test_optimizer_steps(monkeypatch, name):
-    """Two steps (incl. SGD's first-step buffer) through the hook equal the CPU kernel path."""
+    """Three steps through the hook equal the CPU kernel path, with a second parameter whose
+    first gradient comes at step 2: then its tensors are a step apart (two hyperparameter
+    rows), and SGD's first-step buffer flag differs between them, so SGD's launch is split in
+    two (the flag is a constexpr) where Adam's, which does not read it, stays one."""
     from qshard import optim
+    from qshard._triton import _optim8bit
     from qshard.optim import _kernels
 
     if not _kernels.available():
@@ -136,22 +140,28 @@ def test_optimizer_steps(monkeypatch, name):
 
     def run():
         gen = torch.Generator().manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(8, 300, generator=gen))
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((8, 300), (5, 512))]
         kwargs = (
             dict(lr=1e-2, weight_decay=0.01) if name == "AdamW8bit" else dict(lr=0.1, momentum=0.9)
         )
-        opt = getattr(optim, name)([p], block_size=256, min_8bit_size=1024, **kwargs)
-        for _ in range(2):
-            p.grad = torch.randn(8, 300, generator=gen) * 0.1
+        opt = getattr(optim, name)(ps, block_size=256, min_8bit_size=1024, **kwargs)
+        for step in range(3):
+            for p in ps[: 1 + (step > 0)]:
+                p.grad = torch.randn(p.shape, generator=gen) * 0.1
             opt.step()
-        st = opt.state[p]
-        return [p.detach().clone()] + [
-            st[k].clone() for k in sorted(st) if k.endswith(("_codes", "_absmax"))
-        ]
+        out = []
+        for p in ps:
+            st = opt.state[p]
+            out += [p.detach().clone()]
+            out += [st[k].clone() for k in sorted(st) if k.endswith(("_codes", "_absmax"))]
+        return out
 
+    launches = spy_launches(monkeypatch, _optim8bit, "_step8_multi_kernel")
     want, got, calls = _both(monkeypatch, run)
     assert calls >= 2
     assert _equal(want, got)
+    tensors = [args[2] for _, args, _ in launches]  # a launch's tensors, step by step
+    assert tensors == ([1, 1, 1, 2] if name == "SGD8bit" else [1, 2, 2]), tensors
 
 
 def test_optimizer_steps_many_tensors_in_one_launch_per_dtype(monkeypatch):
@@ -160,13 +170,13 @@ def test_optimizer_steps_many_tensors_in_one_launch_per_dtype(monkeypatch):
     the CPU path (the C kernel for fp32; the torch reference for bf16, see below). Each tensor
     of the launch against its own one-tensor launch, bit for bit: test_optim8bit."""
     from qshard import optim
+    from qshard._triton import _optim8bit
     from qshard.optim import _kernels
 
     if not _kernels.available():
         pytest.skip("qshard.optim's C kernel is not built here")
     shapes = [((8, 300), torch.float32), ((40, 64), torch.float32), ((3, 1000), torch.bfloat16),
               ((17, 77), torch.float32), ((5, 512), torch.bfloat16)]  # fmt: skip
-    launches = []
 
     def run():
         gen = torch.Generator().manual_seed(0)
@@ -184,15 +194,10 @@ def test_optimizer_steps_many_tensors_in_one_launch_per_dtype(monkeypatch):
             out += [p.detach().clone()] + [st[k].clone() for k in sorted(st) if "_" in k]
         return out
 
-    real = _triton.optim8bit_step_multi
-
-    def counted(**kw):
-        launches.append([p.dtype for p in kw["params"]])
-        return real(**kw)
-
-    monkeypatch.setattr(_triton, "optim8bit_step_multi", counted)
-    want, got, _ = _both(monkeypatch, run)
-    assert launches == [[torch.float32] * 3, [torch.bfloat16] * 2] * 2
+    launches = spy_launches(monkeypatch, _optim8bit, "_step8_multi_kernel")
+    want, got, _ = _both(monkeypatch, run)  # (the CPU run launches nothing)
+    # (parameter dtype bf16?, tensors): one launch per dtype a step, the fp16 gradient as fp32
+    assert [(kw["P_BF16"], args[2]) for _, args, kw in launches] == [(False, 3), (True, 2)] * 2
     # fp32 parameters: bit for bit (the C kernel is the kernel's twin). bf16 ones take the torch
     # reference on CPU, whose first moment is torch's lerp (torch.optim's rounding), not the
     # kernel's m + (1 - b1) * (g - m): same codes, absmax within an ulp or two.
@@ -201,3 +206,59 @@ def test_optimizer_steps_many_tensors_in_one_launch_per_dtype(monkeypatch):
             assert _equal(w, g), k
         else:
             assert w.dtype == g.dtype and torch.allclose(w.float(), g.float(), rtol=1e-6, atol=0), k
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
+def test_prepared_launches_kept_only_while_their_tensors_are(monkeypatch, name):
+    """[Note: prepared launch]: the optimizers keep a group's checked launch across steps while
+    its tensors are the same, and prepare again when a gradient, a parameter's data or the
+    states were replaced; a changed block size is refused as before, not run on the old layout.
+    Every step equals the CPU path (the C kernels), bit for bit."""
+    from qshard import optim
+    from qshard.optim import _kernels, _kernels4
+
+    if not (_kernels.available() and _kernels4.available()):
+        pytest.skip("qshard.optim's C kernels are not built here")
+    prepare_name = "prepare_optim8bit_multi" if name == "AdamW8bit" else "prepare_optim4bit_multi"
+    prepared = []
+
+    def run():
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((8, 300), (40, 64))]
+        small = dict(min_8bit_size=1024) if name == "AdamW8bit" else dict(min_4bit_size=1024)
+        opt = getattr(optim, name)(ps, lr=1e-2, weight_decay=0.01, block_size=256, **small)
+        kept = []  # old gradients kept alive, so new ones cannot reuse their memory
+
+        def step(new_grads: bool = True):
+            for p in ps:
+                g = torch.randn(p.shape, generator=gen) * 0.1
+                if new_grads or p.grad is None:
+                    kept.append(p.grad)
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)  # same tensor, same memory
+            opt.step()
+            return len(prepared)
+
+        counts = [step(), step(False), step(False), step()]  # new, kept, kept, new gradients
+        for p in ps:
+            p.data = p.data.clone()  # a parameter's memory replaced
+        counts.append(step(False))
+        opt.load_state_dict(opt.state_dict())  # the states replaced
+        counts.append(step(False))
+        out = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
+        opt.param_groups[0]["block_size"] = 128
+        with pytest.raises(RuntimeError, match="does not fit block_size=128"):
+            step(False)
+        return counts, out
+
+    real = getattr(_triton, prepare_name)
+
+    def counted(**kw):
+        prepared.append(len(kw["params"]))
+        return real(**kw)
+
+    monkeypatch.setattr(_triton, prepare_name, counted)
+    (_, want), (counts, got), _ = _both(monkeypatch, run)
+    assert counts == [1, 1, 1, 2, 3, 4], counts  # (the CPU run prepares nothing)
+    assert _equal(want, got)

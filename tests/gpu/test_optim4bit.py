@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the GPU kernels need triton (pip install q
 from qshard import _triton
 from qshard.optim import _qstate4
 from qshard.optim.adam4bit import AdamW4bit
-from tests.gpu.conftest import DEVICE
+from tests.gpu.conftest import DEVICE, spy_launches
 
 _HP = [
     dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True),
@@ -115,10 +115,11 @@ def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):
     """Two AdamW4bit steps through the kernel equal the CPU path (C kernel or torch reference:
     bit-identical to each other). On CUDA the second run's parameter is a CUDA tensor, which the
     optimizer hands to the compiled kernel by itself; under the interpreter it stays on CPU and
-    `_triton.serves` is patched to route it there. Either way every call of the real kernel
-    entry is counted, and the results are compared on CPU."""
+    `_triton.serves` is patched to route it there. Either way every launch of the kernel is
+    counted, and the results are compared on CPU."""
     if not _triton.interpreter() and not torch.cuda.is_available():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from qshard._triton import _optim4bit
 
     def run(device):
         gen = torch.Generator().manual_seed(0)
@@ -131,19 +132,14 @@ def test_adamw4bit_dispatches_to_the_kernel(monkeypatch):
         return {"param": p.detach().cpu(), **state}
 
     want = run("cpu")
-    calls = []
-    kernel = _triton.optim4bit_step_multi  # one launch a step ([Note: multi-tensor launch])
-
-    def counted(**kwargs):
-        calls.extend(p.device for p in kwargs["params"])
-        return kernel(**kwargs)
-
-    monkeypatch.setattr(_triton, "optim4bit_step_multi", counted)
+    # one launch a step ([Note: multi-tensor launch]), its table on the parameter's device
+    launches = spy_launches(monkeypatch, _optim4bit, "_step4_multi_kernel")
     if DEVICE.type == "cpu":
         monkeypatch.setattr(_triton, "serves", lambda t: True)
     got = run(DEVICE)
     monkeypatch.undo()
-    assert len(calls) == 2 and all(d.type == DEVICE.type for d in calls), calls
+    devices = [args[0].device.type for _, args, _ in launches]
+    assert devices == [DEVICE.type] * 2, devices
     assert got.keys() == want.keys()
     for k in want:
         assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
@@ -267,6 +263,8 @@ def test_adamw4bit_launches_once_per_dtype_for_many_tensors(monkeypatch):
     to the CPU path (C kernel and torch reference: bit-identical to each other)."""
     if not _triton.interpreter() and not torch.cuda.is_available():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from qshard._triton import _optim4bit
+
     shapes = [((8, 300), torch.float32), ((3, 1000), torch.bfloat16), ((40, 64), torch.float32),
               ((17, 77), torch.float32), ((5, 512), torch.bfloat16)]  # fmt: skip
 
@@ -285,19 +283,13 @@ def test_adamw4bit_launches_once_per_dtype_for_many_tensors(monkeypatch):
         ]
 
     want = run("cpu")
-    launches = []
-    kernel = _triton.optim4bit_step_multi
-
-    def counted(**kwargs):
-        launches.append([p.dtype for p in kwargs["params"]])
-        return kernel(**kwargs)
-
-    monkeypatch.setattr(_triton, "optim4bit_step_multi", counted)
+    launches = spy_launches(monkeypatch, _optim4bit, "_step4_multi_kernel")
     if DEVICE.type == "cpu":
         monkeypatch.setattr(_triton, "serves", lambda t: True)
     got = run(DEVICE)
     monkeypatch.undo()
-    assert launches == [[torch.float32] * 3, [torch.bfloat16] * 2] * 2
+    # (parameter dtype bf16?, tensors): one launch per dtype a step
+    assert [(kw["P_BF16"], args[2]) for _, args, kw in launches] == [(False, 3), (True, 2)] * 2
     assert len(got) == len(want)
     for k, (w, g) in enumerate(zip(want, got)):
         assert w.dtype == g.dtype and torch.equal(w, g), k

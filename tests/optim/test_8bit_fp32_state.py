@@ -405,10 +405,17 @@ def test_triton_step_only_takes_its_dtypes(monkeypatch):
     from qshard import _triton
 
     calls = []
+
+    class Launch:  # a prepared launch that runs nothing
+        def run(self, hps, **kw):
+            pass
+
+    def prepare(**kw):
+        calls.extend(p.dtype for p in kw["params"])
+        return Launch()
+
     monkeypatch.setattr(_triton, "serves", lambda t: True)
-    monkeypatch.setattr(
-        _triton, "optim8bit_step_multi", lambda **kw: calls.extend(p.dtype for p in kw["params"])
-    )
+    monkeypatch.setattr(_triton, "prepare_optim8bit_multi", prepare)
     for dtype in (torch.float64, torch.float16, torch.float32):
         p = nn.Parameter(torch.randn(64, 128, dtype=dtype))
         o8 = qoptim.AdamW8bit([p], min_8bit_size=0)

@@ -35,6 +35,8 @@ __all__ = [
     "optim8bit_step_multi",
     "pack_int4",
     "pack_signs",
+    "prepare_optim4bit_multi",
+    "prepare_optim8bit_multi",
     "qgz_slots",
     "quantize_blocks",
     "quantize_flat",
@@ -153,6 +155,12 @@ def optim8bit_step_multi(**kwargs: Any) -> None:
     return _module("_optim8bit").optim8bit_step_multi(**kwargs)
 
 
+def prepare_optim8bit_multi(**kwargs: Any) -> Any:
+    """The checked launch of `optim8bit_step_multi` without hyperparameters, to `run` each
+    step ([Note: prepared launch] in `_common`); see `_optim8bit.prepare_optim8bit_multi`."""
+    return _module("_optim8bit").prepare_optim8bit_multi(**kwargs)
+
+
 def optim4bit_step(**kwargs: Any) -> None:
     """Fused in-place 4-bit Adam/AdamW step (`qshard.optim.AdamW4bit`'s CUDA path)."""
     return _module("_optim4bit").optim4bit_step(**kwargs)
@@ -162,6 +170,12 @@ def optim4bit_step_multi(**kwargs: Any) -> None:
     """Fused in-place 4-bit Adam/AdamW step of a list of tensors in one launch; see
     `_optim4bit.optim4bit_step_multi`."""
     return _module("_optim4bit").optim4bit_step_multi(**kwargs)
+
+
+def prepare_optim4bit_multi(**kwargs: Any) -> Any:
+    """The checked launch of `optim4bit_step_multi` without hyperparameters, to `run` each
+    step ([Note: prepared launch] in `_common`); see `_optim4bit.prepare_optim4bit_multi`."""
+    return _module("_optim4bit").prepare_optim4bit_multi(**kwargs)
 
 
 def adam8bit_step(**kwargs: Any) -> None:

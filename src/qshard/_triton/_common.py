@@ -330,15 +330,58 @@ def row_tensors_fine(
     )  # fmt: skip
 
 
-def launch_table(rows: list[list[int]], hps: list[list[float]], hp_at: int, device):
-    """The int64 (len(rows), TABLE_WORDS) table of a multi-tensor launch on ``device``: each
-    row's ints from word 0, its fp32 hyperparameters from fp32 word ``hp_at``; copied through
-    pinned memory without waiting for the stream (torch keeps the pinned block until the copy
-    has run)."""
-    table = np.zeros((len(rows), TABLE_WORDS), dtype=np.int64)
-    table[:, : len(rows[0])] = rows
-    table.view(np.float32)[:, hp_at : hp_at + len(hps[0])] = hps
-    out = torch.from_numpy(table)
-    if device.type != "cpu":
-        out = out.pin_memory().to(device, non_blocking=True)
-    return out
+class PreparedLaunch:
+    """A checked multi-tensor launch ([Note: multi-tensor launch]) without its hyperparameters.
+
+    [Note: prepared launch] Checking a launch's tensors and building its table is the host's
+    work per tensor; a training step passes the same tensors every time (the parameters and
+    states, and gradients the allocator gives the same addresses), only with new
+    hyperparameters. The kernel entries check and build once (`prepare_*`), and `run` fills
+    the hyperparameter words of a copy of the table and launches: a caller that knows its
+    tensors did not change (the optimizers compare their addresses, sizes and dtypes) keeps
+    the prepared launch across steps. It holds no tensor of the launch, only their addresses:
+    the caller keeps them alive, and unchanged, until `run` has been called.
+    """
+
+    __slots__ = ("_args", "_consts", "_device", "_grid", "_hp_at", "_kernel", "_rows", "_scalars")
+
+    def __init__(self, kernel, rows: list[list[int]], programs: int, hp_at: int, device,
+                 args: tuple, consts: dict, scalars) -> None:  # fmt: skip
+        """`rows`: each tensor's int fields; `programs`: the grid; `hp_at`: the first fp32 word
+        of the hyperparameters; `args`: the kernel's arguments after (table, fp32 view, rows);
+        `consts`: its constexprs and launch options; `scalars`: one tensor's hyperparameter
+        list -> the fp32 words the kernel reads."""
+        self._rows = np.zeros((len(rows), TABLE_WORDS), dtype=np.int64)
+        if rows:
+            self._rows[:, : len(rows[0])] = rows
+        self._kernel, self._grid, self._hp_at = kernel, (programs,), hp_at
+        self._device, self._args, self._consts, self._scalars = device, args, consts, scalars
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def run(self, hps, **consts) -> None:
+        """Launch with tensor i's hyperparameters `hps[i]` (each distinct list object converted
+        once) and the constexprs `consts` on top of the prepared ones."""
+        if len(hps) != len(self._rows):
+            raise ValueError(f"{len(hps)} hyperparameter lists for {len(self._rows)} tensors")
+        if self._grid[0] == 0:
+            return
+        at: dict[int, int] = {}
+        words: list[list[float]] = []
+        index = []
+        for hp in hps:
+            k = at.get(id(hp))
+            if k is None:
+                k = at[id(hp)] = len(words)
+                words.append(self._scalars(hp))
+            index.append(k)
+        table = self._rows.copy()
+        fp32 = np.asarray(words, dtype=np.float32)[index]
+        table.view(np.float32)[:, self._hp_at : self._hp_at + fp32.shape[1]] = fp32
+        out = torch.from_numpy(table)
+        if self._device.type != "cpu":  # pinned, so the copy need not wait for the stream
+            out = out.pin_memory().to(self._device, non_blocking=True)
+        self._kernel[self._grid](
+            out, out.view(torch.float32), len(self._rows), *self._args, **self._consts, **consts
+        )

@@ -29,9 +29,9 @@ import triton.language as tl
 
 from qshard._triton._common import (
     TABLE_WORDS,
+    PreparedLaunch,
     explain_row,
     find_row,
-    launch_table,
     load_f32,
     next_pow2,
     on_device,
@@ -43,7 +43,7 @@ from qshard._triton._common import (
     table_code,
 )
 
-__all__ = ["optim4bit_step", "optim4bit_step_multi"]
+__all__ = ["optim4bit_step", "optim4bit_step_multi", "prepare_optim4bit_multi"]
 
 _MAX_BLOCK = 4096
 
@@ -297,7 +297,17 @@ def optim4bit_step(
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def optim4bit_step_multi(
+def optim4bit_step_multi(*, hps: Sequence[Sequence[float]], **kwargs) -> None:
+    """`optim4bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]
+    in `_common`): the same bytes as one call per tensor. `prepare_optim4bit_multi(**kwargs)
+    .run(hps)`: tensor i steps with the hyperparameters `hps[i]`."""
+    launch = prepare_optim4bit_multi(**kwargs)
+    if len(hps) != len(launch):
+        raise ValueError(f"hps has {len(hps)} entries for {len(launch)} params")
+    launch.run(hps)
+
+
+def prepare_optim4bit_multi(
     *,
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -311,32 +321,30 @@ def optim4bit_step_multi(
     v_code: torch.Tensor,
     v_mid: torch.Tensor,
     block_size: int,
-    hps: Sequence[Sequence[float]],
     m_lut: torch.Tensor | None = None,
     v_lut: torch.Tensor | None = None,
-) -> None:
-    """`optim4bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]
-    in `_common`): the same bytes as one call per tensor. Tensor i is `params[i]` with
-    `grads[i]`, its moments' codes and absmaxes, its `layouts[i] = (rows, row_numel)` and its
-    `hps[i]`; the parameters share one dtype and the gradients one, each fp32 or bf16."""
+) -> PreparedLaunch:
+    """The checked launch of `optim4bit_step_multi` for these tensors, to `run` with each
+    step's hyperparameters ([Note: prepared launch] in `_common`). Tensor i is `params[i]` with
+    `grads[i]`, its moments' codes and absmaxes and its `layouts[i] = (rows, row_numel)`; the
+    parameters share one dtype and the gradients one, each fp32 or bf16."""
     if not 2 <= block_size <= _MAX_BLOCK or block_size % 2:
         raise ValueError(f"block_size must be even, in 2..{_MAX_BLOCK}; got {block_size}")
     n = len(params)
     for name, seq in (("grads", grads), ("layouts", layouts), ("m_codes", m_codes),
-                      ("m_absmax", m_absmax), ("v_codes", v_codes), ("v_absmax", v_absmax),
-                      ("hps", hps)):  # fmt: skip
+                      ("m_absmax", m_absmax), ("v_codes", v_codes),
+                      ("v_absmax", v_absmax)):  # fmt: skip
         if len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} entries for {n} params")
     if n == 0:
-        return
+        return PreparedLaunch(None, [], 0, _HP_AT, None, (), {}, None)
     p_dtype, g_dtype = params[0].dtype, grads[0].dtype
     if p_dtype not in _KERNEL_DTYPES or g_dtype not in _KERNEL_DTYPES:
         raise ValueError(f"params and grads must be fp32 or bf16; got {p_dtype} and {g_dtype}")
     dev = params[0].device
     maps, luts = _maps(dev, m_code, m_mid, v_code, v_mid, m_lut, v_lut)
     half_n, g, warps = _geometry(block_size)
-    rows_, hp_rows = [], []
-    scalars: dict[int, list[float]] = {}
+    rows_ = []
     programs = 0
     dev_index = params[0].get_device()
     for i in range(n):
@@ -356,26 +364,19 @@ def optim4bit_step_multi(
             raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
         rows_.append([p.data_ptr(), gr.data_ptr(), c1.data_ptr(), a1.data_ptr(), c2.data_ptr(),
                       a2.data_ptr(), n_blocks, nbr, row_numel, programs, row_bytes])  # fmt: skip
-        hp = hps[i]
-        if id(hp) not in scalars:
-            scalars[id(hp)] = _scalars(hp)
-        hp_rows.append(scalars[id(hp)])
         programs += -(-n_blocks // g)
-    if programs == 0:
-        return
     # 16-byte vector access needs the starts (param, grad, both codes) and the rows' lengths
     # (elements and code bytes) to keep every vector aligned.
     aligned = all(
         r[0] % 16 == r[1] % 16 == r[2] % 16 == r[4] % 16 == r[8] % 16 == r[10] % 16 == 0
         for r in rows_
     )
-    table = launch_table(rows_, hp_rows, _HP_AT, dev)
-    _step4_multi_kernel[(programs,)](
-        table, table.view(torch.float32), n, maps[0], maps[1],
-        maps[0] if luts[0] is None else luts[0], maps[2], maps[3],
-        maps[2] if luts[1] is None else luts[1],
+    args = (maps[0], maps[1], maps[0] if luts[0] is None else luts[0], maps[2], maps[3],
+            maps[2] if luts[1] is None else luts[1])  # fmt: skip
+    consts = dict(
         LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), BS=block_size, HALF_N=half_n,
         G=g, P_BF16=p_dtype == torch.bfloat16, G_BF16=g_dtype == torch.bfloat16,
         LUT1=luts[0] is not None, LUT2=luts[1] is not None, num_warps=warps,
         enable_fp_fusion=False,
     )  # fmt: skip
+    return PreparedLaunch(_step4_multi_kernel, rows_, programs, _HP_AT, dev, args, consts, _scalars)

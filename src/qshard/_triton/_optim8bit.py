@@ -46,9 +46,9 @@ import triton.language as tl
 
 from qshard._triton._common import (
     TABLE_WORDS,
+    PreparedLaunch,
     explain_row,
     find_row,
-    launch_table,
     load_f32,
     next_pow2,
     on_device,
@@ -69,8 +69,10 @@ __all__ = [
     "FLAG_FLOOR_UNSIGNED",
     "FLAG_STOCHASTIC",
     "KINDS",
+    "Step8Launch",
     "optim8bit_step",
     "optim8bit_step_multi",
+    "prepare_optim8bit_multi",
 ]
 
 # Mirrors qshard.optim._kernels (kept as literals so this module never imports the C builder).
@@ -378,17 +380,20 @@ def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
         )
 
 
-def _kind_id(kind: int | str, flags: int, block_size: int, has2: bool) -> int:
-    """The kernel's kind, after the checks both entry points share."""
-    kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
-    if kind_id not in KINDS.values():
-        raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
+def _check_flags(flags: int) -> None:
     if flags & ~_KNOWN_FLAGS:
         raise ValueError(f"unknown flag bits {flags & ~_KNOWN_FLAGS:#x}")
     if flags & FLAG_STOCHASTIC:
         raise NotImplementedError(
             "stochastic state rounding has no Triton kernel; use the torch path for it"
         )
+
+
+def _kind_id(kind: int | str, block_size: int, has2: bool) -> int:
+    """The kernel's kind, after the checks every entry point shares."""
+    kind_id = KINDS.get(kind, -1) if isinstance(kind, str) else int(kind)
+    if kind_id not in KINDS.values():
+        raise ValueError(f"kind must be one of {sorted(KINDS)}; got {kind!r}")
     if not 1 <= block_size <= _MAX_BLOCK:
         raise ValueError(f"block_size must be in 1..{_MAX_BLOCK}; got {block_size}")
     if (kind_id == 0) != has2 and kind_id != 3:
@@ -500,7 +505,29 @@ def optim8bit_step(
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def optim8bit_step_multi(
+class Step8Launch(PreparedLaunch):
+    """`prepare_optim8bit_multi`'s checked launch ([Note: prepared launch] in `_common`)."""
+
+    __slots__ = ()
+
+    def run(self, hps: Sequence[Sequence[float]], *, flags: int) -> None:  # type: ignore[override]
+        """Step every tensor: tensor i with the hyperparameters `hps[i]`, all with `flags`."""
+        _check_flags(flags)
+        super().run(hps, FLAGS=int(flags))
+
+
+def optim8bit_step_multi(*, hps: Sequence[Sequence[float]], flags: int, **kwargs) -> None:
+    """`optim8bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]):
+    the same bytes as one call per tensor. `prepare_optim8bit_multi(**kwargs).run(hps,
+    flags=flags)`: tensor i steps with the hyperparameters `hps[i]`."""
+    _check_flags(flags)
+    launch = prepare_optim8bit_multi(**kwargs)
+    if len(hps) != len(launch):
+        raise ValueError(f"hps has {len(hps)} entries for {len(launch)} params")
+    launch.run(hps, flags=flags)
+
+
+def prepare_optim8bit_multi(
     *,
     kind: int | str,
     params: Sequence[torch.Tensor],
@@ -513,8 +540,6 @@ def optim8bit_step_multi(
     zero1: int,
     signed1: bool,
     block_size: int,
-    hps: Sequence[Sequence[float]],
-    flags: int,
     codes2: Sequence[torch.Tensor] | None = None,
     absmax2: Sequence[torch.Tensor] | None = None,
     code2: torch.Tensor | None = None,
@@ -525,19 +550,19 @@ def optim8bit_step_multi(
     lut2: torch.Tensor | None = None,
     regions1: torch.Tensor | None = None,
     regions2: torch.Tensor | None = None,
-) -> None:
-    """`optim8bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]):
-    the same bytes as one call per tensor.
+) -> Step8Launch:
+    """The checked launch of `optim8bit_step_multi` for these tensors, to `run` with each
+    step's hyperparameters and flags ([Note: prepared launch] in `_common`).
 
     Tensor i is `params[i]` with `grads[i]`, its states' `codes1[i]` / `absmax1[i]` (and
-    `codes2[i]` / `absmax2[i]`), its `layouts[i] = (rows, row_numel)` and its hyperparameters
-    `hps[i]`; the maps, tables, block size and flags are shared. The parameters share one dtype
-    and the gradients one dtype, each fp32 or bf16 (split a list of mixed dtypes into calls).
+    `codes2[i]` / `absmax2[i]`) and its `layouts[i] = (rows, row_numel)`; the maps, tables and
+    block size are shared. The parameters share one dtype and the gradients one dtype, each
+    fp32 or bf16 (split a list of mixed dtypes into calls).
     """
     has2 = codes2 is not None
-    kind_id = _kind_id(kind, flags, block_size, has2)
+    kind_id = _kind_id(kind, block_size, has2)
     n = len(params)
-    lists = {"grads": grads, "layouts": layouts, "codes1": codes1, "absmax1": absmax1, "hps": hps}
+    lists = {"grads": grads, "layouts": layouts, "codes1": codes1, "absmax1": absmax1}
     if has2:
         lists |= {"codes2": codes2, "absmax2": absmax2}
     for name, seq in lists.items():
@@ -546,7 +571,7 @@ def optim8bit_step_multi(
                 f"{name} has {None if seq is None else len(seq)} entries for {n} params"
             )
     if n == 0:
-        return
+        return Step8Launch(None, [], 0, _HP_AT, None, (), {}, None)
     p_dtype, g_dtype = params[0].dtype, grads[0].dtype
     if p_dtype not in _KERNEL_DTYPES or g_dtype not in _KERNEL_DTYPES:
         raise ValueError(f"params and grads must be fp32 or bf16; got {p_dtype} and {g_dtype}")
@@ -554,9 +579,8 @@ def optim8bit_step_multi(
     maps = _Maps(dev, has2, code1, mid1, lut1, regions1, signed1, code2, mid2, lut2, regions2,
                  signed2)  # fmt: skip
     block_n, g, warps = _geometry(block_size)
-    rows_, hp_rows = [], []
+    rows_ = []
     programs = 0
-    scalars: dict[int, list[float]] = {}  # per hyperparameter list: usually one for all
     dev_index = params[0].get_device()  # (an int: cheaper than comparing torch.device objects)
     for i in range(n):
         p, gr, c1, a1 = params[i], grads[i], codes1[i], absmax1[i]
@@ -580,22 +604,19 @@ def optim8bit_step_multi(
             raise ValueError(f"tensor {i}: {numel} elements; the multi-tensor step takes < 2**31")
         rows_.append([p.data_ptr(), gr.data_ptr(), c1.data_ptr(), a1.data_ptr(), c2.data_ptr(),
                       a2.data_ptr(), n_blocks, nbr, row_numel, programs])  # fmt: skip
-        hp = hps[i]
-        if id(hp) not in scalars:
-            scalars[id(hp)] = _scalars(kind_id, hp)
-        hp_rows.append(scalars[id(hp)])
         programs += -(-n_blocks // g)
-    if programs == 0:
-        return
     # 16-byte vector loads need every vector's address aligned: the tensors' starts (the four
     # the vectors read) and the rows' lengths (a row's start is r * row_numel elements in).
     aligned = all(r[0] % 16 == r[1] % 16 == r[2] % 16 == r[4] % 16 == r[8] % 16 == 0
                   for r in rows_)  # fmt: skip
-    table = launch_table(rows_, hp_rows, _HP_AT, dev)
-    _step8_multi_kernel[(programs,)](
-        table, table.view(torch.float32), n, *maps.state1, int(zero1), *maps.state2, int(zero2),
-        LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), KIND=kind_id,
-        FLAGS=int(flags), HAS2=has2, SIGNED1=bool(signed1), SIGNED2=bool(signed2), BS=block_size, BLOCK_N=block_n, G=g,
+    consts = dict(
+        LOG_T=max(1, (n - 1).bit_length()), ALIGNED=bool(aligned), KIND=kind_id, HAS2=has2,
+        SIGNED1=bool(signed1), SIGNED2=bool(signed2), BS=block_size, BLOCK_N=block_n, G=g,
         P_BF16=p_dtype == torch.bfloat16, G_BF16=g_dtype == torch.bfloat16, **maps.consts,
         num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    args = (*maps.state1, int(zero1), *maps.state2, int(zero2))
+    return Step8Launch(
+        _step8_multi_kernel, rows_, programs, _HP_AT, dev, args, consts,
+        lambda hp: _scalars(kind_id, hp),
     )  # fmt: skip

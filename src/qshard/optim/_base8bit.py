@@ -51,6 +51,8 @@ from qshard.optim._multi_tensor import (  # noqa: F401
     _kernel_takes,
     _multi_tensor_entry,
     _QuantizedPlan,
+    _triton_fingerprint,
+    _triton_held,
     _triton_launches,
 )
 from qshard.optim._options import (  # noqa: F401
@@ -223,6 +225,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # to state tensors are the ones loaded), the post-hooks once the dtypes are restored.
         # torch's own call runs with neither (they used to run inside it, after the check, and
         # the restore below then overwrote what a pre-hook had changed).
+        self.__dict__.pop("_triton_cache", None)  # (it holds the states being replaced)
         state_dict = state_dict.copy()  # shallow, as torch
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -291,30 +294,58 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     quantized.append((pi, p, state))
                 else:
                     full.append((pi, p, state))
-            plans.append((group, full, self._plan_quantized(group, quantized)))
+            plans.append((group, full, self._plan_quantized(len(plans), group, quantized)))
         for gi, (group, full, plan) in enumerate(plans):
             self._step_quantized(gi, group, plan)
             if full:
                 self._step_full_precision(gi, group, full)
         return loss
 
-    def _plan_quantized(self, group: dict[str, Any], items: list[_Item]) -> _QuantizedPlan:
-        """Split a group's quantized tensors (``(index in the group, parameter, state)``) into
-        those the CPU kernel takes as they are, in one multi-tensor call ([Note: multi-tensor
-        step] in ``qshard.optim._kernels``; :meth:`_multi_tensor_row`), and the others (the
-        torch reference or the Triton kernel: one :meth:`_step_param` each), checking every
-        layout; nothing moves."""
+    def _plan_quantized(self, gi: int, group: dict[str, Any], items: list[_Item]) -> _QuantizedPlan:
+        """Split group ``gi``'s quantized tensors (``(index in the group, parameter, state)``)
+        into those the Triton kernel takes (CUDA: prepared launches, :meth:`_triton_plan`), those
+        the CPU kernel takes as they are, in one multi-tensor call ([Note: multi-tensor step] in
+        ``qshard.optim._kernels``; :meth:`_multi_tensor_row`), and the others (the torch
+        reference: one :meth:`_step_param` each), checking every layout; nothing moves."""
         plan = _QuantizedPlan()
         for item in items:
+            if self._triton_takes(group, item[1]):
+                plan.triton.append(item)
+                continue
             entry = self._multi_tensor_row(group, item[1], item[2])
             if entry is None:
                 self._check_state(item[1], group, item[2])
-                (plan.triton if self._triton_takes(group, item[1]) else plan.rest).append(item)
+                plan.rest.append(item)
             else:
                 plan.batch.append(item)
                 plan.rows.append(entry[0])
                 plan.grads.append(entry[1])  # (held until the kernel has read them)
+        if plan.triton:
+            plan.launches, plan.grads_triton = self._triton_plan(gi, group, plan.triton)
         return plan
+
+    def _triton_plan(
+        self, gi: int, group: dict[str, Any], items: list[_Item]
+    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
+        """Group ``gi``'s Triton launches for ``items``, each with its items' positions, and the
+        gradient copies they read (held until they have run): the launches prepared at the last
+        step when their tensors are the same ([Note: prepared launch] in
+        ``qshard._triton._common``; ``_triton_fingerprint``), else checked and prepared anew."""
+        keys = self._triton_state_keys(group)
+        fingerprint = _triton_fingerprint(items, keys)
+        if fingerprint is not None:
+            fingerprint = (self._triton_group_key(group), fingerprint)
+        cache = self.__dict__.setdefault("_triton_cache", {})
+        kept = cache.get(gi)
+        if fingerprint is not None and kept is not None and kept[0] == fingerprint:
+            return kept[1], []
+        cache.pop(gi, None)
+        for _, p, state in items:
+            self._check_state(p, group, state)
+        launches, copies = self._triton_prepare(group, items)
+        if fingerprint is not None:
+            cache[gi] = (fingerprint, launches, _triton_held(items, keys))
+        return launches, copies
 
     def _step_quantized(self, gi: int, group: dict[str, Any], plan: _QuantizedPlan) -> None:
         """Step group ``gi``'s quantized tensors as :meth:`_plan_quantized` split them (a lone
@@ -325,7 +356,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if plan.batch:
             self._multi_tensor_step(gi, group, plan.batch, plan.rows, _advance_steps(plan.batch))
         if plan.triton:
-            self._triton_multi_step(group, plan.triton, _advance_steps(plan.triton))
+            self._triton_run(group, plan.triton, plan.launches, _advance_steps(plan.triton))
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
@@ -348,14 +379,34 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _triton_takes(self, group: dict[str, Any], p: Tensor) -> bool:
-        """Whether :meth:`_triton_multi_step` steps ``p`` (a CUDA tensor the Triton kernel
-        serves); else :meth:`_step_param` does."""
+        """Whether the Triton kernel steps ``p`` (a CUDA tensor it serves: :meth:`_triton_plan`,
+        :meth:`_triton_run`); else :meth:`_step_param` or the CPU kernel does."""
         return False
 
-    def _triton_multi_step(
-        self, group: dict[str, Any], items: list[_Item], steps: list[int]
+    def _triton_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys of the tensors a Triton launch reads."""
+        return tuple(f"{n}_{k}" for n, _ in self._state_specs(group) for k in ("codes", "absmax"))
+
+    def _triton_group_key(self, group: dict[str, Any]) -> tuple:
+        """The group options a prepared Triton launch depends on."""
+        return (group["block_size"],)
+
+    def _triton_prepare(
+        self, group: dict[str, Any], items: list[_Item]
+    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
+        """The checked Triton launches of ``items`` (one per parameter and gradient dtype), each
+        with its items' positions, and the gradient copies they read (``_triton_launches``)."""
+        raise NotImplementedError
+
+    def _triton_run(
+        self,
+        group: dict[str, Any],
+        items: list[_Item],
+        launches: list[tuple[Any, list[int]]],
+        steps: list[int],
     ) -> None:
-        """One Triton launch (per dtype and flags) for ``items``, their step counts advanced."""
+        """Run :meth:`_triton_prepare`'s ``launches`` of ``items`` at their step counts (already
+        advanced)."""
         raise NotImplementedError
 
     def _has_quantized_state(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
@@ -521,33 +572,25 @@ class Optimizer8bit(BlockwiseOptimizer):
             and not group["stochastic_rounding"]
         )
 
-    def _triton_multi_step(
-        self, group: dict[str, Any], items: list[_Item], steps: list[int]
-    ) -> None:
+    def _triton_prepare(
+        self, group: dict[str, Any], items: list[_Item]
+    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
         """The Triton twin of ``step8_multi`` ([Note: multi-tensor launch] in
-        ``qshard._triton._optim8bit``): one launch for each (parameter dtype, gradient dtype,
-        flags) among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
+        ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype)
+        among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
         specs = self._state_specs(group)
         maps = [_qstate.qmap(signed) for _, signed in specs]
-        base_flags = _qstate.Rounding.make(
-            bnb_compat=group["bnb_compat"], stochastic=group["stochastic_rounding"]
-        ).flags()
         states = {}
         for k, (name, _) in enumerate(specs, start=1):
             states |= {f"codes{k}": f"{name}_codes", f"absmax{k}": f"{name}_absmax"}
-        calls = _triton_launches(
-            items,
-            steps,
-            lambda step: self._kernel_hparams(group, step),
-            states,
-            lambda step: base_flags | (_kernels.FLAG_FIRST_STEP if step == 1 else 0),
-        )
         two = {}
         if len(maps) == 2:
             m = maps[1]
             two = dict(code2=m.code, mid2=m.mid, zero2=m.zero_idx, signed2=m.signed, lut2=m.lut)
-        for (_, _, flags), call in calls.items():
-            _triton.optim8bit_step_multi(
+        calls, copies = _triton_launches(items, states)
+        launches = []
+        for positions, call in calls:
+            launch = _triton.prepare_optim8bit_multi(
                 kind=self._kind,
                 code1=maps[0].code,
                 mid1=maps[0].mid,
@@ -555,10 +598,44 @@ class Optimizer8bit(BlockwiseOptimizer):
                 signed1=maps[0].signed,
                 lut1=maps[0].lut,
                 block_size=group["block_size"],
-                flags=flags,
                 **call,
                 **two,
             )
+            launches.append((launch, positions))
+        return launches, copies
+
+    def _triton_run(
+        self,
+        group: dict[str, Any],
+        items: list[_Item],
+        launches: list[tuple[Any, list[int]]],
+        steps: list[int],
+    ) -> None:
+        """Each launch with its tensors' hyperparameters (one list per distinct step count) and
+        flags; a launch whose tensors need different flags (SGD's first step beside later
+        ones) is prepared again for each flag value."""
+        base_flags = _qstate.Rounding.make(
+            bnb_compat=group["bnb_compat"], stochastic=group["stochastic_rounding"]
+        ).flags()
+        # Only SGD's kernel reads the first-step flag: for the other kinds it would compile a
+        # second kernel and split the launch at a tensor's first step, for nothing.
+        first = _kernels.FLAG_FIRST_STEP if self._kind == _kernels.KIND_SGD else 0
+        hps: dict[int, list[float]] = {}
+        for launch, positions in launches:
+            by_flags: dict[int, list[int]] = {}
+            for i in positions:
+                step = steps[i]
+                if step not in hps:
+                    hps[step] = self._kernel_hparams(group, step)
+                by_flags.setdefault(base_flags | (first if step == 1 else 0), []).append(i)
+            if len(by_flags) == 1:
+                launch.run([hps[steps[i]] for i in positions], flags=next(iter(by_flags)))
+                continue
+            for flags, subset in by_flags.items():
+                sub_launches, copies = self._triton_prepare(group, [items[i] for i in subset])
+                for sub, sub_positions in sub_launches:
+                    sub.run([hps[steps[subset[j]]] for j in sub_positions], flags=flags)
+                del copies  # (held until the launches above have read them)
 
     # -- options ----------------------------------------------------------------------------
 
@@ -674,7 +751,7 @@ class Optimizer8bit(BlockwiseOptimizer):
         absmax = [_local(state[f"{n}_absmax"]) for n, _ in specs]
         # The layout was checked by _plan_quantized (_check_state) before any tensor moved.
         maps = [_qstate.qmap(signed) for _, signed in specs]
-        # (CUDA tensors the Triton kernel takes were stepped by _triton_multi_step.)
+        # (CUDA tensors the Triton kernel takes were stepped by _triton_run.)
         # Reference path: dequantize, pure update in fp32 (fp64 for fp64 parameters), requantize.
         dt = _full_state_dtype(p_l)
         states = [

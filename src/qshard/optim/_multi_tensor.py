@@ -26,6 +26,8 @@ __all__ = [
     "_hparam_table",
     "_kernel_takes",
     "_multi_tensor_entry",
+    "_triton_fingerprint",
+    "_triton_held",
     "_triton_launches",
 ]
 
@@ -40,13 +42,16 @@ _Item = tuple[int, Tensor, dict[str, Any]]
 class _QuantizedPlan:
     """A group's quantized tensors for one step, their layouts checked: ``batch`` for one
     multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``triton``
-    for the Triton kernel's multi-tensor launch (CUDA), ``rest`` for
+    for the Triton kernel's multi-tensor launches (CUDA; prepared as ``launches``, each with its
+    positions in ``triton``, reading the gradient copies ``grads_triton``), ``rest`` for
     :meth:`BlockwiseOptimizer._step_param` one by one."""
 
     batch: list[_Item] = field(default_factory=list)
     rows: list[list[int]] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     triton: list[_Item] = field(default_factory=list)
+    launches: list[tuple[Any, list[int]]] = field(default_factory=list)
+    grads_triton: list[Tensor] = field(default_factory=list)
     rest: list[_Item] = field(default_factory=list)
 
 
@@ -132,34 +137,53 @@ def _multi_tensor_entry(
 
 
 def _triton_launches(
-    items: list[_Item],
-    steps: list[int],
-    hparams: Callable[[int], list[float]],
-    states: dict[str, str],
-    flags: Callable[[int], int] | None = None,
-) -> dict[tuple, dict[str, list]]:
-    """The keyword lists of the Triton multi-tensor launches of ``items`` (``(index,
-    parameter, state)``, at the advanced ``steps``): one launch per (parameter dtype, gradient
-    dtype[, ``flags(step)``]), each with ``params``, ``grads``, ``layouts``, ``hps`` (one
-    ``hparams(step)`` per distinct step) and, per entry of ``states`` (kernel argument name ->
-    state key), the local state tensors. Gradients of other dtypes go as fp32 (the kernels'
-    math), and non-contiguous ones as contiguous copies, held by the lists until the launch."""
-    rows: dict[int, list[float]] = {}
-    launches: dict[tuple, dict[str, list]] = {}
-    for (_, p, state), step in zip(items, steps):
+    items: list[_Item], states: dict[str, str]
+) -> tuple[list[tuple[list[int], dict[str, list]]], list[Tensor]]:
+    """The Triton multi-tensor launches of ``items`` (``(index, parameter, state)``): one per
+    (parameter dtype, gradient dtype), each as (its items' positions in ``items``, the keyword
+    lists ``params``, ``grads``, ``layouts`` and, per entry of ``states`` (kernel argument name
+    -> state key), the local state tensors); and the gradient copies the lists point at
+    (gradients of other dtypes go as fp32, the kernels' math, non-contiguous ones as
+    contiguous copies): hold them until the launches have run."""
+    launches: dict[tuple, tuple[list[int], dict[str, list]]] = {}
+    copies = []
+    for i, (_, p, state) in enumerate(items):
         p_l, g_l = _local(p), _local(p.grad)
-        if g_l.dtype not in _TRITON_DTYPES:
-            g_l = g_l.float()
-        if step not in rows:
-            rows[step] = hparams(step)
-        key = (p_l.dtype, g_l.dtype) if flags is None else (p_l.dtype, g_l.dtype, flags(step))
-        launch = launches.get(key)
-        if launch is None:
-            launch = launches[key] = {k: [] for k in ("params", "grads", "layouts", "hps", *states)}
+        if g_l.dtype not in _TRITON_DTYPES or not g_l.is_contiguous():
+            g_l = g_l.float() if g_l.dtype not in _TRITON_DTYPES else g_l
+            g_l = g_l.contiguous()
+            copies.append(g_l)
+        key = (p_l.dtype, g_l.dtype)
+        if key not in launches:
+            launches[key] = ([], {k: [] for k in ("params", "grads", "layouts", *states)})
+        positions, launch = launches[key]
+        positions.append(i)
         launch["params"].append(p_l)
-        launch["grads"].append(g_l.contiguous())
+        launch["grads"].append(g_l)
         launch["layouts"].append(_qstate.row_view(p_l.shape))
-        launch["hps"].append(rows[step])
         for arg, name in states.items():
             launch[arg].append(_local(state[name]))
-    return launches
+    return list(launches.values()), copies
+
+
+def _triton_fingerprint(items: list[_Item], state_keys: tuple[str, ...]) -> tuple | None:
+    """What a prepared Triton launch of ``items`` depends on ([Note: prepared launch] in
+    ``qshard._triton._common``), or None when it cannot be kept (a gradient the launch copies:
+    the copy is new each step). Per item: the parameter (identity, address, shape, dtype), its
+    gradient (address, shape, dtype: a new gradient tensor each step, as ``zero_grad`` makes
+    them, keeps the launch when the allocator returns the same memory) and the identities of
+    the state tensors under ``state_keys``. Identities are ``id()``s: the caller keeps the
+    objects (:func:`_triton_held`) while it keeps the fingerprint, so no id is reused."""
+    key: list = []
+    for _, p, state in items:
+        p_l, g_l = _local(p), _local(p.grad)
+        if g_l.dtype not in _TRITON_DTYPES or not g_l.is_contiguous():
+            return None
+        key += (id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.data_ptr(), g_l.shape, g_l.dtype)
+        key += [id(state[k]) for k in state_keys]
+    return tuple(key)
+
+
+def _triton_held(items: list[_Item], state_keys: tuple[str, ...]) -> list[Any]:
+    """The objects whose ``id()`` :func:`_triton_fingerprint` records."""
+    return [p for _, p, _ in items] + [state[k] for _, _, state in items for k in state_keys]

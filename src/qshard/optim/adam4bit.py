@@ -252,26 +252,26 @@ class Adam4bit(BlockwiseOptimizer):
         p_l = _local(p)
         return _triton.serves(p_l) and p_l.dtype in _TRITON_DTYPES and p_l.is_contiguous()
 
-    def _triton_multi_step(
-        self, group: dict[str, Any], items: list[_Item], steps: list[int]
-    ) -> None:
+    def _triton_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(f"{n}_{k}" for n in _STATES for k in ("codes", "absmax"))
+
+    def _triton_group_key(self, group: dict[str, Any]) -> tuple:
+        return (group["block_size"], group["second_moment_map"])
+
+    def _triton_prepare(
+        self, group: dict[str, Any], items: list[_Item]
+    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
         """The Triton twin of ``adam4bit_multi`` ([Note: multi-tensor launch] in
         ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype)
         among ``items``; same numerics."""
         states = {}
         for moment, name in zip("mv", _STATES):
             states |= {f"{moment}_codes": f"{name}_codes", f"{moment}_absmax": f"{name}_absmax"}
-        calls = _triton_launches(
-            items,
-            steps,
-            lambda step: adam_group_hparams(
-                group, step, decoupled=self._decoupled, inverse_bc2=True
-            ),
-            states,
-        )
+        calls, copies = _triton_launches(items, states)
         qm, qv = self._maps(group)
-        for call in calls.values():
-            _triton.optim4bit_step_multi(
+        launches = []
+        for positions, call in calls:
+            launch = _triton.prepare_optim4bit_multi(
                 m_code=qm.code,
                 m_mid=qm.mid,
                 v_code=qv.code,
@@ -281,6 +281,24 @@ class Adam4bit(BlockwiseOptimizer):
                 v_lut=qv.lut,
                 **call,
             )
+            launches.append((launch, positions))
+        return launches, copies
+
+    def _triton_run(
+        self,
+        group: dict[str, Any],
+        items: list[_Item],
+        launches: list[tuple[Any, list[int]]],
+        steps: list[int],
+    ) -> None:
+        hps: dict[int, list[float]] = {}
+        for step in steps:
+            if step not in hps:
+                hps[step] = adam_group_hparams(
+                    group, step, decoupled=self._decoupled, inverse_bc2=True
+                )
+        for launch, positions in launches:
+            launch.run([hps[steps[i]] for i in positions])
 
     def _step_param(
         self,
@@ -304,7 +322,7 @@ class Adam4bit(BlockwiseOptimizer):
         packed = (rows, _qstate4.packed_row(row_numel))
         _check_layout(type(self).__name__, p_l, codes, absmax, packed, bs)
         hp = adam_group_hparams(group, step, decoupled=self._decoupled, inverse_bc2=True)
-        # (CUDA tensors the Triton kernel takes were stepped by _triton_multi_step.)
+        # (CUDA tensors the Triton kernel takes were stepped by _triton_run.)
         _qstate4.adam4bit_reference(
             p_l,
             g_l,
