@@ -229,11 +229,15 @@ def _step4_multi_kernel(
 
 
 def _geometry(block_size: int) -> tuple[int, int, int]:
-    """(padded half-block width, blocks per program, warps) of a launch."""
-    # 2048 elements a program, 4 warps. On an H200 the 134M-parameter step took 1.75-1.77 ms
-    # with these and 3.79 ms with 4096 elements and 8 warps (the earlier default); the table
-    # and the binary search were within 3% of each other here (benchmarks/gpu/sweep.py).
-    return next_pow2(block_size // 2), rows_per_program(block_size, 2048), 4
+    """(padded half-block width, blocks per program, warps) of a launch: 256 elements a warp,
+    as the 8-bit step ([Note: step geometry] in `_optim8bit`). On an H200 (run 6,
+    benchmarks/gpu/sweep.py, 134M parameters, block 128, torch's fused fp32 AdamW 1.08 ms) the
+    step took 0.812 ms (0.75x fused fp32) with 256 elements and 1 warp, 0.943 ms with 512 and 2,
+    1.00 ms with 256 and 2, 1.70 ms with 2048 and 4 (the earlier default; ncu: 153 registers a
+    thread, 18% occupancy, its loads throttled), 3.79 ms with 4096 and 8."""
+    block_n = next_pow2(block_size)
+    g = rows_per_program(block_size, 256)
+    return next_pow2(block_size // 2), g, max(1, block_n * g // 256)
 
 
 def _maps(dev, m_code, m_mid, v_code, v_mid, m_lut, v_lut):

@@ -25,8 +25,9 @@ traffic, bounded the kernel. With the maps' region tables too (`regions1` / `reg
 `QMap.regions`) it encodes by the C kernel's gather-free region encoder ([Note: the region
 encoder] in `qshard.quant._codetable`): five loads from 128-byte tables and an fma per value,
 the 32 KiB search table only for the ~1 in 2000 values near a midpoint. Same codes, byte for
-byte (tests); its speed on a GPU is unmeasured (benchmarks/gpu/sweep.py measures it beside the
-table), so the optimizers dispatch the table. Then come the reference's optional fix-ups (flags
+byte (tests); on an H200 it took 1.25x the table's time (runs 6 and 7, at 2048-element
+programs; benchmarks/gpu/sweep.py times it beside the table), so the optimizers dispatch the
+table. Then come the reference's optional fix-ups (flags
 below). An all-zero block encodes s * 0.0. Stochastic rounding is not implemented here (the CPU kernel's hash
 stream would have to be reproduced); callers keep their torch path for it.
 
@@ -361,12 +362,22 @@ def _step8_multi_kernel(
     )  # fmt: skip
 
 
+# [Note: step geometry] A program owns 256 elements a warp: one warp per block of 256 (the
+# default block), so each block's absmax is a reduction inside one warp (shuffles; no shared
+# memory, no barrier), 8 elements a thread. The kernel is bound by latency, not bandwidth: with
+# 2048-element programs of 4 warps it held 168 registers a thread, so 18% occupancy, and issued
+# in half its cycles (ncu, run 6). On an H200 (run 6, benchmarks/gpu/sweep.py, 134M parameters,
+# block 256, torch's fused fp32 AdamW 1.08 ms) the step took 0.864 ms (0.80x fused fp32) with
+# 256 elements and 1 warp, 1.066 ms with 2 warps, 1.38 ms with 4; 1.118 ms with 512 elements
+# and 2 warps, 1.39 ms with 2048 and 4 (the earlier default), 1.69 ms with 4096 and 4.
+_TILE = 256
+
+
 def _geometry(block_size: int) -> tuple[int, int, int]:
-    """(padded block width, blocks per program, warps) of a launch."""
-    # 2048 elements a program, 4 warps. On an H200 the 134M-parameter Adam step (block 256,
-    # table encoder) took 1.46 ms with these, 1.82 ms with 4096 elements and 4 warps, 2.06 ms
-    # with 4096 and 8 (the earlier default), 1.85 ms with 8192 and 8 (benchmarks/gpu/sweep.py).
-    return next_pow2(block_size), rows_per_program(block_size, 2048), 4
+    """(padded block width, blocks per program, warps) of a launch: [Note: step geometry]."""
+    block_n = next_pow2(block_size)
+    g = rows_per_program(block_size, _TILE)
+    return block_n, g, max(1, block_n * g // _TILE)
 
 
 def _check_map(name: str, code: torch.Tensor, mid: torch.Tensor) -> None:
