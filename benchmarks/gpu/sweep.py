@@ -17,6 +17,7 @@ Every variant's output is compared bit for bit with the default's (a geometry or
 must not change a byte). Timings: CUDA events, median of --repeat after warm-up.
 
     PYTHONPATH=src python3 benchmarks/gpu/sweep.py [--numel N] [--repeat R] [--out FILE]
+        [--only step8,step4,quantize] [--geometries 1024x4,2048x4r128] [--search table,...]
     python benchmarks/gpu/sweep.py --smoke      # CPU, Triton interpreter, toy sizes
 
 Writes markdown to stdout and to --out (default: $OUT/sweep.md when $OUT is set).
@@ -113,8 +114,18 @@ def _tables_for(search: str, tables: dict) -> dict:
     return {k: v for k, v in tables.items() if search == "region" or not k.startswith("regions")}
 
 
+class _WithOptions:
+    """A Triton kernel launched with extra compile options (e.g. `maxnreg`)."""
+
+    def __init__(self, kernel, **options) -> None:
+        self.kernel, self.options = kernel, options
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.options)
+
+
 def _step_variants(
-    title, module, run, state0, tables, half, variants, base, n, nbytes, repeat, cuda
+    title, module, kernel, run, state0, tables, half, variants, base, n, nbytes, repeat, cuda
 ) -> Table:
     """Time `run(state, tables)` per (search, geometry) variant from the same `state0`
     (`tables`: the maps' tables, chosen per search by `_tables_for`); the first variant's one
@@ -125,13 +136,23 @@ def _step_variants(
     for search, geometry in variants:
         state = [t.clone() for t in state0]
         luts = _tables_for(search, tables)
-        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry, half=half)}
-        with _Patch(module, **patch):
-            run(state, luts)  # one step from the common state: the bytes every variant must give
-            same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
-            ref = ref or [t.clone() for t in state]
-            ms = _ms(lambda s=state, t=luts: run(s, t), repeat, cuda)
-        label = "default" if geometry is None else f"tile {geometry[0]}, {geometry[1]} warps"
+        patch = {}
+        label = "default"
+        if geometry is not None:
+            patch["_geometry"] = _fixed_geometry(*geometry[:2], half=half)
+            label = f"tile {geometry[0]}, {geometry[1]} warps"
+            if len(geometry) == 3:  # a register cap: more resident warps, maybe spills
+                patch[kernel] = _WithOptions(getattr(module, kernel), maxnreg=geometry[2])
+                label += f", maxnreg {geometry[2]}"
+        try:
+            with _Patch(module, **patch):
+                run(state, luts)  # one step from the common state: the bytes all must give
+                same = "ref" if ref is None else all(torch.equal(a, b) for a, b in zip(ref, state))
+                ref = ref or [t.clone() for t in state]
+                ms = _ms(lambda s=state, t=luts: run(s, t), repeat, cuda)
+        except Exception as e:  # one variant the compiler refuses: its row says so
+            out.append([search, label, f"{type(e).__name__}: {str(e)[:80]}", "", "", ""])
+            continue
         gbs = nbytes * n / ms / 1e6
         out.append([search, label, f"{ms:.3f}", f"{ms / base:.2f}", f"{gbs:.0f}", same])
     return (
@@ -160,7 +181,8 @@ def sweep_step8(n: int, device, repeat: int, cuda: bool, variants) -> Table:
         )  # fmt: skip
 
     return _step_variants(
-        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim8bit, run, state0,
+        f"8-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim8bit, "_step8_multi_kernel",
+        run, state0,
         {"lut1": m1.lut, "lut2": m2.lut, "regions1": m1.regions, "regions2": m2.regions}, False,
         variants, _adam_baseline(n, device, repeat, cuda),
         n, 16, repeat, cuda,  # 16 bytes a parameter: 4+4+1+1 read, 4+1+1 written
@@ -187,7 +209,8 @@ def sweep_step4(n: int, device, repeat: int, cuda: bool, variants) -> Table:
         )  # fmt: skip
 
     return _step_variants(
-        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim4bit, run, state0,
+        f"4-bit Adam step, {n / 1e6:.0f}M params, block {bs}", _optim4bit, "_step4_multi_kernel",
+        run, state0,
         {"m_lut": qm.lut, "v_lut": qv.lut}, True, variants, _adam_baseline(n, device, repeat, cuda),
         n, 14, repeat, cuda,  # 14 bytes a parameter: 4+4+0.5+0.5 read, 4+0.5+0.5 written
     )  # fmt: skip
@@ -274,28 +297,49 @@ def _sweep_qgz_first_hop(x, copy_ms: float, repeat: int, cuda: bool, geometries)
     return rows
 
 
-def run(numel: int, repeat: int, only: set[str], smoke: bool, emit) -> None:
+def run(
+    numel: int,
+    repeat: int,
+    only: set[str],
+    smoke: bool,
+    emit,
+    geoms: list[tuple[int, ...]] | None = None,
+    searches: tuple[str, ...] = ("table", "binary", "region"),
+) -> None:
     """Every selected sweep (of "step8", "step4", "quantize"), each table handed to `emit` as
-    soon as it is measured (run_all's `sweep` section records them)."""
+    soon as it is measured (run_all's `sweep` section records them); `geoms`: the (tile,
+    warps) variants of the optimizer steps (default: six from 2048 to 16384 elements);
+    `searches`: the encoders timed beside the default table ("binary", "region")."""
     import torch
 
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device("cuda" if cuda else "cpu")
-    geoms = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
+    if geoms is None:
+        geoms = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
     if smoke:
         geoms = geoms[:1]
-    variants = [("table", None), ("binary", None)] + [("table", g) for g in geoms]
+    variants = [("table", None)] + [(s, None) for s in searches if s == "binary"]
+    variants += [("table", g) for g in geoms]
     if "step8" in only:
-        # and the 8-bit kernel's gather-free region encoder ([Note: the region encoder]),
-        # unmeasured on a GPU when it was written, at every geometry beside the table's
-        with_region = [*variants[:2], ("region", None)]
-        with_region += [(s, g) for g in geoms for s in ("table", "region")]
+        # and the 8-bit kernel's gather-free region encoder ([Note: the region encoder]) at
+        # every geometry beside the table's (run 6 on an H200: 1.25x the table's time)
+        with_region = [*variants]
+        if "region" in searches:
+            with_region = [*variants[: 1 + ("binary" in searches)], ("region", None)]
+            with_region += [(s, g) for g in geoms for s in ("table", "region")]
         emit(sweep_step8(numel, device, repeat, cuda, with_region))
     if "step4" in only:
         emit(sweep_step4(numel, device, repeat, cuda, variants))
     if "quantize" in only:
         qgeoms = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]
         emit(sweep_quantize(2 * numel, device, repeat, cuda, qgeoms[: len(geoms)]))
+
+
+def _parse_geometry(text: str) -> tuple[int, ...]:
+    """ "1024x4" -> (1024, 4); "1024x4r128" -> (1024, 4, 128): with a register cap."""
+    tile, rest = text.split("x")
+    warps, _, maxnreg = rest.partition("r")
+    return (int(tile), int(warps), int(maxnreg)) if maxnreg else (int(tile), int(warps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,10 +349,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, toy sizes")
     parser.add_argument("--only", default="step8,step4,quantize")
+    parser.add_argument(
+        "--geometries",
+        help="the optimizer steps' variants as TILExWARPS[rMAXNREG],... (e.g. 1024x4,2048x4r128)",
+    )
+    parser.add_argument(
+        "--search",
+        default="table,binary,region",
+        help="encoders to time (table always; binary, region beside it)",
+    )
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
     if unknown := only - {"step8", "step4", "quantize"}:
         parser.error(f"--only takes step8, step4, quantize; got {sorted(unknown)}")
+    searches = tuple(args.search.split(","))
+    if unknown := set(searches) - {"table", "binary", "region"}:
+        parser.error(f"--search takes table, binary, region; got {sorted(unknown)}")
+    geoms = None
+    if args.geometries:
+        try:
+            geoms = [_parse_geometry(g) for g in args.geometries.split(",")]
+        except ValueError:
+            parser.error(f"--geometries takes TILExWARPS[rMAXNREG],...; got {args.geometries!r}")
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
         args.numel, args.repeat = 2 * 4096, 1
@@ -326,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(to_markdown(table))
         print(parts[-1], flush=True)
 
-    run(numel, args.repeat, only, args.smoke, emit)
+    run(numel, args.repeat, only, args.smoke, emit, geoms, searches)
     out = args.out or (
         os.path.join(os.environ["OUT"], "sweep.md") if os.environ.get("OUT") else None
     )

@@ -142,7 +142,25 @@ def test_smoke_run_every_section(tmp_path):
     # on CPU: the check reads the tables after it)
     measured = text.split("### On-device correctness", 1)[1]
     assert "|False|" not in measured.replace(" ", "")
-    # AdamW4bit's step is one launch: the section counts the entry the optimizer calls
+    # AdamW4bit's step is one launch: the section counts the kernel's launches
     four = text.split("AdamW4bit step on", 1)[1].split("###", 1)[0]
     calls = [row.split("|")[4].strip() for row in four.splitlines() if "AdamW4bit.step()" in row]
     assert calls and all(c == "1" for c in calls), calls
+
+
+@pytest.mark.slow
+def test_profile_step_smoke(tmp_path):
+    """benchmarks/gpu/profile_step.py at toy sizes on CPU: every part runs (ncu is skipped where
+    it is absent) and profile.md has both torch.profiler tables."""
+    script = os.path.join(os.path.dirname(SCRIPT), "profile_step.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    proc = subprocess.run(
+        [sys.executable, script, "--smoke", "--skip-ncu", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = (tmp_path / "profile.md").read_text()
+    parts = [row for row in text.splitlines() if row.startswith("| 2. torch.profiler")]
+    assert len(parts) == 2 and all("| ok " in row for row in parts), parts
+    assert "AdamW8bit.step() on" in text and "GPT training step" in text
