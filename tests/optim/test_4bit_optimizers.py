@@ -181,6 +181,19 @@ def test_odd_rows_pack_and_unpack():
     assert bool(((y - x).abs() <= 0.1125 * scale * (1 + 1e-6)).all())
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (0,), (3, 0), (0, 0)])
+def test_empty_tensors_quantize_to_empty_state(shape):
+    # quantize_rows4 refused zero rows (pack's view(rows, -1, 2) is ambiguous with 0 elements)
+    q = _qstate4.qmap4("signed-dynamic")
+    x = torch.zeros(shape)
+    codes, absmax = _qstate4.quantize_rows4(x, q, 64)
+    rows, row_numel = _qstate4.row_view(x.shape)
+    assert codes.shape == (rows, (row_numel + 1) // 2)
+    assert absmax.shape == (rows, _qstate4.blocks_per_row(row_numel, 64))
+    assert _qstate4.unpack(codes, row_numel).shape == (rows, row_numel)
+    assert _qstate4.dequantize_rows4(codes, absmax, q, 64, x.shape).shape == x.shape
+
+
 def test_maps():
     m = _qstate4.qmap4("signed-dynamic")
     assert m.code.numel() == 16 and m.zero_idx == 7 and float(m.code[-1]) == 1.0

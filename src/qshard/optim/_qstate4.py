@@ -99,14 +99,14 @@ def pack(codes: Tensor) -> Tensor:
     c = codes.to(torch.uint8)
     if n % 2:
         c = torch.nn.functional.pad(c, (0, 1))
-    c = c.view(rows, -1, 2)
+    c = c.view(rows, (n + 1) // 2, 2)  # (sizes spelled out: -1 is ambiguous with 0 rows)
     return (c[..., 0] | (c[..., 1] << 4)).contiguous()
 
 
 def unpack(packed: Tensor, row_numel: int) -> Tensor:
     """Inverse of :func:`pack`: ``(rows, row_numel)`` uint8 codes."""
-    rows = packed.shape[0]
-    both = torch.stack([packed & 15, packed >> 4], dim=-1).view(rows, -1)
+    rows, nbytes = packed.shape
+    both = torch.stack([packed & 15, packed >> 4], dim=-1).view(rows, 2 * nbytes)
     return both[:, :row_numel]
 
 
