@@ -464,8 +464,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
         if group.get("fused") and _steps_off_device(params):
             self._torch_update(group, params, grads, states, _device_steps(steps, params))
-            for s in steps:
-                s += 1
+            torch._foreach_add_(steps, 1)  # (one call: a Python += per counter cost 1.6x)
         else:
             self._torch_update(group, params, grads, states, steps)
         for p_l, p32 in back:
