@@ -152,3 +152,23 @@ def test_multi_tensor_step_refuses_a_bad_layout_before_anything_moves():
         assert torch.equal(p.detach(), q)
     for k, v in opt.state[ps[0]].items():
         assert torch.equal(v, state0[k]), k  # its codes, absmax and step counter too
+
+
+def test_triton_launches_split_by_dtype_and_device():
+    # One Triton launch reads its tensors through one device's pointers: a group spanning
+    # devices (a model split over GPUs) must give one launch per device, not an error from the
+    # kernel's device check. A meta tensor stands in for a second device.
+    from qshard.optim._multi_tensor import _triton_launches
+
+    def item(i, device, dtype=torch.float32):
+        p = torch.nn.Parameter(torch.zeros(4, 8, device=device, dtype=dtype))
+        p.grad = torch.zeros_like(p)
+        return (i, p, {"c": torch.zeros(4, 8, dtype=torch.uint8, device=device)})
+
+    items = [item(0, "cpu"), item(1, "meta"), item(2, "cpu"), item(3, "cpu", torch.bfloat16)]
+    launches, copies = _triton_launches(items, {"codes1": "c"})
+    assert [positions for positions, _ in launches] == [[0, 2], [1], [3]]
+    assert [{p.device.type for p in call["params"]} for _, call in launches] == [
+        {"cpu"}, {"meta"}, {"cpu"}
+    ]  # fmt: skip
+    assert copies == []

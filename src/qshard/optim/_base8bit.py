@@ -394,8 +394,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def _triton_prepare(
         self, group: dict[str, Any], items: list[_Item]
     ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
-        """The checked Triton launches of ``items`` (one per parameter and gradient dtype), each
-        with its items' positions, and the gradient copies they read (``_triton_launches``)."""
+        """The checked Triton launches of ``items`` (one per parameter dtype, gradient dtype and
+        device), each with its items' positions, and the gradient copies they read
+        (``_triton_launches``)."""
         raise NotImplementedError
 
     def _triton_run(
@@ -575,8 +576,8 @@ class Optimizer8bit(BlockwiseOptimizer):
         self, group: dict[str, Any], items: list[_Item]
     ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
         """The Triton twin of ``step8_multi`` ([Note: multi-tensor launch] in
-        ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype)
-        among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
+        ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype,
+        device) among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
         specs = self._state_specs(group)
         maps = [_qstate.qmap(signed) for _, signed in specs]
         states = {}

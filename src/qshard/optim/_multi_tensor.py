@@ -140,7 +140,7 @@ def _triton_launches(
     items: list[_Item], states: dict[str, str]
 ) -> tuple[list[tuple[list[int], dict[str, list]]], list[Tensor]]:
     """The Triton multi-tensor launches of ``items`` (``(index, parameter, state)``): one per
-    (parameter dtype, gradient dtype), each as (its items' positions in ``items``, the keyword
+    (parameter dtype, gradient dtype, device), each as (its items' positions in ``items``, the keyword
     lists ``params``, ``grads``, ``layouts`` and, per entry of ``states`` (kernel argument name
     -> state key), the local state tensors); and the gradient copies the lists point at
     (gradients of other dtypes go as fp32, the kernels' math, non-contiguous ones as
@@ -153,7 +153,7 @@ def _triton_launches(
             g_l = g_l.float() if g_l.dtype not in _TRITON_DTYPES else g_l
             g_l = g_l.contiguous()
             copies.append(g_l)
-        key = (p_l.dtype, g_l.dtype)
+        key = (p_l.dtype, g_l.dtype, p_l.device)  # (a launch's tensors share one device)
         if key not in launches:
             launches[key] = ([], {k: [] for k in ("params", "grads", "layouts", *states)})
         positions, launch = launches[key]

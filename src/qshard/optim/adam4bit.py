@@ -262,8 +262,8 @@ class Adam4bit(BlockwiseOptimizer):
         self, group: dict[str, Any], items: list[_Item]
     ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
         """The Triton twin of ``adam4bit_multi`` ([Note: multi-tensor launch] in
-        ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype)
-        among ``items``; same numerics."""
+        ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype,
+        device) among ``items``; same numerics."""
         states = {}
         for moment, name in zip("mv", _STATES):
             states |= {f"{moment}_codes": f"{name}_codes", f"{moment}_absmax": f"{name}_absmax"}
