@@ -308,14 +308,16 @@ def run(
 ) -> None:
     """Every selected sweep (of "step8", "step4", "quantize"), each table handed to `emit` as
     soon as it is measured (run_all's `sweep` section records them); `geoms`: the (tile,
-    warps) variants of the optimizer steps (default: six from 2048 to 16384 elements);
+    warps) variants of the optimizer steps (default: six from 256 to 4096 elements);
     `searches`: the encoders timed beside the default table ("binary", "region")."""
     import torch
 
     cuda = torch.cuda.is_available() and not smoke
     device = torch.device("cuda" if cuda else "cpu")
     if geoms is None:
-        geoms = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8), (16384, 16)]
+        # around the default of 256 elements a warp ([Note: step geometry]; runs 8-9 swept
+        # 128-16384 elements, 1-16 warps)
+        geoms = [(256, 2), (512, 1), (512, 2), (1024, 4), (2048, 4), (4096, 4)]
     if smoke:
         geoms = geoms[:1]
     variants = [("table", None)] + [(s, None) for s in searches if s == "binary"]
@@ -331,7 +333,9 @@ def run(
     if "step4" in only:
         emit(sweep_step4(numel, device, repeat, cuda, variants))
     if "quantize" in only:
-        qgeoms = [(1024, 2), (2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]
+        # below 1024 elements too: never measured for these kernels (the optimizer steps gained
+        # most from one warp per 256-element block)
+        qgeoms = [(256, 1), (512, 2), (1024, 2), (2048, 4), (4096, 4), (8192, 8)]
         emit(sweep_quantize(2 * numel, device, repeat, cuda, qgeoms[: len(geoms)]))
 
 
