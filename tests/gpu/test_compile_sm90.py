@@ -106,31 +106,35 @@ SCRIPT = textwrap.dedent(
     comp("pack_signs", S._pack_signs_kernel, {"x_ptr": "*fp32", "out_ptr": "*u8", "numel": "i64", "n_bytes": "i64"},
          {"BYTES": 1024, "BF16": False})
     comp("unpack_signs", S._unpack_signs_kernel, {"packed_ptr": "*u8", "out_ptr": "*fp32", "numel": "i64"}, {"BYTES": 1024})
-    # The optimizer kernels take a launch table ([Note: multi-tensor launch]); the default
-    # geometry: 2048 elements a program, 4 warps.
+    # The optimizer kernels take a launch table ([Note: multi-tensor launch]), at the default
+    # geometry ([Note: step geometry]: 256 elements a warp) of the block sizes below.
+    _, g8, w8 = O._geometry(256)
+    _, g8_2048, w8_2048 = O._geometry(2048)
     msig = {"meta_ptr": "*i64", "hpf_ptr": "*fp32", "n_tensors": "i32", "code1_ptr": "*fp32", "mid1_ptr": "*fp32",
             "lut1_ptr": "*i32", "reg1_ptr": "*i32", "zero1": "i32", "code2_ptr": "*fp32", "mid2_ptr": "*fp32",
             "lut2_ptr": "*i32", "reg2_ptr": "*i32", "zero2": "i32"}
     ob = {"LOG_T": 8, "ALIGNED": True, "KIND": 0, "FLAGS": 3, "HAS2": True, "SIGNED1": True, "SIGNED2": False,
-          "BS": 256, "BLOCK_N": 256, "G": 8, "P_BF16": False, "G_BF16": False, "LUT1": True, "LUT2": True,
+          "BS": 256, "BLOCK_N": 256, "G": g8, "P_BF16": False, "G_BF16": False, "LUT1": True, "LUT2": True,
           "REGION1": False, "REGION2": False}
-    comp("adam8bit", O._step8_multi_kernel, msig, ob)
-    comp("adam8bit_region", O._step8_multi_kernel, msig, {**ob, "REGION1": True, "REGION2": True})
-    comp("adam8bit_unaligned", O._step8_multi_kernel, msig, {**ob, "ALIGNED": False})
+    comp("adam8bit", O._step8_multi_kernel, msig, ob, w8)
+    comp("adam8bit_region", O._step8_multi_kernel, msig, {**ob, "REGION1": True, "REGION2": True}, w8)
+    comp("adam8bit_unaligned", O._step8_multi_kernel, msig, {**ob, "ALIGNED": False}, w8)
     comp("adam8bit_bnb_bf16_2048_region", O._step8_multi_kernel, msig,
-         {**ob, "LOG_T": 1, "FLAGS": 4, "BS": 2048, "BLOCK_N": 2048, "G": 1, "P_BF16": True, "G_BF16": True,
-          "REGION1": True, "REGION2": True})
-    comp("adam8bit_binary_search", O._step8_multi_kernel, msig, {**ob, "LUT1": False, "LUT2": False})
+         {**ob, "LOG_T": 1, "FLAGS": 4, "BS": 2048, "BLOCK_N": 2048, "G": g8_2048, "P_BF16": True, "G_BF16": True,
+          "REGION1": True, "REGION2": True}, w8_2048)
+    comp("adam8bit_binary_search", O._step8_multi_kernel, msig, {**ob, "LUT1": False, "LUT2": False}, w8)
     for kind, has2, s1, s2 in ((1, False, True, True), (2, False, True, True), (3, True, False, True), (4, False, False, True)):
         comp(f"optim_kind{kind}", O._step8_multi_kernel, msig,
-             {**ob, "KIND": kind, "FLAGS": 19, "HAS2": has2, "SIGNED1": s1, "SIGNED2": s2})
+             {**ob, "KIND": kind, "FLAGS": 19, "HAS2": has2, "SIGNED1": s1, "SIGNED2": s2}, w8)
     from qshard._triton import _optim4bit as O4
     m4 = {"meta_ptr": "*i64", "hpf_ptr": "*fp32", "n_tensors": "i32", "code1_ptr": "*fp32", "mid1_ptr": "*fp32",
           "lut1_ptr": "*i32", "code2_ptr": "*fp32", "mid2_ptr": "*fp32", "lut2_ptr": "*i32"}
-    o4 = {"LOG_T": 8, "ALIGNED": True, "BS": 128, "HALF_N": 64, "G": 16, "P_BF16": False, "G_BF16": False,
+    _, g4, w4 = O4._geometry(128)
+    o4 = {"LOG_T": 8, "ALIGNED": True, "BS": 128, "HALF_N": 64, "G": g4, "P_BF16": False, "G_BF16": False,
           "LUT1": True, "LUT2": True}
-    comp("adam4bit", O4._step4_multi_kernel, m4, o4)
-    comp("adam4bit_bf16_unaligned", O4._step4_multi_kernel, m4, {**o4, "ALIGNED": False, "P_BF16": True, "G_BF16": True})
+    comp("adam4bit", O4._step4_multi_kernel, m4, o4, w4)
+    comp("adam4bit_bf16_unaligned", O4._step4_multi_kernel, m4,
+         {**o4, "ALIGNED": False, "P_BF16": True, "G_BF16": True}, w4)
     print(json.dumps(out))
     """
 )
@@ -160,7 +164,7 @@ def test_ieee_division_and_sqrt_no_contraction(compiled):
     """The reference rounds x / scale and sqrt(v) correctly and never fuses a * b + c. The
     8-bit step's region encoder has one fma of its own (the C kernel's, exact by the table
     builder's proof): one per element and state, no more."""
-    assert compiled["adam8bit_region"]["region_fma"] == 32
+    assert compiled["adam8bit_region"]["region_fma"] == 16  # 8 elements a thread, 2 states
     for name, facts in compiled.items():
         assert facts["fma"] == facts["region_fma"], name
         assert facts["div_approx"] == 0 and facts["sqrt_approx"] == 0, name
