@@ -81,18 +81,13 @@ SCRIPT = textwrap.dedent(
          {"BS": 2048, "BLOCK_N": 2048, "ROWS": 2, "PACK": True, "QMAX": 7})
     comp("pack_int4", B._pack_int4_kernel, {"codes_ptr": "*i8", "out_ptr": "*u8", "n_bytes": "i32", "numel": "i32"}, {"BLOCK": 4096})
     comp("unpack_int4", B._unpack_int4_kernel, {"packed_ptr": "*u8", "out_ptr": "*i8", "numel": "i32"}, {"BLOCK": 4096})
-    comp("reorder_quantize_int4", Q._reorder_quantize_kernel,
-         {"x_ptr": "*fp32", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp32",
+    rq = {"x_ptr": "*fp32", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp32",
           "blocks_per_slot": "i32", "blocks_per_row": "i32", "scale_stride": "i32", "code_stride": "i32",
-          "seed": "i32"},
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False,
-          "ALIGNED": False})
-    comp("reorder_quantize_int4_aligned", Q._reorder_quantize_kernel,
-         {"x_ptr": "*fp32", "offsets_ptr": "*i64", "lengths_ptr": "*i64", "codes_ptr": "*u8", "scales_ptr": "*fp32",
-          "blocks_per_slot": "i32", "blocks_per_row": "i32", "scale_stride": "i32", "code_stride": "i32",
-          "seed": "i32"},
-         {"BS": 256, "BLOCK_N": 256, "ROWS": 8, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False,
-          "ALIGNED": True})
+          "seed": "i32"}
+    rq_consts = {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False,
+                 "ALIGNED": False}
+    comp("reorder_quantize_int4", Q._reorder_quantize_kernel, rq, rq_consts)
+    comp("reorder_quantize_int4_aligned", Q._reorder_quantize_kernel, rq, {**rq_consts, "ROWS": 8, "ALIGNED": True})
     rr = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
           "n_peers": "i32", "n_blocks": "i32", "in_scale_stride": "i32", "in_code_stride": "i32",
           "out_blocks_per_row": "i32", "out_scale_stride": "i32", "out_code_stride": "i32", "seed": "i32"}

@@ -364,7 +364,7 @@ class PreparedLaunch:
         """Launch with tensor i's hyperparameters `hps[i]` (each distinct list object converted
         once) and the constexprs `consts` on top of the prepared ones."""
         if len(hps) != len(self._rows):
-            raise ValueError(f"{len(hps)} hyperparameter lists for {len(self._rows)} tensors")
+            raise ValueError(f"hps has {len(hps)} entries for {len(self._rows)} params")
         if self._grid[0] == 0:
             return
         at: dict[int, int] = {}

@@ -305,10 +305,7 @@ def optim4bit_step_multi(*, hps: Sequence[Sequence[float]], **kwargs) -> None:
     """`optim4bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]
     in `_common`): the same bytes as one call per tensor. `prepare_optim4bit_multi(**kwargs)
     .run(hps)`: tensor i steps with the hyperparameters `hps[i]`."""
-    launch = prepare_optim4bit_multi(**kwargs)
-    if len(hps) != len(launch):
-        raise ValueError(f"hps has {len(hps)} entries for {len(launch)} params")
-    launch.run(hps)
+    prepare_optim4bit_multi(**kwargs).run(hps)
 
 
 def prepare_optim4bit_multi(

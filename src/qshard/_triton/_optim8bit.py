@@ -531,11 +531,7 @@ def optim8bit_step_multi(*, hps: Sequence[Sequence[float]], flags: int, **kwargs
     """`optim8bit_step` for every tensor of a list, in one launch ([Note: multi-tensor launch]):
     the same bytes as one call per tensor. `prepare_optim8bit_multi(**kwargs).run(hps,
     flags=flags)`: tensor i steps with the hyperparameters `hps[i]`."""
-    _check_flags(flags)
-    launch = prepare_optim8bit_multi(**kwargs)
-    if len(hps) != len(launch):
-        raise ValueError(f"hps has {len(hps)} entries for {len(launch)} params")
-    launch.run(hps, flags=flags)
+    prepare_optim8bit_multi(**kwargs).run(hps, flags=flags)
 
 
 def prepare_optim8bit_multi(

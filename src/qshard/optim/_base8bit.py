@@ -49,6 +49,7 @@ from qshard.optim._multi_tensor import (  # noqa: F401
     _hparam_table,
     _Item,
     _kernel_takes,
+    _Launches,
     _multi_tensor_entry,
     _QuantizedPlan,
     _triton_fingerprint,
@@ -279,7 +280,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # refusal in a later group or tensor must not leave a half-applied step (or a counter
         # advanced for a step that did not happen).
         plans = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             full: list[_Item] = []  # fp32 state: one batch
             quantized: list[_Item] = []
             for pi, p in enumerate(group["params"]):
@@ -294,7 +295,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     quantized.append((pi, p, state))
                 else:
                     full.append((pi, p, state))
-            plans.append((group, full, self._plan_quantized(len(plans), group, quantized)))
+            plans.append((group, full, self._plan_quantized(gi, group, quantized)))
         for gi, (group, full, plan) in enumerate(plans):
             self._step_quantized(gi, group, plan)
             if full:
@@ -326,7 +327,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def _triton_plan(
         self, gi: int, group: dict[str, Any], items: list[_Item]
-    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
+    ) -> tuple[_Launches, list[Tensor]]:
         """Group ``gi``'s Triton launches for ``items``, each with its items' positions, and the
         gradient copies they read (held until they have run): the launches prepared at the last
         step when their tensors are the same ([Note: prepared launch] in
@@ -393,7 +394,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def _triton_prepare(
         self, group: dict[str, Any], items: list[_Item]
-    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
+    ) -> tuple[_Launches, list[Tensor]]:
         """The checked Triton launches of ``items`` (one per parameter dtype, gradient dtype and
         device), each with its items' positions, and the gradient copies they read
         (``_triton_launches``)."""
@@ -403,7 +404,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         self,
         group: dict[str, Any],
         items: list[_Item],
-        launches: list[tuple[Any, list[int]]],
+        launches: _Launches,
         steps: list[int],
     ) -> None:
         """Run :meth:`_triton_prepare`'s ``launches`` of ``items`` at their step counts (already
@@ -574,7 +575,7 @@ class Optimizer8bit(BlockwiseOptimizer):
 
     def _triton_prepare(
         self, group: dict[str, Any], items: list[_Item]
-    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
+    ) -> tuple[_Launches, list[Tensor]]:
         """The Triton twin of ``step8_multi`` ([Note: multi-tensor launch] in
         ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype,
         device) among ``items``, usually one for the group; same numerics (docs/gpu.md)."""
@@ -608,7 +609,7 @@ class Optimizer8bit(BlockwiseOptimizer):
         self,
         group: dict[str, Any],
         items: list[_Item],
-        launches: list[tuple[Any, list[int]]],
+        launches: _Launches,
         steps: list[int],
     ) -> None:
         """Each launch with its tensors' hyperparameters (one list per distinct step count) and

@@ -21,6 +21,7 @@ from qshard.optim._state_layout import _check_layout, _layout_fits, _local
 __all__ = [
     "_TRITON_DTYPES",
     "_Item",
+    "_Launches",
     "_QuantizedPlan",
     "_advance_steps",
     "_hparam_table",
@@ -37,6 +38,9 @@ _TRITON_DTYPES = (torch.float32, torch.bfloat16)
 #: A parameter met by ``step``: its index in the group, the parameter, its state.
 _Item = tuple[int, Tensor, dict[str, Any]]
 
+#: A group's prepared Triton launches, each with its items' positions in the group's list.
+_Launches = list[tuple[Any, list[int]]]
+
 
 @dataclass
 class _QuantizedPlan:
@@ -50,7 +54,7 @@ class _QuantizedPlan:
     rows: list[list[int]] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     triton: list[_Item] = field(default_factory=list)
-    launches: list[tuple[Any, list[int]]] = field(default_factory=list)
+    launches: _Launches = field(default_factory=list)
     grads_triton: list[Tensor] = field(default_factory=list)
     rest: list[_Item] = field(default_factory=list)
 
@@ -136,22 +140,27 @@ def _multi_tensor_entry(
     return row, g_l
 
 
+def _grad_as_is(g: Tensor) -> bool:
+    """Whether the Triton kernels read the (local) gradient ``g`` in place: fp32 or bf16,
+    contiguous."""
+    return g.dtype in _TRITON_DTYPES and g.is_contiguous()
+
+
 def _triton_launches(
     items: list[_Item], states: dict[str, str]
 ) -> tuple[list[tuple[list[int], dict[str, list]]], list[Tensor]]:
     """The Triton multi-tensor launches of ``items`` (``(index, parameter, state)``): one per
-    (parameter dtype, gradient dtype, device), each as (its items' positions in ``items``, the keyword
-    lists ``params``, ``grads``, ``layouts`` and, per entry of ``states`` (kernel argument name
-    -> state key), the local state tensors); and the gradient copies the lists point at
-    (gradients of other dtypes go as fp32, the kernels' math, non-contiguous ones as
+    (parameter dtype, gradient dtype, device), each as (its items' positions in ``items``, the
+    keyword lists ``params``, ``grads``, ``layouts`` and, per entry of ``states`` (kernel
+    argument name -> state key), the local state tensors); and the gradient copies the lists
+    point at (gradients the kernels do not read as they are, :func:`_grad_as_is`: as fp32
     contiguous copies): hold them until the launches have run."""
     launches: dict[tuple, tuple[list[int], dict[str, list]]] = {}
     copies = []
     for i, (_, p, state) in enumerate(items):
         p_l, g_l = _local(p), _local(p.grad)
-        if g_l.dtype not in _TRITON_DTYPES or not g_l.is_contiguous():
-            g_l = g_l.float() if g_l.dtype not in _TRITON_DTYPES else g_l
-            g_l = g_l.contiguous()
+        if not _grad_as_is(g_l):
+            g_l = (g_l if g_l.dtype in _TRITON_DTYPES else g_l.float()).contiguous()
             copies.append(g_l)
         key = (p_l.dtype, g_l.dtype, p_l.device)  # (a launch's tensors share one device)
         if key not in launches:
@@ -177,7 +186,7 @@ def _triton_fingerprint(items: list[_Item], state_keys: tuple[str, ...]) -> tupl
     key: list = []
     for _, p, state in items:
         p_l, g_l = _local(p), _local(p.grad)
-        if g_l.dtype not in _TRITON_DTYPES or not g_l.is_contiguous():
+        if not _grad_as_is(g_l):
             return None
         key += (id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.data_ptr(), g_l.shape, g_l.dtype)
         key += [id(state[k]) for k in state_keys]

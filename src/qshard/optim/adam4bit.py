@@ -32,6 +32,7 @@ from qshard.optim._multi_tensor import (
     _TRITON_DTYPES,
     _hparam_table,
     _Item,
+    _Launches,
     _multi_tensor_entry,
     _triton_launches,
 )
@@ -252,15 +253,12 @@ class Adam4bit(BlockwiseOptimizer):
         p_l = _local(p)
         return _triton.serves(p_l) and p_l.dtype in _TRITON_DTYPES and p_l.is_contiguous()
 
-    def _triton_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return tuple(f"{n}_{k}" for n in _STATES for k in ("codes", "absmax"))
-
     def _triton_group_key(self, group: dict[str, Any]) -> tuple:
         return (group["block_size"], group["second_moment_map"])
 
     def _triton_prepare(
         self, group: dict[str, Any], items: list[_Item]
-    ) -> tuple[list[tuple[Any, list[int]]], list[Tensor]]:
+    ) -> tuple[_Launches, list[Tensor]]:
         """The Triton twin of ``adam4bit_multi`` ([Note: multi-tensor launch] in
         ``qshard._triton._common``): one launch for each (parameter dtype, gradient dtype,
         device) among ``items``; same numerics."""
@@ -288,7 +286,7 @@ class Adam4bit(BlockwiseOptimizer):
         self,
         group: dict[str, Any],
         items: list[_Item],
-        launches: list[tuple[Any, list[int]]],
+        launches: _Launches,
         steps: list[int],
     ) -> None:
         hps: dict[int, list[float]] = {}
