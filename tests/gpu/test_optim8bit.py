@@ -559,3 +559,32 @@ def test_multi_tensor_launch_rejects_bad_lists():
         _triton.optim8bit_step_multi(
             params=[z, z.clone()], grads=[z, z.clone()], **{**common, "kind": "adamax"}
         )
+
+
+def test_fp32_state_fused_step_matches_torch_fused_adamw():
+    # The fp32-state path on the device: torch's fused AdamW kernel with device copies of the
+    # CPU step counters, which advance as one buffer ([Note: step bank]). Bit-equal to
+    # torch.optim.AdamW(fused=True) over steps where one tensor sits out, with each tensor's
+    # own step count.
+    from qshard.optim import AdamW8bit
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(64, 96), (300,), (7, 33)]
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    ours = [torch.nn.Parameter(t.to(DEVICE)) for t in init]
+    ref = [torch.nn.Parameter(t.to(DEVICE)) for t in init]
+    o1 = AdamW8bit(ours, lr=1e-2, weight_decay=0.1, optim_bits=32, fused=True)
+    o2 = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(5):
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            g = None if (i == 1 and step in (1, 2)) else torch.randn(a.shape, generator=gen)
+            a.grad = None if g is None else g.to(DEVICE)
+            b.grad = None if g is None else g.to(DEVICE)
+        o1.step()
+        o2.step()
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+        assert torch.equal(o1.state[a]["exp_avg"], o2.state[b]["exp_avg"])
+        assert torch.equal(o1.state[a]["exp_avg_sq"], o2.state[b]["exp_avg_sq"])
+    assert [int(o1.state[p]["step"]) for p in ours] == [5, 3, 5]
+    assert [int(o2.state[p]["step"]) for p in ref] == [5, 3, 5]

@@ -172,3 +172,53 @@ def test_triton_launches_split_by_dtype_and_device():
         {"cpu"}, {"meta"}, {"cpu"}
     ]  # fmt: skip
     assert copies == []
+
+
+def test_step_counters_share_one_buffer_and_count_each_tensors_steps(monkeypatch):
+    # [Note: step bank]: a group's counters become views of one buffer, advanced by one add.
+    # Each tensor must still count its own steps through skipped steps, a reload and a
+    # checkpoint round trip, and the trajectory must be the one of separate counters.
+    import io
+
+    from qshard.optim import _multi_tensor
+
+    def run(bank: bool):
+        if not bank:  # the counters as they were: separate tensors, one foreach add
+            monkeypatch.setattr(_multi_tensor, "_step_bank", lambda *args: None)
+        gen = torch.Generator().manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _SHAPES[:4]]
+        opt = qoptim.AdamW8bit(ps, lr=1e-2, weight_decay=0.1)
+        counts, storages, saved = [], [], io.BytesIO()
+        for step in range(7):
+            for i, p in enumerate(ps):  # tensor 1 sits out step 2, tensor 2 step 3
+                out = (i, step) in ((1, 2), (2, 3))
+                p.grad = None if out else torch.randn(p.shape, generator=gen)
+            if step == 4:  # loading the checkpoint of step 1 replaces every counter
+                opt.load_state_dict(torch.load(saved))
+            opt.step()
+            if step == 1:
+                torch.save(opt.state_dict(), saved)
+                saved.seek(0)
+            steps = [opt.state[p]["step"] for p in ps]
+            counts.append([int(s) for s in steps])
+            storages.append(len({s.untyped_storage().data_ptr() for s in steps}))
+        monkeypatch.undo()
+        return [p.detach().clone() for p in ps], counts, storages, opt
+
+    p_bank, counts, storages, opt = run(bank=True)
+    assert counts == [[1, 1, 1, 1], [2, 2, 2, 2], [3, 2, 3, 3], [4, 3, 3, 4],
+                      [3, 3, 3, 3], [4, 4, 4, 4], [5, 5, 5, 5]]  # fmt: skip
+    # one buffer for the batch from its first step; the three that step while one sits out
+    # get a buffer of their own (the one sitting out keeps its view of the last), and after
+    # the reload the four share one again
+    assert storages == [1, 1, 2, 2, 1, 1, 1], storages
+    p_sep, counts_sep, storages_sep, _ = run(bank=False)
+    assert counts_sep == counts and storages_sep[-1] == 4
+    for a, b in zip(p_bank, p_sep):
+        assert torch.equal(a, b)
+    # a saved state_dict keeps each counter's value, however the counters share storage
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert [int(loaded["state"][i]["step"]) for i in range(4)] == [5, 5, 5, 5]

@@ -52,6 +52,7 @@ from qshard.optim._multi_tensor import (  # noqa: F401
     _Launches,
     _multi_tensor_entry,
     _QuantizedPlan,
+    _step_bank,
     _triton_fingerprint,
     _triton_held,
     _triton_launches,
@@ -83,18 +84,23 @@ def _steps_off_device(params: list[Tensor]) -> bool:
     return any(p.device.type != "cpu" for p in params)
 
 
-def _device_steps(steps: list[Tensor], params: list[Tensor]) -> list[Tensor]:
+def _device_steps(
+    steps: list[Tensor], params: list[Tensor], bank: Tensor | None = None
+) -> list[Tensor]:
     """Copies of the CPU step counters ``steps`` on their parameters' devices, for torch's fused
     kernels: one copy per device, through pinned memory on CUDA, so it does not wait for the
     stream. (A copy per counter waited for every kernel queued before it: one host sync per
     fp32-state tensor per step.) The copies are views of one buffer each; the kernels advance
-    them, and the caller the CPU counters."""
+    them, and the caller the CPU counters. ``bank``: the counters' buffer when they are its
+    views ([Note: step bank])."""
     by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(params):
         by_device.setdefault(p.device, []).append(i)
     copies: list[Tensor] = list(steps)
     for device, where in by_device.items():
-        host = torch.stack([steps[i] for i in where])
+        # (one device: the counters' bank, when they have one, is their stack)
+        one = bank is not None and len(where) == len(steps)
+        host = bank if one else torch.stack([steps[i] for i in where])
         if device.type == "cuda":
             host = host.pin_memory()
         on_device = host.to(device, non_blocking=device.type == "cuda", copy=True)
@@ -227,6 +233,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # torch's own call runs with neither (they used to run inside it, after the check, and
         # the restore below then overwrote what a pre-hook had changed).
         self.__dict__.pop("_triton_cache", None)  # (it holds the states being replaced)
+        self.__dict__.pop("_step_banks", None)
         state_dict = state_dict.copy()  # shallow, as torch
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -283,15 +290,19 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             full: list[_Item] = []  # fp32 state: one batch
             quantized: list[_Item] = []
+            # (the per-tensor checks spelled out here: a step asks them of every tensor)
+            specs = self._state_specs(group)
+            names = [(name, f"{name}_codes") for name, _ in specs]
+            first_codes = names[0][1] if names else None
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
                     self._init_state(p, group, state)
-                else:
+                elif any(n not in state and c not in state for n, c in names):
                     self._add_missing_state(p, group, state)
-                if self._has_quantized_state(group, state):
+                if first_codes in state:  # (quantized state: its first state's codes)
                     quantized.append((pi, p, state))
                 else:
                     full.append((pi, p, state))
@@ -354,10 +365,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         for pi, p, state in plan.rest:
             state["step"] += 1
             self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
+        banks = self.__dict__.setdefault("_step_banks", {})  # ([Note: step bank])
         if plan.batch:
-            self._multi_tensor_step(gi, group, plan.batch, plan.rows, _advance_steps(plan.batch))
+            steps = _advance_steps(plan.batch, banks, (gi, "batch"))
+            self._multi_tensor_step(gi, group, plan.batch, plan.rows, steps)
         if plan.triton:
-            self._triton_run(group, plan.triton, plan.launches, _advance_steps(plan.triton))
+            steps = _advance_steps(plan.triton, banks, (gi, "triton"))
+            self._triton_run(group, plan.triton, plan.launches, steps)
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
@@ -411,10 +425,6 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         advanced)."""
         raise NotImplementedError
 
-    def _has_quantized_state(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
-        specs = self._state_specs(group)
-        return bool(specs) and f"{specs[0][0]}_codes" in state
-
     def _torch_update(
         self,
         group: dict[str, Any],
@@ -461,13 +471,19 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 grads.append(g_l.float())
                 back.append((p_l, p32))
         states = [[_local(st[name]) for _, _, st in live] for name, _ in self._state_specs(group)]
-        steps = [st["step"] for _, _, st in live]
         # torch keeps a fused optimizer's step counters on the parameter's device; here they
-        # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies.
+        # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies,
+        # and the CPU counters advance as one buffer ([Note: step bank]) or one foreach call.
         if group.get("fused") and _steps_off_device(params):
-            self._torch_update(group, params, grads, states, _device_steps(steps, params))
-            torch._foreach_add_(steps, 1)  # (one call: a Python += per counter cost 1.6x)
+            bank = _step_bank(live, self.__dict__.setdefault("_step_banks", {}), (gi, "full"))
+            steps = [st["step"] for _, _, st in live]
+            self._torch_update(group, params, grads, states, _device_steps(steps, params, bank))
+            if bank is None:
+                torch._foreach_add_(steps, 1)
+            else:
+                bank.add_(1)
         else:
+            steps = [st["step"] for _, _, st in live]
             self._torch_update(group, params, grads, states, steps)
         for p_l, p32 in back:
             p_l.copy_(p32)
