@@ -281,7 +281,7 @@ def _sweep_qgz_first_hop(x, copy_ms: float, repeat: int, cuda: bool, geometries)
     rows, ref = [], None
     aligned = math.gcd(x.numel() // 8, slot)  # zeropp's promise ([Note: aligned slots])
     for geometry, aligned_to in [(None, aligned), (None, 1), *((g, aligned) for g in geometries)]:
-        patch = {} if geometry is None else {"_geometry": _fixed_geometry(*geometry)}
+        patch = {} if geometry is None else {"_reorder_geometry": _fixed_geometry(*geometry)}
         with _Patch(_qgz, **patch):
             hop, sends = qgz_first_hop(x, off, lens, slot, bs, per_node, aligned_to)
             hop()

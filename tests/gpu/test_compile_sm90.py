@@ -86,8 +86,11 @@ SCRIPT = textwrap.dedent(
           "seed": "i32"}
     rq_consts = {"BS": 256, "BLOCK_N": 256, "ROWS": 16, "QMAX": 7, "PACK": True, "STOCHASTIC": False, "BF16": False,
                  "ALIGNED": False}
-    comp("reorder_quantize_int4", Q._reorder_quantize_kernel, rq, rq_consts)
-    comp("reorder_quantize_int4_aligned", Q._reorder_quantize_kernel, rq, {**rq_consts, "ROWS": 8, "ALIGNED": True})
+    _, rq_rows, rq_warps = Q._reorder_geometry(256, True)  # (its default geometry)
+    rq_consts = {**rq_consts, "ROWS": rq_rows}
+    comp("reorder_quantize_int4", Q._reorder_quantize_kernel, rq, rq_consts, num_warps=rq_warps)
+    comp("reorder_quantize_int4_aligned", Q._reorder_quantize_kernel, rq, {**rq_consts, "ALIGNED": True},
+         num_warps=rq_warps)
     rr = {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32",
           "n_peers": "i32", "n_blocks": "i32", "in_scale_stride": "i32", "in_code_stride": "i32",
           "out_blocks_per_row": "i32", "out_scale_stride": "i32", "out_code_stride": "i32", "seed": "i32"}

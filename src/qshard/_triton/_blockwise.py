@@ -231,12 +231,13 @@ def _geometry(block_size: int, pack: bool = False) -> tuple[int, int, int]:
     """(padded block width, blocks per program, warps) of a quantize/dequantize launch.
 
     Packing INT4 codes pairs neighbouring lanes (a reshape and split of the tile), which costs
-    more with larger tiles: on an H200, quantize+pack of 268M fp32 elements took 0.43 ms with
-    2048-element tiles and 0.56 ms with 4096 (0.67 vs 0.51 of copy bandwidth), where the
-    unpacked kernels move within 3% either way (benchmarks/gpu/sweep.py).
+    more with larger tiles: on an H200, quantize+pack of 268M fp32 elements took 0.361 ms with
+    1024-element tiles of 2 warps, 0.381 with 2048 / 4 warps and 0.47 with 4096 / 4 (0.79-0.80,
+    0.75 and 0.61 of copy bandwidth; three sweeps, benchmarks/gpu/sweep.py), where the unpacked
+    kernels move within 3% from 1024 to 4096.
     """
     block_n = next_pow2(max(block_size, 2))
-    rows = rows_per_program(block_size, 2048) if pack else rows_per_program(block_size)
+    rows = rows_per_program(block_size, 1024) if pack else rows_per_program(block_size)
     return block_n, rows, num_warps_for(block_n * rows)
 
 
