@@ -279,8 +279,8 @@ def _one_call_per_tensor(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     def one_by_one(gi: int, group: dict, plan: _QuantizedPlan) -> None:
         if plan.rest:
             step_quantized(opt, gi, group, _QuantizedPlan(rest=plan.rest))
-        for item, rows, grad in zip(plan.batch, plan.rows, plan.grads, strict=True):
-            step_quantized(opt, gi, group, _QuantizedPlan(batch=[item], rows=[rows], grads=[grad]))
+        for item, row in zip(plan.batch, plan.rows, strict=True):  # (plan.grads: held copies)
+            step_quantized(opt, gi, group, _QuantizedPlan(batch=[item], rows=[row]))
 
     opt._step_quantized = one_by_one
     return opt

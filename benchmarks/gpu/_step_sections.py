@@ -270,7 +270,7 @@ def _many_tensors(rec: Recorder, args) -> None:
                           f"{t_one / t_fused:.2f}", f"{t_one / count * 1e3:.1f}"))  # fmt: skip
 
             def prepared_anew() -> None:  # the dispatch until the launch was kept across steps
-                opt8.__dict__.pop("_triton_cache", None)
+                opt8.__dict__.pop("_plan_cache", None)
                 opt8.step()
 
             t_anew = _ms(prepared_anew, rep)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def step() -> None:
         if args.prepare_each_step:
-            opt.__dict__.pop("_triton_cache", None)
+            opt.__dict__.pop("_plan_cache", None)
         opt.step()
 
     for _ in range(3):

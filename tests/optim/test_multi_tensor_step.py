@@ -72,8 +72,8 @@ def _one_call_per_tensor(opt):
 
     def each(gi, group, plan):
         step_quantized(opt, gi, group, _QuantizedPlan(rest=plan.rest))
-        for item, row, grad in zip(plan.batch, plan.rows, plan.grads):
-            step_quantized(opt, gi, group, _QuantizedPlan([item], [row], [grad]))
+        for item, row in zip(plan.batch, plan.rows, strict=True):  # (plan.grads: held copies)
+            step_quantized(opt, gi, group, _QuantizedPlan([item], [row]))
 
     opt._step_quantized = each
     return opt
@@ -222,3 +222,51 @@ def test_step_counters_share_one_buffer_and_count_each_tensors_steps(monkeypatch
     buf.seek(0)
     loaded = torch.load(buf)
     assert [int(loaded["state"][i]["step"]) for i in range(4)] == [5, 5, 5, 5]
+
+
+def test_cpu_call_kept_only_while_its_tensors_are():
+    # The split and the CPU call's rows are kept across steps while the tensors are the same
+    # ([Note: prepared launch]); a new gradient elsewhere, a replaced parameter or state, a
+    # tensor sitting out, or a changed block size must build them again (a kept row would
+    # point the kernel at the old memory). Bits equal to planning every step.
+    def run(keep: bool):
+        gen = torch.Generator().manual_seed(4)
+        ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _SHAPES[:3]]
+        opt = qoptim.AdamW8bit(ps, lr=1e-2, weight_decay=0.1)
+        built, real = [], opt._multi_tensor_row
+        opt._multi_tensor_row = lambda *args: (built.append(1), real(*args))[1]
+        alive = []  # old gradients kept alive, so new ones cannot reuse their memory
+
+        def step(new_grads: bool = True, out: int | None = None) -> int:
+            if not keep:
+                opt.__dict__.pop("_plan_cache", None)
+            for i, p in enumerate(ps):
+                g = torch.randn(p.shape, generator=gen)
+                if i == out:
+                    alive.append(p.grad)
+                    p.grad = None
+                elif new_grads or p.grad is None:
+                    alive.append(p.grad)
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)  # same tensor, same memory
+            opt.step()
+            return len(built)
+
+        counts = [step(), step(False), step(False), step()]  # new, kept, kept, new gradients
+        for p in ps:
+            p.data = p.data.clone()  # a parameter's memory replaced
+        counts.append(step(False))
+        opt.load_state_dict(opt.state_dict())  # the states replaced
+        counts += [step(False), step(False, out=1), step(False), step(False)]
+        out = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
+        opt.param_groups[0]["block_size"] = 128
+        with pytest.raises(RuntimeError, match="does not fit block_size=128"):
+            step(False)
+        return counts, out
+
+    counts, kept = run(keep=True)
+    assert counts == [3, 3, 3, 6, 9, 12, 14, 17, 17], counts
+    counts_fresh, fresh = run(keep=False)
+    assert counts_fresh == [3 * k for k in range(1, 6)] + [18, 20, 23, 26], counts_fresh
+    assert len(kept) == len(fresh) and all(torch.equal(a, b) for a, b in zip(kept, fresh))

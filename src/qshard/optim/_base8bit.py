@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -232,7 +233,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # to state tensors are the ones loaded), the post-hooks once the dtypes are restored.
         # torch's own call runs with neither (they used to run inside it, after the check, and
         # the restore below then overwrote what a pre-hook had changed).
-        self.__dict__.pop("_triton_cache", None)  # (it holds the states being replaced)
+        self.__dict__.pop("_plan_cache", None)  # (it holds the states being replaced)
         self.__dict__.pop("_step_banks", None)
         state_dict = state_dict.copy()  # shallow, as torch
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -300,8 +301,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     self._init_state(p, group, state)
-                elif any(n not in state and c not in state for n, c in names):
-                    self._add_missing_state(p, group, state)
+                else:
+                    for n, c in names:
+                        if n not in state and c not in state:
+                            self._add_missing_state(p, group, state)
+                            break
                 if first_codes in state:  # (quantized state: its first state's codes)
                     quantized.append((pi, p, state))
                 else:
@@ -315,49 +319,63 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def _plan_quantized(self, gi: int, group: dict[str, Any], items: list[_Item]) -> _QuantizedPlan:
         """Split group ``gi``'s quantized tensors (``(index in the group, parameter, state)``)
-        into those the Triton kernel takes (CUDA: prepared launches, :meth:`_triton_plan`), those
-        the CPU kernel takes as they are, in one multi-tensor call ([Note: multi-tensor step] in
-        ``qshard.optim._kernels``; :meth:`_multi_tensor_row`), and the others (the torch
-        reference: one :meth:`_step_param` each), checking every layout; nothing moves."""
+        into those the Triton kernel takes (CUDA: prepared launches, :meth:`_triton_prepare`),
+        those the CPU kernel takes as they are, in one multi-tensor call ([Note: multi-tensor
+        step] in ``qshard.optim._kernels``; :meth:`_multi_tensor_row`), and the others (the
+        torch reference: one :meth:`_step_param` each), checking every layout; nothing moves.
+        The split, the CPU call's rows and the prepared launches of the last step are kept
+        while the tensors are the same ([Note: prepared launch] in ``qshard._triton._common``;
+        ``_triton_fingerprint``): then only the others' layouts are checked again."""
+        keys = self._triton_state_keys(group)
+        fingerprint = _triton_fingerprint(items, keys)
+        if fingerprint is not None:
+            fingerprint = (self._triton_group_key(group), keys, fingerprint)
+        cache = self.__dict__.setdefault("_plan_cache", {})
+        kept = cache.get(gi)
+        if fingerprint is not None and kept is not None and kept[0] == fingerprint:
+            _, batch, rows, triton, launches, rest, _ = kept
+            plan = _QuantizedPlan(
+                batch=[items[i] for i in batch],
+                rows=rows,
+                triton=[items[i] for i in triton],
+                launches=launches,
+                rest=[items[i] for i in rest],
+            )
+            for _, p, state in plan.rest:
+                self._check_state(p, group, state)
+            return plan
+        cache.pop(gi, None)
         plan = _QuantizedPlan()
-        for item in items:
+        where: tuple[list[int], list[int], list[int]] = ([], [], [])  # batch, triton, rest
+        rows = []
+        for i, item in enumerate(items):
             if self._triton_takes(group, item[1]):
                 plan.triton.append(item)
+                where[1].append(i)
                 continue
             entry = self._multi_tensor_row(group, item[1], item[2])
             if entry is None:
                 self._check_state(item[1], group, item[2])
                 plan.rest.append(item)
+                where[2].append(i)
             else:
                 plan.batch.append(item)
-                plan.rows.append(entry[0])
+                rows.append(entry[0])
                 plan.grads.append(entry[1])  # (held until the kernel has read them)
+                where[0].append(i)
+        plan.rows = np.array(rows, dtype=np.int64).reshape(-1, 8)  # (entries of 8 words)
         if plan.triton:
-            plan.launches, plan.grads_triton = self._triton_plan(gi, group, plan.triton)
+            for _, p, state in plan.triton:
+                self._check_state(p, group, state)
+            plan.launches, plan.grads_triton = self._triton_prepare(group, plan.triton)
+        copied = plan.grads_triton or any(
+            g.data_ptr() != _local(p.grad).data_ptr()
+            for g, (_, p, _) in zip(plan.grads, plan.batch)
+        )
+        if fingerprint is not None and not copied:
+            held = _triton_held(items, keys)
+            cache[gi] = (fingerprint, where[0], plan.rows, where[1], plan.launches, where[2], held)
         return plan
-
-    def _triton_plan(
-        self, gi: int, group: dict[str, Any], items: list[_Item]
-    ) -> tuple[_Launches, list[Tensor]]:
-        """Group ``gi``'s Triton launches for ``items``, each with its items' positions, and the
-        gradient copies they read (held until they have run): the launches prepared at the last
-        step when their tensors are the same ([Note: prepared launch] in
-        ``qshard._triton._common``; ``_triton_fingerprint``), else checked and prepared anew."""
-        keys = self._triton_state_keys(group)
-        fingerprint = _triton_fingerprint(items, keys)
-        if fingerprint is not None:
-            fingerprint = (self._triton_group_key(group), fingerprint)
-        cache = self.__dict__.setdefault("_triton_cache", {})
-        kept = cache.get(gi)
-        if fingerprint is not None and kept is not None and kept[0] == fingerprint:
-            return kept[1], []
-        cache.pop(gi, None)
-        for _, p, state in items:
-            self._check_state(p, group, state)
-        launches, copies = self._triton_prepare(group, items)
-        if fingerprint is not None:
-            cache[gi] = (fingerprint, launches, _triton_held(items, keys))
-        return launches, copies
 
     def _step_quantized(self, gi: int, group: dict[str, Any], plan: _QuantizedPlan) -> None:
         """Step group ``gi``'s quantized tensors as :meth:`_plan_quantized` split them (a lone
@@ -386,7 +404,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         gi: int,
         group: dict[str, Any],
         items: list[_Item],
-        rows: list[list[int]],
+        rows: np.ndarray,
         steps: list[int],
     ) -> None:
         """One kernel call for ``items``, with their :meth:`_multi_tensor_row` entries and their
@@ -394,7 +412,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _triton_takes(self, group: dict[str, Any], p: Tensor) -> bool:
-        """Whether the Triton kernel steps ``p`` (a CUDA tensor it serves: :meth:`_triton_plan`,
+        """Whether the Triton kernel steps ``p`` (a CUDA tensor it serves: :meth:`_triton_prepare`,
         :meth:`_triton_run`); else :meth:`_step_param` or the CPU kernel does."""
         return False
 
@@ -403,8 +421,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         return tuple(f"{n}_{k}" for n, _ in self._state_specs(group) for k in ("codes", "absmax"))
 
     def _triton_group_key(self, group: dict[str, Any]) -> tuple:
-        """The group options a prepared Triton launch depends on."""
-        return (group["block_size"],)
+        """The group options a kept plan depends on (:meth:`_plan_quantized`): the block size
+        (the layouts) and what decides which kernel takes a tensor."""
+        return (group["block_size"], group.get("stochastic_rounding"))
 
     def _triton_prepare(
         self, group: dict[str, Any], items: list[_Item]
@@ -532,7 +551,7 @@ class Optimizer8bit(BlockwiseOptimizer):
         gi: int,
         group: dict[str, Any],
         items: list[_Item],
-        rows: list[list[int]],
+        rows: np.ndarray,
         steps: list[int],
     ) -> None:
         """``step8_multi``: each entry completed with its hyperparameters' address, its flags
@@ -544,22 +563,24 @@ class Optimizer8bit(BlockwiseOptimizer):
         )
         base_flags = rounding.flags()
         hp_table, hp_at = _hparam_table(steps, lambda step: self._kernel_hparams(group, step))
-        for (pi, p, _), row, step, at in zip(items, rows, steps, hp_at):
-            seed, offset = 0, 0  # read by the stochastic rounding only
-            if rounding.stochastic:
+        table = np.empty((len(items), _kernels.TENSOR_FIELDS), dtype=np.int64)
+        table[:, :8] = rows
+        table[:, 8] = hp_at
+        table[:, 9] = base_flags
+        table[:, 10:] = 0  # the rounding seed and element offset, read by stochastic rounding
+        if 1 in steps:
+            table[np.asarray(steps) == 1, 9] |= _kernels.FLAG_FIRST_STEP
+        if rounding.stochastic:
+            for k, ((pi, p, _), step) in enumerate(zip(items, steps)):
                 seed = _mix_seed(gi, pi, step)
-                seed -= (seed >> 63) << 64  # as int64, the kernel's word
-                offset = _global_row_offset(p) * row[7]
-            flags = base_flags | (_kernels.FLAG_FIRST_STEP if step == 1 else 0)
-            row += [at, flags, seed, offset]
-        table = torch.tensor(rows, dtype=torch.int64)
-        assert table.shape[1] == _kernels.TENSOR_FIELDS
+                table[k, 10] = seed - ((seed >> 63) << 64)  # as int64, the kernel's word
+                table[k, 11] = _global_row_offset(p) * int(table[k, 7])
         lib = _kernels.library()
         maps = [_qstate.qmap(signed) for _, signed in specs]
         m2 = maps[1] if len(maps) == 2 else None
         rc = lib.step8_multi(
             self._kind,
-            table.data_ptr(),
+            table.ctypes.data,
             len(items),
             maps[0].code.data_ptr(),
             maps[0].regions.data_ptr(),

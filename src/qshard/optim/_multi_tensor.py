@@ -47,13 +47,14 @@ _Launches = list[tuple[Any, list[int]]]
 @dataclass
 class _QuantizedPlan:
     """A group's quantized tensors for one step, their layouts checked: ``batch`` for one
-    multi-tensor kernel call (with its ``rows`` and the ``grads`` they point at), ``triton``
+    multi-tensor kernel call (with its ``rows``, an (n, 8) int64 array of the entries'
+    addresses and sizes, and the ``grads`` they point at), ``triton``
     for the Triton kernel's multi-tensor launches (CUDA; prepared as ``launches``, each with its
     positions in ``triton``, reading the gradient copies ``grads_triton``), ``rest`` for
     :meth:`BlockwiseOptimizer._step_param` one by one."""
 
     batch: list[_Item] = field(default_factory=list)
-    rows: list[list[int]] = field(default_factory=list)
+    rows: Any = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     triton: list[_Item] = field(default_factory=list)
     launches: _Launches = field(default_factory=list)
@@ -115,16 +116,15 @@ def _hparam_table(
 ) -> tuple[Tensor, list[int]]:
     """The fp32 hyperparameter rows of a multi-tensor kernel call: one row per distinct step
     count (usually one for a whole group), padded with zeros, and each step's row address."""
-    at: dict[int, int] = {}
-    lists: list[list[float]] = []
-    for step in steps:
-        if step not in at:
-            at[step] = len(lists)
-            lists.append(hparams(step))
+    distinct = dict.fromkeys(steps)  # (in order of first appearance)
+    lists = [hparams(step) for step in distinct]
     width = max(len(h) for h in lists) + 8  # the zeros the kernels may read past the last
     table = torch.tensor([h + [0.0] * (width - len(h)) for h in lists], dtype=torch.float32)
     base = table.data_ptr()
-    return table, [base + 4 * width * at[step] for step in steps]
+    if len(lists) == 1:
+        return table, [base] * len(steps)
+    at = {step: base + 4 * width * k for k, step in enumerate(distinct)}
+    return table, [at[step] for step in steps]
 
 
 def _kernel_takes(p_l: Tensor, g_l: Tensor) -> bool:

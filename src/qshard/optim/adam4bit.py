@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -214,7 +215,7 @@ class Adam4bit(BlockwiseOptimizer):
         gi: int,
         group: dict[str, Any],
         items: list[_Item],
-        rows: list[list[int]],
+        rows: np.ndarray,
         steps: list[int],
     ) -> None:
         """``adam4bit_multi``: each entry completed with its hyperparameters' address."""
@@ -224,14 +225,13 @@ class Adam4bit(BlockwiseOptimizer):
                 group, step, decoupled=self._decoupled, inverse_bc2=True
             ),
         )
-        for row, at in zip(rows, hp_at):
-            row.append(at)
-        table = torch.tensor(rows, dtype=torch.int64)
-        assert table.shape[1] == _kernels4.TENSOR4_FIELDS
+        table = np.empty((len(items), _kernels4.TENSOR4_FIELDS), dtype=np.int64)
+        table[:, :8] = rows
+        table[:, 8] = hp_at
         qm, qv = self._maps(group)
         bs = group["block_size"]
         rc = _kernels4.library().adam4bit_multi(
-            table.data_ptr(),
+            table.ctypes.data,
             len(items),
             qm.code.data_ptr(),
             qm.mid_padded.data_ptr(),
