@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="the GPU kernels need triton (pip install q
 
 from qshard import _triton
 from tests.gpu.conftest import DEVICE, spy_launches
+from tests.optim._helpers import replay_plan_changes
 
 pytestmark = pytest.mark.skipif(
     DEVICE.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1",
@@ -211,9 +212,10 @@ def test_optimizer_steps_many_tensors_in_one_launch_per_dtype(monkeypatch):
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
 def test_prepared_launches_kept_only_while_their_tensors_are(monkeypatch, name):
     """[Note: prepared launch]: the optimizers keep a group's checked launch across steps while
-    its tensors are the same, and prepare again when a gradient, a parameter's data or the
-    states were replaced; a changed block size is refused as before, not run on the old layout.
-    Every step equals the CPU path (the C kernels), bit for bit."""
+    its tensors are the same, pointing it at each step's gradients, and prepare again when a
+    parameter's data or the states were replaced or a gradient is off 16-byte alignment; a
+    changed block size is refused as before, not run on the old layout. Every step equals the
+    CPU path (the C kernels), bit for bit: a launch still reading an old gradient would not."""
     from qshard import optim
     from qshard.optim import _kernels, _kernels4
 
@@ -227,30 +229,7 @@ def test_prepared_launches_kept_only_while_their_tensors_are(monkeypatch, name):
         ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((8, 300), (40, 64))]
         small = dict(min_8bit_size=1024) if name == "AdamW8bit" else dict(min_4bit_size=1024)
         opt = getattr(optim, name)(ps, lr=1e-2, weight_decay=0.01, block_size=256, **small)
-        kept = []  # old gradients kept alive, so new ones cannot reuse their memory
-
-        def step(new_grads: bool = True):
-            for p in ps:
-                g = torch.randn(p.shape, generator=gen) * 0.1
-                if new_grads or p.grad is None:
-                    kept.append(p.grad)
-                    p.grad = g
-                else:
-                    p.grad.copy_(g)  # same tensor, same memory
-            opt.step()
-            return len(prepared)
-
-        counts = [step(), step(False), step(False), step()]  # new, kept, kept, new gradients
-        for p in ps:
-            p.data = p.data.clone()  # a parameter's memory replaced
-        counts.append(step(False))
-        opt.load_state_dict(opt.state_dict())  # the states replaced
-        counts.append(step(False))
-        out = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
-        opt.param_groups[0]["block_size"] = 128
-        with pytest.raises(RuntimeError, match="does not fit block_size=128"):
-            step(False)
-        return counts, out
+        return replay_plan_changes(opt, ps, gen, lambda: len(prepared))
 
     real = getattr(_triton, prepare_name)
 
@@ -260,5 +239,5 @@ def test_prepared_launches_kept_only_while_their_tensors_are(monkeypatch, name):
 
     monkeypatch.setattr(_triton, prepare_name, counted)
     (_, want), (counts, got), _ = _both(monkeypatch, run)
-    assert counts == [1, 1, 1, 2, 3, 4], counts  # (the CPU run prepares nothing)
+    assert counts == [1, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7], counts  # (the CPU run prepares nothing)
     assert _equal(want, got)

@@ -559,6 +559,15 @@ def test_multi_tensor_launch_rejects_bad_lists():
         _triton.optim8bit_step_multi(
             params=[z, z.clone()], grads=[z, z.clone()], **{**common, "kind": "adamax"}
         )
+    # a prepared launch of 16-byte vectors takes new gradient addresses only at that alignment
+    prep = {k: v for k, v in common.items() if k not in ("hps", "flags")}
+    launch = _triton.prepare_optim8bit_multi(params=[z, z.clone()], grads=[z, z.clone()], **prep)
+    g = torch.zeros(260, device=DEVICE)
+    launch.rebind_grads([g.data_ptr(), g.data_ptr()])
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        launch.rebind_grads([g.data_ptr(), g[1:].data_ptr()])
+    with pytest.raises(ValueError, match="1 gradient addresses for 2 params"):
+        launch.rebind_grads([g.data_ptr()])
 
 
 def test_fp32_state_fused_step_matches_torch_fused_adamw():

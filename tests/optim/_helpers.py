@@ -59,3 +59,40 @@ def assert_torch_option_refused(cls, torch_cls, kw, option) -> None:
     with pytest.raises(ValueError, match=f"{option}.*does not implement"):
         ours.load_state_dict(ref.state_dict())
     assert ours.state_dict() == before  # nothing loaded
+
+
+def replay_plan_changes(opt, ps, gen, count) -> tuple[list[int], list[torch.Tensor]]:
+    """Step ``opt`` on parameters ``ps`` through what a kept plan ([Note: prepared launch] in
+    qshard._triton._common) must follow: new gradients and the same ones, replaced parameter
+    memory, replaced states (a reload), ``ps[1]`` sitting out a step, gradients 4 bytes past
+    an aligned start; then a block-size change, which must be refused. Returns ``count()``
+    after each of the 11 steps and every parameter and state tensor before the refusal."""
+    alive = []  # old gradients kept alive, so new ones cannot reuse their memory
+
+    def step(new_grads: bool = True, out: int | None = None, odd: bool = False) -> int:
+        for i, p in enumerate(ps):
+            g = torch.randn(p.shape, generator=gen) * 0.1
+            alive.append(p.grad)
+            if i == out:
+                p.grad = None
+            elif odd:  # contiguous, 4 bytes past an aligned start
+                p.grad = torch.cat([torch.zeros(1), g.flatten()])[1:].view(p.shape)
+            elif new_grads or p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)  # same tensor, same memory
+        opt.step()
+        return count()
+
+    counts = [step(), step(False), step(False), step()]  # new, kept, kept, new gradients
+    for p in ps:
+        p.data = p.data.clone()  # a parameter's memory replaced
+    counts.append(step(False))
+    opt.load_state_dict(opt.state_dict())  # the states replaced
+    counts += [step(False), step(out=1), step(), step(), step(odd=True), step()]
+    out = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
+    block = opt.param_groups[0]["block_size"]
+    opt.param_groups[0]["block_size"] = block // 2
+    with pytest.raises(RuntimeError, match=f"does not fit block_size={block // 2}"):
+        step(False)
+    return counts, out

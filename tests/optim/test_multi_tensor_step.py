@@ -13,7 +13,7 @@ import qshard.optim as qoptim
 from qshard.optim import _kernels, _kernels4
 from qshard.optim._base8bit import _QuantizedPlan
 
-from ._helpers import assert_same_bits
+from ._helpers import assert_same_bits, replay_plan_changes
 
 pytestmark = pytest.mark.skipif(
     not (_kernels.available() and _kernels4.available()), reason="needs the C kernels"
@@ -226,47 +226,23 @@ def test_step_counters_share_one_buffer_and_count_each_tensors_steps(monkeypatch
 
 def test_cpu_call_kept_only_while_its_tensors_are():
     # The split and the CPU call's rows are kept across steps while the tensors are the same
-    # ([Note: prepared launch]); a new gradient elsewhere, a replaced parameter or state, a
-    # tensor sitting out, or a changed block size must build them again (a kept row would
-    # point the kernel at the old memory). Bits equal to planning every step.
+    # ([Note: prepared launch]), and take each step's gradients wherever they are (FSDP2 and
+    # zero_grad make new ones); a replaced parameter or state, a tensor sitting out, a gradient
+    # off 16-byte alignment or a changed block size builds them again. Bits equal to planning
+    # every step: a kept row still pointing at an old gradient would step with it.
     def run(keep: bool):
         gen = torch.Generator().manual_seed(4)
         ps = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in _SHAPES[:3]]
         opt = qoptim.AdamW8bit(ps, lr=1e-2, weight_decay=0.1)
         built, real = [], opt._multi_tensor_row
         opt._multi_tensor_row = lambda *args: (built.append(1), real(*args))[1]
-        alive = []  # old gradients kept alive, so new ones cannot reuse their memory
-
-        def step(new_grads: bool = True, out: int | None = None) -> int:
-            if not keep:
-                opt.__dict__.pop("_plan_cache", None)
-            for i, p in enumerate(ps):
-                g = torch.randn(p.shape, generator=gen)
-                if i == out:
-                    alive.append(p.grad)
-                    p.grad = None
-                elif new_grads or p.grad is None:
-                    alive.append(p.grad)
-                    p.grad = g
-                else:
-                    p.grad.copy_(g)  # same tensor, same memory
-            opt.step()
-            return len(built)
-
-        counts = [step(), step(False), step(False), step()]  # new, kept, kept, new gradients
-        for p in ps:
-            p.data = p.data.clone()  # a parameter's memory replaced
-        counts.append(step(False))
-        opt.load_state_dict(opt.state_dict())  # the states replaced
-        counts += [step(False), step(False, out=1), step(False), step(False)]
-        out = [t.clone() for p in ps for t in (p.detach(), *opt.state[p].values())]
-        opt.param_groups[0]["block_size"] = 128
-        with pytest.raises(RuntimeError, match="does not fit block_size=128"):
-            step(False)
-        return counts, out
+        if not keep:
+            step = opt.step
+            opt.step = lambda: (opt.__dict__.pop("_plan_cache", None), step())[1]
+        return replay_plan_changes(opt, ps, gen, lambda: len(built))
 
     counts, kept = run(keep=True)
-    assert counts == [3, 3, 3, 6, 9, 12, 14, 17, 17], counts
+    assert counts == [3, 3, 3, 3, 6, 9, 11, 14, 14, 17, 20], counts
     counts_fresh, fresh = run(keep=False)
-    assert counts_fresh == [3 * k for k in range(1, 6)] + [18, 20, 23, 26], counts_fresh
+    assert counts_fresh == [3, 6, 9, 12, 15, 18, 20, 23, 26, 29, 32], counts_fresh
     assert len(kept) == len(fresh) and all(torch.equal(a, b) for a, b in zip(kept, fresh))

@@ -334,15 +334,17 @@ class PreparedLaunch:
     """A checked multi-tensor launch ([Note: multi-tensor launch]) without its hyperparameters.
 
     [Note: prepared launch] Checking a launch's tensors and building its table is the host's
-    work per tensor; a training step passes the same tensors every time (the parameters and
-    states, and gradients the allocator gives the same addresses), only with new
-    hyperparameters. The kernel entries check and build once (`prepare_*`), and `run` fills
-    the hyperparameter words of a copy of the table and launches: a caller that knows its
-    tensors did not change (the optimizers compare their addresses, sizes and dtypes) keeps
-    the prepared launch across steps. It holds no tensor of the launch, only their addresses:
-    the caller keeps them alive, and unchanged, until `run` has been called. The optimizers
-    keep their CPU kernel's multi-tensor rows the same way (`BlockwiseOptimizer._plan_quantized`):
-    on 2000 tensors of 16x256 the Python per tensor and step went from 11.5 to 2.7-2.9 us.
+    work per tensor; a training step passes the same parameters and states every time, and
+    gradients of the same shapes, only with new hyperparameters. The kernel entries check and
+    build once (`prepare_*`), and `run` fills the hyperparameter words of a copy of the table
+    and launches: a caller that knows its tensors did not change (the optimizers compare their
+    identities, addresses, shapes and dtypes) keeps the prepared launch across steps, and
+    points it at each step's gradients (`rebind_grads`: FSDP2 and `zero_grad` make new gradient
+    tensors each step, on the CPU at a new address every time). It holds no tensor of the
+    launch, only their addresses: the caller keeps them alive, and unchanged, until `run` has
+    been called. The optimizers keep their CPU kernel's multi-tensor rows the same way
+    (`BlockwiseOptimizer._plan_quantized`): on 2000 tensors of 16x256 the Python per tensor and
+    step went from 11.5 to 2.7-2.9 us.
     """
 
     __slots__ = ("_args", "_consts", "_device", "_grid", "_hp_at", "_kernel", "_rows", "_scalars")
@@ -361,6 +363,17 @@ class PreparedLaunch:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def rebind_grads(self, addresses: list[int]) -> None:
+        """Point the launch at new gradient tensors: tensor i's at ``addresses[i]`` (word 1 of
+        every multi-tensor kernel's row). Each must have the old one's shape, dtype and device,
+        which the caller ensures (the optimizers' fingerprint); a launch compiled for 16-byte
+        vectors refuses an address off that alignment."""
+        if len(addresses) != len(self._rows):
+            raise ValueError(f"{len(addresses)} gradient addresses for {len(self._rows)} params")
+        if self._consts.get("ALIGNED") and any(a % 16 for a in addresses):
+            raise ValueError("a gradient is not 16-byte aligned; prepare the launch again")
+        self._rows[:, 1] = addresses
 
     def run(self, hps, **consts) -> None:
         """Launch with tensor i's hyperparameters `hps[i]` (each distinct list object converted

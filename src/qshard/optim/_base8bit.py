@@ -52,10 +52,10 @@ from qshard.optim._multi_tensor import (  # noqa: F401
     _kernel_takes,
     _Launches,
     _multi_tensor_entry,
+    _plan_fingerprint,
+    _plan_held,
     _QuantizedPlan,
     _step_bank,
-    _triton_fingerprint,
-    _triton_held,
     _triton_launches,
 )
 from qshard.optim._options import (  # noqa: F401
@@ -325,15 +325,21 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         torch reference: one :meth:`_step_param` each), checking every layout; nothing moves.
         The split, the CPU call's rows and the prepared launches of the last step are kept
         while the tensors are the same ([Note: prepared launch] in ``qshard._triton._common``;
-        ``_triton_fingerprint``): then only the others' layouts are checked again."""
+        ``_plan_fingerprint``; the gradients' new addresses are written into them): then only
+        the others' layouts are checked again."""
         keys = self._triton_state_keys(group)
-        fingerprint = _triton_fingerprint(items, keys)
-        if fingerprint is not None:
-            fingerprint = (self._triton_group_key(group), keys, fingerprint)
+        seen = _plan_fingerprint(items, keys)
+        fingerprint = None
+        if seen is not None:
+            fingerprint = (self._triton_group_key(group), self._plan_backends(), keys, seen[0])
         cache = self.__dict__.setdefault("_plan_cache", {})
         kept = cache.get(gi)
         if fingerprint is not None and kept is not None and kept[0] == fingerprint:
             _, batch, rows, triton, launches, rest, _ = kept
+            grads = seen[1]  # (this step's gradients: the kept rows take their addresses)
+            rows[:, 1] = [grads[i] for i in batch]
+            for launch, positions in launches:
+                launch.rebind_grads([grads[triton[j]] for j in positions])
             plan = _QuantizedPlan(
                 batch=[items[i] for i in batch],
                 rows=rows,
@@ -373,7 +379,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             for g, (_, p, _) in zip(plan.grads, plan.batch)
         )
         if fingerprint is not None and not copied:
-            held = _triton_held(items, keys)
+            held = _plan_held(items, keys)
             cache[gi] = (fingerprint, where[0], plan.rows, where[1], plan.launches, where[2], held)
         return plan
 
@@ -424,6 +430,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """The group options a kept plan depends on (:meth:`_plan_quantized`): the block size
         (the layouts) and what decides which kernel takes a tensor."""
         return (group["block_size"], group.get("stochastic_rounding"))
+
+    def _plan_backends(self) -> tuple:
+        """The kernels a kept plan was split for (:meth:`_plan_quantized`): Triton's dispatch
+        predicate and the C library; tests and benchmarks swap them between steps."""
+        return (_triton.serves,)
 
     def _triton_prepare(
         self, group: dict[str, Any], items: list[_Item]
@@ -535,6 +546,9 @@ class Optimizer8bit(BlockwiseOptimizer):
         return 0.0
 
     # -- the multi-tensor step --------------------------------------------------------------
+
+    def _plan_backends(self) -> tuple:
+        return (_triton.serves, _kernels.library())
 
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]

@@ -28,9 +28,9 @@ __all__ = [
     "_hparam_table",
     "_kernel_takes",
     "_multi_tensor_entry",
+    "_plan_fingerprint",
+    "_plan_held",
     "_step_bank",
-    "_triton_fingerprint",
-    "_triton_held",
     "_triton_launches",
 ]
 
@@ -218,26 +218,34 @@ def _triton_launches(
     return list(launches.values()), copies
 
 
-def _triton_fingerprint(items: list[_Item], state_keys: tuple[str, ...]) -> tuple | None:
-    """What a prepared Triton launch of ``items`` depends on ([Note: prepared launch] in
-    ``qshard._triton._common``), or None when it cannot be kept (a gradient the launch copies:
-    the copy is new each step). Per item: the parameter (identity, address, shape, dtype), its
-    gradient (address and shape: a new gradient tensor each step, as ``zero_grad`` makes them,
-    keeps the launch when the allocator returns the same memory; its dtype is the parameter's,
-    which torch's ``.grad`` setter enforces) and the identities of the state tensors under
-    ``state_keys``. Identities are ``id()``s: the caller keeps the objects
-    (:func:`_triton_held`) while it keeps the fingerprint, so no id is reused."""
+def _plan_fingerprint(
+    items: list[_Item], state_keys: tuple[str, ...]
+) -> tuple[tuple, list[int]] | None:
+    """What a kept plan of ``items`` depends on ([Note: prepared launch] in
+    ``qshard._triton._common``; :meth:`BlockwiseOptimizer._plan_quantized`) and the gradients'
+    addresses, or None when it cannot be kept (a gradient the kernels read through a copy: the
+    copy is new each step). Per item: the parameter (identity, address, shape, dtype), its
+    gradient's shape and whether its address is 16-byte aligned (its dtype is the parameter's,
+    which torch's ``.grad`` setter enforces), and the identities of the state tensors under
+    ``state_keys``. A gradient's address is not part of it: FSDP2 and ``zero_grad`` give new
+    gradient tensors each step, often elsewhere, and a kept plan takes the new addresses
+    (``_plan_quantized``); its alignment is, because a Triton launch compiled for aligned
+    vectors needs it. Identities are ``id()``s: the caller keeps the objects
+    (:func:`_plan_held`) while it keeps the fingerprint, so no id is reused."""
     key: list = []
+    grads: list[int] = []
     add = key.append
     for _, p, state in items:
         p_l, g_l = _local(p), _local(p.grad)
         if not _grad_as_is(g_l):
             return None
-        add((id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.data_ptr(), g_l.shape))
+        g = g_l.data_ptr()
+        grads.append(g)
+        add((id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.shape, g % 16 == 0))
         add(tuple([id(state[k]) for k in state_keys]))
-    return tuple(key)
+    return tuple(key), grads
 
 
-def _triton_held(items: list[_Item], state_keys: tuple[str, ...]) -> list[Any]:
-    """The objects whose ``id()`` :func:`_triton_fingerprint` records."""
+def _plan_held(items: list[_Item], state_keys: tuple[str, ...]) -> list[Any]:
+    """The objects whose ``id()`` :func:`_plan_fingerprint` records."""
     return [p for _, p, _ in items] + [state[k] for _, _, state in items for k in state_keys]

@@ -194,6 +194,9 @@ class Adam4bit(BlockwiseOptimizer):
             group, params, grads, states[0], states[1], steps, decoupled=self._decoupled
         )
 
+    def _plan_backends(self) -> tuple:
+        return (_triton.serves, _kernels4.library())
+
     def _multi_tensor_row(
         self, group: dict[str, Any], p: Tensor, state: dict[str, Any]
     ) -> tuple[list[int], Tensor] | None:
