@@ -327,11 +327,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         while the tensors are the same ([Note: prepared launch] in ``qshard._triton._common``;
         ``_plan_fingerprint``; the gradients' new addresses are written into them): then only
         the others' layouts are checked again."""
-        keys = self._triton_state_keys(group)
+        keys = self._plan_state_keys(group)
         seen = _plan_fingerprint(items, keys)
         fingerprint = None
         if seen is not None:
-            fingerprint = (self._triton_group_key(group), self._plan_backends(), keys, seen[0])
+            fingerprint = (self._plan_group_key(group), self._plan_backends(), keys, seen[0])
         cache = self.__dict__.setdefault("_plan_cache", {})
         kept = cache.get(gi)
         if fingerprint is not None and kept is not None and kept[0] == fingerprint:
@@ -422,11 +422,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         :meth:`_triton_run`); else :meth:`_step_param` or the CPU kernel does."""
         return False
 
-    def _triton_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        """The state keys of the tensors a Triton launch reads."""
+    def _plan_state_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys of the tensors the kernels read (a kept plan holds their identities)."""
         return tuple(f"{n}_{k}" for n, _ in self._state_specs(group) for k in ("codes", "absmax"))
 
-    def _triton_group_key(self, group: dict[str, Any]) -> tuple:
+    def _plan_group_key(self, group: dict[str, Any]) -> tuple:
         """The group options a kept plan depends on (:meth:`_plan_quantized`): the block size
         (the layouts) and what decides which kernel takes a tensor."""
         return (group["block_size"], group.get("stochastic_rounding"))

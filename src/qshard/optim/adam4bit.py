@@ -256,7 +256,7 @@ class Adam4bit(BlockwiseOptimizer):
         p_l = _local(p)
         return _triton.serves(p_l) and p_l.dtype in _TRITON_DTYPES and p_l.is_contiguous()
 
-    def _triton_group_key(self, group: dict[str, Any]) -> tuple:
+    def _plan_group_key(self, group: dict[str, Any]) -> tuple:
         return (group["block_size"], group["second_moment_map"])
 
     def _triton_prepare(
