@@ -234,15 +234,16 @@ def _plan_fingerprint(
     (:func:`_plan_held`) while it keeps the fingerprint, so no id is reused."""
     key: list = []
     grads: list[int] = []
-    add = key.append
+    add, more, at = key.append, key.extend, grads.append
     for _, p, state in items:
         p_l, g_l = _local(p), _local(p.grad)
         if not _grad_as_is(g_l):
             return None
         g = g_l.data_ptr()
-        grads.append(g)
-        add((id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.shape, g % 16 == 0))
-        add(tuple([id(state[k]) for k in state_keys]))
+        at(g)
+        more((id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.shape, g % 16 == 0))
+        for k in state_keys:
+            add(id(state[k]))
     return tuple(key), grads
 
 
