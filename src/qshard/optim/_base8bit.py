@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -108,6 +108,21 @@ def _device_steps(
         for j, i in enumerate(where):
             copies[i] = on_device[j]
     return copies
+
+
+class _KeptPlan(NamedTuple):
+    """A group's plan kept across steps (:meth:`BlockwiseOptimizer._plan_quantized`): what it
+    depends on, the positions (in the group's quantized items) of its CPU batch, Triton and
+    one-by-one tensors, the CPU call's rows, the Triton launches, and the objects whose ids the
+    fingerprint holds (kept alive so no id is reused)."""
+
+    fingerprint: tuple
+    batch: list[int]
+    rows: np.ndarray
+    triton: list[int]
+    launches: _Launches
+    rest: list[int]
+    held: list[Any]
 
 
 def _mix_seed(*parts: int) -> int:
@@ -334,18 +349,17 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             fingerprint = (self._plan_group_key(group), self._plan_backends(), keys, seen[0])
         cache = self.__dict__.setdefault("_plan_cache", {})
         kept = cache.get(gi)
-        if fingerprint is not None and kept is not None and kept[0] == fingerprint:
-            _, batch, rows, triton, launches, rest, _ = kept
+        if fingerprint is not None and kept is not None and kept.fingerprint == fingerprint:
             grads = seen[1]  # (this step's gradients: the kept rows take their addresses)
-            rows[:, 1] = [grads[i] for i in batch]
-            for launch, positions in launches:
-                launch.rebind_grads([grads[triton[j]] for j in positions])
+            kept.rows[:, 1] = [grads[i] for i in kept.batch]
+            for launch, positions in kept.launches:
+                launch.rebind_grads([grads[kept.triton[j]] for j in positions])
             plan = _QuantizedPlan(
-                batch=[items[i] for i in batch],
-                rows=rows,
-                triton=[items[i] for i in triton],
-                launches=launches,
-                rest=[items[i] for i in rest],
+                batch=[items[i] for i in kept.batch],
+                rows=kept.rows,
+                triton=[items[i] for i in kept.triton],
+                launches=kept.launches,
+                rest=[items[i] for i in kept.rest],
             )
             for _, p, state in plan.rest:
                 self._check_state(p, group, state)
@@ -380,7 +394,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         )
         if fingerprint is not None and not copied:
             held = _plan_held(items, keys)
-            cache[gi] = (fingerprint, where[0], plan.rows, where[1], plan.launches, where[2], held)
+            cache[gi] = _KeptPlan(
+                fingerprint, where[0], plan.rows, where[1], plan.launches, where[2], held
+            )
         return plan
 
     def _step_quantized(self, gi: int, group: dict[str, Any], plan: _QuantizedPlan) -> None:
