@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -47,8 +47,10 @@ from qshard.optim import _kernels, _qstate, _state_dict
 from qshard.optim._multi_tensor import (  # noqa: F401
     _TRITON_DTYPES,
     _advance_steps,
+    _device_steps,
     _hparam_table,
     _Item,
+    _KeptPlan,
     _kernel_takes,
     _Launches,
     _multi_tensor_entry,
@@ -56,6 +58,7 @@ from qshard.optim._multi_tensor import (  # noqa: F401
     _plan_held,
     _QuantizedPlan,
     _step_bank,
+    _steps_off_device,
     _triton_launches,
 )
 from qshard.optim._options import (  # noqa: F401
@@ -78,51 +81,6 @@ from qshard.optim._state_layout import (  # noqa: F401
 )
 
 __all__ = ["BlockwiseOptimizer", "Optimizer8bit", "optimizer_state_bytes", "state_bytes_per_param"]
-
-
-def _steps_off_device(params: list[Tensor]) -> bool:
-    """Whether torch's fused kernels need the step counters of ``params`` on another device."""
-    return any(p.device.type != "cpu" for p in params)
-
-
-def _device_steps(
-    steps: list[Tensor], params: list[Tensor], bank: Tensor | None = None
-) -> list[Tensor]:
-    """Copies of the CPU step counters ``steps`` on their parameters' devices, for torch's fused
-    kernels: one copy per device, through pinned memory on CUDA, so it does not wait for the
-    stream. (A copy per counter waited for every kernel queued before it: one host sync per
-    fp32-state tensor per step.) The copies are views of one buffer each; the kernels advance
-    them, and the caller the CPU counters. ``bank``: the counters' buffer when they are its
-    views ([Note: step bank])."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(params):
-        by_device.setdefault(p.device, []).append(i)
-    copies: list[Tensor] = list(steps)
-    for device, where in by_device.items():
-        # (one device: the counters' bank, when they have one, is their stack)
-        one = bank is not None and len(where) == len(steps)
-        host = bank if one else torch.stack([steps[i] for i in where])
-        if device.type == "cuda":
-            host = host.pin_memory()
-        on_device = host.to(device, non_blocking=device.type == "cuda", copy=True)
-        for j, i in enumerate(where):
-            copies[i] = on_device[j]
-    return copies
-
-
-class _KeptPlan(NamedTuple):
-    """A group's plan kept across steps (:meth:`BlockwiseOptimizer._plan_quantized`): what it
-    depends on, the positions (in the group's quantized items) of its CPU batch, Triton and
-    one-by-one tensors, the CPU call's rows, the Triton launches, and the objects whose ids the
-    fingerprint holds (kept alive so no id is reused)."""
-
-    fingerprint: tuple
-    batch: list[int]
-    rows: np.ndarray
-    triton: list[int]
-    launches: _Launches
-    rest: list[int]
-    held: list[Any]
 
 
 def _mix_seed(*parts: int) -> int:
@@ -520,17 +478,18 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # torch keeps a fused optimizer's step counters on the parameter's device; here they
         # stay CPU tensors (the checkpoint format), so a fused kernel elsewhere gets copies,
         # and the CPU counters advance as one buffer ([Note: step bank]) or one foreach call.
-        if group.get("fused") and _steps_off_device(params):
-            bank = _step_bank(live, self.__dict__.setdefault("_step_banks", {}), (gi, "full"))
-            steps = [st["step"] for _, _, st in live]
+        off_device = group.get("fused") and _steps_off_device(params)
+        banks = self.__dict__.setdefault("_step_banks", {})
+        bank = _step_bank(live, banks, (gi, "full")) if off_device else None
+        steps = [st["step"] for _, _, st in live]  # (after the bank: it may replace them)
+        if not off_device:
+            self._torch_update(group, params, grads, states, steps)
+        else:
             self._torch_update(group, params, grads, states, _device_steps(steps, params, bank))
             if bank is None:
                 torch._foreach_add_(steps, 1)
             else:
                 bank.add_(1)
-        else:
-            steps = [st["step"] for _, _, st in live]
-            self._torch_update(group, params, grads, states, steps)
         for p_l, p32 in back:
             p_l.copy_(p32)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import is_
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,15 +23,18 @@ from qshard.optim._state_layout import _check_layout, _layout_fits, _local
 __all__ = [
     "_TRITON_DTYPES",
     "_Item",
+    "_KeptPlan",
     "_Launches",
     "_QuantizedPlan",
     "_advance_steps",
+    "_device_steps",
     "_hparam_table",
     "_kernel_takes",
     "_multi_tensor_entry",
     "_plan_fingerprint",
     "_plan_held",
     "_step_bank",
+    "_steps_off_device",
     "_triton_launches",
 ]
 
@@ -62,12 +66,12 @@ class _QuantizedPlan:
     rest: list[_Item] = field(default_factory=list)
 
 
-def _advance_steps(items: list[_Item], banks: dict | None = None, key: Any = None) -> list[int]:
+def _advance_steps(items: list[_Item], banks: dict, key: Any) -> list[int]:
     """Add one to the step counters of ``items`` (``(index, parameter, state)``) and return the
-    new counts. With ``banks`` (a dict the optimizer keeps, entry ``key``) the counters are
-    views of one buffer ([Note: step bank]), advanced and read in one call each; counters a
-    bank cannot hold advance in one foreach call, as ``torch.optim``'s fused AdamW."""
-    buf = _step_bank(items, banks, key) if banks is not None else None
+    new counts. The counters are views of one buffer kept in ``banks[key]`` (a dict the
+    optimizer keeps; [Note: step bank]), advanced and read in one call each; counters a bank
+    cannot hold advance in one foreach call, as ``torch.optim``'s fused AdamW."""
+    buf = _step_bank(items, banks, key)
     if buf is None:
         counters = [state["step"] for _, _, state in items]
         torch._foreach_add_(counters, 1)
@@ -109,6 +113,51 @@ def _step_bank(items: list[_Item], banks: dict, key: Any) -> Tensor | None:
 # DCP writes each counter as its own tensor). A counter replaced (load_state_dict, a
 # parameter joining or leaving the batch) is not the bank's view: the bank is built again
 # from the counters' current values.
+
+
+def _steps_off_device(params: list[Tensor]) -> bool:
+    """Whether torch's fused kernels need the step counters of ``params`` on another device."""
+    return any(p.device.type != "cpu" for p in params)
+
+
+def _device_steps(
+    steps: list[Tensor], params: list[Tensor], bank: Tensor | None = None
+) -> list[Tensor]:
+    """Copies of the CPU step counters ``steps`` on their parameters' devices, for torch's fused
+    kernels: one copy per device, through pinned memory on CUDA, so it does not wait for the
+    stream. (A copy per counter waited for every kernel queued before it: one host sync per
+    fp32-state tensor per step.) The copies are views of one buffer each; the kernels advance
+    them, and the caller the CPU counters. ``bank``: the counters' buffer when they are its
+    views ([Note: step bank])."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.device, []).append(i)
+    copies: list[Tensor] = list(steps)
+    for device, where in by_device.items():
+        # (one device: the counters' bank, when they have one, is their stack)
+        one = bank is not None and len(where) == len(steps)
+        host = bank if one else torch.stack([steps[i] for i in where])
+        if device.type == "cuda":
+            host = host.pin_memory()
+        on_device = host.to(device, non_blocking=device.type == "cuda", copy=True)
+        for j, i in enumerate(where):
+            copies[i] = on_device[j]
+    return copies
+
+
+class _KeptPlan(NamedTuple):
+    """A group's plan kept across steps (:meth:`BlockwiseOptimizer._plan_quantized`): what it
+    depends on, the positions (in the group's quantized items) of its CPU batch, Triton and
+    one-by-one tensors, the CPU call's rows, the Triton launches, and the objects whose ids the
+    fingerprint holds (kept alive so no id is reused)."""
+
+    fingerprint: tuple
+    batch: list[int]
+    rows: np.ndarray
+    triton: list[int]
+    launches: _Launches
+    rest: list[int]
+    held: list[Any]
 
 
 def _hparam_table(
