@@ -26,6 +26,11 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "--mib-per-rank 4 --reps 5 --rates 100,200,400 --out-md docs/results/netsim_check.md",
     ),
     (
+        "netsim_check_2x1.md",
+        "benchmarks/netsim/netsim.sh -n 2 -r 1 -b 100 run -- python benchmarks/netsim/check.py "
+        "--mib-per-rank 4 --reps 5 --rates 100,400 --out-md docs/results/netsim_check_2x1.md",
+    ),
+    (
         "throughput.md",
         "python benchmarks/throughput.py --rates 100,200,400 --steps 10 "
         "--out-md docs/results/throughput.md --out-json docs/results/throughput.json",

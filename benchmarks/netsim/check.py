@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from _common import Report
 from netsim.link import NodeLinkMeter, set_link_rate, wire_overhead
+from qshard.comm import Topology, duplex
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -87,6 +88,23 @@ def main() -> int:
         dist.all_to_all_single(out, x)
         return out
 
+    # The same exchanges among a rank's peers (one rank per node), as gloo runs them and as
+    # qshard's duplex path does: each direction of a pair on a group of its own (a 2-rank
+    # group; larger ones fall back to the collective). [Note: gloo exchanges are half duplex]
+    topo = Topology(world_size=world, ranks_per_node=rpn)
+    topo.init_groups()
+    peers, twin = topo.inter_node_group, topo.twin_group("inter")
+
+    def peer_gather(x: torch.Tensor, use_twin: bool) -> torch.Tensor:
+        out = torch.empty(nodes * x.numel(), dtype=x.dtype)
+        duplex.all_gather_single(out, x, peers, twin=twin if use_twin else None)
+        return out
+
+    def peer_all_to_all(x: torch.Tensor, use_twin: bool) -> torch.Tensor:
+        out = torch.empty_like(x)
+        duplex.all_to_all_single(out, x, peers, twin=twin if use_twin else None)
+        return out
+
     chunk = numel * 4
     ops = {
         "all_gather fp32, world": (lambda: gather(fp32), (world - 1) * chunk),
@@ -100,12 +118,31 @@ def main() -> int:
             2 * (world - 1) * chunk // world,
         ),
         "all_reduce fp32, world": (lambda: all_reduce(fp32), 2 * (world - 1) * chunk // world),
+        "all_gather fp32, peers (gloo)": (
+            lambda: peer_gather(fp32, False),
+            rpn * (nodes - 1) * chunk,
+        ),
+        "all_gather fp32, peers (duplex)": (
+            lambda: peer_gather(fp32, True),
+            rpn * (nodes - 1) * chunk,
+        ),
+        "all_to_all fp32, peers (gloo)": (
+            lambda: peer_all_to_all(fp32, False),
+            rpn * (nodes - 1) * (chunk // nodes),
+        ),
+        "all_to_all fp32, peers (duplex)": (
+            lambda: peer_all_to_all(fp32, True),
+            rpn * (nodes - 1) * (chunk // nodes),
+        ),
     }
     # Correctness first: every rank holds every rank's value in the right place.
     got = gather(fp32).view(world, -1)[:, 0]
     assert torch.equal(got, torch.arange(world, dtype=torch.float32)), got
     got8 = gather(int8).view(world, -1)[:, 0]
     assert torch.equal(got8, torch.arange(world, dtype=torch.int8)), got8
+    for use_twin in (False, True):
+        got = peer_gather(fp32, use_twin).view(nodes, -1)[:, 0]
+        assert torch.equal(got, torch.tensor(topo.peer_ranks(topo.local_rank), dtype=torch.float32))
 
     meter = NodeLinkMeter()
     rates = [int(r) for r in args.rates.split(",") if r.strip()] or [rate]
@@ -173,7 +210,10 @@ def main() -> int:
             f"{nodes} -r {rpn} -b {rates[0]} run -- python benchmarks/netsim/check.py ...`. "
             "Times are the slowest rank's, per call; bytes are each node's eth0 tx counter "
             "(read after a barrier) per call. gloo's reduce-scatter is an all-reduce that keeps a "
-            "slice: its model here is the all-reduce's bytes, twice a ring reduce-scatter's."
+            "slice: its model here is the all-reduce's bytes, twice a ring reduce-scatter's. "
+            "'peers': the ranks of one local rank, one per node; '(duplex)': qshard.comm.duplex, "
+            "which sends the two directions of a 2-rank exchange on two groups (gloo takes "
+            "turns on one connection; with more than 2 nodes it is the collective again)."
         )
         rep.write(args.out_md)
         if args.json:

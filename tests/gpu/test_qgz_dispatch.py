@@ -50,14 +50,13 @@ class _Recorder:
         self.sends: list[torch.Tensor] = []
 
     def __enter__(self) -> _Recorder:
-        import torch.distributed as dist
-
         from qshard import _triton
+        from qshard.comm import duplex
         from qshard.zeropp._wire import RowCodec
 
         self._saved = [
             (_triton, "serves", _triton.serves),
-            (dist, "all_to_all_single", dist.all_to_all_single),
+            (duplex, "all_to_all_single", duplex.all_to_all_single),  # qgZ's every hop
             (RowCodec, "encode", RowCodec.encode),
             (RowCodec, "decode", RowCodec.decode),
             (RowCodec, "encode_slots", RowCodec.encode_slots),
@@ -68,13 +67,13 @@ class _Recorder:
             _triton.serves = lambda t: True
         for name in FUSED:
             setattr(_triton, name, self._count(name, getattr(_triton, name)))
-        a2a = dist.all_to_all_single
+        a2a = duplex.all_to_all_single
 
         def all_to_all(out, inp, *args, **kwargs):
             self.sends.append(inp.clone())
             return a2a(out, inp, *args, **kwargs)
 
-        dist.all_to_all_single = all_to_all
+        duplex.all_to_all_single = all_to_all
         for name in ("encode", "decode", "encode_slots", "reduce", "reduce_encode"):
             original = getattr(RowCodec, name)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from qshard._fsdp import fsdp_param_groups
-from qshard.comm import CommLedger, Topology, recording
+from qshard.comm import CommLedger, Topology, duplex, recording
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
 from qshard.zeropp import HierarchicalQuantizedReduceScatter, ZeroPPConfig, shard
@@ -193,21 +193,23 @@ class _FailingWork:
 
 
 def _failing_backward(topo, model, rank: int, done: bool) -> str:
-    real = dist.all_to_all_single
+    # qgZ's hops go through qshard.comm.duplex (its 2-rank exchanges never reach
+    # dist.all_to_all_single on gloo)
+    real = duplex.all_to_all_single
     inter = topo.inter_node_group
 
-    def failing(*args, group=None, **kw):
-        work = real(*args, group=group, **kw)
+    def failing(output, input, group, **kw):
+        work = real(output, input, group, **kw)
         return _FailingWork(work, done) if group is inter else work
 
-    dist.all_to_all_single = failing
+    duplex.all_to_all_single = failing
     try:
         _backward(model, CommLedger(topo), rank, 0)
         return "no error"
     except RuntimeError as exc:
         return str(exc)
     finally:
-        dist.all_to_all_single = real
+        duplex.all_to_all_single = real
 
 
 def _case_error(topo, rank, res):

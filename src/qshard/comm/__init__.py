@@ -1,5 +1,6 @@
 """qshard.comm: where ranks sit (:class:`Topology`) and what every collective costs
-(:class:`CommLedger`), split into intra-node and inter-node bytes.
+(:class:`CommLedger`), split into intra-node and inter-node bytes; :mod:`qshard.comm.duplex`
+runs 2-rank exchanges on gloo both ways at once.
 
 Importing it installs an exit handler that lets gloo's worker threads finish with their
 tensors before the interpreter shuts down (see ``qshard/comm/_exit.py``).

@@ -222,7 +222,7 @@ class Topology:
                 "init_process_group (Topology.from_env(), or Topology(world_size=..., "
                 "ranks_per_node=...) without rank=)"
             )
-        if kind == "intra":
+        if kind.startswith("intra"):
             all_ranks = [self.node_ranks(n) for n in range(self.num_nodes)]
             mine = self.node
         else:
@@ -246,10 +246,38 @@ class Topology:
             self._groups["inter"] = self._make_groups("inter")
         return self._groups["inter"]
 
+    def twin_group(self, kind: str) -> dist.ProcessGroup:
+        """A second group of the same ranks as ``intra_node_group`` (``kind="intra"``) or
+        ``inter_node_group`` (``"inter"``), so that a gloo exchange can send each direction of a
+        pair on a connection of its own ([Note: gloo exchanges are half duplex] in
+        :mod:`qshard.comm.duplex`). Created on first access (collective, like the groups)."""
+        if kind not in ("intra", "inter"):
+            raise ValueError(f"kind must be 'intra' or 'inter'; got {kind!r}")
+        key = f"{kind}_twin"
+        if key not in self._groups:
+            self._groups[key] = self._make_groups(key)
+        return self._groups[key]
+
+    def twin_for(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
+        """The twin (:meth:`twin_group`) of a 2-rank group with the members of this rank's
+        inter-node or intra-node group, whoever created it (an FSDP2 mesh's group, HSDP's
+        replicate group): a twin serves every group of its ranks, as all ranks issue on it in
+        one order. ``None`` for any other group (larger groups need none)."""
+        ranks = list(ranks)
+        if len(ranks) != 2:
+            return None
+        if ranks == self.peer_ranks(self.local_rank):
+            return self.twin_group("inter")
+        if ranks == self.node_ranks(self.node):
+            return self.twin_group("intra")
+        return None
+
     def init_groups(self) -> None:
-        """Create both groups now (collective; call on every rank)."""
+        """Create the groups and their twins now (collective; call on every rank)."""
         _ = self.intra_node_group
         _ = self.inter_node_group
+        _ = self.twin_group("intra")
+        _ = self.twin_group("inter")
 
     def __deepcopy__(self, memo: dict) -> Topology:
         # A process group cannot be copied (a deepcopy of a Topology, or of anything holding

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from qshard.comm.topology import Topology
+
 __all__ = [
     "WIRE_DTYPES",
     "DeferredWork",
@@ -31,10 +33,22 @@ class WireComm:
     """Base of qshard's FSDP2 comms: the validated optional 16-bit ``wire_dtype`` and FSDP2's
     plain buffer allocation (one temporary tensor per call)."""
 
-    def __init__(self, *, wire_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, *, wire_dtype: torch.dtype | None = None, topology: Topology | None = None
+    ) -> None:
         if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a qshard.comm.Topology; got {topology!r}")
         self.wire_dtype = wire_dtype
+        self.topology = topology
+
+    def twin(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+        """The twin group that lets a 2-rank exchange on ``group`` run both ways at once on
+        gloo ([Note: gloo exchanges are half duplex] in :mod:`qshard.comm.duplex`); ``None``
+        without a topology or for other groups."""
+        topo = self.topology
+        return None if topo is None else topo.twin_for(group_ranks(group))
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device

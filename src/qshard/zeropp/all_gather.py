@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.profiler import record_function
 
+from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, phase_tag
@@ -23,7 +24,6 @@ from qshard.zeropp._wire import RowCodec, Slot
 __all__ = ["QuantizedAllGather", "RecordingAllGather"]
 
 _QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _padded_layout(sizes: Sequence[int], block_size: int) -> tuple[int, tuple[Slot, ...]]:
@@ -49,6 +49,9 @@ class RecordingAllGather(WireComm, AllGather):
         wire_dtype: ``None`` gathers the input as is (bit-identical to FSDP2's default);
             ``torch.bfloat16`` / ``torch.float16`` casts a wider float input to 16 bits for
             the wire and back to the input dtype after (the paper's 16-bit ZeRO-3 baseline).
+        topology: when given, a gather over a 2-rank group of its inter-node or intra-node
+            members (2 nodes of one rank, or hpZ's node-sized group of 2) exchanges both ways
+            at once on gloo (:mod:`qshard.comm.duplex`); same bits.
     """
 
     def _plain(
@@ -73,7 +76,9 @@ class RecordingAllGather(WireComm, AllGather):
                 tag=tag,
             )
             with record_function("qshard::all_gather::transfer"):  # all of it when sync
-                work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+                work = duplex.all_gather_single(
+                    output_tensor, input_tensor, group, twin=self.twin(group), async_op=async_op
+                )
             # FSDP2 waits on a raw handle inside its copy-out; this one's wait is its own range.
             return DeferredWork([work], label="all_gather") if async_op else work
         with record_function("qshard::all_gather::quantize"):
@@ -86,7 +91,9 @@ class RecordingAllGather(WireComm, AllGather):
             tag=tag,
         )
         with record_function("qshard::all_gather::transfer"):  # all of it when sync
-            work = _all_gather(wire_out, wire_in, group=group, async_op=async_op)
+            work = duplex.all_gather_single(
+                wire_out, wire_in, group, twin=self.twin(group), async_op=async_op
+            )
         return _finish(work, lambda: output_tensor.copy_(wire_out), async_op, "all_gather")
 
     def __call__(
@@ -200,12 +207,14 @@ class QuantizedAllGather(RecordingAllGather):
         segment_sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         hierarchical: bool = True,
     ) -> None:
-        super().__init__(wire_dtype=wire_dtype)
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a qshard.comm.Topology; got {topology!r}")
+        super().__init__(wire_dtype=wire_dtype, topology=topology)
         if bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4; got {bits}")
         if block_size < 8 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8; got {block_size}")
-        self.topology = topology
+        self.topology: Topology = topology
         self.codec = RowCodec(bits=bits, block_size=block_size)
         self.hierarchical = bool(hierarchical)
         self._segment_sizes = segment_sizes
@@ -305,18 +314,26 @@ class QuantizedAllGather(RecordingAllGather):
             dest = [out3[g % nodes, g // nodes] for g in range(world)]
 
             pending_hop: Callable[[], None] | None = None
+            # Each hop both ways at once on gloo ([Note: gloo exchanges are half duplex]).
+            inter_twin, intra_twin = topo.twin_group("inter"), topo.twin_group("intra")
             with record_function("qshard::qwz::transfer"):  # both hops when sync
-                work = _all_gather(peer_rows, payload, group=inter_group, async_op=async_op)
+                work = duplex.all_gather_single(
+                    peer_rows, payload, inter_group, twin=inter_twin, async_op=async_op
+                )
                 if not async_op:
-                    _all_gather(gathered, peer_rows, group=intra_group)
+                    duplex.all_gather_single(gathered, peer_rows, intra_group, twin=intra_twin)
                 elif self._hop2_at_call(payload.device):  # a stream wait: the host goes on
                     work.wait()
-                    work = _all_gather(gathered, peer_rows, group=intra_group, async_op=True)
+                    work = duplex.all_gather_single(
+                        gathered, peer_rows, intra_group, twin=intra_twin, async_op=True
+                    )
                 else:  # hop 2 issued in the handle's wait(), see [Note: qwZ hop order]
 
                     def issue_and_wait() -> None:
                         with record_function("qshard::qwz::wait_intra"):  # issue, wait at once
-                            _all_gather(gathered, peer_rows, group=intra_group)
+                            duplex.all_gather_single(
+                                gathered, peer_rows, intra_group, twin=intra_twin
+                            )
 
                     pending_hop = issue_and_wait
         else:
@@ -324,7 +341,9 @@ class QuantizedAllGather(RecordingAllGather):
             dest = list(output_tensor.view(world, n).unbind(0))
             pending_hop = None
             with record_function("qshard::qwz::transfer"):  # all of it when sync
-                work = _all_gather(gathered, payload, group=group, async_op=async_op)
+                work = duplex.all_gather_single(
+                    gathered, payload, group, twin=self.twin(group), async_op=async_op
+                )
 
         def dequantize() -> None:
             if pending_hop is not None:

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from qshard._fsdp import fsdp_param_groups
+from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once, logger
 from qshard.zeropp._wire import RowCodec
@@ -64,7 +65,6 @@ from qshard.zeropp._wire import RowCodec
 __all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
 
 TAG = "grad_all_reduce"
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class RecordingAllReduceHook:
@@ -106,6 +106,9 @@ class ReplicateAllReduce:
             ``set_requires_all_reduce(False)`` defers the cross-node reduction to the next
             backward with it on, as on FSDP2's native HSDP (see [Note: set_requires_all_reduce
             on the hook path]); without it every call reduces.
+        twin: a second group of the ranks of a 2-rank ``group``
+            (:meth:`qshard.comm.Topology.twin_for`): on gloo both hops then exchange both ways
+            at once (:mod:`qshard.comm.duplex`); same bits.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class ReplicateAllReduce:
         wire_dtype: torch.dtype | None = None,
         error_feedback: bool = False,
         module: torch.nn.Module | None = None,
+        twin: dist.ProcessGroup | None = None,
     ) -> None:
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be 4, 8 or None; got {bits}")
@@ -127,6 +131,7 @@ class ReplicateAllReduce:
         if error_feedback and bits is None and wire_dtype is None:
             raise ValueError("error_feedback needs a lossy wire: set bits or wire_dtype")
         self.group = group
+        self.twin = twin
         self.ranks = group_ranks(group)
         self.bits = bits
         self.block_size = block_size
@@ -262,7 +267,7 @@ class ReplicateAllReduce:
             errors[0].copy_(xin - codec.decode(send, c).view(-1))
         recv = torch.empty_like(send)
         record("all_to_all", group_ranks=self.ranks, tensor_bytes=send.numel(), tag=TAG)
-        dist.all_to_all_single(recv, send, group=self.group)
+        duplex.all_to_all_single(recv, send, self.group, twin=self.twin)
         mean = codec.reduce(recv, c).div_(n)  # fp32 between the hops
         if errors is not None:
             mean += errors[1]
@@ -273,5 +278,5 @@ class ReplicateAllReduce:
                 e.masked_fill_(~torch.isfinite(e), 0.0)
         gathered = torch.empty((n, own.shape[1]), dtype=torch.uint8, device=x.device)
         record("all_gather", group_ranks=self.ranks, tensor_bytes=gathered.numel(), tag=TAG)
-        _all_gather(gathered.view(-1), own.view(-1), group=self.group)
+        duplex.all_gather_single(gathered.view(-1), own.view(-1), self.group, twin=self.twin)
         return codec.decode(gathered, c).view(-1)[:size]

@@ -73,7 +73,9 @@ class ZeroPPConfig:
             reshards after forward, as in FSDP2. Numerics unchanged.
         record: install recording comms for FSDP2's own collectives when a feature is off,
             so the active :class:`~qshard.comm.CommLedger` measures the baseline with the same
-            ruler. They call the same plain collectives (numerics unchanged).
+            ruler. They call the same plain collectives (numerics unchanged), except that a
+            2-rank gather or 16-bit exchange on gloo runs both ways at once
+            (:mod:`qshard.comm.duplex`; same bits).
         hsdp: HSDP instead of ZeRO-3: shard inside a node, replicate across nodes (a 2-D mesh
             ``("replicate", "shard")`` built from the topology). The only inter-node traffic
             of a step is the replicate reduction of the gradient shards. Excludes qwZ, hpZ and

@@ -47,6 +47,7 @@ from torch.profiler import record_function
 
 from qshard import _triton
 from qshard._fsdp import premul_sum_factor
+from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, sum_rows
@@ -136,6 +137,9 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
             ``torch.bfloat16`` / ``torch.float16`` sends each destination's slice in 16 bits
             (an all-to-all) and sums the received slices in fp32, so only the wire is 16-bit
             (the paper's fp16 ZeRO-3 baseline).
+        topology: when given, the 16-bit wire's all-to-all over a 2-rank group of its
+            inter-node or intra-node members runs both ways at once on gloo
+            (:mod:`qshard.comm.duplex`); same bits.
 
     [Note: record what the backend sends] The ledger records the algorithm that actually runs,
     so its bytes match a link counter: the 16-bit wire is an all-to-all, and gloo implements
@@ -164,8 +168,9 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         unit: nn.Module | None = None,
         overlap: bool = False,
         queue: OverlapQueue | None = None,
+        topology: Topology | None = None,
     ) -> None:
-        super().__init__(wire_dtype=wire_dtype)
+        super().__init__(wire_dtype=wire_dtype, topology=topology)
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool; got {overlap!r}")
         self.unit = unit
@@ -201,7 +206,9 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         recv = torch.empty_like(send)
         record("all_to_all", group_ranks=ranks, tensor_bytes=send.numel() * wire.itemsize, tag=TAG)
         with record_function("qshard::reduce_scatter::transfer"):  # all of it when sync
-            work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+            work = duplex.all_to_all_single(
+                recv, send, group, twin=self.twin(group), async_op=async_op
+            )
 
         def reduce() -> None:
             total = sum_rows(recv.view(world, -1))
@@ -306,14 +313,18 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         overlap: bool = False,
         queue: OverlapQueue | None = None,
     ) -> None:
-        super().__init__(wire_dtype=wire_dtype, unit=unit, overlap=overlap, queue=queue)
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a qshard.comm.Topology; got {topology!r}")
+        super().__init__(
+            wire_dtype=wire_dtype, unit=unit, overlap=overlap, queue=queue, topology=topology
+        )
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be 4, 8 or None; got {bits}")
         if block_size < 8 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8; got {block_size}")
         if pipeline_stages < 1:
             raise ValueError(f"pipeline_stages must be >= 1; got {pipeline_stages}")
-        self.topology = topology
+        self.topology: Topology = topology
         self.bits = bits
         self.block_size = block_size
         self.pipeline_stages = pipeline_stages
@@ -411,6 +422,11 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         row_bytes = self.codec.row_bytes
         intra_group = topo.intra_node_group if per_node > 1 else None
         inter_group = topo.inter_node_group if nodes > 1 else None
+        twins = {
+            id(g): topo.twin_group(kind)
+            for g, kind in ((intra_group, "intra"), (inter_group, "inter"))
+            if g is not None
+        }
         intra_ranks = topo.node_ranks(topo.node)
         inter_ranks = topo.peer_ranks(topo.local_rank)
         per_stage = per_node * nodes  # send slots of one stage, (D, N) row-major
@@ -435,7 +451,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         def all_to_all(send: torch.Tensor, group, ranks):
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=ranks, tensor_bytes=send.numel(), tag=TAG)
-            return dist.all_to_all_single(recv, send, group=group, async_op=True), recv
+            work = duplex.all_to_all_single(recv, send, group, twin=twins[id(group)], async_op=True)
+            return work, recv
 
         def last_hop(k: int, work, recv: torch.Tensor) -> None:
             work.wait()
@@ -493,6 +510,7 @@ class _Reduction:
         "inter",
         "inter_group",
         "inter_ranks",
+        "inter_twin",
         "intra",
         "issued",
         "nodes",
@@ -521,6 +539,7 @@ class _Reduction:
         self.codec, self.output, self.scale = comm.codec, output, scale
         self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
         self.inter_group = topo.inter_node_group if nodes > 1 else None
+        self.inter_twin = topo.twin_group("inter") if nodes > 1 else None
         self.inter_ranks = topo.peer_ranks(topo.local_rank)
         self.result = torch.empty(padded, dtype=torch.float32, device=output.device)
         self.inter: list[tuple[dist.Work | None, torch.Tensor] | None] = [None] * stages
@@ -544,7 +563,9 @@ class _Reduction:
                 send = self.codec.encode_slots(flat, slots, per_node)
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
-            work = dist.all_to_all_single(recv, send, group=intra_group, async_op=True)
+            work = duplex.all_to_all_single(
+                recv, send, intra_group, twin=topo.twin_group("intra"), async_op=True
+            )
             self.intra.append((work, recv))
 
     def issue(self) -> None:
@@ -574,7 +595,9 @@ class _Reduction:
                 record(
                     "all_to_all", group_ranks=self.inter_ranks, tensor_bytes=send.numel(), tag=TAG
                 )
-                work = dist.all_to_all_single(recv, send, group=self.inter_group, async_op=True)
+                work = duplex.all_to_all_single(
+                    recv, send, self.inter_group, twin=self.inter_twin, async_op=True
+                )
                 self.inter[k] = (work, recv)
             self.issued += 1
 

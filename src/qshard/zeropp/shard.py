@@ -333,8 +333,12 @@ def shard(
             f"shard() needs a 1-D mesh over all {topology.world_size} ranks (ZeRO-3) or a 2-D "
             f"mesh with dims {HSDP_MESH_DIMS} (HSDP); got {mesh}"
         )
-    if topology.world_size > 1 and (config.qgz or (config.qwz and topology.num_nodes > 1)):
-        topology.init_groups()  # collective, every rank at the same point (qgZ's hops, qwZ's)
+    if topology.world_size > 1 and (
+        config.any_feature or config.record or config.wire_dtype is not None
+    ):
+        # collective, every rank at the same point: qgZ's hops, qwZ's, and the twins of the
+        # 2-rank exchanges of every installed comm ([Note: gloo exchanges are half duplex])
+        topology.init_groups()
     reshard = _hpz_reshard(topology) if config.hpz else True
     fsdp_kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
@@ -355,7 +359,7 @@ def shard(
                 segment_sizes=_shard_sizes(module),
             )
         if config.record or config.wire_dtype is not None:
-            return RecordingAllGather(wire_dtype=config.wire_dtype)
+            return RecordingAllGather(wire_dtype=config.wire_dtype, topology=topology)
         return None
 
     # One qgZ comm per FSDP unit (deferral checks what FSDP2 does after the unit's call), one
@@ -378,7 +382,11 @@ def shard(
             )
         if config.record or config.wire_dtype is not None or overlap:
             return RecordingReduceScatter(
-                wire_dtype=config.wire_dtype, unit=module, overlap=overlap, queue=queue
+                wire_dtype=config.wire_dtype,
+                unit=module,
+                overlap=overlap,
+                queue=queue,
+                topology=topology,
             )
         return None
 
@@ -697,10 +705,18 @@ def _shard_hsdp(
     root = model
     units = [m for m in root.modules() if isinstance(m, FSDPModule)]
     record = config.record or config.wire_dtype is not None
+    hook = not native and config.replicate_reduce
+    if topology.world_size > 1 and (record or hook):
+        topology.init_groups()  # the twins of 2-rank exchanges, as in shard()
+    twin = topology.twin_for(dist.get_process_group_ranks(replicate_group)) if hook else None
     for m in units:
         if record:
-            m.set_custom_all_gather(RecordingAllGather(wire_dtype=config.wire_dtype))
-            m.set_custom_reduce_scatter(RecordingReduceScatter(wire_dtype=config.wire_dtype))
+            m.set_custom_all_gather(
+                RecordingAllGather(wire_dtype=config.wire_dtype, topology=topology)
+            )
+            m.set_custom_reduce_scatter(
+                RecordingReduceScatter(wire_dtype=config.wire_dtype, topology=topology)
+            )
         if native:
             if config.record:
                 m.set_all_reduce_hook(RecordingAllReduceHook(replicate_group))
@@ -713,6 +729,7 @@ def _shard_hsdp(
                     wire_dtype=config.wire_dtype,
                     error_feedback=config.replicate_error_feedback,
                     module=m,  # [Note: set_requires_all_reduce on the hook path]
+                    twin=twin,
                 )
             )
     # [Note: replica sync] in qshard._replicas: the 1-D DTensors of a compressed reduction and
