@@ -155,6 +155,12 @@ class _LocalTopology:
     def peer_ranks(self, local_rank: int) -> list[int]:
         return list(range(local_rank, self.world_size, self.ranks_per_node))
 
+    def twin_group(self, kind: str) -> None:  # no groups, so no duplex exchanges
+        return None
+
+    def twin_for(self, ranks: list[int]) -> None:
+        return None
+
 
 class _LocalAllToAll:
     """Replace dist.all_to_all_single by a copy of the send buffer into the receive buffer:

@@ -34,10 +34,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExchangeWork", "all_gather_single", "all_to_all_single", "is_duplex"]
+__all__ = ["all_gather_single", "all_to_all_single", "is_duplex"]
 
 
-class ExchangeWork(dist.distributed_c10d.Work):
+class _ExchangeWork(dist.distributed_c10d.Work):
     """The handle of a duplex exchange: its two broadcasts, one per direction.
 
     A ``torch.distributed`` ``Work`` (FSDP2 waits only on those). ``wait()`` waits for all of
@@ -75,7 +75,7 @@ def is_duplex(
 
 def _exchange(
     send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, twin: dist.ProcessGroup
-) -> ExchangeWork:
+) -> _ExchangeWork:
     """Send ``send`` to the group's other rank and receive its row into ``recv``: group rank
     0's bytes as a broadcast on ``group``, rank 1's on ``twin``."""
     if not (send.is_contiguous() and recv.is_contiguous()):
@@ -86,10 +86,10 @@ def _exchange(
         dist.broadcast(send if mine_first else recv, src=first, group=group, async_op=True),
         dist.broadcast(recv if mine_first else send, src=second, group=twin, async_op=True),
     ]
-    return ExchangeWork(works)
+    return _ExchangeWork(works)
 
 
-def _finish(handle: ExchangeWork, async_op: bool) -> ExchangeWork | None:
+def _finish(handle: _ExchangeWork, async_op: bool) -> _ExchangeWork | None:
     if async_op:
         return handle
     handle.wait()

@@ -262,9 +262,10 @@ class Topology:
         """The twin (:meth:`twin_group`) of a 2-rank group with the members of this rank's
         inter-node or intra-node group, whoever created it (an FSDP2 mesh's group, HSDP's
         replicate group): a twin serves every group of its ranks, as all ranks issue on it in
-        one order. ``None`` for any other group (larger groups need none)."""
+        one order. ``None`` for any other group (larger groups need none), and when the job's
+        backend is not gloo (NCCL is full duplex: no twin communicator is made)."""
         ranks = list(ranks)
-        if len(ranks) != 2:
+        if len(ranks) != 2 or not _gloo_job():
             return None
         if ranks == self.peer_ranks(self.local_rank):
             return self.twin_group("inter")
@@ -273,11 +274,13 @@ class Topology:
         return None
 
     def init_groups(self) -> None:
-        """Create the groups and their twins now (collective; call on every rank)."""
+        """Create the groups now, and on a gloo job their twins (collective; call on every
+        rank)."""
         _ = self.intra_node_group
         _ = self.inter_node_group
-        _ = self.twin_group("intra")
-        _ = self.twin_group("inter")
+        if _gloo_job():
+            _ = self.twin_group("intra")
+            _ = self.twin_group("inter")
 
     def __deepcopy__(self, memo: dict) -> Topology:
         # A process group cannot be copied (a deepcopy of a Topology, or of anything holding
@@ -310,6 +313,11 @@ class Topology:
 
     def __hash__(self) -> int:
         return hash((self._world_size, self._ranks_per_node, self._rank))
+
+
+def _gloo_job() -> bool:
+    """Whether the default process group is gloo alone (where 2-rank exchanges need twins)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 def _check_nodes(world_size: int, rank: int, ranks_per_node: int) -> None:

@@ -38,8 +38,6 @@ class WireComm:
     ) -> None:
         if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be None, bf16 or fp16; got {wire_dtype}")
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a qshard.comm.Topology; got {topology!r}")
         self.wire_dtype = wire_dtype
         self.topology = topology
 

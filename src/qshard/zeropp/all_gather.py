@@ -207,8 +207,6 @@ class QuantizedAllGather(RecordingAllGather):
         segment_sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         hierarchical: bool = True,
     ) -> None:
-        if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a qshard.comm.Topology; got {topology!r}")
         super().__init__(wire_dtype=wire_dtype, topology=topology)
         if bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4; got {bits}")

@@ -313,8 +313,6 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         overlap: bool = False,
         queue: OverlapQueue | None = None,
     ) -> None:
-        if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a qshard.comm.Topology; got {topology!r}")
         super().__init__(
             wire_dtype=wire_dtype, unit=unit, overlap=overlap, queue=queue, topology=topology
         )
