@@ -89,7 +89,23 @@ def _exchange(
     return _ExchangeWork(works)
 
 
-def _finish(handle: _ExchangeWork, async_op: bool) -> _ExchangeWork | None:
+def _swap(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    rows_of: int,
+    group: dist.ProcessGroup,
+    twin: dist.ProcessGroup,
+    async_op: bool,
+) -> dist.Work | None:
+    """The 2-rank exchange of both functions: ``output`` as 2 rows, the other rank's received
+    in its row and this rank's own copied in; ``input`` as ``rows_of`` rows (2: row j goes to
+    group rank j; 1: the whole input goes to both)."""
+    if not (input.is_contiguous() and output.is_contiguous()):
+        raise ValueError("duplex exchanges need contiguous input and output tensors")
+    me = dist.get_rank(group)
+    out, inp = output.view(2, -1), input.view(rows_of, -1)
+    handle = _exchange(inp[(1 - me) % rows_of], out[1 - me], group, twin)
+    out[me].copy_(inp[me % rows_of])
     if async_op:
         return handle
     handle.wait()
@@ -109,19 +125,13 @@ def all_to_all_single(
     comes from it); on gloo, a group of 2 exchanges both ways at once (the module's Note)."""
     if not is_duplex(group, twin, input):
         return dist.all_to_all_single(output, input, group=group, async_op=async_op)
-    assert twin is not None
     if input.numel() % 2 or output.numel() != input.numel():
         raise ValueError(
             f"all_to_all_single with equal splits needs input and output of one size divisible "
             f"by the group size 2; got {input.numel()} and {output.numel()} elements"
         )
-    if not (input.is_contiguous() and output.is_contiguous()):
-        raise ValueError("duplex exchanges need contiguous input and output tensors")
-    me = dist.get_rank(group)
-    rows_in, rows_out = input.view(2, -1), output.view(2, -1)
-    handle = _exchange(rows_in[1 - me], rows_out[1 - me], group, twin)
-    rows_out[me].copy_(rows_in[me])
-    return _finish(handle, async_op)
+    assert twin is not None
+    return _swap(output, input, 2, group, twin, async_op)
 
 
 def all_gather_single(
@@ -138,16 +148,10 @@ def all_gather_single(
     if not is_duplex(group, twin, input):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return gather(output, input, group=group, async_op=async_op)
-    assert twin is not None
     if output.numel() != 2 * input.numel():
         raise ValueError(
             f"all_gather_single over 2 ranks needs an output of twice the input's "
             f"{input.numel()} elements; got {output.numel()}"
         )
-    if not (input.is_contiguous() and output.is_contiguous()):
-        raise ValueError("duplex exchanges need contiguous input and output tensors")
-    me = dist.get_rank(group)
-    rows, flat = output.view(2, -1), input.reshape(-1)
-    handle = _exchange(flat, rows[1 - me], group, twin)
-    rows[me].copy_(flat)
-    return _finish(handle, async_op)
+    assert twin is not None
+    return _swap(output, input, 1, group, twin, async_op)
