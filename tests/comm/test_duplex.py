@@ -127,6 +127,14 @@ def _duplex_world(rank: int, world: int) -> dict[str, object]:
         idx = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
+        # HSDP with the INT4 replicate reduction: its two hops cross nodes between 2 peers.
+        hsdp = shard(
+            GPT(GPTConfig(vocab_size=64, context=8, n_layer=2, n_head=2, n_embd=32, seed=0)),
+            topology=topo,
+            config=ZeroPPConfig(hsdp=True, replicate_bits=4),
+        )
+        _, loss = hsdp(idx[:, :-1], idx[:, 1:])
+        loss.backward()
         twin_of = {id(topo.twin_group("inter")): "inter", id(topo.twin_group("intra")): "intra"}
         used = sorted({(caller, twin_of[id(g)]) for caller, g in twin_groups_seen})
     finally:
@@ -145,7 +153,8 @@ def test_duplex_exchanges_match_the_collectives():
     for r in out:  # shard()'s exchanges went both ways on both twins
         assert r["shard_twins"] == [
             ("all_gather.py", "inter"),  # qwZ's hop 1
-            ("all_gather.py", "intra"),  # qwZ's hop 2, hpZ's backward gather
+            ("all_gather.py", "intra"),  # qwZ's hop 2, hpZ's and HSDP's gathers in the node
+            ("all_reduce.py", "inter"),  # HSDP's INT4 replicate hops
             ("reduce_scatter.py", "inter"),  # qgZ's hops
             ("reduce_scatter.py", "intra"),
         ], r
