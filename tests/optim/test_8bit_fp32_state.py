@@ -265,9 +265,9 @@ def test_fp64_parameters_with_8bit_state_are_not_rounded_to_fp32(name):
 def test_fused_step_counters_on_another_device(monkeypatch, name):
     # On CUDA a fused kernel reads the step counters on the parameter's device, while the state
     # keeps CPU counters: the kernel gets copies and the counters move once. Forced here on CPU.
-    from qshard.optim import _base8bit
+    from qshard.optim import _blockwise_base
 
-    monkeypatch.setattr(_base8bit, "_steps_off_device", lambda params: True)
+    monkeypatch.setattr(_blockwise_base, "_steps_off_device", lambda params: True)
     cls32 = {"AdamW8bit": torch.optim.AdamW, "SGD8bit": torch.optim.SGD}.get(
         name, torch.optim.Adagrad
     )

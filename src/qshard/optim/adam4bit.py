@@ -28,7 +28,7 @@ from torch import Tensor
 
 from qshard import _triton
 from qshard.optim import _kernels4, _qstate4
-from qshard.optim._base8bit import BlockwiseOptimizer
+from qshard.optim._blockwise_base import BlockwiseOptimizer
 from qshard.optim._multi_tensor import (
     _TRITON_DTYPES,
     _hparam_table,
@@ -67,7 +67,7 @@ class Adam4bit(BlockwiseOptimizer):
         foreach, fused: as ``torch.optim.Adam``, for the tensors with fp32 state, which take
             torch's own update in one call per group: the same bits as ``torch.optim.Adam``
             with the same flags (the step loop and this path are the 8-bit optimizers',
-            :class:`qshard.optim._base8bit.BlockwiseOptimizer`).
+            :class:`qshard.optim._blockwise_base.BlockwiseOptimizer`).
     """
 
     _decoupled = False
