@@ -273,14 +273,19 @@ class Topology:
             return self.twin_group("intra")
         return None
 
+    def init_twins(self) -> None:
+        """Create the two twins now on a gloo job; nothing on any other backend (collective;
+        call on every rank)."""
+        if _gloo_job():
+            _ = self.twin_group("intra")
+            _ = self.twin_group("inter")
+
     def init_groups(self) -> None:
         """Create the groups now, and on a gloo job their twins (collective; call on every
         rank)."""
         _ = self.intra_node_group
         _ = self.inter_node_group
-        if _gloo_job():
-            _ = self.twin_group("intra")
-            _ = self.twin_group("inter")
+        self.init_twins()
 
     def __deepcopy__(self, memo: dict) -> Topology:
         # A process group cannot be copied (a deepcopy of a Topology, or of anything holding

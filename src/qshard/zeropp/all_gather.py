@@ -313,7 +313,8 @@ class QuantizedAllGather(RecordingAllGather):
 
             pending_hop: Callable[[], None] | None = None
             # Each hop both ways at once on gloo ([Note: gloo exchanges are half duplex]).
-            inter_twin, intra_twin = topo.twin_group("inter"), topo.twin_group("intra")
+            inter_twin = topo.twin_for(topo.peer_ranks(topo.local_rank))
+            intra_twin = topo.twin_for(topo.node_ranks(topo.node))
             with record_function("qshard::qwz::transfer"):  # both hops when sync
                 work = duplex.all_gather_single(
                     peer_rows, payload, inter_group, twin=inter_twin, async_op=async_op

@@ -420,11 +420,6 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         row_bytes = self.codec.row_bytes
         intra_group = topo.intra_node_group if per_node > 1 else None
         inter_group = topo.inter_node_group if nodes > 1 else None
-        twins = {
-            id(g): topo.twin_group(kind)
-            for g, kind in ((intra_group, "intra"), (inter_group, "inter"))
-            if g is not None
-        }
         intra_ranks = topo.node_ranks(topo.node)
         inter_ranks = topo.peer_ranks(topo.local_rank)
         per_stage = per_node * nodes  # send slots of one stage, (D, N) row-major
@@ -449,7 +444,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         def all_to_all(send: torch.Tensor, group, ranks):
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=ranks, tensor_bytes=send.numel(), tag=TAG)
-            work = duplex.all_to_all_single(recv, send, group, twin=twins[id(group)], async_op=True)
+            twin = topo.twin_for(ranks)
+            work = duplex.all_to_all_single(recv, send, group, twin=twin, async_op=True)
             return work, recv
 
         def last_hop(k: int, work, recv: torch.Tensor) -> None:
@@ -537,8 +533,8 @@ class _Reduction:
         self.codec, self.output, self.scale = comm.codec, output, scale
         self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
         self.inter_group = topo.inter_node_group if nodes > 1 else None
-        self.inter_twin = topo.twin_group("inter") if nodes > 1 else None
         self.inter_ranks = topo.peer_ranks(topo.local_rank)
+        self.inter_twin = topo.twin_for(self.inter_ranks)
         self.result = torch.empty(padded, dtype=torch.float32, device=output.device)
         self.inter: list[tuple[dist.Work | None, torch.Tensor] | None] = [None] * stages
         self.issued = 0  # stages whose hop 2 is issued (or, on one node, whose sum is final)
@@ -562,7 +558,7 @@ class _Reduction:
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
             work = duplex.all_to_all_single(
-                recv, send, intra_group, twin=topo.twin_group("intra"), async_op=True
+                recv, send, intra_group, twin=topo.twin_for(intra_ranks), async_op=True
             )
             self.intra.append((work, recv))
 

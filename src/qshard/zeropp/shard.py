@@ -333,12 +333,13 @@ def shard(
             f"shard() needs a 1-D mesh over all {topology.world_size} ranks (ZeRO-3) or a 2-D "
             f"mesh with dims {HSDP_MESH_DIMS} (HSDP); got {mesh}"
         )
-    if topology.world_size > 1 and (
-        config.any_feature or config.record or config.wire_dtype is not None
-    ):
-        # collective, every rank at the same point: qgZ's hops, qwZ's, and the twins of the
-        # 2-rank exchanges of every installed comm ([Note: gloo exchanges are half duplex])
+    # Collective, every rank at the same point: the groups of qgZ's hops and qwZ's, and on
+    # gloo the twins of every installed comm's 2-rank exchanges ([Note: gloo exchanges are
+    # half duplex] in qshard.comm.duplex).
+    if topology.world_size > 1 and (config.qgz or (config.qwz and topology.num_nodes > 1)):
         topology.init_groups()
+    elif topology.world_size > 1 and (config.record or config.wire_dtype is not None):
+        topology.init_twins()
     reshard = _hpz_reshard(topology) if config.hpz else True
     fsdp_kwargs: dict = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp_policy is not None:
@@ -707,7 +708,7 @@ def _shard_hsdp(
     record = config.record or config.wire_dtype is not None
     hook = not native and config.replicate_reduce
     if topology.world_size > 1 and (record or hook):
-        topology.init_groups()  # the twins of 2-rank exchanges, as in shard()
+        topology.init_twins()  # the twins of 2-rank exchanges (gloo), as in shard()
     twin = topology.twin_for(dist.get_process_group_ranks(replicate_group)) if hook else None
     for m in units:
         if record:
