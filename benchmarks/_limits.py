@@ -5,15 +5,19 @@ max(compute-only time of the phase, link time of the phase)``, from the numbers 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 
 __all__ = [
+    "LINK_MOVE_BYTES",
     "OPTIMIZER_TAG_PREFIXES",
     "PHASES",
     "PHASE_OF_TAG",
     "UNSHAPED",
     "ledger_by_phase",
     "limits",
+    "link_by_phase",
     "link_seconds",
     "phase_limits",
     "phase_of_tag",
@@ -130,3 +134,91 @@ def phase_limits(data: dict) -> dict[str, dict[str, dict[str, object]]]:
             "x_phase_limit": med / bound,
         }
     return out
+
+
+# A sample-to-sample counter step below this is control traffic (barriers, gloo's headers), not a
+# transfer in flight (link_by_phase's head and tail).
+LINK_MOVE_BYTES = 4096
+
+
+def _counter_at(samples: list, t: float, col: int) -> float:
+    """A sampled counter at time ``t``, linear between samples (clamped to the ends)."""
+    times = [s[0] for s in samples]
+    i = bisect.bisect_left(times, t)
+    if i <= 0:
+        return float(samples[0][col])
+    if i >= len(samples):
+        return float(samples[-1][col])
+    (t0, *v0), (t1, *v1) = samples[i - 1], samples[i]
+    a, b = v0[col - 1], v1[col - 1]
+    return a + (b - a) * (t - t0) / (t1 - t0) if t1 > t0 else float(b)
+
+
+def _first_last_move(samples: list, a: float, b: float, col: int) -> tuple[float, float] | None:
+    """When a counter first and last moved by a transfer's worth inside ``[a, b]``: the sample
+    before its first step (the earliest it can have started) and the sample after its last."""
+    first = last = None
+    for (t0, *v0), (t1, *v1) in itertools.pairwise(samples):
+        if t1 <= a or t0 >= b or v1[col - 1] - v0[col - 1] < LINK_MOVE_BYTES:
+            continue
+        first = max(t0, a) if first is None else first
+        last = min(t1, b)
+    return None if first is None else (first, last)
+
+
+def link_by_phase(
+    node_samples: list[list[tuple[float, int, int]]],
+    step_marks: list[list[float]],
+    rate_mbit: int,
+    mtu: int = 1500,
+) -> dict[str, dict[str, float]]:
+    """How busy the emulated link was in each phase of each step, from sampled counters.
+
+    ``node_samples``: per node, ``(perf_counter s, tx bytes, rx bytes)`` samples
+    (``netsim.link.LinkSampler``) spanning the steps; ``step_marks``: per step, its start and the
+    ends of its forward, backward and optimizer step on the shared clock, ``[t0, t_fwd, t_bwd,
+    t_end]`` (each boundary the last rank's, as throughput.py takes them). Per phase of
+    :data:`PHASES` and for the whole ``"step"``, the median over steps of:
+
+    - ``wall_s``: the phase's duration;
+    - ``busy_s``: the link time its bytes needed, in the busiest node direction of that phase
+      (bytes x (MTU+14)/(MTU-52) x 8 / rate), at most ``wall_s``;
+    - ``idle_s``: ``wall_s - busy_s``, the time the bottleneck direction carried nothing;
+    - ``head_s`` / ``tail_s``: from the phase's start to that direction's first transfer-sized
+      counter step, and from its last to the phase's end (the whole phase when nothing moved):
+      idle time at the edges, where no transfer was in flight yet or any more.
+    """
+    from netsim.link import wire_overhead
+
+    if rate_mbit <= 0:
+        raise ValueError(f"link_by_phase needs a shaped rate (Mbit/s > 0); got {rate_mbit!r}")
+    if not node_samples or any(len(s) < 2 for s in node_samples):
+        raise ValueError("link_by_phase needs at least two samples per node")
+    per_byte = wire_overhead(mtu) * 8 / (rate_mbit * 1e6)
+    names = (*PHASES, "step")
+    rows: dict[str, dict[str, list[float]]] = {
+        n: {k: [] for k in ("wall_s", "busy_s", "idle_s", "head_s", "tail_s")} for n in names
+    }
+    for marks in step_marks:
+        if len(marks) != len(PHASES) + 1 or sorted(marks) != list(marks):
+            raise ValueError(f"step marks must be {len(PHASES) + 1} increasing times; got {marks}")
+        spans = [*itertools.pairwise(marks), (marks[0], marks[-1])]
+        for name, (a, b) in zip(names, spans, strict=True):
+            # (bytes, node samples, column) of every node direction; the busiest one binds
+            sent = [
+                (_counter_at(s, b, col) - _counter_at(s, a, col), s, col)
+                for s in node_samples
+                for col in (1, 2)
+            ]
+            nbytes, samples, col = max(sent, key=lambda x: x[0])
+            wall = b - a
+            busy = min(nbytes * per_byte, wall)
+            moved = _first_last_move(samples, a, b, col)
+            head, tail = (wall, wall) if moved is None else (moved[0] - a, b - moved[1])
+            for key, v in zip(
+                ("wall_s", "busy_s", "idle_s", "head_s", "tail_s"),
+                (wall, busy, wall - busy, head, tail),
+                strict=True,
+            ):
+                rows[name][key].append(v)
+    return {n: {k: statistics.median(v) for k, v in d.items()} for n, d in rows.items()}

@@ -28,6 +28,14 @@ to its profiled wall time. Each rank also reads its main thread's CPU time and i
 shows how much of a phase's wall time the rank was runnable but waiting for a core: 4 ranks
 share the machine's cores.
 
+On a shaped link the first rank of each node also samples its node's ``eth0`` counters every
+1 ms during the timed steps (``netsim.link.LinkSampler``), and the report splits them by the
+steps' phase boundaries (``_limits.link_by_phase``): per phase, the time the busiest node
+direction's bytes needed at the rate ('link busy'), the rest ('link idle'), and how much of that
+idle time sits at the phase's start and end. A link-bound phase with idle time lost the step that
+much; idle at a phase's edges is a pipeline filling or draining (the first gather, the last
+block's compute), idle in its middle a gap between transfers.
+
 The profiler adds a per-op cost, so the profiled steps are slower than the timed ones: both are
 printed. Needs root (network namespaces); run from the repository root, e.g.
 
@@ -158,7 +166,7 @@ def _measure(variant, args, topology, corpus, rank, world):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from netsim.link import NodeLinkMeter
+    from netsim.link import LinkSampler, NodeLinkMeter
     from qshard.train.data import batch_for_step
 
     load = os.getloadavg()[0]  # the host's, as this row starts
@@ -167,7 +175,7 @@ def _measure(variant, args, topology, corpus, rank, world):
     opt, warmup, steps = tp._optimizer(variant, model, args)
     global_batch = args.batch_per_rank * world
 
-    def step(i: int) -> None:
+    def step(i: int, marks: list[float] | None = None) -> None:
         x, y = batch_for_step(
             corpus.train,
             step=i,
@@ -179,22 +187,35 @@ def _measure(variant, args, topology, corpus, rank, world):
         )
         with record_function("step::forward"):
             _, loss = model(x, y)
+        if marks is not None:
+            marks.append(time.perf_counter())
         with record_function("step::backward"):
             loss.backward()
+        if marks is not None:
+            marks.append(time.perf_counter())
         with record_function("step::optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if marks is not None:
+            marks.append(time.perf_counter())
 
     for i in range(warmup):
         step(i)
-    times = []
+    times, marks = [], []
     meter = NodeLinkMeter()
+    # One counter sampler per node on a shaped link: when its bytes moved within each phase.
+    shaped = int(os.environ.get("NETSIM_RATE_MBIT", "0")) > 0
+    sampler = LinkSampler() if shaped and int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
     meter.start()
+    if sampler is not None:
+        sampler.start()
     for i in range(warmup, warmup + steps):
         dist.barrier()
-        t0 = time.perf_counter()
-        step(i)
-        times.append(time.perf_counter() - t0)
+        m = [time.perf_counter()]
+        step(i, m)
+        marks.append(m)
+        times.append(m[-1] - m[0])
+    samples = sampler.stop() if sampler is not None else None
     per_node = meter.stop()
     cpu = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -210,7 +231,15 @@ def _measure(variant, args, topology, corpus, rank, world):
         for (excl, wall), (main, other) in zip(_profile_ranges(prof), cpu, strict=True)
     ]
     busiest = max(max(b.tx, b.rx) for b in per_node) / steps
-    mine = {"rank": rank, "times": times, "steps": prof_steps, "link_bytes": busiest, "load": load}
+    mine = {
+        "rank": rank,
+        "times": times,
+        "marks": marks,
+        "link_samples": samples,
+        "steps": prof_steps,
+        "link_bytes": busiest,
+        "load": load,
+    }
     del prof
     per_rank: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(per_rank, mine)
@@ -321,6 +350,35 @@ def _grouped(phases: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def link_phase_rows(results: dict, mtu: int) -> list[list[str]]:
+    """The report's link-per-phase rows: every shaped rate's variants whose ranks sampled their
+    node's link (rows from runs before the sampler have none)."""
+    from _limits import PHASES, link_by_phase
+
+    rows = []
+    for rate, by_variant in results.items():
+        for variant, ranks in by_variant.items():
+            samples = [r["link_samples"] for r in ranks if r.get("link_samples")]
+            if int(rate) == 0 or not samples or "marks" not in ranks[0]:
+                continue
+            steps = [
+                list(map(max, zip(*m, strict=True))) for m in zip(*(r["marks"] for r in ranks))
+            ]
+            by_phase = link_by_phase(samples, steps, int(rate), mtu)
+            for phase in (*PHASES, "step"):
+                v = by_phase[phase]
+                rows.append(
+                    [
+                        _rate_name(rate),
+                        variant,
+                        phase,
+                        *(f"{v[k] * 1e3:.0f}" for k in ("wall_s", "busy_s", "idle_s")),
+                        *(f"{v[k] * 1e3:.0f}" for k in ("head_s", "tail_s")),
+                    ]
+                )
+    return rows
+
+
 def report(args: argparse.Namespace, data: dict) -> None:
     results = data["results"]
     rep = Report("Step profile: where a ZeRO-3 / ZeRO++ step's time goes")
@@ -409,6 +467,33 @@ def report(args: argparse.Namespace, data: dict) -> None:
         ["link", "variant", "range", *(f"rank {i}" for i in range(world))],
         detail,
     )
+    link_rows = link_phase_rows(results, int(data.get("mtu", 1500)))
+    if link_rows:
+        rep.table(
+            "The link per phase (timed steps; ms per step, median over steps)",
+            [
+                "link",
+                "variant",
+                "phase",
+                "wall",
+                "link busy",
+                "link idle",
+                "idle at start",
+                "idle at end",
+            ],
+            link_rows,
+        )
+        rep.note(
+            "Each node's eth0 counters, read every 1 ms by a thread of its first rank during "
+            "the timed steps (netsim.link.LinkSampler), against each step's phase boundaries "
+            "(the last rank's, as throughput.py takes them). 'link busy': the time the bytes "
+            "the phase's busiest node direction carried need at the rate (x (MTU+14)/(MTU-52)); "
+            "'link idle' = wall - busy, time that direction carried nothing, in a phase where "
+            "the link binds the step time lost to it; 'idle at start' / 'idle at end': from the "
+            "phase's start to that direction's first transfer-sized counter step, and from its "
+            "last to the phase's end (+-1 ms; the whole phase when nothing moved). "
+            "benchmarks/_limits.py link_by_phase."
+        )
     cpu_rows = []
     cores = data.get("cores") or 1
     for rate, by_variant in results.items():

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 
 __all__ = [
     "LinkBytes",
+    "LinkSampler",
     "NodeLinkMeter",
     "in_netsim",
     "read_link_bytes",
@@ -95,6 +98,52 @@ class NodeLinkMeter:
             if tx >= out[node].tx:
                 out[node] = LinkBytes(tx=tx, rx=rx)
         return out
+
+
+class LinkSampler:
+    """This node's link counters, read every ``interval_s`` on a background thread and stamped
+    with ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux: one clock for every process of the
+    host, so the samples line up with the ranks' own marks).
+
+    The counters move when the shaper lets a packet out (tbf sits before the interface's
+    transmit), so their slope is what the emulated wire carried at each moment. One sampler per
+    node is enough (every rank of a node reads the same counters); a 1 ms period costs the
+    sampling rank a few percent of one core.
+    """
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0; got {interval_s!r}")
+        self._interval = interval_s
+        self._samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("LinkSampler.start() called twice without stop()")
+        self._samples = []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="link-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            b = read_link_bytes()
+            self._samples.append((time.perf_counter(), b.tx, b.rx))
+            if self._stop.wait(self._interval):
+                b = read_link_bytes()
+                self._samples.append((time.perf_counter(), b.tx, b.rx))
+                return
+
+    def stop(self) -> list[tuple[float, int, int]]:
+        """The samples ``(perf_counter seconds, tx bytes, rx bytes)`` since :meth:`start`."""
+        if self._thread is None:
+            raise RuntimeError("LinkSampler.stop() called before start()")
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        return self._samples
 
 
 def set_link_rate(rate_mbit: int, group=None) -> None:

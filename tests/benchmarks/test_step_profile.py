@@ -132,6 +132,36 @@ def test_report_groups_the_slowest_rank(sp, tmp_path):
     assert "host load average 1.0 at the start and 2.0 at the end" in text
 
 
+def test_report_splits_the_sampled_link_by_the_last_ranks_phase_ends(sp, tmp_path):
+    args = sp._args(["--variants", "all", "--out-md", str(tmp_path / "p.md")])
+    phases = {"step::forward": 0.2, "step::backward": 0.2, "step::optimizer": 0.05}
+    # node 0's link ran at 100 Mbit/s (payload; x 1514/1448 on the wire) from 0.1 s to 0.3 s
+    per_s, samples = 100e6 / 8 * 1448 / 1514, []
+    for k in range(601):
+        t = k / 1000
+        sent = int(per_s * (min(max(t, 0.1), 0.3) - 0.1))
+        samples.append((t, sent, sent // 4))
+    r0 = dict(_rank(0, phases, 0.5), marks=[[0.0, 0.2, 0.45, 0.5]], link_samples=samples)
+    # rank 1 (node 1, no sampler) ends its forward last and its backward first
+    r1 = dict(_rank(1, phases, 0.5), marks=[[0.0, 0.25, 0.4, 0.5]], link_samples=None)
+    unsampled = _rank(0, phases, 0.5)  # a run from before the sampler: no table rows
+    data = {
+        "cores": 2,
+        "mtu": 1500,
+        "results": {"0": {"all": [r0, r1]}, "100": {"all": [r0, r1], "qwz": [unsampled, r1]}},
+    }
+    sp.report(args, data)
+    text = (tmp_path / "p.md").read_text()
+    (table,) = [t for t in text.split("### ") if t.startswith("The link per phase")]
+    # phases 0-0.25 (forward), 0.25-0.45, 0.45-0.5; busy 0.1-0.3 s
+    assert _rows(table) == [
+        ["100 Mbit/s", "all", "forward", "250", "150", "100", "100", "0"],
+        ["100 Mbit/s", "all", "backward", "200", "50", "150", "0", "150"],
+        ["100 Mbit/s", "all", "optimizer", "50", "0", "50", "50", "50"],
+        ["100 Mbit/s", "all", "step", "500", "200", "300", "100", "200"],
+    ]
+
+
 def _rows(table: str) -> list[list[str]]:
     """The body rows of a markdown table, as stripped cells."""
     lines = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
@@ -208,3 +238,32 @@ def test_a_zeropp_step_shows_qshard_ranges():
         "qshard::qgz::quantize_inter",
         "qshard::qgz::reduce_inter",
     } <= set(labels["qwz+qgz"])
+
+
+def test_link_sampler_stamps_counter_reads_until_stopped(sp, monkeypatch):
+    from netsim import link
+
+    reads = iter(range(0, 10**9, 1000))
+
+    def fake_counters(iface=None):
+        n = next(reads)
+        return link.LinkBytes(tx=n, rx=2 * n)
+
+    monkeypatch.setattr(link, "read_link_bytes", fake_counters)
+    sampler = link.LinkSampler(interval_s=0.002)
+    with pytest.raises(RuntimeError, match="before start"):
+        sampler.stop()
+    t0 = time.perf_counter()
+    sampler.start()
+    with pytest.raises(RuntimeError, match="twice"):
+        sampler.start()
+    time.sleep(0.05)
+    samples = sampler.stop()
+    t1 = time.perf_counter()
+    assert len(samples) >= 3  # ~25 at 2 ms; a loaded host reads fewer, never none
+    times = [s[0] for s in samples]
+    assert t0 <= times[0] and times[-1] <= t1 and times == sorted(times)
+    assert [s[1] for s in samples] == list(range(0, 1000 * len(samples), 1000))
+    assert all(rx == 2 * tx for _, tx, rx in samples)
+    with pytest.raises(ValueError, match="interval_s"):
+        link.LinkSampler(interval_s=0)

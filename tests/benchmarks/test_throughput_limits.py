@@ -337,3 +337,61 @@ def test_a_launch_records_its_settings_and_machine_and_from_json_reports_them(
     assert tp.main(["--from-json", str(js), "--n-layer", "4", "--out-md", str(other)]) == 2
     assert not other.exists()
     assert tp.main(["--from-json", str(js), "--n-layer", "2", "--out-md", str(other)]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# link_by_phase: the sampled link counters split by a step's phases (step_profile's link table).
+
+
+def _ramp(t0: float, t1: float, rate_mbit: int, dt: float = 0.001):
+    """Counter samples of a link that carried nothing, then ran at ``rate_mbit`` (payload, so
+    that bytes x WIRE / rate is the span) from ``t0`` to ``t1``, then nothing, over 0..1 s."""
+    out, per_s = [], rate_mbit * 1e6 / 8 / WIRE
+    for k in range(1001):
+        t = k * dt
+        sent = per_s * (min(max(t, t0), t1) - t0)
+        out.append((t, int(sent), int(sent / 2)))
+    return out
+
+
+def test_link_by_phase_splits_busy_and_idle_time_per_phase(lim):
+    # The link is busy from 0.1 s to 0.5 s; forward 0-0.3, backward 0.3-0.8, optimizer 0.8-0.9.
+    node = _ramp(0.1, 0.5, 100)
+    quiet = [(t, 0, 0) for t, _, _ in node]
+    out = lim.link_by_phase([node, quiet], [[0.0, 0.3, 0.8, 0.9]], 100)
+    fwd, bwd, opt, step = (out[p] for p in ("forward", "backward", "optimizer", "step"))
+    assert fwd["wall_s"] == pytest.approx(0.3)
+    assert fwd["busy_s"] == pytest.approx(0.2, abs=2e-3)
+    assert fwd["idle_s"] == pytest.approx(0.1, abs=2e-3)
+    assert fwd["head_s"] == pytest.approx(0.1, abs=2e-3)
+    assert fwd["tail_s"] == pytest.approx(0.0, abs=2e-3)
+    assert bwd["busy_s"] == pytest.approx(0.2, abs=2e-3)
+    assert bwd["head_s"] == pytest.approx(0.0, abs=2e-3)
+    assert bwd["tail_s"] == pytest.approx(0.3, abs=2e-3)
+    # nothing moved in the optimizer step: all idle, head and tail the whole phase
+    assert opt["busy_s"] == pytest.approx(0.0, abs=1e-6)
+    assert opt["head_s"] == opt["tail_s"] == pytest.approx(0.1)
+    assert step["busy_s"] == pytest.approx(0.4, abs=2e-3)
+    assert step["idle_s"] == pytest.approx(0.5, abs=2e-3)
+
+
+def test_link_by_phase_takes_the_busiest_direction_and_the_median_step(lim):
+    # the second node's rx carries the full rate, every other direction half of it or less
+    full = _ramp(0.0, 0.4, 100)
+    light = [(t, tx // 2, rx // 2) for t, tx, rx in full]
+    rx_heavy = [(t, 0, tx) for t, tx, _ in full]
+    steps = [[0.0, 0.2, 0.4, 0.5], [0.5, 0.6, 0.7, 0.8], [0.0, 0.1, 0.3, 0.4]]
+    out = lim.link_by_phase([light, rx_heavy], steps, 100)
+    # forward spans 0.2, 0.1 and 0.1 s of a busy link (the second one after it stopped: 0)
+    assert out["forward"]["busy_s"] == pytest.approx(0.1, abs=2e-3)
+    assert out["step"]["wall_s"] == pytest.approx(0.4)
+
+
+def test_link_by_phase_refuses_what_it_cannot_split(lim):
+    node = _ramp(0.1, 0.5, 100)
+    with pytest.raises(ValueError, match="shaped rate"):
+        lim.link_by_phase([node], [[0.0, 0.1, 0.2, 0.3]], 0)
+    with pytest.raises(ValueError, match="two samples"):
+        lim.link_by_phase([node[:1]], [[0.0, 0.1, 0.2, 0.3]], 100)
+    with pytest.raises(ValueError, match="increasing"):
+        lim.link_by_phase([node], [[0.0, 0.2, 0.1, 0.3]], 100)
