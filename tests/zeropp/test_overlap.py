@@ -266,6 +266,39 @@ def _case_direct_call(topo, rank, res):
     )
 
 
+def _case_issue_before_wait(topo, rank, res):
+    """[Note: issue the prefetch before the wait] in shard.py: when FSDP2 waits for block i's
+    gather in forward, block i + 1's is already issued (queued behind it), for a qwZ (two hops)
+    and a plain recording model; not in a forward recomputed inside backward. Numerics are the
+    trajectory cases' (every model here prefetches)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    original = FSDPParamGroup.wait_for_unshard
+    for name, kw in (("qwz_hpz", {"qwz": True, "hpz": True, "qgz": False}), ("plain", {})):
+        kw = {"qgz": False, **kw}
+        model = _model(topo, None, **kw)
+        blocks = list(model.blocks)
+        groups = [fsdp_param_groups(b)[0] for b in blocks]
+        seen: list[tuple[int, bool]] = []
+
+        def logged(self, groups=groups, seen=seen):
+            if self in groups and self._all_gather_result is not None:
+                i = groups.index(self)
+                if i + 1 < len(groups):
+                    nxt = groups[i + 1]
+                    seen.append((i, nxt._all_gather_result is not None or nxt.is_unsharded))
+            return original(self)
+
+        FSDPParamGroup.wait_for_unshard = logged
+        try:
+            x, y = _batch(rank, 0)
+            _, loss = model(x, y)
+            loss.backward()
+        finally:
+            FSDPParamGroup.wait_for_unshard = original
+        res[f"issue_{name}"] = seen
+
+
 def _run(rank: int, world: int) -> dict:
     topo = Topology(world_size=world, ranks_per_node=2)
     topo.init_groups()
@@ -279,6 +312,7 @@ def _run(rank: int, world: int) -> dict:
         _case_clip,
         _case_error,
         _case_direct_call,
+        _case_issue_before_wait,
     ):
         case(topo, rank, res)
         dist.barrier()
@@ -320,3 +354,9 @@ def test_deferred_qgz_matches_synchronous_2x2():
         assert r["error_recovers"], rank
         assert r["direct_sync"] and r["stepwise_equal"], rank
         assert r["depth2_lists"] == (2, 1, 2, 0), r["depth2_lists"]
+        # forward waits on gathers of blocks 0 and 1 (block 2 is kept: backward does not wait
+        # on a gather for it); each found the next block's issued already
+        for name in ("qwz_hpz", "plain"):
+            waits = r[f"issue_{name}"]
+            assert [i for i, _ in waits][:2] == [0, 1], (name, waits)
+            assert all(issued for i, issued in waits[:2]), (name, waits)

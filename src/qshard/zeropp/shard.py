@@ -677,9 +677,44 @@ def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig
             # would hold one more unsharded block than the step's peak).
             if ahead := block_list[i + 1 : i + 1 + depth]:
                 block.set_modules_to_forward_prefetch(ahead)  # type: ignore[union-attr]
+                _issue_before_wait(block, ahead)
             if behind := block_list[max(0, i - depth) : i][::-1]:
                 block.set_modules_to_backward_prefetch(behind)  # type: ignore[union-attr]
         root._set_unshard_async_op(True)  # type: ignore[union-attr]
+
+
+def _issue_before_wait(block: nn.Module, ahead: list[nn.Module]) -> None:
+    """Issue ``block``'s gather and its forward prefetches before FSDP2 waits for the first.
+
+    [Note: issue the prefetch before the wait] FSDP2's pre-forward waits for a block's own
+    all-gather and only then issues the gathers it prefetches. With the link as the
+    bottleneck, that leaves the link idle between two gathers: from the end of block ``k``'s
+    gather until every rank has woken, copied it out and issued block ``k + 1``'s (a collective
+    starts when its last rank issues it). Issued here, in a pre-hook that runs before FSDP2's
+    (``prepend=True`` after ``fully_shard``), block ``k + 1``'s gather waits behind block ``k``'s
+    in the process group's queue and starts as soon as it ends. It is the gather FSDP2 was about
+    to issue, a wait earlier: the same collectives in the same order on every rank (the block's
+    own first, a no-op when a prefetch already issued it), and the same blocks unsharded at once
+    (block ``k - 1`` resharded at its post-forward), so no extra memory beyond the gather buffer
+    of ``k + 1`` existing during ``k``'s copy-out. FSDP2's own prefetch after the wait finds the
+    gather issued and does nothing. Measured on the emulated cluster (2 x 2, 400 Mbit/s, qgZ,
+    ``benchmarks/step_profile.py``'s link table): see docs/zeropp.md.
+
+    Not inside backward (a forward recomputed by activation checkpointing), where FSDP2
+    prefetches nothing in forward either. The hook runs eagerly under ``torch.compile``, as
+    FSDP2's own hooks do ([Note: hooks outside the compiled graph])."""
+    units = [block, *ahead]
+
+    def issue(module: nn.Module, args: object) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for unit in units:
+            unit.unshard(async_op=True)  # type: ignore[operator]
+
+    block.register_forward_pre_hook(
+        torch._dynamo.disable(issue, recursive=True, reason="qshard prefetch issue"),
+        prepend=True,
+    )
 
 
 def _shard_hsdp(
