@@ -274,19 +274,26 @@ def _case_issue_before_wait(topo, rank, res):
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     original = FSDPParamGroup.wait_for_unshard
-    for name, kw in (("qwz_hpz", {"qwz": True, "hpz": True, "qgz": False}), ("plain", {})):
+    for name, kw in (
+        ("qwz_hpz", {"qwz": True, "hpz": True}),
+        ("plain", {}),
+        ("plain_no_kept", {"keep_last_blocks": 0}),  # backward re-gathers every block
+    ):
         kw = {"qgz": False, **kw}
         model = _model(topo, None, **kw)
         blocks = list(model.blocks)
         groups = [fsdp_param_groups(b)[0] for b in blocks]
-        seen: list[tuple[int, bool]] = []
+        seen: list[tuple[str, int, bool]] = []
 
         def logged(self, groups=groups, seen=seen):
             if self in groups and self._all_gather_result is not None:
                 i = groups.index(self)
-                if i + 1 < len(groups):
-                    nxt = groups[i + 1]
-                    seen.append((i, nxt._all_gather_result is not None or nxt.is_unsharded))
+                backward = torch._C._current_graph_task_id() != -1
+                j = i - 1 if backward else i + 1  # the block that runs next
+                if 0 <= j < len(groups):
+                    nxt = groups[j]
+                    issued = nxt._all_gather_result is not None or nxt.is_unsharded
+                    seen.append(("bwd" if backward else "fwd", i, issued))
             return original(self)
 
         FSDPParamGroup.wait_for_unshard = logged
@@ -354,9 +361,11 @@ def test_deferred_qgz_matches_synchronous_2x2():
         assert r["error_recovers"], rank
         assert r["direct_sync"] and r["stepwise_equal"], rank
         assert r["depth2_lists"] == (2, 1, 2, 0), r["depth2_lists"]
-        # forward waits on gathers of blocks 0 and 1 (block 2 is kept: backward does not wait
-        # on a gather for it); each found the next block's issued already
+        # Every wait on a gather, but that of the last block to run in a phase, found the
+        # next block's gather issued already: forward waits for blocks 0 and 1 (block 2's wait
+        # has no next), backward (keep_last_blocks=0) for 2 and 1 (then 0, which has none).
+        # With blocks kept, backward re-gathers only block 0 (prefetched by kept block 1).
         for name in ("qwz_hpz", "plain"):
-            waits = r[f"issue_{name}"]
-            assert [i for i, _ in waits][:2] == [0, 1], (name, waits)
-            assert all(issued for i, issued in waits[:2]), (name, waits)
+            assert r[f"issue_{name}"] == [("fwd", 0, True), ("fwd", 1, True)], (name, r)
+        waits = r["issue_plain_no_kept"]
+        assert waits == [("fwd", 0, True), ("fwd", 1, True), ("bwd", 2, True), ("bwd", 1, True)]

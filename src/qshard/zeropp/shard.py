@@ -680,6 +680,7 @@ def _prefetch(root: nn.Module, block_list: list[nn.Module], config: ZeroPPConfig
                 _issue_before_wait(block, ahead)
             if behind := block_list[max(0, i - depth) : i][::-1]:
                 block.set_modules_to_backward_prefetch(behind)  # type: ignore[union-attr]
+                _issue_before_backward_wait(block, behind)
         root._set_unshard_async_op(True)  # type: ignore[union-attr]
 
 
@@ -713,6 +714,40 @@ def _issue_before_wait(block: nn.Module, ahead: list[nn.Module]) -> None:
 
     block.register_forward_pre_hook(
         torch._dynamo.disable(issue, recursive=True, reason="qshard prefetch issue"),
+        prepend=True,
+    )
+
+
+def _issue_before_backward_wait(block: nn.Module, behind: list[nn.Module]) -> None:
+    """The backward's side of [Note: issue the prefetch before the wait]: FSDP2's pre-backward
+    (a hook on each of the block's forward outputs) waits for the block's gather, then issues
+    the gathers of the blocks backward runs next. A gradient hook registered on the same outputs
+    before FSDP2's (from a forward hook that runs before FSDP2's post-forward, which registers
+    FSDP2's) issues them first. Once per backward (a multi-grad hook, ``mode="any"``), as
+    FSDP2's pre-backward runs once; nothing in a forward without autograd or one recomputed
+    inside backward (FSDP2 registers no pre-backward hook there), and nothing for a unit set
+    not to unshard in backward."""
+    units = [block, *behind]
+
+    def issue(_grad: object) -> None:
+        for unit in units:
+            # FSDP2 skips a unit set not to unshard in backward (set_unshard_in_backward(False))
+            # only while the unit is in its pre-backward state, which it is not yet here
+            groups = fsdp_param_groups(unit) or ()
+            if all(getattr(g, "unshard_in_backward", True) for g in groups):
+                unit.unshard(async_op=True)  # type: ignore[operator]
+
+    def after_forward(module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        outputs = [
+            t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if outputs:
+            register_multi_grad_hook(outputs, issue, mode="any")
+
+    block.register_forward_hook(
+        torch._dynamo.disable(after_forward, recursive=True, reason="qshard prefetch issue"),
         prepend=True,
     )
 
