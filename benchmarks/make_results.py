@@ -43,7 +43,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ),
     (
         "step_profile.md",
-        "python benchmarks/step_profile.py --rates 100 --steps 3 "
+        "python benchmarks/step_profile.py --rates 100,400 --steps 6 "
         "--out-md docs/results/step_profile.md --out-json docs/results/step_profile.json",
     ),
     (

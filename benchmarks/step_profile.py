@@ -260,6 +260,12 @@ def worker(args: argparse.Namespace) -> int:
         for variant in args.variant_list:
             t0 = time.perf_counter()
             per_rank = _measure(variant, args, topology, corpus, rank, world)
+            # the samples (~1,000 per node and second) are summarized here, not kept in the JSON
+            phases = link_phases(per_rank, rate, int(os.environ.get("NETSIM_MTU", "1500")))
+            for r in per_rank:
+                r.pop("link_samples", None)
+            if phases is not None:
+                per_rank[0]["link_phases"] = phases
             gc.collect()
             results[str(rate)][variant] = per_rank
             if rank == 0:
@@ -350,21 +356,29 @@ def _grouped(phases: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def link_phase_rows(results: dict, mtu: int) -> list[list[str]]:
-    """The report's link-per-phase rows: every shaped rate's variants whose ranks sampled their
-    node's link (rows from runs before the sampler have none)."""
-    from _limits import PHASES, link_by_phase
+def link_phases(per_rank: list[dict], rate: int | str, mtu: int) -> dict | None:
+    """``_limits.link_by_phase`` of one row's timed steps: the node samples of the ranks that
+    took them, against each step's phase ends taken as the last rank's. None unshaped or
+    without samples."""
+    from _limits import link_by_phase
+
+    samples = [r["link_samples"] for r in per_rank if r.get("link_samples")]
+    if int(rate) == 0 or not samples or "marks" not in per_rank[0]:
+        return None
+    steps = [list(map(max, zip(*m, strict=True))) for m in zip(*(r["marks"] for r in per_rank))]
+    return link_by_phase(samples, steps, int(rate), mtu)
+
+
+def link_phase_rows(results: dict) -> list[list[str]]:
+    """The report's link-per-phase rows: every row whose first rank carries ``link_phases``
+    (the worker's summary of its samples; rows from runs before the sampler have none)."""
+    from _limits import PHASES
 
     rows = []
     for rate, by_variant in results.items():
         for variant, ranks in by_variant.items():
-            samples = [r["link_samples"] for r in ranks if r.get("link_samples")]
-            if int(rate) == 0 or not samples or "marks" not in ranks[0]:
+            if not (by_phase := ranks[0].get("link_phases")):
                 continue
-            steps = [
-                list(map(max, zip(*m, strict=True))) for m in zip(*(r["marks"] for r in ranks))
-            ]
-            by_phase = link_by_phase(samples, steps, int(rate), mtu)
             for phase in (*PHASES, "step"):
                 v = by_phase[phase]
                 rows.append(
@@ -467,7 +481,7 @@ def report(args: argparse.Namespace, data: dict) -> None:
         ["link", "variant", "range", *(f"rank {i}" for i in range(world))],
         detail,
     )
-    link_rows = link_phase_rows(results, int(data.get("mtu", 1500)))
+    link_rows = link_phase_rows(results)
     if link_rows:
         rep.table(
             "The link per phase (timed steps; ms per step, median over steps)",

@@ -144,11 +144,16 @@ def test_report_splits_the_sampled_link_by_the_last_ranks_phase_ends(sp, tmp_pat
     r0 = dict(_rank(0, phases, 0.5), marks=[[0.0, 0.2, 0.45, 0.5]], link_samples=samples)
     # rank 1 (node 1, no sampler) ends its forward last and its backward first
     r1 = dict(_rank(1, phases, 0.5), marks=[[0.0, 0.25, 0.4, 0.5]], link_samples=None)
+    assert sp.link_phases([r0, r1], "0", 1500) is None  # unshaped: nothing to split
+    r0["link_phases"] = sp.link_phases([r0, r1], "100", 1500)
     unsampled = _rank(0, phases, 0.5)  # a run from before the sampler: no table rows
     data = {
         "cores": 2,
         "mtu": 1500,
-        "results": {"0": {"all": [r0, r1]}, "100": {"all": [r0, r1], "qwz": [unsampled, r1]}},
+        "results": {
+            "0": {"all": [unsampled, r1]},
+            "100": {"all": [r0, r1], "qwz": [unsampled, r1]},
+        },
     }
     sp.report(args, data)
     text = (tmp_path / "p.md").read_text()

@@ -306,6 +306,50 @@ def _case_issue_before_wait(topo, rank, res):
         res[f"issue_{name}"] = seen
 
 
+def _case_activation_checkpointing(topo, rank, res):
+    """Blocks run under torch.utils.checkpoint inside the model's forward (Hugging Face's
+    gradient checkpointing): FSDP2's hooks and shard()'s early-issue hooks fire again in the
+    recompute inside backward, where the early issue must stay out. Same losses and parameters
+    as without checkpointing, bit for bit (all three features; every block re-gathered)."""
+    import types
+
+    from torch.utils.checkpoint import checkpoint
+
+    def ac_forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1])
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.head(self.ln_f(x))
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
+        )
+        return logits, loss
+
+    out = {}
+    for name in ("plain", "ac"):
+        cfg = ZeroPPConfig(qwz=True, hpz=True, qgz=True, keep_last_blocks=0)
+        gpt = GPT(CFG)
+        if name == "ac":
+            gpt.forward = types.MethodType(ac_forward, gpt)
+        model = shard(gpt, topology=topo, config=cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ledger = CommLedger(topo)
+        losses, nbytes = [], []
+        for i in range(3):
+            losses.append(_backward(model, ledger, rank, i))
+            nbytes.append(_bytes(ledger.step()))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params = [p.to_local().detach().clone() for p in model.parameters()]
+        out[name] = (losses, params, nbytes)
+    res["ac_losses"] = out["plain"][0] == out["ac"][0]
+    res["ac_params"] = _equal(out["plain"][1], out["ac"][1])
+    # no gather more: the recompute issues nothing early (a forward prefetch there would gather
+    # a block whose backward is over)
+    res["ac_bytes"] = out["plain"][2] == out["ac"][2]
+
+
 def _run(rank: int, world: int) -> dict:
     topo = Topology(world_size=world, ranks_per_node=2)
     topo.init_groups()
@@ -320,6 +364,7 @@ def _run(rank: int, world: int) -> dict:
         _case_error,
         _case_direct_call,
         _case_issue_before_wait,
+        _case_activation_checkpointing,
     ):
         case(topo, rank, res)
         dist.barrier()
@@ -367,5 +412,6 @@ def test_deferred_qgz_matches_synchronous_2x2():
         # With blocks kept, backward re-gathers only block 0 (prefetched by kept block 1).
         for name in ("qwz_hpz", "plain"):
             assert r[f"issue_{name}"] == [("fwd", 0, True), ("fwd", 1, True)], (name, r)
+        assert r["ac_losses"] and r["ac_params"] and r["ac_bytes"], rank
         waits = r["issue_plain_no_kept"]
         assert waits == [("fwd", 0, True), ("fwd", 1, True), ("bwd", 2, True), ("bwd", 1, True)]
