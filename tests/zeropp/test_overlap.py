@@ -350,6 +350,51 @@ def _case_activation_checkpointing(topo, rank, res):
     res["ac_bytes"] = out["plain"][2] == out["ac"][2]
 
 
+def _case_no_unshard_in_backward(topo, rank, res):
+    """A unit set ``set_unshard_in_backward(False)`` (an embedding: its backward needs no
+    weights) is never gathered in backward, also not by the backward early issue of the unit
+    after it (which runs before FSDP2 puts the unit in its pre-backward state, where FSDP2's
+    own check sits)."""
+    from torch import nn
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList([nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 8)])
+
+        def forward(self, idx):
+            x = self.blocks[0](idx)
+            return self.blocks[2](torch.tanh(self.blocks[1](x))).square().mean()
+
+    toy = Toy()
+    model = shard(
+        toy, topology=topo, config=ZeroPPConfig(keep_last_blocks=0), blocks=list(toy.blocks)
+    )
+    emb = model.blocks[0]
+    emb.set_unshard_in_backward(False)
+    (group,) = fsdp_param_groups(emb)
+    gathered_in_backward = []
+    original = group.unshard
+
+    def unshard(async_op=False):
+        before = group._all_gather_result is not None or group.is_unsharded
+        original(async_op)
+        after = group._all_gather_result is not None or group.is_unsharded
+        if torch._C._current_graph_task_id() != -1 and after and not before:
+            gathered_in_backward.append(True)
+
+    group.unshard = unshard
+    idx = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):
+        model(idx).backward()
+    grad = emb.weight.grad
+    res["no_unshard_bwd"] = (
+        gathered_in_backward,
+        grad is not None and bool(grad.to_local().ne(0).any()),
+    )
+
+
 def _run(rank: int, world: int) -> dict:
     topo = Topology(world_size=world, ranks_per_node=2)
     topo.init_groups()
@@ -365,6 +410,7 @@ def _run(rank: int, world: int) -> dict:
         _case_direct_call,
         _case_issue_before_wait,
         _case_activation_checkpointing,
+        _case_no_unshard_in_backward,
     ):
         case(topo, rank, res)
         dist.barrier()
@@ -413,5 +459,6 @@ def test_deferred_qgz_matches_synchronous_2x2():
         for name in ("qwz_hpz", "plain"):
             assert r[f"issue_{name}"] == [("fwd", 0, True), ("fwd", 1, True)], (name, r)
         assert r["ac_losses"] and r["ac_params"] and r["ac_bytes"], rank
+        assert r["no_unshard_bwd"] == ([], True), (rank, r["no_unshard_bwd"])
         waits = r["issue_plain_no_kept"]
         assert waits == [("fwd", 0, True), ("fwd", 1, True), ("bwd", 2, True), ("bwd", 1, True)]
