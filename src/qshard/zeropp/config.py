@@ -52,13 +52,15 @@ class ZeroPPConfig:
             not quantize and to the gradient reduce-scatter when qgZ is off.
         prefetch: prefetch the next block's all-gather explicitly and run unshards
             asynchronously, so communication (and qwZ's dequantization, done in the work
-            handle's ``wait()``) overlaps the current block's compute. Numerics unchanged.
+            handle's ``wait()``) overlaps the current block's compute. The prefetches are
+            issued before FSDP2 waits for the block's own gather (FSDP2 issues them after), so
+            the next gather is queued behind the one in flight ([Note: issue the prefetch
+            before the wait] in ``qshard.zeropp.shard``). Numerics unchanged.
         prefetch_depth: with ``prefetch``, how many blocks ahead each block prefetches (1: the
             next one; another value without ``prefetch`` is refused, it would be ignored).
-            FSDP2 issues a block's prefetch only after waiting for its own all-gather, so with
-            depth 1 the link idles while the gathered block is dequantized and copied out;
-            depth 2 keeps the next gather queued behind the one in flight, at the memory of one
-            more unsharded block.
+            Depth 2 keeps two gathers in flight and, through ``keep_last_blocks``' default,
+            one more block unsharded from forward to backward (fewer backward gathers), at the
+            memory of one more unsharded block.
         keep_last_blocks: how many of the last blocks (in forward order) stay unsharded from
             their forward to their backward instead of resharding. Backward runs them first, so
             resharding them would only gather them again right away, with little or nothing to
