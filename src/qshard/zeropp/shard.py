@@ -698,8 +698,9 @@ def _issue_before_wait(block: nn.Module, ahead: list[nn.Module]) -> None:
     own first, a no-op when a prefetch already issued it), and the same blocks unsharded at once
     (block ``k - 1`` resharded at its post-forward), so no extra memory beyond the gather buffer
     of ``k + 1`` existing during ``k``'s copy-out. FSDP2's own prefetch after the wait finds the
-    gather issued and does nothing. Measured on the emulated cluster (2 x 2, 400 Mbit/s, qgZ,
-    ``benchmarks/step_profile.py``'s link table): see docs/zeropp.md.
+    gather issued and does nothing. On the emulated cluster (2 x 2) qgZ's link-bound forward
+    idled 98 ms of 940 at 100 Mbit/s before, 16 after (``benchmarks/step_profile.py``'s link
+    table; docs/zeropp.md, "Where the link idles, sampled").
 
     Not inside backward (a forward recomputed by activation checkpointing), where FSDP2
     prefetches nothing in forward either. The hook runs eagerly under ``torch.compile``, as
