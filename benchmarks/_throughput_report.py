@@ -90,7 +90,18 @@ SETTINGS = (
     "warmup",
     "seed",
     "zero_one_interval",
+    "prefetch_depth",
 )
+
+
+def prefetch_text(depth: int | None) -> str:
+    """The report header's words for ``--prefetch-depth`` (nothing for the library's default)."""
+    if depth is None:
+        return ""
+    return (
+        f"; shard() with ZeroPPConfig(prefetch_depth={depth}) for every variant but fsdp2 "
+        f"(--prefetch-depth {depth}; the last {depth + 1} blocks kept from forward to backward)"
+    )
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -117,7 +128,8 @@ def report(
         f"{args.n_embd}, context {args.context}), fp32 compute and master weights, "
         f"{args.batch_per_rank} sequences per rank; {args.nodes} nodes x {args.ranks_per_node} "
         f"ranks (netns + tbf, intra-node over loopback); "
-        f"{optimizer_text(data.get('optimizer', LEGACY_OPTIMIZER))}; {args.steps} timed steps "
+        f"{optimizer_text(data.get('optimizer', LEGACY_OPTIMIZER))}"
+        f"{prefetch_text(getattr(args, 'prefetch_depth', None))}; {args.steps} timed steps "
         f"after {args.warmup} warm-up steps per variant and rate, "
         + (
             "the variants' timed steps interleaved round by round (the order rotating; "

@@ -95,6 +95,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also profile every variant with the links unshaped (reported as rate 0)",
     )
     tp.add_optimizer_arg(p)
+    tp.add_prefetch_arg(p)
     p.add_argument(
         "--out-json",
         metavar="FILE",
@@ -280,7 +281,14 @@ def worker(args: argparse.Namespace) -> int:
             mtu = int(os.environ.get("NETSIM_MTU", "1500"))
             cores = len(os.sched_getaffinity(0))
             json.dump(
-                {"results": results, "cores": cores, "mtu": mtu, "optimizer": args.optimizer}, f
+                {
+                    "results": results,
+                    "cores": cores,
+                    "mtu": mtu,
+                    "optimizer": args.optimizer,
+                    "prefetch_depth": args.prefetch_depth,
+                },
+                f,
             )
     dist.barrier()
     dist.destroy_process_group()
@@ -399,7 +407,8 @@ def report(args: argparse.Namespace, data: dict) -> None:
     load = data.get("load")
     rep.note(
         f"The throughput GPT ({args.n_layer} layers, width {args.n_embd}, context "
-        f"{args.context}, fp32; {tp.optimizer_text(data.get('optimizer', tp.LEGACY_OPTIMIZER))}), "
+        f"{args.context}, fp32; {tp.optimizer_text(data.get('optimizer', tp.LEGACY_OPTIMIZER))}"
+        f"{tp.prefetch_text(data.get('prefetch_depth'))}), "
         f"{args.batch_per_rank} sequences per rank, "
         f"{args.nodes} nodes x {args.ranks_per_node} ranks on {data.get('cores', '?')} cores; "
         f"{args.steps} timed then {args.steps} profiled steps after {args.warmup} warm-up steps "

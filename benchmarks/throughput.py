@@ -29,6 +29,9 @@ an Adam/AdamW config unless ``torch_adam`` is set or ZeRO-Offload picks its CPU 
 ``foreach``, or ``default`` (torch's default flags: the for-loop update on CPU, ~10x fused's
 time in docs/results/optim_step.md, 36-125 ms per step in step_profile.md's optimizer column,
 and what every run before this flag used). The choice is in the report's header and the JSON.
+``--prefetch-depth N`` sets ``ZeroPPConfig.prefetch_depth`` for every variant but ``fsdp2``
+(default: the library's, 1; the kept last blocks follow it, N + 1): the memory-for-overlap trade
+docs/zeropp.md measures, named in the header and recorded with the settings.
 
 Step time is the slowest rank's time from a barrier to the end of ``optimizer.step()``; median and
 min over ``--steps`` timed steps after ``--warmup`` untimed ones. [Note: interleaved rows] With
@@ -132,6 +135,7 @@ from _throughput_report import (  # noqa: E402, F401  (re-exported: tests, step_
     SETTINGS,
     issue_targets,
     optimizer_text,
+    prefetch_text,
     rate_name,
     report,
     run_settings,
@@ -210,6 +214,7 @@ def _parser() -> argparse.ArgumentParser:
         "round (rotating the order); --no-interleave runs one variant after another",
     )
     add_optimizer_arg(p)
+    add_prefetch_arg(p)
     p.add_argument(
         "--out-json",
         metavar="FILE",
@@ -233,6 +238,31 @@ def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"torch AdamW's implementation for every variant but hsdp-1bit / hsdp-01 (default "
         f"{DEFAULT_OPTIMIZER}; 'default' = torch's default flags, the for-loop on CPU)",
+    )
+
+
+def _depth(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be an int >= 1 (blocks prefetched ahead); got {text!r}"
+        )
+    return value
+
+
+def add_prefetch_arg(p: argparse.ArgumentParser) -> None:
+    """``--prefetch-depth``, shared with ``step_profile.py``: ``ZeroPPConfig.prefetch_depth``."""
+    p.add_argument(
+        "--prefetch-depth",
+        type=_depth,
+        default=None,
+        metavar="N",
+        help="ZeroPPConfig.prefetch_depth for every variant but fsdp2 (default: the library's, "
+        "1); the kept last blocks follow it (N + 1), so N + 1 blocks stay unsharded from "
+        "forward to backward",
     )
 
 
@@ -269,19 +299,22 @@ def _build(variant: str, args: argparse.Namespace, topology):
         return model
     from qshard.zeropp import ZeroPPConfig, shard
 
-    return shard(model, topology=topology, config=ZeroPPConfig(**_zeropp_kwargs(variant)))
+    kw = _zeropp_kwargs(variant, getattr(args, "prefetch_depth", None))
+    return shard(model, topology=topology, config=ZeroPPConfig(**kw))
 
 
-def _zeropp_kwargs(variant: str) -> dict[str, object]:
+def _zeropp_kwargs(variant: str, prefetch_depth: int | None = None) -> dict[str, object]:
     import torch
 
     kw = dict(FEATURES[variant])
     if kw.get("wire_dtype") == "bf16":
         kw["wire_dtype"] = torch.bfloat16
+    if prefetch_depth is not None:
+        kw["prefetch_depth"] = prefetch_depth
     return kw
 
 
-def _supported(variant: str) -> str | None:
+def _supported(variant: str, prefetch_depth: int | None = None) -> str | None:
     """None if ``variant`` can run with the installed qshard, else why not."""
     if variant == "fsdp2":
         return None
@@ -290,7 +323,7 @@ def _supported(variant: str) -> str | None:
     except ImportError as exc:
         return f"qshard.zeropp.shard is not available ({exc})"
     try:
-        ZeroPPConfig(**_zeropp_kwargs(variant))
+        ZeroPPConfig(**_zeropp_kwargs(variant, prefetch_depth))
     except (TypeError, ValueError) as exc:
         return f"ZeroPPConfig refuses it: {exc}"
     return None
@@ -529,7 +562,7 @@ def worker(args: argparse.Namespace) -> int:
         set_link_rate(rate)
         variants = []
         for variant in args.variant_list:
-            if why := _supported(variant):
+            if why := _supported(variant, args.prefetch_depth):
                 skipped[variant] = why
             else:
                 variants.append(variant)

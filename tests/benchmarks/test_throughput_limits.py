@@ -395,3 +395,47 @@ def test_link_by_phase_refuses_what_it_cannot_split(lim):
         lim.link_by_phase([node[:1]], [[0.0, 0.1, 0.2, 0.3]], 100)
     with pytest.raises(ValueError, match="increasing"):
         lim.link_by_phase([node], [[0.0, 0.2, 0.1, 0.3]], 100)
+
+
+def test_prefetch_depth_flag_reaches_every_qshard_variant_and_the_header(
+    load_benchmark, tp, tmp_path, monkeypatch
+):
+    """``--prefetch-depth`` (both scripts): parsed and checked, passed to every variant's
+    ZeroPPConfig but plain FSDP2's, recorded with the launch's settings, named in the header,
+    and refused by a re-report of a run measured without it."""
+    import types
+
+    import netsim.cluster
+    from qshard.zeropp import ZeroPPConfig
+
+    assert tp._args([]).prefetch_depth is None
+    assert tp._args(["--prefetch-depth", "2"]).prefetch_depth == 2
+    sp = load_benchmark("step_profile")
+    assert sp._args(["--prefetch-depth", "3"]).prefetch_depth == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit):
+            tp._args(["--prefetch-depth", bad])
+    assert "prefetch_depth" not in tp._zeropp_kwargs("qgz")
+    for variant in ("zero3", "qwz", "all", "hsdp-int4"):
+        kw = tp._zeropp_kwargs(variant, 2)
+        assert ZeroPPConfig(**kw).prefetch_depth == 2 and ZeroPPConfig(**kw).kept_blocks == 3
+        assert tp._supported(variant, 2) is None
+
+    js, md = tmp_path / "t.json", tmp_path / "t.md"
+    run = types.SimpleNamespace(rc=0, data=_data(), load=(1.0, 1.5))
+    monkeypatch.setattr(netsim.cluster, "needs_root", lambda what: None)
+    monkeypatch.setattr(netsim.cluster, "run_cluster_args", lambda *a, **k: run)
+    argv = ["--rates", "100", "--prefetch-depth", "2"]
+    assert tp.main([*argv, "--out-json", str(js), "--out-md", str(md)]) == 0
+    words = "ZeroPPConfig(prefetch_depth=2) for every variant but fsdp2 (--prefetch-depth 2;"
+    assert words in md.read_text()
+    assert json.loads(js.read_text())["settings"]["prefetch_depth"] == 2
+    again = tmp_path / "again.md"
+    assert tp.main(["--from-json", str(js), "--out-md", str(again)]) == 0
+    assert words in again.read_text()
+    # a run at the library's default says nothing, and a re-report cannot relabel it
+    plain = tmp_path / "plain.json"
+    assert tp.main(["--rates", "100", "--out-json", str(plain), "--out-md", str(md)]) == 0
+    assert "prefetch_depth=" not in md.read_text()
+    argv = ["--from-json", str(plain), "--prefetch-depth", "2", "--out-md", str(again)]
+    assert tp.main(argv) == 2
