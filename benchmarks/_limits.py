@@ -10,6 +10,7 @@ import itertools
 import statistics
 
 __all__ = [
+    "LINK_KEYS",
     "LINK_MOVE_BYTES",
     "OPTIMIZER_TAG_PREFIXES",
     "PHASES",
@@ -139,11 +140,13 @@ def phase_limits(data: dict) -> dict[str, dict[str, dict[str, object]]]:
 # A sample-to-sample counter step below this is control traffic (barriers, gloo's headers), not a
 # transfer in flight (link_by_phase's head and tail).
 LINK_MOVE_BYTES = 4096
+# What link_by_phase gives per phase, in seconds (see its docstring).
+LINK_KEYS = ("wall_s", "busy_s", "idle_s", "head_s", "tail_s")
 
 
-def _counter_at(samples: list, t: float, col: int) -> float:
-    """A sampled counter at time ``t``, linear between samples (clamped to the ends)."""
-    times = [s[0] for s in samples]
+def _counter_at(samples: list, times: list[float], t: float, col: int) -> float:
+    """A sampled counter at time ``t``, linear between samples (clamped to the ends);
+    ``times`` is the samples' first column."""
     i = bisect.bisect_left(times, t)
     if i <= 0:
         return float(samples[0][col])
@@ -196,9 +199,8 @@ def link_by_phase(
         raise ValueError("link_by_phase needs at least two samples per node")
     per_byte = wire_overhead(mtu) * 8 / (rate_mbit * 1e6)
     names = (*PHASES, "step")
-    rows: dict[str, dict[str, list[float]]] = {
-        n: {k: [] for k in ("wall_s", "busy_s", "idle_s", "head_s", "tail_s")} for n in names
-    }
+    timed = [(s, [x[0] for x in s]) for s in node_samples]
+    rows: dict[str, dict[str, list[float]]] = {n: {k: [] for k in LINK_KEYS} for n in names}
     for marks in step_marks:
         if len(marks) != len(PHASES) + 1 or sorted(marks) != list(marks):
             raise ValueError(f"step marks must be {len(PHASES) + 1} increasing times; got {marks}")
@@ -206,8 +208,8 @@ def link_by_phase(
         for name, (a, b) in zip(names, spans, strict=True):
             # (bytes, node samples, column) of every node direction; the busiest one binds
             sent = [
-                (_counter_at(s, b, col) - _counter_at(s, a, col), s, col)
-                for s in node_samples
+                (_counter_at(s, ts, b, col) - _counter_at(s, ts, a, col), s, col)
+                for s, ts in timed
                 for col in (1, 2)
             ]
             nbytes, samples, col = max(sent, key=lambda x: x[0])
@@ -215,10 +217,6 @@ def link_by_phase(
             busy = min(nbytes * per_byte, wall)
             moved = _first_last_move(samples, a, b, col)
             head, tail = (wall, wall) if moved is None else (moved[0] - a, b - moved[1])
-            for key, v in zip(
-                ("wall_s", "busy_s", "idle_s", "head_s", "tail_s"),
-                (wall, busy, wall - busy, head, tail),
-                strict=True,
-            ):
+            for key, v in zip(LINK_KEYS, (wall, busy, wall - busy, head, tail), strict=True):
                 rows[name][key].append(v)
     return {n: {k: statistics.median(v) for k, v in d.items()} for n, d in rows.items()}

@@ -254,6 +254,7 @@ def worker(args: argparse.Namespace) -> int:
 
     topology, corpus, rank, world = tp.start_worker(args)
     rates = ([0] if args.unshaped else []) + list(args.rate_list)
+    mtu = int(os.environ.get("NETSIM_MTU", "1500"))
     results: dict[str, dict[str, list[dict]]] = {}
     for rate in rates:
         set_link_rate(rate)
@@ -262,7 +263,7 @@ def worker(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             per_rank = _measure(variant, args, topology, corpus, rank, world)
             # the samples (~1,000 per node and second) are summarized here, not kept in the JSON
-            phases = link_phases(per_rank, rate, int(os.environ.get("NETSIM_MTU", "1500")))
+            phases = link_phases(per_rank, rate, mtu)
             for r in per_rank:
                 r.pop("link_samples", None)
             if phases is not None:
@@ -278,7 +279,6 @@ def worker(args: argparse.Namespace) -> int:
                 )
     if rank == 0 and args.result_json:
         with open(args.result_json, "w") as f:
-            mtu = int(os.environ.get("NETSIM_MTU", "1500"))
             cores = len(os.sched_getaffinity(0))
             json.dump(
                 {
@@ -380,7 +380,7 @@ def link_phases(per_rank: list[dict], rate: int | str, mtu: int) -> dict | None:
 def link_phase_rows(results: dict) -> list[list[str]]:
     """The report's link-per-phase rows: every row whose first rank carries ``link_phases``
     (the worker's summary of its samples; rows from runs before the sampler have none)."""
-    from _limits import PHASES
+    from _limits import LINK_KEYS, PHASES
 
     rows = []
     for rate, by_variant in results.items():
@@ -389,15 +389,8 @@ def link_phase_rows(results: dict) -> list[list[str]]:
                 continue
             for phase in (*PHASES, "step"):
                 v = by_phase[phase]
-                rows.append(
-                    [
-                        _rate_name(rate),
-                        variant,
-                        phase,
-                        *(f"{v[k] * 1e3:.0f}" for k in ("wall_s", "busy_s", "idle_s")),
-                        *(f"{v[k] * 1e3:.0f}" for k in ("head_s", "tail_s")),
-                    ]
-                )
+                ms = (f"{v[k] * 1e3:.0f}" for k in LINK_KEYS)
+                rows.append([_rate_name(rate), variant, phase, *ms])
     return rows
 
 

@@ -128,7 +128,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import add_report_args, out_path, run_origin  # noqa: E402
+from _common import add_report_args, at_least, out_path, run_origin  # noqa: E402
 from _limits import limits, phase_limits  # noqa: E402, F401  (re-exported for the tests)
 from _throughput_report import (  # noqa: E402, F401  (re-exported: tests, step_profile.py)
     LEGACY_OPTIMIZER,
@@ -241,23 +241,11 @@ def add_optimizer_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _depth(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be an int >= 1 (blocks prefetched ahead); got {text!r}"
-        )
-    return value
-
-
 def add_prefetch_arg(p: argparse.ArgumentParser) -> None:
     """``--prefetch-depth``, shared with ``step_profile.py``: ``ZeroPPConfig.prefetch_depth``."""
     p.add_argument(
         "--prefetch-depth",
-        type=_depth,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="ZeroPPConfig.prefetch_depth for every variant but fsdp2 (default: the library's, "

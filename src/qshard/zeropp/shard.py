@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves
 
 from qshard import _replicas
-from qshard._fsdp import fsdp_param_groups
+from qshard._fsdp import fsdp_param_groups, prefetch_unshard
 from qshard.comm.topology import Topology
 from qshard.zeropp._meshes import cached_hsdp_mesh, shared_post_forward_meshes
 from qshard.zeropp._overlap import OverlapQueue
@@ -702,16 +702,18 @@ def _issue_before_wait(block: nn.Module, ahead: list[nn.Module]) -> None:
     idled 98 ms of 940 at 100 Mbit/s before, 16 after (``benchmarks/step_profile.py``'s link
     table; docs/zeropp.md, "Where the link idles, sampled").
 
-    Not inside backward (a forward recomputed by activation checkpointing), where FSDP2
-    prefetches nothing in forward either. The hook runs eagerly under ``torch.compile``, as
-    FSDP2's own hooks do ([Note: hooks outside the compiled graph])."""
+    The gathers are issued through FSDP2's own prefetch function (``prefetch_unshard`` in
+    :mod:`qshard._fsdp`), so FSDP2's checks for the pass apply as to its own prefetch. Not inside
+    backward (a forward recomputed by activation checkpointing), where FSDP2 prefetches nothing
+    in forward either. The hook runs eagerly under ``torch.compile``, as FSDP2's own hooks do
+    ([Note: hooks outside the compiled graph])."""
     units = [block, *ahead]
 
     def issue(module: nn.Module, args: object) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
         for unit in units:
-            unit.unshard(async_op=True)  # type: ignore[operator]
+            prefetch_unshard(unit, "forward")
 
     block.register_forward_pre_hook(
         torch._dynamo.disable(issue, recursive=True, reason="qshard prefetch issue"),
@@ -726,17 +728,13 @@ def _issue_before_backward_wait(block: nn.Module, behind: list[nn.Module]) -> No
     before FSDP2's (from a forward hook that runs before FSDP2's post-forward, which registers
     FSDP2's) issues them first. Once per backward (a multi-grad hook, ``mode="any"``), as
     FSDP2's pre-backward runs once; nothing in a forward without autograd or one recomputed
-    inside backward (FSDP2 registers no pre-backward hook there), and nothing for a unit set
-    not to unshard in backward."""
+    inside backward (FSDP2 registers no pre-backward hook there). Issued as FSDP2's backward
+    prefetch, so a unit set not to unshard in backward stays sharded."""
     units = [block, *behind]
 
     def issue(_grad: object) -> None:
         for unit in units:
-            # FSDP2 skips a unit set not to unshard in backward (set_unshard_in_backward(False))
-            # only while the unit is in its pre-backward state, which it is not yet here
-            groups = fsdp_param_groups(unit) or ()
-            if all(getattr(g, "unshard_in_backward", True) for g in groups):
-                unit.unshard(async_op=True)  # type: ignore[operator]
+            prefetch_unshard(unit, "backward")
 
     def after_forward(module: nn.Module, args: object, output: object) -> None:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
