@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from qshard._fsdp import fsdp_param_groups, premul_sum_factor
+from qshard._fsdp import fsdp_param_groups, prefetch_unshard, premul_sum_factor
 
 
 class _Unit:
@@ -41,6 +41,23 @@ def test_param_groups_single_group():  # torch 2.9 and 2.11
 def test_param_groups_unknown_layout():
     assert fsdp_param_groups(_Unit(_State())) is None
     assert fsdp_param_groups(object()) is None  # not an FSDPModule
+
+
+def test_prefetch_unshard_calls_fsdp2s_prefetch_per_group(monkeypatch):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    calls = []
+    monkeypatch.setattr(
+        FSDPParamGroup, "_prefetch_unshard", staticmethod(lambda g, p: calls.append((g, p)))
+    )
+    a, b = object(), object()
+    assert prefetch_unshard(_Unit(_State(_fsdp_param_groups=[a, b])), "backward") is True
+    assert calls == [(a, "backward"), (b, "backward")]
+    # groups kept some unknown way, or no such function in this torch: nothing issued
+    assert prefetch_unshard(_Unit(_State()), "forward") is False
+    monkeypatch.delattr(FSDPParamGroup, "_prefetch_unshard")
+    assert prefetch_unshard(_Unit(_State(_fsdp_param_groups=[a])), "forward") is False
+    assert len(calls) == 2
 
 
 class _OldPremulSum:  # torch 2.11's ReduceOp: the factor only in its pickled state
