@@ -267,7 +267,7 @@ def _case_direct_call(topo, rank, res):
 
 
 def _case_issue_before_wait(topo, rank, res):
-    """[Note: issue the prefetch before the wait] in shard.py: when FSDP2 waits for block i's
+    """[Note: issue the prefetch before the wait] in zeropp/_prefetch.py: when FSDP2 waits for block i's
     gather in forward, block i + 1's is already issued (queued behind it), for a qwZ (two hops)
     and a plain recording model; not in a forward recomputed inside backward. Numerics are the
     trajectory cases' (every model here prefetches)."""

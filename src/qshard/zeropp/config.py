@@ -55,7 +55,7 @@ class ZeroPPConfig:
             handle's ``wait()``) overlaps the current block's compute. The prefetches are
             issued before FSDP2 waits for the block's own gather (FSDP2 issues them after), so
             the next gather is queued behind the one in flight ([Note: issue the prefetch
-            before the wait] in ``qshard.zeropp.shard``). Numerics unchanged.
+            before the wait] in ``qshard.zeropp._prefetch``). Numerics unchanged.
         prefetch_depth: with ``prefetch``, how many blocks ahead each block prefetches (1: the
             next one; another value without ``prefetch`` is refused, it would be ignored).
             Depth 2 keeps two gathers in flight and, through ``keep_last_blocks``' default,
