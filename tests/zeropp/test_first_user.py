@@ -35,6 +35,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -328,3 +329,40 @@ def test_hpz_as_a_partition_size_names_ranks_per_node():
         ZeroPPConfig(hpz=8)
     with pytest.raises(TypeError, match=r"hpz must be a bool; got 1$"):
         ZeroPPConfig(hpz=1)
+
+
+class _WithEmpty(nn.Module):
+    """Two blocks, the second holding an ``nn.Linear(D, 0)`` (a (0, D) weight, a (0,) bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks[1].empty = nn.Linear(D, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](x)
+        return self.blocks[1](x) + self.blocks[1].empty(x).sum()
+
+
+def test_a_trainable_empty_parameter_is_refused_before_anything_is_wrapped(tmp_path):
+    """nn.Linear(d, 0) in a block: shard() wrapped it and the forward ran, then the first
+    backward failed inside FSDP2's reduce-scatter copy-in ("_chunk_cat expects non-empty
+    tensor", plain fully_shard alike). Now refused up front, naming the parameter and the fix;
+    frozen, the same model shards and trains."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        topo = Topology(world_size=1, ranks_per_node=1)
+        model = _WithEmpty()
+        with pytest.raises(
+            ValueError, match=r"'blocks.1.empty.weight' has no elements \(shape \(0, 16\)\)"
+        ):
+            shard(model, topology=topo)
+        assert not any(isinstance(m, FSDPModule) for m in model.modules())
+        model.blocks[1].empty.requires_grad_(False)
+        shard(model, topology=topo)
+        model(torch.randn(2, D)).sum().backward()
+        assert all(p.grad is not None for p in model.blocks[0].parameters())
+    finally:
+        dist.destroy_process_group()

@@ -480,6 +480,19 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
             f"shard(), e.g. model.{name} = nn.Parameter(model.{name}.detach().reshape(1))"
             + (f" (also {', '.join(map(repr, scalars[1:]))})" if len(scalars) > 1 else "")
         )
+    # A trainable parameter with no elements (nn.Linear(d, 0)) wraps and runs forward, then
+    # fails FSDP2's reduce-scatter copy-in at the first backward ("_chunk_cat expects
+    # non-empty tensor", torch 2.13, plain fully_shard alike); frozen, it trains
+    empty = [name for name, p in model.named_parameters() if p.numel() == 0 and p.requires_grad]
+    if empty:
+        name = empty[0]
+        raise ValueError(
+            f"parameter {name!r} has no elements (shape "
+            f"{tuple(model.get_parameter(name).shape)}) and FSDP2's gradient reduce-scatter "
+            "fails on an empty gradient at the first backward: remove it from the model, or "
+            f"freeze it before shard(): model.get_parameter({name!r}).requires_grad_(False)"
+            + (f" (also {', '.join(map(repr, empty[1:]))})" if len(empty) > 1 else "")
+        )
     wrapped = {id(m) for m in model.modules() if isinstance(m, FSDPModule)}
     owner: dict[int, int] = {}
     for i, unit in enumerate(units):
