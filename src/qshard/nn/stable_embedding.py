@@ -66,11 +66,6 @@ class StableEmbedding(nn.Embedding):
         self.norm = nn.LayerNorm(embedding_dim, device=norm_device, dtype=torch.float32)
         register_full_precision_state(self, "weight")
 
-    def __setstate__(self, state: dict) -> None:
-        # copy.deepcopy and unpickling bypass __init__: register the copy too.
-        super().__setstate__(state)
-        register_full_precision_state(self, "weight")
-
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.weight)
         self._fill_padding_idx_with_zero()
