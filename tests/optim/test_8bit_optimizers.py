@@ -5,6 +5,8 @@ overrides, StableEmbedding, option validation and state size."""
 from __future__ import annotations
 
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -280,6 +282,80 @@ def test_stable_embedding():
         assert "exp_avg" in opt.state[model[0].weight]
         if len(model) > 1:
             assert "exp_avg_codes" in opt.state[model[1].weight]
+
+
+def test_a_registration_survives_copies_of_the_module():
+    """register_full_precision_state on an ordinary module: a deepcopy, a pickle round trip and
+    torch.save / torch.load of the model gave the copy's weight 8-bit state without a word (the
+    registry was keyed by the module object; only StableEmbedding re-registered its copies)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    qoptim.register_full_precision_state(model[0], "weight")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [
+        model,
+        copy.deepcopy(model),
+        pickle.loads(pickle.dumps(model)),
+        torch.load(buf, weights_only=False),
+    ]
+    for i, m in enumerate(copies):
+        opt = qoptim.AdamW8bit(m.parameters(), min_8bit_size=0)
+        m(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        assert "exp_avg" in opt.state[m[0].weight], i  # registered: fp32 state
+        assert "exp_avg_codes" in opt.state[m[1].weight], i
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        qoptim.Adam8bit,
+        qoptim.AdamW8bit,
+        qoptim.SGD8bit,
+        qoptim.Lion8bit,
+        qoptim.Adagrad8bit,
+        qoptim.RMSprop8bit,
+        qoptim.AdamW4bit,
+    ],
+)
+def test_a_parameter_listed_twice_in_a_group_is_refused(cls):
+    """torch only warns about a duplicate and steps it twice per step. Here the kernel got two
+    rows aliasing one tensor: one step counter for two updates, and with two threads the
+    result changed from run to run. Refused now, in the constructor and in add_param_group,
+    and a refused group is not left behind; a generator of parameters still works."""
+    kw = {"momentum": 0.9} if cls is qoptim.SGD8bit else {}
+    p = nn.Parameter(torch.randn(64, 64))
+    with pytest.raises(
+        ValueError, match=r"lists one parameter twice \(params\[0\] and params\[2\]"
+    ):
+        cls([p, nn.Parameter(torch.zeros(3)), p], **kw)
+    opt = cls(iter([p]), **kw)
+    q = nn.Parameter(torch.randn(8))
+    with pytest.raises(ValueError, match="lists one parameter twice"):
+        opt.add_param_group({"params": [q, q]})
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == [p]
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        qoptim.Adam8bit,
+        qoptim.AdamW8bit,
+        qoptim.SGD8bit,
+        qoptim.Adagrad8bit,
+        qoptim.RMSprop8bit,
+        qoptim.AdamW4bit,
+    ],
+)
+def test_maximize_false_is_taken_and_true_refused_naming_the_class(cls):
+    """Code written for torch.optim that passed maximize=False was refused with a TypeError,
+    and AdamW8bit's named its parent ("Adam8bit.__init__() got an unexpected keyword
+    argument 'maximize'")."""
+    p = [nn.Parameter(torch.randn(4, 4))]
+    cls(p, maximize=False)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__} does not support maximize=True"):
+        cls(p, maximize=True)
 
 
 def test_bf16_parameters_use_fp32_math_and_keep_state_dtypes():

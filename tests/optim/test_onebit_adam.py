@@ -540,6 +540,12 @@ def test_add_param_group_checks_like_the_constructor(name):
         ("bias_correction", True),
         ("max_grad_norm", 1.0),
         ("maximize", True),
+        # torch's Adam's per-group switches, kept without a word before
+        ("foreach", True),
+        ("fused", True),
+        ("capturable", False),
+        ("differentiable", False),
+        ("decoupled_weight_decay", True),
     ):
         with pytest.raises(ValueError, match=rf"\['{key}'\] in a param group.*constructor"):
             opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], key: value})
@@ -547,6 +553,12 @@ def test_add_param_group_checks_like_the_constructor(name):
             _optimizer_class(name)(
                 [{"params": [nn.Parameter(torch.zeros(3))], key: value}], **_FREEZE_AT_3[name]
             )
+    # A parameter listed twice in one group (torch only warns) was averaged and stepped twice
+    q = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"lists one parameter twice \(params\[0\] and params"):
+        opt.add_param_group({"params": [q, q]})
+    with pytest.raises(ValueError, match="lists one parameter twice"):
+        _optimizer_class(name)([q, q], **_FREEZE_AT_3[name])
     assert len(opt.param_groups) == 1  # a refused group is not left behind
     opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "lr": 1e-2})
     assert len(opt.param_groups) == 2

@@ -35,7 +35,7 @@ from qshard.optim._multi_tensor import (
     _step_bank,
     _steps_off_device,
 )
-from qshard.optim._options import SCHEDULER_KEYS
+from qshard.optim._options import SCHEDULER_KEYS, listed_once
 from qshard.optim._state_layout import _full_state_dtype, _local
 
 __all__ = ["BlockwiseOptimizer"]
@@ -103,7 +103,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}: unknown param-group option(s) {unknown}; known options:"
                 f" {sorted(self.defaults)}"
             )
-        super().add_param_group(param_group)
+        super().add_param_group(listed_once(param_group, type(self).__name__))
         group = self.param_groups[-1]
         try:
             # HSDP with replicate_reduce=False: no gradient crosses nodes and this optimizer

@@ -71,6 +71,7 @@ from qshard.comm.compressed import (
     server_error_numel,
 )
 from qshard.comm.ledger import active_ledger
+from qshard.optim._options import listed_once
 from qshard.optim._replicate import _dtensor_type, _root_mesh, localize
 
 __all__: list[str] = []
@@ -94,6 +95,11 @@ _NOT_PER_GROUP = frozenset(
         "process_group",
         "amsgrad",
         "maximize",  # torch's Adam
+        "foreach",
+        "fused",
+        "capturable",
+        "differentiable",
+        "decoupled_weight_decay",
         "max_grad_norm",  # DeepSpeed's
         "eps_inside_sqrt",
         "cuda_aware",
@@ -260,7 +266,7 @@ class _DataParallelOneBitOptimizer(Optimizer):
                 "group would silently ignore. Per group only lr, betas, eps and weight_decay; "
                 f"pass the others to the {name} constructor (see its docstring)"
             )
-        super().add_param_group(param_group)
+        super().add_param_group(listed_once(param_group, name))
         group = self.param_groups[-1]
         try:
             _validate_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])

@@ -24,6 +24,8 @@ __all__ = [
     "check_common_options",
     "check_numbers",
     "check_params_and_torch_flags",
+    "listed_once",
+    "refuse_maximize",
 ]
 
 #: Options every 8-bit optimizer accepts, per parameter group.
@@ -48,6 +50,40 @@ COMMON_DEFAULTS: dict[str, Any] = {
 SCHEDULER_KEYS = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
 )
+
+
+def refuse_maximize(maximize: Any, name: str) -> None:
+    """``maximize`` as torch's optimizers take it: False (torch's default) is accepted, so code
+    written for ``torch.optim`` that passes it runs; True is refused (the kernels minimize)."""
+    if maximize is not False:
+        raise ValueError(
+            f"{name} does not support maximize={maximize!r} (it minimizes); minimize the "
+            "negated objective instead, or leave maximize=False"
+        )
+
+
+def listed_once(param_group: dict[str, Any], name: str) -> dict[str, Any]:
+    """``param_group`` with its ``params`` as a list, refused if it lists a tensor twice.
+
+    torch only warns about a duplicate ("in future, this will cause an error") and steps the
+    tensor twice per step; in the block-wise kernels the two rows alias one tensor, and with two
+    threads they raced: the result changed from run to run, with one step counter for two
+    updates (the 1-bit optimizers would average and step it twice too).
+    """
+    params = param_group.get("params")
+    if params is None or isinstance(params, (Tensor, set)):
+        return param_group  # torch's own handling (one tensor; its TypeError for a set)
+    params = list(params)
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        j = seen.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(
+                f"{name}: a param group lists one parameter twice (params[{j}] and params[{i}], "
+                f"shape {tuple(p.shape)}); list each parameter once (e.g. "
+                "list(dict.fromkeys(params)), or model.parameters(), which lists a tied one once)"
+            )
+    return {**param_group, "params": params}
 
 
 # Real numbers as torch.optim takes them (np.float32 and NumPy's ints are not Python floats

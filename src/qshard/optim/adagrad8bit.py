@@ -10,7 +10,7 @@ from torch.optim.adagrad import adagrad as _torch_adagrad
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
-from qshard.optim._options import check_numbers
+from qshard.optim._options import check_numbers, refuse_maximize
 
 __all__ = ["Adagrad8bit"]
 
@@ -19,7 +19,7 @@ class Adagrad8bit(Optimizer8bit):
     """Adagrad with an 8-bit accumulator; ``torch.optim.Adagrad`` semantics. The 8-bit options
     are those of :class:`qshard.optim.Adam8bit`; ``foreach``/``fused`` are
     ``torch.optim.Adagrad``'s, for the tensors with fp32 state (the same bits as torch with the
-    same flags; torch's fused Adagrad runs on CPU only)."""
+    same flags; torch's fused Adagrad runs on CPU only); ``maximize`` must be False."""
 
     _kind = _kernels.KIND_ADAGRAD
     _sparse_alternative = "torch.optim.Adagrad (which takes sparse gradients)"
@@ -40,7 +40,9 @@ class Adagrad8bit(Optimizer8bit):
         stochastic_rounding: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        maximize: bool = False,
     ) -> None:
+        refuse_maximize(maximize, type(self).__name__)
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,

@@ -37,7 +37,12 @@ from qshard.optim._multi_tensor import (
     _multi_tensor_entry,
     _triton_launches,
 )
-from qshard.optim._options import _check_lr, check_numbers, check_params_and_torch_flags
+from qshard.optim._options import (
+    _check_lr,
+    check_numbers,
+    check_params_and_torch_flags,
+    refuse_maximize,
+)
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
 from qshard.optim._state_layout import _check_layout, _full_state_dtype, _local, _wrap_like
@@ -56,6 +61,7 @@ class Adam4bit(BlockwiseOptimizer):
         params: parameters or parameter groups (groups may override every option below).
         lr, betas, eps, weight_decay: as ``torch.optim.Adam``.
         amsgrad: must be False (not supported with quantized state).
+        maximize: must be False (accepted as torch.optim takes it; the kernels minimize).
         optim_bits: 4 (quantized state for eligible tensors) or 32 (fp32 state).
         min_4bit_size: tensors with fewer (global) elements keep fp32 state; 1-D tensors always
             do (their rows would be single elements).
@@ -87,7 +93,9 @@ class Adam4bit(BlockwiseOptimizer):
         second_moment_map: str = "linear",
         foreach: bool | None = None,
         fused: bool | None = None,
+        maximize: bool = False,
     ) -> None:
+        refuse_maximize(maximize, type(self).__name__)
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad; use amsgrad=False")
         defaults = dict(

@@ -10,7 +10,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
-from qshard.optim._options import check_numbers
+from qshard.optim._options import check_numbers, refuse_maximize
 
 __all__ = ["Adam8bit", "AdamW8bit"]
 
@@ -72,6 +72,7 @@ class Adam8bit(Optimizer8bit):
         params: parameters or parameter groups (groups may override every option below).
         lr, betas, eps, weight_decay: as ``torch.optim.Adam`` (L2 decay added to the gradient).
         amsgrad: must be False (not supported with quantized state).
+        maximize: must be False (accepted as torch.optim takes it; the kernels minimize).
         optim_bits: 8 (quantized state for eligible tensors) or 32 (fp32 state).
         min_8bit_size: tensors with fewer (global) elements keep fp32 state; 1-D tensors always
             do (see [Note: row-block layout] in ``_qstate.py``).
@@ -102,7 +103,9 @@ class Adam8bit(Optimizer8bit):
         stochastic_rounding: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        maximize: bool = False,
     ) -> None:
+        refuse_maximize(maximize, type(self).__name__)
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad; use amsgrad=False")
         defaults = dict(

@@ -10,7 +10,7 @@ from torch.optim.rmsprop import rmsprop as _torch_rmsprop
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
-from qshard.optim._options import check_numbers
+from qshard.optim._options import check_numbers, refuse_maximize
 
 __all__ = ["RMSprop8bit"]
 
@@ -19,7 +19,7 @@ class RMSprop8bit(Optimizer8bit):
     """RMSprop with 8-bit state; ``torch.optim.RMSprop`` semantics (uncentered). The 8-bit
     options are those of :class:`qshard.optim.Adam8bit`; ``foreach`` is ``torch.optim.RMSprop``'s,
     for the tensors with fp32 state (the same bits as torch with the same flag; torch has no
-    fused RMSprop)."""
+    fused RMSprop); ``maximize`` must be False."""
 
     _kind = _kernels.KIND_RMSPROP
 
@@ -39,7 +39,9 @@ class RMSprop8bit(Optimizer8bit):
         bnb_compat: bool = False,
         stochastic_rounding: bool = False,
         foreach: bool | None = None,
+        maximize: bool = False,
     ) -> None:
+        refuse_maximize(maximize, type(self).__name__)
         if centered:
             raise ValueError(
                 "RMSprop8bit does not support centered=True (a third state); use "

@@ -11,7 +11,7 @@ from torch.optim.sgd import sgd as _torch_sgd
 
 from qshard.optim import _functional, _kernels
 from qshard.optim._base8bit import Optimizer8bit
-from qshard.optim._options import check_numbers
+from qshard.optim._options import check_numbers, refuse_maximize
 
 __all__ = ["SGD8bit"]
 
@@ -21,7 +21,7 @@ class SGD8bit(Optimizer8bit):
     first gradient). With ``momentum=0`` there is no state and this is plain SGD. The 8-bit
     options are those of :class:`qshard.optim.Adam8bit`; ``foreach``/``fused`` are
     ``torch.optim.SGD``'s, for the tensors with fp32 state (the same bits as torch with the same
-    flags).
+    flags); ``maximize`` must be False.
     """
 
     _kind = _kernels.KIND_SGD
@@ -43,7 +43,9 @@ class SGD8bit(Optimizer8bit):
         stochastic_rounding: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
+        maximize: bool = False,
     ) -> None:
+        refuse_maximize(maximize, type(self).__name__)
         defaults = dict(
             lr=lr,
             momentum=momentum,
