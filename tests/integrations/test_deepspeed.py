@@ -278,6 +278,9 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
         ({"scheduler": {"type": "WarmupLR"}}, "scheduler.*learning-rate schedule"),
         ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "params.lr.*auto"),
         ({"optimizer": {"type": "Lamb"}}, "'Lamb' has no qshard equivalent"),
+        # a section without a type was "optimizer.type: None has no qshard equivalent"
+        ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.type: is missing: give the"),
+        ({"optimizer": {"type": None}}, "optimizer.type: is missing"),
         ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1}}}, "gradient_clipping"),
         (
             {"optimizer": {"type": "ZeroOneAdam"}, "zero_optimization": {"stage": 3}},
@@ -578,6 +581,87 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
     ):
         with pytest.raises(DeepSpeedConfigError, match=message):
             config_from_args(["--deepspeed-config", _write(tmp_path, {**ZEROPP, **change})])
+
+
+def test_cli_names_the_fix_of_a_batch_that_is_not_the_micro_batch_times_the_ranks(tmp_path):
+    """train_batch_size 4 with a micro batch of 2 fits 2 ranks only. On 1 rank DeepSpeed would
+    accumulate 2 micro batches, which the app does not do; the error said only "4 is not
+    train_micro_batch_size_per_gpu 2 x 1 ranks", without the fix docs/deepspeed.md promises."""
+    batches = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
+    path = _write(tmp_path, {**batches, "zero_optimization": {"stage": 3}})
+    with pytest.raises(DeepSpeedConfigError) as one:
+        config_from_args(["--deepspeed-config", path, "--nproc", "1"])
+    assert str(one.value) == (
+        f"{path}: train_batch_size: 4 is not train_micro_batch_size_per_gpu 2 x 1 rank = 2: "
+        "DeepSpeed would accumulate gradients over 2 micro batches per step, and qshard train "
+        "has no gradient accumulation; run on --nproc 2, set train_batch_size to 2 or "
+        "train_micro_batch_size_per_gpu to 4, or give only one of the two keys"
+    )
+    with pytest.raises(DeepSpeedConfigError) as four:
+        config_from_args(["--deepspeed-config", path, "--nproc", "4"])
+    assert str(four.value).endswith(
+        "train_batch_size: 4 is not train_micro_batch_size_per_gpu 2 x 4 ranks = 8; run on "
+        "--nproc 2, set train_batch_size to 8 or train_micro_batch_size_per_gpu to 1, or give "
+        "only one of the two keys"
+    )
+    with pytest.raises(
+        DeepSpeedConfigError,
+        match="x 3 ranks = 6; run on --nproc 2, set train_batch_size to 6, or give only",
+    ):
+        config_from_args(["--deepspeed-config", path, "--nproc", "3"])  # 4 does not split in 3
+    assert config_from_args(["--deepspeed-config", path, "--nproc", "2"]).batch_size == 4
+
+
+def test_cli_file_without_an_optimizer_section_keeps_the_optim_flag(tmp_path):
+    """docs/deepspeed.md: flags the file does not speak to keep theirs. A file with no
+    optimizer section (stage 0, or nothing but a batch size) was refused as "stage 0 with
+    Adam/AdamW ... set stage 3" whatever --optim said, naming an optimizer the file never
+    chose; a 1-bit --optim runs at stage 0, with the app's run-sized schedule."""
+    from qshard.train._parallel import build_optimizer
+    from qshard.train.model import GPT, GPTConfig
+
+    (tmp_path / "z0").mkdir()
+    (tmp_path / "b").mkdir()
+    stage0 = _write(tmp_path / "z0", {"zero_optimization": {"stage": 0}})
+    only_batch = _write(tmp_path / "b", {"train_batch_size": 4})
+    for path in (stage0, only_batch):
+        for optim in ("onebit_adam", "zero_one_adam"):
+            argv = ["--deepspeed-config", path, "--nproc", "2", "--optim", optim, "--steps", "40"]
+            cfg = config_from_args(argv)
+            assert (cfg.optim, cfg.zeropp) == (optim, "off")
+        with pytest.raises(DeepSpeedConfigError) as refused:
+            config_from_args(["--deepspeed-config", path, "--nproc", "2"])
+        message = str(refused.value)
+        assert message.startswith(f"{path}: zero_optimization.stage: 0 (also what no ")
+        assert "with --optim adamw8bit (its default; the file has no optimizer section)" in message
+        assert "Adam/AdamW" not in message
+        assert message.endswith(
+            'set "zero_optimization": {"stage": 3}, or pass --optim onebit_adam or zero_one_adam '
+            "(the 1-bit optimizers run replicated, at stage 0)"
+        )
+    with pytest.raises(DeepSpeedConfigError, match=r"with --optim adamw \(the file has no"):
+        config_from_args(["--deepspeed-config", stage0, "--nproc", "2", "--optim", "adamw"])
+    # the file's own optimizer is named as the file's
+    adamw0 = _write(tmp_path, {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}})
+    with pytest.raises(
+        DeepSpeedConfigError,
+        match=r"with the file's optimizer adamw is plain .*"
+        r"set optimizer.type OneBitAdam or ZeroOneAdam",
+    ):
+        config_from_args(["--deepspeed-config", adamw0, "--nproc", "2"])
+    # a stage-3 file and a 1-bit --optim: the file's stage went unused (the run was replicated)
+    stage3 = _write(tmp_path, {"zero_optimization": {"stage": 3}})
+    with pytest.raises(
+        DeepSpeedConfigError,
+        match=r"zero_optimization.stage: 3 with --optim "
+        r"onebit_adam \(the file has no optimizer section\): the 1-bit",
+    ):
+        config_from_args(["--deepspeed-config", stage3, "--nproc", "2", "--optim", "onebit_adam"])
+    # the file has no schedule: the app's run-sized one, not the class's 10^5-step default
+    argv = ["--deepspeed-config", stage0, "--nproc", "2", "--optim", "onebit_adam"]
+    cfg = config_from_args([*argv, "--steps", "40"])
+    opt = build_optimizer(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, context=8)), cfg)
+    assert opt.freeze_step == 10  # a quarter of the run
 
 
 def test_cli_zero_one_adam_schedule_from_the_file(tmp_path):

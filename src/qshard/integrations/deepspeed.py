@@ -392,7 +392,13 @@ class _Reader:
                 )
         if not opt:  # DeepSpeed then takes the optimizer the script passes in
             return None, None, {}
-        kind = str(opt.get("type", "")).lower()
+        if opt.get("type") is None:  # absent or null ("None has no equivalent" said before)
+            raise self.fail(
+                "optimizer.type",
+                "is missing: give the optimizer's type (Adam, AdamW, OneBitAdam or ZeroOneAdam), "
+                "or remove the optimizer section to build your own optimizer",
+            )
+        kind = str(opt["type"]).lower()
         if kind not in _OPTIMIZER_TYPES:
             raise self.fail(
                 "optimizer.type",

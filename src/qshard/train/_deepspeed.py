@@ -10,10 +10,14 @@ does not speak to (model size, steps, schedule, checkpoints) keep theirs, except
 file's ``lr`` (the schedule's peak) also moves ``--min-lr``'s default with it (the defaults'
 ratio, 1/10) unless ``--min-lr`` is given. Settings with no
 flag (the 1-bit optimizers' schedules, ZeRO++'s prefetch and wire dtype) reach every rank
-through ``TrainConfig.deepspeed_config``, which :mod:`qshard.train._parallel` reads again.
+through ``TrainConfig.deepspeed_config``, which :mod:`qshard.train._parallel` reads again; a
+file without an optimizer section leaves ``--optim`` (with the app's run-sized 1-bit
+schedules) to the flag, as DeepSpeed then takes the script's optimizer.
 What the app cannot run (gradient accumulation, Adam with L2 decay, bf16 gradient reduction,
-stage 0 with Adam, an lr of 0, a ``train_batch_size`` that does not split over the ranks) is
-refused with the key and the fix.
+stage 0 with an optimizer that is not 1-bit or stage 3 with one (the file's optimizer, or
+``--optim``'s when the file has no optimizer section), an lr of 0, a ``train_batch_size`` that
+is not the micro batch times the ranks or does not split over them) is refused with the key and
+the fix.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from qshard.integrations.deepspeed import (
     HpzSizeUncheckedWarning,
     read_deepspeed_config,
 )
-from qshard.train.config import TrainConfig, parse_zeropp
+from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig, parse_zeropp
 
 __all__ = ["apply_deepspeed", "translation"]
 
 _APP_EPS = 1e-8  # the app's Adam eps (no flag)
+# The 1-bit optimizers' names in a file (optimizer.type), by their --optim names.
+_ONE_BIT_TYPES = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam"}
 # 1-bit optimizer arguments the app derives from the run unless a DeepSpeed config gives them.
 SCHEDULE_KWARGS = (
     "freeze_step",
@@ -53,8 +59,11 @@ def translation(path: str, *, ranks_per_node: int | None = None) -> DeepSpeedTra
         return read_deepspeed_config(path, ranks_per_node=ranks_per_node)
 
 
-def _flag_values(t: DeepSpeedTranslation, *, nproc: int, where: str) -> dict[str, Any]:
-    """The flags ``t`` fixes."""
+def _flag_values(
+    t: DeepSpeedTranslation, *, nproc: int, optim: str, optim_given: bool, where: str
+) -> dict[str, Any]:
+    """The flags ``t`` fixes. ``optim`` is ``--optim``'s value (``optim_given``: explicitly),
+    which the run trains when the file has no ``optimizer`` section."""
 
     def refuse(key: str, why: str) -> DeepSpeedConfigError:
         return DeepSpeedConfigError(f"{where}: {key}: {why}")
@@ -78,14 +87,36 @@ def _flag_values(t: DeepSpeedTranslation, *, nproc: int, where: str) -> dict[str
             beta2=kw["betas"][1],
             weight_decay=kw["weight_decay"],
         )
+    # [Note: the optimizer of a file without one] A file with no optimizer section leaves
+    # --optim to the flag (DeepSpeed takes the script's optimizer then), so the stage is
+    # checked against the optimizer the run trains, and an error names where it came from: a
+    # file holding only {"train_batch_size": 4} was refused as "stage 0 with Adam/AdamW" even
+    # with --optim onebit_adam, which runs at stage 0.
+    if t.optimizer is not None:
+        named = f"the file's optimizer {t.optimizer}"
+        one_bit = "set optimizer.type " + " or ".join(_ONE_BIT_TYPES.values())
+    else:
+        default = "" if optim_given else "its default; "
+        named = f"--optim {optim} ({default}the file has no optimizer section)"
+        one_bit = "pass --optim " + " or ".join(DATA_PARALLEL_OPTIMIZERS)
+    trained = t.optimizer or optim
     if t.zeropp is None:
-        if t.optimizer in (None, "adamw"):
+        if trained not in DATA_PARALLEL_OPTIMIZERS:
             raise refuse(
                 "zero_optimization.stage",
-                "0 with Adam/AdamW is plain data parallel, which qshard train does not run: it "
-                "shards with FSDP2; set stage 3",
+                f"0 (also what no zero_optimization section means) with {named} is plain data "
+                "parallel, which qshard train does not run: it shards with FSDP2; set "
+                f'"zero_optimization": {{"stage": 3}}, or {one_bit} (the 1-bit optimizers '
+                "run replicated, at stage 0)",
             )
         values["zeropp"] = "off"
+    elif trained in DATA_PARALLEL_OPTIMIZERS:  # the file's own 1-bit optimizer: refused there
+        raise refuse(
+            "zero_optimization.stage",
+            f"3 with {named}: the 1-bit optimizers replicate the model and compress their own "
+            "communication (DeepSpeed refuses them with ZeRO too); set stage 0 (or drop the "
+            "zero_optimization section), or pass another --optim",
+        )
     else:
         on = [name for name in ("qwz", "hpz", "qgz") if getattr(t.zeropp, name)]
         values["zeropp"] = ",".join(on) or "off"
@@ -106,15 +137,32 @@ def _flag_values(t: DeepSpeedTranslation, *, nproc: int, where: str) -> dict[str
     batch = t.train_batch_size
     if t.micro_batch_size is not None:
         if batch is not None and batch != t.micro_batch_size * nproc:
-            raise refuse(
-                "train_batch_size",
-                f"{batch} is not train_micro_batch_size_per_gpu {t.micro_batch_size} x "
-                f"{nproc} ranks",
-            )
+            raise refuse("train_batch_size", _batch_mismatch(t, nproc=nproc))
         batch = t.micro_batch_size * nproc
     if batch is not None:
         values["batch_size"] = batch
     return values
+
+
+def _batch_mismatch(t: DeepSpeedTranslation, *, nproc: int) -> str:
+    """Why a ``train_batch_size`` that is not the micro batch times the ranks cannot run, and
+    what would. DeepSpeed derives ``gradient_accumulation_steps`` from the two when it is not
+    given (``train_batch_size / (micro x world)``, 2 for 4 and 2 on one rank); the app has no
+    gradient accumulation, so the fixes are the ranks that fit (the reader checked that the
+    micro batch divides the global one), either key at a value that fits, or one key alone."""
+    batch, micro = t.train_batch_size, t.micro_batch_size
+    assert batch is not None and micro is not None
+    ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
+    why = f"{batch} is not train_micro_batch_size_per_gpu {micro} x {ranks} = {micro * nproc}"
+    if t.gradient_accumulation_steps is None and batch % (micro * nproc) == 0:
+        why += (
+            f": DeepSpeed would accumulate gradients over {batch // (micro * nproc)} micro "
+            "batches per step, and qshard train has no gradient accumulation"
+        )
+    keys = f"set train_batch_size to {micro * nproc}"
+    if batch % nproc == 0:
+        keys += f" or train_micro_batch_size_per_gpu to {batch // nproc}"
+    return f"{why}; run on --nproc {batch // micro}, {keys}, or give only one of the two keys"
 
 
 def _same_value(name: str, given: Any, value: Any) -> bool:
@@ -138,7 +186,13 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
             f"--parallel {args['parallel']} with --deepspeed-config {path}: the file describes "
             "ZeRO-3 (stage 3) or data parallel (stage 0); drop --parallel"
         )
-    values = _flag_values(t, nproc=args["nproc"], where=path)
+    values = _flag_values(
+        t,
+        nproc=args["nproc"],
+        optim=args["optim"],
+        optim_given="optim" in explicit,
+        where=path,
+    )
     out = dict(args)
     for name, value in values.items():
         given = args[name]

@@ -212,12 +212,16 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     # The papers' schedules are sized for 10^5-step runs; scale them to this run: 1-bit Adam
     # warms up in full precision for 1/4 of the steps; 0/1 Adam follows its paper's rules for
     # T_v and T_u applied to this run's lr schedule (zero_one_adam_schedule).
-    if config.deepspeed_config:  # the file's schedule, DeepSpeed's defaults filled in
+    if config.deepspeed_config:
         from qshard.train._deepspeed import SCHEDULE_KWARGS, translation
 
-        kwargs = translation(config.deepspeed_config).optimizer_kwargs
-        schedule = {k: kwargs[k] for k in SCHEDULE_KWARGS if k in kwargs}
-        return cls(groups, lr=config.lr, betas=betas, eps=1e-8, **schedule)
+        file = translation(config.deepspeed_config)
+        # The file's schedule, DeepSpeed's defaults filled in; a file without an optimizer
+        # section leaves the optimizer to --optim, with the app's schedule (below).
+        if file.optimizer is not None:
+            kwargs = file.optimizer_kwargs
+            schedule = {k: kwargs[k] for k in SCHEDULE_KWARGS if k in kwargs}
+            return cls(groups, lr=config.lr, betas=betas, eps=1e-8, **schedule)
     if config.optim == "onebit_adam":
         freeze = max(1, config.steps // 4)
         return cls(groups, lr=config.lr, betas=betas, eps=1e-8, freeze_step=freeze)
