@@ -213,8 +213,10 @@ def test_torn_saves_and_deletions_never_count_as_complete(tmp_path):
     for name in ("step_00000002", ".step_00000004.partial", ".step_00000001.deleting"):
         (root / name).mkdir(parents=True)
         (root / name / "qshard.json").write_text('{"step": 0}')
-    (root / "step_00000003").mkdir()  # no qshard.json: the rename happened, the write did not
+    (root / "step_00000003").mkdir()  # no qshard.json: not complete (and no save leaves one)
     assert ckpt.latest_checkpoint(root).name == "step_00000002"
+    # ... but a resume starts from it, and refuses it as damaged (see the fallback tests)
+    assert ckpt.newest_folder(root).name == "step_00000003"
 
 
 def test_a_restart_resumes_only_where_a_checkpoint_exists(tmp_path, monkeypatch):
@@ -225,6 +227,10 @@ def test_a_restart_resumes_only_where_a_checkpoint_exists(tmp_path, monkeypatch)
     assert resume_after_restart(config).resume is False  # nothing saved yet: start over
     (tmp_path / "checkpoints/step_00000002").mkdir(parents=True)
     (tmp_path / "checkpoints/step_00000002/qshard.json").write_text("{}")
+    assert resume_after_restart(config).resume is True
+    # A step folder without qshard.json alone: the restart resumes, and its fallback moves the
+    # folder aside as damaged (docs/train.md) rather than training over it from step 0.
+    (tmp_path / "checkpoints/step_00000002/qshard.json").unlink()
     assert resume_after_restart(config).resume is True
 
 
@@ -265,6 +271,8 @@ def _fallback_cases(rank: int, world: int, tmp: str) -> dict[str, object]:
                 (path / "qshard.json").write_text('{"step": 3')
             elif how == "metadata":
                 (path / ".metadata").unlink()
+            elif how == "nometa":  # the shards are there, qshard.json is not
+                (path / "qshard.json").unlink()
             elif how == "flip":  # rank 0's shard, same size: verified by rank 1
                 _flip(path / "__0_0.distcp")
             else:  # only rank 1's own per-rank file: rank 0 loads its file fine (a checkpoint
@@ -294,7 +302,7 @@ def _fallback_cases(rank: int, world: int, tmp: str) -> dict[str, object]:
     base = Path(tmp)
     # DCP: a shard cut short (found only by loading), a qshard.json that is not JSON, no
     # .metadata; each newest, with intact checkpoints before it.
-    for how in ("truncate", "json", "metadata", "flip"):
+    for how in ("truncate", "json", "metadata", "flip", "nometa"):
         root = base / f"dcp_{how}"
         save(root, (1, 2, 3))
         damage(root / "step_00000003", how)
@@ -359,6 +367,8 @@ def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(fallback):
         ("json", "qshard.json cannot be read (Expecting ',' delimiter"),
         ("metadata", "has qshard.json but no DCP .metadata"),
         ("flip", "__0_0.distcp cannot be loaded (its contents changed since the save: "),
+        # was passed over without a word: an explicit --resume went on from step 2
+        ("nometa", "has no qshard.json, which a save writes before the folder takes its name"),
     ):
         for got in (r0, r1):
             restart = got[f"restart_{how}"]
@@ -373,7 +383,7 @@ def test_a_restart_falls_back_past_a_damaged_newest_checkpoint(fallback):
 
 def test_an_explicit_resume_refuses_a_damaged_newest_checkpoint_naming_the_intact_one(fallback):
     tmp, (r0, r1) = fallback
-    for how in ("truncate", "json", "metadata", "flip"):
+    for how in ("truncate", "json", "metadata", "flip", "nometa"):
         for got in (r0, r1):
             refused = got[f"explicit_{how}"]
             assert refused["error"].startswith("DamagedCheckpointError: "), refused

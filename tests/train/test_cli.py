@@ -280,6 +280,73 @@ def test_failure_report_names_every_rank_whatever_its_error_file_holds(tmp_path)
     assert "no complete checkpoint was written" in lines[4]
 
 
+def test_rank_tracebacks_go_to_a_file_the_report_names(tmp_path, capsys):
+    """torch elastic logged every failed rank's whole traceback (37 lines of ``E...`` for one
+    rank) on the terminal before the report. The launcher's filter writes those records to
+    OUT/failures.log, which the report names; any other record of that logger, or one the file
+    cannot take, still reaches the terminal."""
+    import logging
+
+    import torch.multiprocessing as mp
+
+    from qshard.train.cli import _ELASTIC_LOGGER, _RankTracebacks
+
+    logger = logging.getLogger(_ELASTIC_LOGGER)
+    seen: list[logging.LogRecord] = []
+    terminal = logging.Handler()
+    terminal.emit = seen.append
+    logger.addHandler(terminal)
+    child = (
+        "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call "
+        'last):\n  File "loop.py", line 9, in _step\nqshard.train.loop.RankFailure: rank 1: '
+        "step 3: loss nan"
+    )
+
+    def fail() -> None:
+        try:
+            raise mp.ProcessRaisedException(child, 1, 4242)
+        except mp.ProcessRaisedException:
+            logger.exception("failed (exitcode: %s) local_rank: %s", 1, 1)
+        logger.warning("Sending process 4241 closing signal SIGTERM")
+
+    try:
+        tracebacks = _RankTracebacks(TrainConfig(out=str(tmp_path), max_restarts=1))
+        with tracebacks.installed():
+            fail()
+        assert [r.getMessage() for r in seen] == ["Sending process 4241 closing signal SIGTERM"]
+        log = (tmp_path / "failures.log").read_text()
+        assert "failed (exitcode: 1) local_rank: 1" in log and "Traceback" in log
+        assert 'File "loop.py", line 9, in _step' in log and "step 3: loss nan" in log
+        # with restarts, the next attempt follows: one line says why, naming the file
+        assert capsys.readouterr().err == (
+            "qshard train: rank 1 (pid 4242) failed: RankFailure: rank 1: step 3: loss nan; its "
+            f"traceback is in {tmp_path / 'failures.log'}\n"
+        )
+        fail()  # the filter is gone with the launch
+        assert len(seen) == 3
+        seen.clear()
+        (tmp_path / "file").write_text("")  # an --out the log cannot go into: nothing is lost
+        unwritable = _RankTracebacks(TrainConfig(out=str(tmp_path / "file"), max_restarts=0))
+        with unwritable.installed():
+            fail()
+        assert len(seen) == 2 and not unwritable.written
+    finally:
+        logger.removeHandler(terminal)
+    failures = {
+        1: ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=str(tmp_path / "none"))
+    }
+    text = _report(
+        ChildFailedError("train", failures),
+        TrainConfig(out=str(tmp_path), nproc=2),
+        tracebacks=tmp_path / "failures.log",
+    ).splitlines()
+    assert text[1] == (
+        "  rank 1 (pid 4242) failed (exit code 1): no error recorded (its traceback is in "
+        f"{tmp_path / 'failures.log'})"
+    )
+    assert text[2] == f"  (the tracebacks are in {tmp_path / 'failures.log'})"
+
+
 def test_failure_hint_skips_checkpoints_that_fail_their_checks(tmp_path):
     """The report's last line names the checkpoint a --resume can continue from: it named the
     newest complete one even when that one had just been refused as damaged (its bytes changed
@@ -360,6 +427,72 @@ def test_resume_from_a_damaged_checkpoint_names_the_newest_intact_one(tmp_path, 
         f"there) is {checkpoints / 'step_00000004'}" in err
     ), err
     assert (checkpoints / "step_00000008").is_dir()  # nothing moved: the user decides
+
+
+def test_resume_refuses_a_newest_step_folder_without_qshard_json(tmp_path, capsys):
+    """A step_N folder that lost its qshard.json (no save leaves one: the file is written
+    before the rename) but kept its shards was skipped as incomplete: an explicit --resume went
+    on from the older checkpoint without a word. It is refused before launch like any damaged
+    newest checkpoint, naming it and the intact one; the failure report's hint says the same."""
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    checkpoints = tmp_path / "run/checkpoints"
+    for step in (5, 10):
+        folder = checkpoints / f"step_{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "qshard.json").write_text(json.dumps({"step": step, "config": {}}))
+        (folder / ".metadata").write_bytes(b"")
+        (folder / "__0_0.distcp").write_bytes(b"shard")
+    (checkpoints / "step_00000010/qshard.json").unlink()
+    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--steps", "50"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--resume: {checkpoints / 'step_00000010'} has no qshard.json, which a save writes "
+        "before the folder takes its name: it is damaged" in err
+    ), err
+    assert (
+        f"passes the file checks (qshard.json and state files there) is {checkpoints / 'step_00000005'}"
+        in err
+    )
+    killed = {0: ProcessFailure(local_rank=0, pid=100, exitcode=-9, error_file=str(tmp_path / "x"))}
+    config = TrainConfig(out=str(tmp_path / "run"), nproc=2)
+    hint = _report(ChildFailedError("train", killed), config).splitlines()[-1]
+    assert hint.startswith("the newest complete checkpoint step_00000010 (has no qshard.json"), hint
+    assert f"to continue from {checkpoints / 'step_00000005'}" in hint
+    (checkpoints / "step_00000005").rename(checkpoints / "old")  # no earlier one: said so
+    assert main(argv) == 2
+    assert "; no earlier checkpoint passes the file checks" in capsys.readouterr().err
+
+
+def test_resume_with_a_bad_metrics_line_fails_before_launch(tmp_path, capsys, monkeypatch):
+    """A metrics.jsonl line that is not a record (other than a torn last one) was refused only
+    by rank 0's MetricsWriter, after the model was built, and the failure report then said
+    "rank 0 had logged step 5", read from the old file, of a launch that trained nothing. The
+    launcher refuses it first, naming the file's own line number (blank lines counted)."""
+    import qshard.train.cli as cli
+
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    run = tmp_path / "run"
+    ckpt_dir = run / "checkpoints/step_00000003"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 3, "config": {}}))
+    (ckpt_dir / ".metadata").write_bytes(b"")
+    records = [json.dumps({"step": step, "loss": 5.0}) for step in range(6)]
+    (run / "metrics.jsonl").write_text("\n".join([records[0], "", "garbage", *records[2:]]))
+    launched = []
+    monkeypatch.setattr(cli, "launch", launched.append)
+    argv = ["--nproc", "2", "--out", str(run), "--resume", "--steps", "40"]
+    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"qshard train: error: --resume: {run / 'metrics.jsonl'} line 3 is not a JSON record ("
+    ), err
+    assert err.rstrip().endswith("); remove that line") and launched == []
+    # a torn last line is a crash's, dropped on resume: no refusal
+    (run / "metrics.jsonl").write_text("\n".join([*records, '{"step": 6, "lo']))
+    assert main(argv) == 0 and len(launched) == 1
 
 
 def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys):

@@ -363,6 +363,24 @@ def test_nan_gradients_stop_the_job_naming_step_and_rank(corpus):
     assert not leftover, leftover
 
 
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+def test_a_failed_ranks_traceback_goes_to_failures_log_not_the_terminal(corpus):
+    """Every rank failure printed ~37 lines of torch elastic's ``E...`` traceback before the
+    report; the report's line is the diagnosis, the traceback is in OUT/failures.log, which the
+    report names ([Note: rank tracebacks] in qshard.train.cli). One rank, one step: not slow."""
+    out = corpus.parent / "traceback_file"
+    flags = ("--nproc", "1", "--steps", "3")
+    rc, _, err, _, leftover = _train(corpus, out, *flags, fault="nan_grad:rank=0:step=1")
+    assert rc == 1, err[-3000:]
+    assert "Traceback" not in err and not re.search(r"^E\d{4} ", err, re.M), err
+    assert "rank 0 (pid " in err and "step 1: loss nan" in err
+    assert f"  (the tracebacks are in {out / 'failures.log'})" in err
+    log = (out / "failures.log").read_text()
+    assert "Traceback (most recent call last)" in log and "in _check_finite" in log, log
+    assert "RankFailure: rank 0: step 1: loss nan" in log
+    assert not leftover, leftover
+
+
 def test_summary_loss_mean_leaves_out_skipped_steps():
     """With --on-nonfinite skip the summary said "mean of last 6 nan": the skipped step's NaN
     loss was averaged in."""

@@ -94,6 +94,12 @@ def checkpoint_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``qshard.json`` of a checkpoint (step, world size, run metadata); raises
     :class:`CheckpointError` naming the file when it cannot be read as a JSON object."""
     file = Path(path) / _META
+    # [Note: a step folder without qshard.json] in qshard.train._fallback
+    if not file.exists() and Path(path).is_dir():
+        raise DamagedCheckpointError(
+            f"{path} has no {_META}, which a save writes before the folder takes its name: "
+            f"{_DAMAGED}"
+        )
     try:
         info = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -30,27 +30,45 @@ from qshard.train._checksums import (
 __all__ = [
     "_STEP_DIR",
     "_agree",
+    "_checkpoint_folders",
     "_complete_checkpoints",
     "_earlier_intact_hint",
     "damaged_newest_hint",
     "latest_checkpoint",
+    "newest_folder",
     "newest_intact",
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+def _checkpoint_folders(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step_N`` folder under ``root``, oldest first, whether it holds ``qshard.json``
+    or not.
+
+    [Note: a step folder without qshard.json] A save writes ``qshard.json`` into the
+    ``.partial`` folder, fsyncs it, and only then renames the folder to ``step_N`` ([Note:
+    atomic checkpoints] in qshard.train.checkpoint); old ones lose the name before anything in
+    them is deleted. So qshard never leaves a ``step_N`` folder without it: one that has none
+    was changed since (the file deleted, the run folder copied in part) and is a damaged
+    checkpoint, not a save still in progress. Passed over as if absent, it made an explicit
+    ``--resume`` continue silently from an older checkpoint; resuming treats it as damaged
+    instead (:func:`~qshard.train.checkpoint.load_newest` refuses it or, on a restart, moves it
+    aside), as the launcher's check and the failure report do."""
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         m = _STEP_DIR.match(child.name)
-        # qshard.json is written after every rank finished (see [Note: atomic checkpoints]
-        # in qshard.train.checkpoint).
-        if m and (child / _META).is_file():
+        if m and child.is_dir():
             found.append((int(m.group(1)), child))
     return sorted(found)
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    # qshard.json is written after every rank finished (see [Note: atomic checkpoints]
+    # in qshard.train.checkpoint).
+    return [(step, path) for step, path in _checkpoint_folders(root) if (path / _META).is_file()]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -59,12 +77,20 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
+def newest_folder(root: str | os.PathLike[str]) -> Path | None:
+    """The newest ``step_N`` folder under ``root``, complete or not (``None`` if there is
+    none): the checkpoint a resume starts from, or refuses as damaged ([Note: a step folder
+    without qshard.json])."""
+    found = _checkpoint_folders(Path(root))
+    return found[-1][1] if found else None
+
+
 def newest_intact(root: str | os.PathLike[str]) -> tuple[Path | None, list[tuple[Path, str]]]:
     """The newest complete checkpoint under ``root`` whose files pass every check, sizes and
     CRC-32s included (one process: it reads the files; for a failed job's hint), and the newer
     ones that did not, newest first, each with what is wrong."""
     damaged: list[tuple[Path, str]] = []
-    for _, path in reversed(_complete_checkpoints(Path(root))):
+    for _, path in reversed(_checkpoint_folders(Path(root))):  # [Note: a step folder without...
         try:
             info = checkpoint_info(path)
             _check_files(path, info)

@@ -157,15 +157,19 @@ class MetricsWriter:
 
 def _records(path: Path) -> list[str]:
     """The record lines of a metrics file, less a torn last line; any other line that is not
-    JSON is an error naming the file."""
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    for i, line in enumerate(lines):
+    JSON is an error naming the file and the line (its number in the file, blank lines
+    counted). The launcher runs it before the ranks of a ``--resume`` start, so a bad line is
+    refused before a model is built (:func:`qshard.train.cli.preflight`)."""
+    numbered = [
+        (n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()
+    ]
+    for i, (n, line) in enumerate(numbered):
         try:
             decode_record(line)
         except ValueError as exc:
-            if i == len(lines) - 1:
-                return lines[:-1]
+            if i == len(numbered) - 1:
+                return [line for _, line in numbered[:-1]]
             raise ValueError(
-                f"{path} line {i + 1} is not a JSON record ({exc}); remove that line"
+                f"{path} line {n} is not a JSON record ({exc}); remove that line"
             ) from exc
-    return lines
+    return [line for _, line in numbered]

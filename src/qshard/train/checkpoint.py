@@ -54,7 +54,9 @@ and stays for inspection. A failed load may have written part of the model and o
 state; the next checkpoint's load overwrites all of it (DCP and ``load_state_dict`` load every
 key). A checkpoint of another configuration is refused, never passed over: an older one of the
 same run would not fit either. An explicit ``--resume`` (``fall_back=False``) refuses a damaged
-newest checkpoint and names the newest earlier one that passes the file checks.
+newest checkpoint and names the newest earlier one that passes the file checks. A ``step_N``
+folder without ``qshard.json``, which no save leaves, is a damaged checkpoint here too ([Note:
+a step folder without qshard.json] in :mod:`qshard.train._fallback`).
 """
 
 from __future__ import annotations
@@ -94,10 +96,12 @@ from qshard.train._checksums import (
 from qshard.train._fallback import (
     _STEP_DIR,
     _agree,
+    _checkpoint_folders,
     _complete_checkpoints,
     _earlier_intact_hint,
     damaged_newest_hint,
     latest_checkpoint,
+    newest_folder,
     newest_intact,
 )
 
@@ -111,6 +115,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_newest",
+    "newest_folder",
     "newest_intact",
     "save_checkpoint",
 ]
@@ -525,7 +530,9 @@ def load_newest(
     tried, until one loads on every rank; without, a damaged one is refused naming the newest
     earlier one that passes the file checks. See [Note: restart fallback]."""
     root = Path(root)
-    candidates = _from_rank0([p for _, p in reversed(_complete_checkpoints(root))])
+    # Every step_N folder: one without qshard.json is damaged, not passed over silently
+    # ([Note: a step folder without qshard.json] in qshard.train._fallback).
+    candidates = _from_rank0([p for _, p in reversed(_checkpoint_folders(root))])
     passed_over: list[str] = []
     for i, path in enumerate(candidates):
         checked = _agree(path, lambda p=path: _check_files(p, checkpoint_info(p)))

@@ -12,7 +12,9 @@ and starts the group again with ``TORCHELASTIC_RESTART_COUNT`` raised. A restart
 from the newest complete checkpoint by itself (:func:`resume_after_restart`), which together
 with the loop's [Note: exact resume] makes the restarted job finish as the uninterrupted one
 would; a newest checkpoint that does not load is moved aside and the previous one loaded
-([Note: restart fallback] in qshard.train.checkpoint). A job out of restarts ends with a report naming the failed ranks (:func:`_report`).
+([Note: restart fallback] in qshard.train.checkpoint). A job out of restarts ends with a report
+naming the failed ranks (:func:`_report`); their tracebacks go to ``OUT/failures.log`` ([Note:
+rank tracebacks]).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import fcntl
 import inspect
 import itertools
+import logging
 import os
 import re
 import socket
@@ -35,6 +38,7 @@ from typing import IO, Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from qshard.train import config as config_module
 from qshard.train._runtime import restart_count
@@ -219,15 +223,16 @@ def _free_port() -> int:
 
 def resume_after_restart(config: TrainConfig) -> TrainConfig:
     """``config`` with ``resume`` set when this process is a restart of a failed job (torch
-    elastic's ``TORCHELASTIC_RESTART_COUNT > 0``) and a complete checkpoint exists; see
+    elastic's ``TORCHELASTIC_RESTART_COUNT > 0``) and a checkpoint folder exists; see
     [Note: restarts]. Without one the restart starts from step 0, which replays the same run.
     A restarted rank falls back past damaged checkpoints ([Note: restart fallback] in
-    qshard.train.checkpoint)."""
+    qshard.train.checkpoint), a ``step_N`` folder without ``qshard.json`` included."""
     if config.resume or restart_count() == 0:
         return config
-    from qshard.train.checkpoint import latest_checkpoint
+    from qshard.train.checkpoint import newest_folder
 
-    if latest_checkpoint(os.path.join(config.out, "checkpoints")) is None:
+    # [Note: a step folder without qshard.json] in qshard.train._fallback
+    if newest_folder(os.path.join(config.out, "checkpoints")) is None:
         return config
     return config.replace(resume=True)
 
@@ -243,15 +248,17 @@ def _entrypoint(config: TrainConfig) -> dict[str, Any]:
 
 def preflight(config: TrainConfig) -> None:
     """Everything that can be refused before a rank starts: unavailable options, an ``--out``
-    that cannot be written, a bad corpus, ``--resume`` without a checkpoint. Builds the corpus
-    cache as a side effect."""
+    that cannot be written, a bad corpus, ``--resume`` without a checkpoint (or with a damaged
+    one, or a ``metrics.jsonl`` with a line that is not a record). Builds the corpus cache as a
+    side effect."""
+    from qshard.train._metrics import _records
     from qshard.train._parallel import missing_features
     from qshard.train.checkpoint import (
         DamagedCheckpointError,
         _check_files,
         checkpoint_info,
         damaged_newest_hint,
-        latest_checkpoint,
+        newest_folder,
         refuse_earlier_run,
     )
     from qshard.train.data import load_corpus
@@ -272,7 +279,9 @@ def preflight(config: TrainConfig) -> None:
     if not config.resume and not config.overwrite:
         refuse_earlier_run(config.out, os.path.join(config.out, "checkpoints"))
     if config.resume:
-        latest = latest_checkpoint(os.path.join(config.out, "checkpoints"))
+        # The newest step_N folder: one without qshard.json is refused as damaged below, not
+        # passed over ([Note: a step folder without qshard.json] in qshard.train._fallback).
+        latest = newest_folder(os.path.join(config.out, "checkpoints"))
         if latest is None:
             raise ValueError(
                 f"--resume: no complete checkpoint under {config.out}/checkpoints; "
@@ -301,6 +310,15 @@ def preflight(config: TrainConfig) -> None:
             _check_files(latest, info)
         except DamagedCheckpointError as exc:
             raise refuse_damaged(exc) from exc
+        # The records rank 0 keeps on resume: a bad line (other than a torn last one) was found
+        # only there, after the model was built, and the failure report then named the old
+        # file's last step as this launch's.
+        metrics = Path(config.out) / "metrics.jsonl"
+        if metrics.is_file():
+            try:
+                _records(metrics)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--resume: {exc}") from exc
 
 
 def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:
@@ -407,11 +425,77 @@ def claim_run_dir(out: str, *, create: bool) -> IO[str] | None:
     return lock
 
 
+_FAILURES_LOG = "failures.log"
+"""The file under ``--out`` that holds every failed rank's traceback ([Note: rank tracebacks])."""
+
+_ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _RankTracebacks(logging.Filter):
+    """[Note: rank tracebacks] When a rank fails, torch elastic's process context logs the
+    rank's whole traceback as an error (``logger.exception`` in ``MultiprocessContext._poll``:
+    37 ``E...`` lines for one failed rank, its frames inside torch's spawn wrappers and
+    ``@record``), before the launcher's own diagnosis, which holds the line that matters. This
+    filter on that logger writes such a record (every line of it, with the time) to
+    ``OUT/failures.log`` instead of the terminal, and the report names that file; with
+    ``--max-restarts``, where a restart follows and nothing else on the terminal says why, it
+    also prints the rank's last line. It takes only the records that carry a rank's
+    ``ProcessRaisedException``/``ProcessExitedException``; every other record of the logger
+    goes on as before, and so does this one if the file cannot be written, so nothing is lost.
+    Under torchrun the launcher is torchrun's and prints them as before."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        super().__init__()
+        self.path = Path(config.out) / _FAILURES_LOG
+        self.note = config.max_restarts > 0
+        self.written = False
+        self._format = logging.Formatter("%(asctime)s %(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, (ProcessRaisedException, ProcessExitedException)):
+            return True
+        try:
+            with open(self.path, "a") as f:
+                f.write(self._format.format(record) + "\n\n")
+        except OSError:
+            return True  # on the terminal then, as before
+        self.written = True
+        if self.note:
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            # "qshard.train.loop.RankFailure: ..." -> "RankFailure: ...", as the report says it
+            last = re.sub(r"^(\w+\.)+(?=\w+:)", "", lines[-1]) if lines else type(exc).__name__
+            print(
+                f"qshard train: rank {exc.error_index} (pid {exc.error_pid}) failed: {last}; "
+                f"its traceback is in {self.path}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
+
+    @contextlib.contextmanager
+    def installed(self) -> Any:
+        logger = logging.getLogger(_ELASTIC_LOGGER)
+        logger.addFilter(self)
+        try:
+            yield self
+        finally:
+            logger.removeFilter(self)
+
+
 def _launch_and_report(config: TrainConfig) -> int:
+    tracebacks = _RankTracebacks(config)
+    if not config.resume:
+        # An earlier run's tracebacks (preflight has let this fresh run replace it). The
+        # launcher, not rank 0's fresh-run cleanup, removes them: a restart that finds no
+        # checkpoint starts afresh and would remove the failed attempt's.
+        tracebacks.path.unlink(missing_ok=True)
     try:
-        launch(config)
+        with tracebacks.installed():  # [Note: rank tracebacks]
+            launch(config)
     except ChildFailedError as exc:
-        print(_report(exc, config), file=sys.stderr)
+        where = tracebacks.path if tracebacks.written else None
+        print(_report(exc, config, tracebacks=where), file=sys.stderr)
         return 1
     except (SignalException, KeyboardInterrupt) as exc:
         what = getattr(exc, "sigval", None)
@@ -421,10 +505,11 @@ def _launch_and_report(config: TrainConfig) -> int:
     return 0
 
 
-def _report(exc: ChildFailedError, config: TrainConfig) -> str:
+def _report(exc: ChildFailedError, config: TrainConfig, *, tracebacks: Path | None = None) -> str:
     """What a failed job tells its user: each failed rank and why (a signal, or the first line
     of its error, which for a lost peer or a non-finite value names rank, step and checkpoint),
-    the step the run had reached, and how to continue."""
+    where the ranks' tracebacks are (``tracebacks``, [Note: rank tracebacks]; else they were
+    printed above), the step the run had reached, and how to continue."""
     lines = []
     # Ranks that raised (their messages carry the diagnosis) before ranks that were killed.
     failures = sorted(exc.failures.items(), key=lambda kv: (kv[1].exitcode < 0, kv[0]))
@@ -432,9 +517,11 @@ def _report(exc: ChildFailedError, config: TrainConfig) -> str:
         if failure.exitcode < 0:
             what = f"was killed by {failure.signal_name()}"
         else:
-            text = _failure_message(failure).strip().splitlines()
+            text = _failure_message(failure, tracebacks).strip().splitlines()
             what = f"failed (exit code {failure.exitcode}): {text[-1] if text else 'no message'}"
         lines.append(f"  rank {rank} (pid {failure.pid}) {what}")
+    if tracebacks is not None:
+        lines.append(f"  (the tracebacks are in {tracebacks})")
     reached = _last_logged_step(config)
     restarts = (
         f" after {config.max_restarts} restart{'s' if config.max_restarts != 1 else ''}"
@@ -471,11 +558,12 @@ def _resume_hint(config: TrainConfig) -> str:
     return f"the newest complete checkpoint is {intact}: rerun with --resume to continue from it"
 
 
-def _failure_message(failure: Any) -> str:
+def _failure_message(failure: Any, tracebacks: Path | None = None) -> str:
     """A failed rank's error text. The error file holds ``{"message": {"message": ...}}`` when
     ``@record`` wrote it; without one (an exception that is not an ``Exception``, such as DCP's
     ``CheckpointException``, escapes ``@record``) torch elastic's placeholder is
-    ``{"message": "<NONE>"}`` and the process's own message is all there is."""
+    ``{"message": "<NONE>"}`` and the process's own message is all there is, with the
+    traceback in ``tracebacks`` ([Note: rank tracebacks]) or printed above."""
     data = failure.error_file_data
     inner = data.get("message") if isinstance(data, dict) else None
     if isinstance(inner, dict) and inner.get("message"):
@@ -484,7 +572,8 @@ def _failure_message(failure: Any) -> str:
         return inner
     message = str(failure.message or "")
     if not message or message.startswith("To enable traceback see"):  # elastic's placeholder
-        return "no error recorded (its traceback is printed above)"
+        where = f"is in {tracebacks}" if tracebacks is not None else "is printed above"
+        return f"no error recorded (its traceback {where})"
     return message
 
 
