@@ -59,6 +59,14 @@ def _check_all_gather(topo: Topology, world: int) -> list[str]:
     done = []
     group = dist.group.WORLD
     rank = dist.get_rank()
+    # An empty input (a unit of frozen 0-element parameters): across nodes qwZ divided by its
+    # rows' zero length (ZeroDivisionError in the slot check); now a plain gather of nothing.
+    for async_op in (False, True):
+        out = torch.empty(0)
+        work = QuantizedAllGather(topology=topo)(out, torch.empty(0), group, async_op=async_op)
+        if async_op:
+            work.wait()
+    done.append("ag empty")
     for dtype in DTYPES:
         for n in SIZES:
             x = _data(n, rank, n, dtype)
@@ -166,6 +174,14 @@ def _check_reduce_scatter(topo: Topology, world: int) -> list[str]:
         (ReduceOp.AVG, 1.0 / world),
         (dist._make_nccl_premul_sum(1 / 3), 1 / 3),
     ]
+    # An empty output: qgZ's wire rows had no length (ZeroDivisionError, or a misaligned view
+    # for INT4 with one rank per node); now a plain reduce-scatter of nothing.
+    for bits in (None, 8, 4):
+        out = torch.empty(0)
+        HierarchicalQuantizedReduceScatter(topology=topo, bits=bits)(
+            out, torch.empty(0), group, ReduceOp.SUM
+        )
+    done.append("rs empty")
     for size in (1, 37, 300):
         # Quantization off: integer-valued data sums exactly in any order, so routing (the
         # slice order, the padding, the pipeline) must be exact.

@@ -267,6 +267,10 @@ class QuantizedAllGather(RecordingAllGather):
                 if (ledger := active_ledger()) is not None:
                     ledger.count("qwz_single_node")
             return self._plain(output_tensor, input_tensor, group, ranks, async_op)
+        if input_tensor.numel() == 0:
+            # A unit whose parameters are all empty (frozen; shard() refuses trainable ones):
+            # nothing to quantize, and wire rows of no elements divided by zero in the slot check
+            return self._plain(output_tensor, input_tensor, group, ranks, async_op)
         if input_tensor.dtype not in _QUANTIZABLE:
             log_once(
                 f"qwz-dtype-{input_tensor.dtype}",

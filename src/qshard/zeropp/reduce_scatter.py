@@ -354,6 +354,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
                 ledger.count("qgz_fallback_plain")
             self.queue.drain()  # older deferred reductions issue their collectives first
             return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
+        if output_tensor.numel() == 0:  # nothing to reduce; wire rows of no elements fail
+            self.queue.drain()
+            return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
         scale = op_scale(op, len(ranks))
         if self._deferrable(output_tensor, async_op, len(ranks)) and not _triton.serves(
             input_tensor
