@@ -67,13 +67,41 @@ def test_matches_float_reference_and_error_bound(x, bits, block_size):
     assert d.shape == x.shape and d.dtype == x.dtype
     if x.numel() == 0:
         return
-    # Round-trip error: half a quantization step absmax / qmax (plus fp32 rounding of the
-    # divide and the multiplies, and the final cast to the input dtype).
+    # Round-trip error: half a quantization step absmax / qmax, plus fp32 rounding (docs/quant.md
+    # "Error bound").
     step = torch.from_numpy(scales).repeat_interleave(block_size)[: x.numel()] / (
         2 ** (bits - 1) - 1
     )
     err = (d32 - x.float()).abs()
-    assert bool((err <= 0.5 * step * (1 + 2**-19) + 2 * ulp(x)).all())
+    assert bool((err <= _error_bound(step, x.float())).all())
+
+
+def _error_bound(step: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """docs/quant.md's bound: half a step (its slack covers the rounding of the step itself)
+    plus 2^-24 |x| for each of the 5 fp32 roundings between x and its value read back (x /
+    absmax and * qmax before the code's rounding; 1 / qmax, * code and * absmax after)."""
+    return 0.5 * step * (1 + 2**-19) + 5 * 2**-24 * x.abs()
+
+
+def test_error_bound_holds_next_to_a_half_step():
+    """x at 36.500003 steps: fl(fl(x / absmax) * 127) is exactly 36.5, which rounds to even
+    (36), the farther code: 0.500006 of a step, over the bound this module's docs gave before
+    (half a step + 2 ulp(x)) by 0.2 ulp(x); inside the one the rounding count gives."""
+    x = torch.tensor([826.8037109375, -237.6247100830078])
+    saved = _fastpath._enabled, _fastpath._min_numel
+    for fast in (True, False):
+        set_fastpath(fast, min_numel=0)  # the C kernels too, for two elements
+        try:
+            q = quantize_blockwise(x, bits=8, block_size=2)
+            y = dequantize_blockwise(q, dtype=torch.float32)
+        finally:
+            _fastpath._enabled, _fastpath._min_numel = saved
+        assert int(q.codes[1]) == -36
+        step = q.scales.repeat_interleave(2) / 127
+        err = (y - x).abs()
+        assert float(err[1] / step[1]) > 0.5
+        assert not bool(err[1] <= 0.5 * step[1] * (1 + 2**-19) + 2 * ulp(x)[1])  # the old bound
+        assert bool((err <= _error_bound(step, x)).all())
 
 
 @FAST
