@@ -529,6 +529,13 @@ def test_a_fresh_run_over_an_earlier_one_is_refused_before_launch(tmp_path, caps
     assert "--resume" in err and "--overwrite" in err
     assert (ckpt_dir / "qshard.json").is_file()
     assert "--overwrite" in (Path(__file__).parents[2] / "run.sh").read_text()
+    # A damaged checkpoint (a step folder whose qshard.json is gone, its shards kept) counts
+    # too: passed over as incomplete, the fresh run deleted it without a word.
+    (ckpt_dir / "qshard.json").unlink()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"holds an earlier run's checkpoints (newest: {ckpt_dir})" in err, err
+    assert (ckpt_dir / ".metadata").is_file()
 
 
 def test_resume_of_a_per_rank_checkpoint_with_another_parallel_is_refused(tmp_path, capsys):

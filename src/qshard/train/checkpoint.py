@@ -247,9 +247,11 @@ def _discard(path: Path) -> None:
 
 def refuse_earlier_run(out: str, root: str | os.PathLike[str]) -> None:
     """Raise :class:`CheckpointError` when ``root`` (the checkpoints of ``--out`` ``out``) holds
-    an earlier run's complete checkpoint: a fresh run without ``--overwrite`` is refused; see
-    [Note: fresh runs] in qshard.train.loop."""
-    latest = latest_checkpoint(root)
+    an earlier run's checkpoint: a fresh run without ``--overwrite`` is refused; see [Note:
+    fresh runs] in qshard.train.loop. A ``step_N`` folder without ``qshard.json`` counts (a
+    damaged checkpoint, [Note: a step folder without qshard.json] in qshard.train._fallback):
+    passed over, the fresh run deleted it without a word."""
+    latest = newest_folder(root)
     if latest is not None:
         raise CheckpointError(
             f"--out {out} holds an earlier run's checkpoints (newest: {latest}): pass --resume "
@@ -259,18 +261,19 @@ def refuse_earlier_run(out: str, root: str | os.PathLike[str]) -> None:
 
 
 def _discard_all(root: str | os.PathLike[str]) -> list[str]:
-    """Remove every checkpoint under ``root`` (complete, torn and half-deleted ones) and return
-    the names of the complete ones removed; see [Note: fresh runs] in qshard.train.loop."""
+    """Remove every checkpoint under ``root`` (complete, damaged, torn and half-deleted ones)
+    and return the names of the ``step_N`` folders removed; see [Note: fresh runs] in
+    qshard.train.loop."""
     root = Path(root)
     if not root.is_dir():
         return []
-    complete = _complete_checkpoints(root)
-    for _, path in complete:
+    folders = _checkpoint_folders(root)
+    for _, path in _complete_checkpoints(root):
         _discard(path)
     for child in root.iterdir():
         if _STEP_DIR.match(child.name) or child.name.startswith(".step_"):
             shutil.rmtree(child, ignore_errors=True)
-    return [path.name for _, path in complete]
+    return [path.name for _, path in folders]
 
 
 # Param-group settings that shape an optimizer's state (see [Note: checkpoint layout]).
