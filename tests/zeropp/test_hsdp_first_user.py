@@ -249,6 +249,37 @@ def _case_changing_parameter_set(topo: Topology, mesh, results: dict) -> None:
         logging.getLogger("qshard.zeropp").removeHandler(handler)
 
 
+def _case_branch_on_one_node(topo: Topology, mesh, results: dict) -> None:
+    """[Note: the shard size travels with hop 1]: the extra layer used on node 0's ranks only,
+    in the same step. The INT8 reduction averaged misaligned elements without a word (both
+    nodes' shards pad to the same chunks); every rank now refuses it, naming the fix, and with
+    set_reduce_scatter_unused_params(True) the replicas train identically."""
+    replicate = mesh.get_group("replicate")
+    cfg = ZeroPPConfig(hsdp=True, replicate_bits=8)
+    try:
+        Branchy.use_extra = topo.rank // topo.ranks_per_node == 0
+        model = shard(BranchyModel(), topology=topo, config=cfg, blocks=Branchy)
+        try:
+            model(_batch(topo.rank, 0)).backward()
+            results["branch_one_node"] = "no error"
+        except RuntimeError as e:
+            results["branch_one_node"] = str(e)
+        model = shard(BranchyModel(), topology=topo, config=cfg, blocks=Branchy)
+        fix = getattr(model, "set_reduce_scatter_unused_params", None)
+        if fix is None:
+            results["branch_one_node_fixed"] = "unavailable"
+            return
+        fix(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            model(_batch(topo.rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        results["branch_one_node_fixed"] = _same_across(replicate, _flat(model.parameters()))
+    finally:
+        Branchy.use_extra = True
+
+
 def _run(rank: int, world: int) -> dict:
     topo = Topology(world_size=world, ranks_per_node=2)
     topo.init_groups()
@@ -258,6 +289,7 @@ def _run(rank: int, world: int) -> dict:
     _case_training(topo, mesh, results)
     _case_degenerate(rank, results)
     _case_changing_parameter_set(topo, mesh, results)
+    _case_branch_on_one_node(topo, mesh, results)
     return results
 
 
@@ -314,3 +346,11 @@ def test_error_feedback_warns_when_a_units_parameter_set_changes(world):
             continue
         sizes, warned, same = r["branchy_True"]
         assert same and sizes == [1, 1] and not warned, (rank, sizes, warned)
+
+
+def test_a_parameter_used_on_one_node_only_is_refused_naming_the_fix(world):
+    for rank, r in enumerate(world):
+        assert "gradient shards of different sizes" in r["branch_one_node"], (rank, r)
+        assert "set_reduce_scatter_unused_params(True)" in r["branch_one_node"]
+        if r["branch_one_node_fixed"] != "unavailable":
+            assert r["branch_one_node_fixed"] is True, rank

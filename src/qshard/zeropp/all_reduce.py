@@ -24,6 +24,16 @@ received chunks and sums them in fp32, divides by ``N``, and re-quantizes its me
 (all-gather) gives every rank every mean chunk, dequantized. Every rank decodes the same bytes
 (the owner decodes its own chunk too), so replicas stay bit-identical.
 
+[Note: the shard size travels with hop 1] Each hop-1 row ends in 8 bytes holding the sender's
+shard size ``S``. FSDP2 reduce-scatters only the parameters that got a gradient, so a parameter
+used on one node's ranks and not on another's in the same step (a data-dependent branch, an MoE
+expert without tokens) gives the nodes shards of different sizes. When those pad to the same
+``N * c``, hop 1 averaged misaligned elements without a word: wrong gradients for the unit's
+other parameters and replicas that drifted apart (a first-user probe: relative gradient error
+0.3-0.8 where INT8 gives 0.009). FSDP2's own HSDP fails there with a gloo error. Every rank
+receives every sender's size, so all refuse a mismatch alike, before hop 2, naming
+``set_reduce_scatter_unused_params(True)``. Cost: ``8 N`` bytes per unit and step.
+
 Error bound (per element of block ``k``, ``q = 2**(bits-1) - 1``, round to nearest): with
 ``A_i`` the absmax of block ``k`` of rank ``i``'s input and ``B`` the absmax of the mean
 block that hop 2 quantizes, ``|out - mean_i x_i| <= (sum_i A_i / N + B) / (2 q)`` plus fp32
@@ -85,6 +95,16 @@ class RecordingAllReduceHook:
             tensor_bytes=output.numel() * output.element_size(),
             tag=TAG,
         )
+
+
+#: Bytes of the shard-size header each hop-1 row carries ([Note: the shard size travels with
+#: hop 1]).
+_SIZE_BYTES = 8
+
+
+def _size_bytes(size: int, device: torch.device) -> torch.Tensor:
+    """``size`` as the 8 bytes of an int64 (the hop-1 row header)."""
+    return torch.tensor([size], dtype=torch.int64, device=device).view(torch.uint8)
 
 
 class ReplicateAllReduce:
@@ -150,6 +170,7 @@ class ReplicateAllReduce:
         self._module = weakref.ref(module) if module is not None else None
         self._pending: torch.Tensor | None = None  # micro-batches whose reduction is deferred
         self._warned_resize = False
+        self._unchecked: tuple[torch.Tensor, int] | None = None  # (sizes, own size), GPU
 
     def chunk_numel(self, numel: int) -> int:
         """Elements of one rank's chunk for a shard of ``numel`` elements (padded)."""
@@ -157,10 +178,11 @@ class ReplicateAllReduce:
         return max(1, -(-numel // (n * self._unit))) * self._unit
 
     def wire_bytes(self, numel: int) -> int:
-        """Bytes this rank sends in hop 1 (its whole all-to-all input) for ``numel`` elements;
-        hop 2 sends one row of ``wire_bytes / N``."""
+        """Bytes this rank sends in hop 1 (its whole all-to-all input, each row with its
+        8-byte size header) for ``numel`` elements; hop 2 sends one row of
+        ``codec.row_bytes(chunk_numel(numel))``."""
         c = self.chunk_numel(numel)
-        return len(self.ranks) * self.codec.row_bytes(c)
+        return len(self.ranks) * (self.codec.row_bytes(c) + _SIZE_BYTES)
 
     def reset(self) -> None:
         """Forget the error-feedback buffers and any deferred micro-batches."""
@@ -206,6 +228,36 @@ class ReplicateAllReduce:
             return
         output.copy_(self.reduce(output.reshape(-1)).view(output.shape))
 
+    def _check_sizes(self, headers: torch.Tensor, size: int) -> None:
+        """Refuse shards of different sizes across the group ([Note: the shard size travels
+        with hop 1]); ``headers`` holds one received 8-byte size per sender. On a GPU the
+        check reads the headers at the next call (or :meth:`check`), so that no call waits for
+        its own all-to-all on the host."""
+        sizes = headers.contiguous().view(torch.int64).reshape(-1)
+        if sizes.device.type != "cpu":
+            self._unchecked = (sizes, size)
+            return
+        self._refuse_mismatch(sizes.tolist(), size)
+
+    def check(self) -> None:
+        """Read the shard sizes of the last reduction not checked yet (GPU)."""
+        if self._unchecked is not None:
+            sizes, size = self._unchecked
+            self._unchecked = None
+            self._refuse_mismatch(sizes.tolist(), size)
+
+    def _refuse_mismatch(self, sizes: list[int], size: int) -> None:
+        if any(s != size for s in sizes):
+            raise RuntimeError(
+                "HSDP's replicate all-reduce got gradient shards of different sizes from the "
+                f"nodes (elements per replicate rank {self.ranks}: {sizes}): a parameter of "
+                "this FSDP unit got a gradient on some nodes' ranks and none on others in this "
+                "step (a data-dependent branch, an MoE expert without tokens). Call "
+                "set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces every "
+                "trainable parameter, zeros for unused ones), or give every trainable parameter "
+                "a gradient on every rank"
+            )
+
     def _check_pending(self, output: torch.Tensor) -> None:
         if self._pending.shape != output.shape:
             raise RuntimeError(
@@ -247,6 +299,7 @@ class ReplicateAllReduce:
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every
         rank). Collective."""
+        self.check()
         n = len(self.ranks)
         size = x.numel()
         c = self.chunk_numel(size)
@@ -265,10 +318,17 @@ class ReplicateAllReduce:
         send = codec.encode(xin.view(n, c))
         if errors is not None:
             errors[0].copy_(xin - codec.decode(send, c).view(-1))
-        recv = torch.empty_like(send)
-        record("all_to_all", group_ranks=self.ranks, tensor_bytes=send.numel(), tag=TAG)
-        duplex.all_to_all_single(recv, send, self.group, twin=self.twin)
-        mean = codec.reduce(recv, c).div_(n)  # fp32 between the hops
+        # [Note: the shard size travels with hop 1] Every row carries the sender's shard size
+        # (8 bytes), so every rank sees every other's and all refuse a mismatch alike.
+        rows = send.shape[1]
+        framed = torch.empty((n, rows + _SIZE_BYTES), dtype=torch.uint8, device=x.device)
+        framed[:, :rows] = send
+        framed[:, rows:] = _size_bytes(size, x.device)
+        recv = torch.empty_like(framed)
+        record("all_to_all", group_ranks=self.ranks, tensor_bytes=framed.numel(), tag=TAG)
+        duplex.all_to_all_single(recv, framed, self.group, twin=self.twin)
+        self._check_sizes(recv[:, rows:], size)
+        mean = codec.reduce(recv[:, :rows].contiguous(), c).div_(n)  # fp32 between the hops
         if errors is not None:
             mean += errors[1]
         own = codec.encode(mean.view(1, c))
