@@ -674,3 +674,35 @@ def test_a_second_job_in_a_run_directory_in_use_is_refused(tmp_path, capsys, mon
         assert launched == []
     assert main(argv) == 0 and len(launched) == 1  # ended: the folder is free again
     assert main(argv) == 0 and len(launched) == 2  # and the launcher released its own claim
+
+
+def test_resume_of_per_rank_hsdp_checkpoints_with_other_ranks_per_node_is_refused_before_launch(
+    tmp_path, capsys, monkeypatch
+):
+    """1-bit Adam on --parallel hsdp saves per-rank files holding each rank's shard of its
+    node's model: resumed with another number of ranks per node (4 ranks as 2 x 2, then 2 as
+    2 x 1) the ranks refused it after they had started, and the report suggested --resume or
+    --max-restarts, which fail alike. Now refused before launch, naming --ranks-per-node."""
+    import qshard.train.cli as cli
+
+    launched = []
+    monkeypatch.setattr(cli, "launch", launched.append)
+    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    flags = {"parallel": "hsdp", "optim": "onebit_adam", "zeropp": "off"}
+    run = TrainConfig(data=str(tmp_path / "text.txt"), nproc=4, out=str(tmp_path / "run"), **flags)
+    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "qshard.json").write_text(json.dumps({**_saved(run), "format": "per_rank"}))
+    argv = ["--out", str(tmp_path / "run"), "--resume", "--data", str(tmp_path / "text.txt")]
+    argv += ["--cache-dir", str(tmp_path / "c"), "--parallel", "hsdp", "--optim", "onebit_adam"]
+    argv += ["--zeropp", "off"]
+    assert main([*argv, "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--resume: {ckpt_dir} holds per-rank HSDP checkpoints of 2 ranks per node (4 ranks), "
+        "1 here" in err
+    ), err
+    assert "pass --ranks-per-node 2" in err and launched == []
+    # The same layout gets past this check (to the state files' own checks).
+    main([*argv, "--nproc", "2", "--ranks-per-node", "2"])
+    assert "holds per-rank HSDP checkpoints" not in capsys.readouterr().err

@@ -48,6 +48,7 @@ from qshard.train.config import (
     ON_NONFINITE,
     OPTIMIZERS,
     TrainConfig,
+    launch_ranks_per_node,
     resume_mismatches,
     resume_refusal,
 )
@@ -306,6 +307,7 @@ def preflight(config: TrainConfig) -> None:
         changed = resume_mismatches(info, config)
         if changed:
             raise ValueError(resume_refusal(latest, changed))
+        refuse_per_rank_layout(latest, info, config)
         try:
             _check_files(latest, info)
         except DamagedCheckpointError as exc:
@@ -319,6 +321,29 @@ def preflight(config: TrainConfig) -> None:
                 _records(metrics)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"--resume: {exc}") from exc
+
+
+def refuse_per_rank_layout(latest: Path, info: dict[str, Any], config: TrainConfig) -> None:
+    """Refuse before launch a ``--resume`` of per-rank HSDP checkpoints (the 1-bit optimizers'
+    ``--parallel hsdp``) with another number of ranks per node: each rank's file holds its
+    shard of the node's model, so the ranks refused it only after they had started, and the
+    failure report then suggested rerunning with ``--resume`` or ``--max-restarts``, which fail
+    alike."""
+    saved = info.get("config")
+    if info.get("format") != "per_rank" or config.parallel != "hsdp":
+        return
+    if not isinstance(saved, dict) or not isinstance(saved.get("nproc"), int):
+        return  # an older checkpoint: the ranks' own check
+    rpn = saved.get("ranks_per_node")
+    was = launch_ranks_per_node(saved["nproc"], rpn if isinstance(rpn, int) else None)
+    now = config.local_ranks_per_node()
+    if was != now:
+        raise ValueError(
+            f"--resume: {latest} holds per-rank HSDP checkpoints of {was} ranks per node "
+            f"({saved['nproc']} ranks), {now} here: each rank's file holds its shard of its "
+            f"node's model, so they load only with {was} ranks per node; pass --ranks-per-node "
+            f"{was} (and an --nproc that is a multiple of it), or a new --out to start fresh"
+        )
 
 
 def launch(config: TrainConfig) -> dict[int, dict[str, Any]]:

@@ -21,6 +21,7 @@ __all__ = [
     "ZEROPP_FEATURES",
     "TrainConfig",
     "corpus_source",
+    "launch_ranks_per_node",
     "parse_zeropp",
     "resume_mismatches",
     "resume_refusal",
@@ -310,9 +311,7 @@ class TrainConfig:
 
     def local_ranks_per_node(self) -> int:
         """``ranks_per_node`` for a launch on this machine (see the field's doc)."""
-        if self.ranks_per_node is not None:
-            return self.ranks_per_node
-        return self.nproc // 2 if self.nproc % 2 == 0 else self.nproc
+        return launch_ranks_per_node(self.nproc, self.ranks_per_node)
 
     @property
     def zeropp_features(self) -> frozenset[str]:
@@ -351,6 +350,14 @@ RESUME_MUST_MATCH: tuple[str, ...] = (
 ``--parallel`` for the data-parallel optimizers' per-rank state). Everything else may change:
 the schedule (``--steps`` to extend a run, ``--lr``, ...), ``--nproc`` (DCP reshards), the
 intervals and the launch and fault options."""
+
+
+def launch_ranks_per_node(nproc: int, ranks_per_node: int | None) -> int:
+    """The ranks per emulated node of a launch of ``nproc`` local ranks: ``ranks_per_node``,
+    else two nodes of ``nproc // 2`` when ``nproc`` is even, else one node."""
+    if ranks_per_node is not None:
+        return ranks_per_node
+    return nproc // 2 if nproc % 2 == 0 else nproc
 
 
 def corpus_source(data: str | None) -> str:
