@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 __all__ = ["is_full_precision_param", "register_full_precision_state"]
 
-_registry: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+#: Every live registered module; its names are its :class:`_Registration`'s.
+_registry: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 #: The module attribute holding a module's :class:`_Registration`.
 _ATTR = "_qshard_full_precision_state"
@@ -40,7 +41,7 @@ class _Registration:
     def __init__(self, module: nn.Module, names: frozenset[str]) -> None:
         self.module = module
         self.names = names
-        _registry[module] = names
+        _registry.add(module)
 
     def __getstate__(self) -> tuple[nn.Module, frozenset[str]]:
         return self.module, self.names
@@ -59,14 +60,15 @@ def register_full_precision_state(module: nn.Module, *names: str) -> None:
     for n in names:
         if not isinstance(getattr(module, n, None), Tensor):
             raise ValueError(f"{type(module).__name__} has no parameter {n!r}")
-    registered = _registry.get(module, frozenset()) | frozenset(names)
+    before = module.__dict__.get(_ATTR)
+    registered = (before.names if before is not None else frozenset()) | frozenset(names)
     object.__setattr__(module, _ATTR, _Registration(module, registered))
 
 
 def is_full_precision_param(param: Tensor) -> bool:
     """Whether some live registered module currently holds ``param`` under a registered name."""
-    for module, names in list(_registry.items()):
-        for n in names:
+    for module in list(_registry):
+        for n in module.__dict__[_ATTR].names:
             if module._parameters.get(n) is param:
                 return True
     return False

@@ -268,8 +268,9 @@ def _discard_all(root: str | os.PathLike[str]) -> list[str]:
     if not root.is_dir():
         return []
     folders = _checkpoint_folders(root)
-    for _, path in _complete_checkpoints(root):
-        _discard(path)
+    for _, path in folders:
+        if (path / _META).is_file():  # complete: renamed aside first ([Note: atomic checkpoints])
+            _discard(path)
     for child in root.iterdir():
         if _STEP_DIR.match(child.name) or child.name.startswith(".step_"):
             shutil.rmtree(child, ignore_errors=True)

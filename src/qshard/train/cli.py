@@ -307,7 +307,7 @@ def preflight(config: TrainConfig) -> None:
         changed = resume_mismatches(info, config)
         if changed:
             raise ValueError(resume_refusal(latest, changed))
-        refuse_per_rank_layout(latest, info, config)
+        _refuse_per_rank_layout(latest, info, config)
         try:
             _check_files(latest, info)
         except DamagedCheckpointError as exc:
@@ -323,7 +323,7 @@ def preflight(config: TrainConfig) -> None:
                 raise ValueError(f"--resume: {exc}") from exc
 
 
-def refuse_per_rank_layout(latest: Path, info: dict[str, Any], config: TrainConfig) -> None:
+def _refuse_per_rank_layout(latest: Path, info: dict[str, Any], config: TrainConfig) -> None:
     """Refuse before launch a ``--resume`` of per-rank HSDP checkpoints (the 1-bit optimizers'
     ``--parallel hsdp``) with another number of ranks per node: each rank's file holds its
     shard of the node's model, so the ranks refused it only after they had started, and the

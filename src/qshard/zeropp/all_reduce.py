@@ -230,32 +230,26 @@ class ReplicateAllReduce:
 
     def _check_sizes(self, headers: torch.Tensor, size: int) -> None:
         """Refuse shards of different sizes across the group ([Note: the shard size travels
-        with hop 1]); ``headers`` holds one received 8-byte size per sender. On a GPU the
-        check reads the headers at the next call (or :meth:`check`), so that no call waits for
-        its own all-to-all on the host."""
-        sizes = headers.contiguous().view(torch.int64).reshape(-1)
-        if sizes.device.type != "cpu":
-            self._unchecked = (sizes, size)
+        with hop 1]); ``headers`` holds one received 8-byte size per sender. On a GPU they are
+        read at the next call, so that no call waits on the host for its own all-to-all."""
+        self._unchecked = (headers.contiguous().view(torch.int64).reshape(-1), size)
+        if headers.device.type == "cpu":
+            self._check_unchecked()
+
+    def _check_unchecked(self) -> None:
+        if self._unchecked is None:
             return
-        self._refuse_mismatch(sizes.tolist(), size)
-
-    def check(self) -> None:
-        """Read the shard sizes of the last reduction not checked yet (GPU)."""
-        if self._unchecked is not None:
-            sizes, size = self._unchecked
-            self._unchecked = None
-            self._refuse_mismatch(sizes.tolist(), size)
-
-    def _refuse_mismatch(self, sizes: list[int], size: int) -> None:
-        if any(s != size for s in sizes):
+        sizes, size = self._unchecked
+        self._unchecked = None
+        if any(s != size for s in sizes.tolist()):
             raise RuntimeError(
                 "HSDP's replicate all-reduce got gradient shards of different sizes from the "
-                f"nodes (elements per replicate rank {self.ranks}: {sizes}): a parameter of "
-                "this FSDP unit got a gradient on some nodes' ranks and none on others in this "
-                "step (a data-dependent branch, an MoE expert without tokens). Call "
-                "set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces every "
-                "trainable parameter, zeros for unused ones), or give every trainable parameter "
-                "a gradient on every rank"
+                f"nodes (elements per replicate rank {self.ranks}: {sizes.tolist()}): a "
+                "parameter of this FSDP unit got a gradient on some nodes' ranks and none on "
+                "others in this step (a data-dependent branch, an MoE expert without tokens). "
+                "Call set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces "
+                "every trainable parameter, zeros for unused ones), or give every trainable "
+                "parameter a gradient on every rank"
             )
 
     def _check_pending(self, output: torch.Tensor) -> None:
@@ -299,7 +293,7 @@ class ReplicateAllReduce:
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every
         rank). Collective."""
-        self.check()
+        self._check_unchecked()  # a GPU call's sizes, read one call late
         n = len(self.ranks)
         size = x.numel()
         c = self.chunk_numel(size)
