@@ -183,6 +183,44 @@ def test_fused_rows_equal_composition(bits, fastpath):
         _fastpath.set_fastpath(was)
 
 
+@pytest.mark.parametrize("bits", [None, 4, 8])
+@pytest.mark.parametrize("trailer", [8, 3])
+@pytest.mark.parametrize("fastpath", [True, False])
+def test_rows_with_a_trailer_equal_contiguous_rows(bits, trailer, fastpath):
+    """[Note: a trailer after each row]: encode into the leading columns of a wider buffer,
+    then decode / reduce / reduce_encode of those columns, give the contiguous rows' bytes and
+    values, and never touch the trailer (an aligned one of 8 bytes: the in-place paths; an
+    unaligned one of 3: the copying paths)."""
+    from qshard.quant import _fastpath
+
+    codec = RowCodec(bits=bits, block_size=64)
+    rows, m = 3, 768
+    x = torch.cat([_special(m, r).view(1, m) * (r + 1) for r in range(rows)])
+    was = _fastpath.fastpath_enabled()
+    _fastpath.set_fastpath(fastpath)
+    try:
+        plain = codec.encode(x)
+        rb = codec.row_bytes(m)
+        wide = torch.full((rows, rb + trailer), 0xA5, dtype=torch.uint8)
+        cols = wide[:, :rb]
+        assert codec.encode(x, out=cols) is cols
+        assert torch.equal(cols, plain)
+        assert bool((wide[:, rb:] == 0xA5).all())  # the trailer is the caller's
+        assert _bits_equal(codec.decode(cols, m), codec.decode(plain, m))
+        slots = [(0, 256, 256), (300, 77, 256), (999, 1, 256)]
+        got, want = ([torch.zeros(1000) for _ in range(rows)] for _ in range(2))
+        codec.decode_slots(cols, m, got, slots)
+        codec.decode_slots(plain, m, want, slots)
+        assert all(_bits_equal(g, w) for g, w in zip(got, want, strict=True))
+        if bits is not None:
+            assert _bits_equal(codec.reduce(cols, m), codec.reduce(plain, m))
+            assert _bits_equal(codec.reduce_encode(cols, m, 3), codec.reduce_encode(plain, m, 3))
+        with pytest.raises(ValueError, match="out must be a uint8 tensor of shape"):
+            codec.encode(x, out=wide)
+    finally:
+        _fastpath.set_fastpath(was)
+
+
 def test_fused_rows_refuse_bad_layouts():
     codec = RowCodec(bits=4, block_size=64)
     src = torch.randn(100)

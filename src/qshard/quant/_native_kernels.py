@@ -606,7 +606,8 @@ def dequantize_sum_int(
 ) -> None:
     """The fp32 sum over ``rows`` rows of dequantized blocks, added in row order, in one pass.
 
-    Row ``r`` starts at byte ``r * stride`` of the contiguous uint8 ``base``: its fp32 block
+    Row ``r`` starts at byte ``r * stride`` of the uint8 ``base`` (contiguous, or 2-D rows of
+    contiguous bytes ``stride`` apart: rows with a trailer the caller reads): its fp32 block
     absmaxes at byte ``scale_off``, its codes (INT8, or packed INT4 when ``qmax == 7``) at
     ``code_off``, ``numel`` values. The sum is written to fp32 ``out`` (``numel``), or, with
     ``codes_out`` / ``scales_out``, requantized block by block as :func:`quantize_int` would
@@ -614,7 +615,8 @@ def dequantize_sum_int(
     then the quantizer."""
     pack4 = qmax == 7
     requant = codes_out is not None
-    assert base.dtype == torch.uint8 and base.is_contiguous() and base.device.type == "cpu"
+    assert base.dtype == torch.uint8 and base.device.type == "cpu"
+    assert base.is_contiguous() or (base.dim() == 2 and base.stride() == (stride, 1))
     assert requant == (scales_out is not None) and requant != (out is not None)
     if requant:
         assert codes_out.is_contiguous() and scales_out.is_contiguous()

@@ -20,6 +20,14 @@ is in cache (no fp32 partial sums either). Every one computes what the compositi
 ``encode`` / ``decode`` / ``sum_rows`` computes, in the same order and roundings, so the bytes
 and values are the same (tests/zeropp/test_wire.py); without the C kernels (or for other
 dtypes and devices) the methods run that composition.
+
+[Note: a trailer after each row] A caller that sends a few bytes of its own with every row (HSDP's
+replicate all-reduce sends each sender's shard size, [Note: the shard size travels with hop 1])
+allocates rows ``row_bytes(m) + t`` bytes wide and hands the codec their leading columns:
+``encode(x, out=buf[:, :row_bytes(m)])``, then ``reduce`` / ``decode`` of the received
+``buf[:, :row_bytes(m)]``. The in-place paths and C kernels address each row by the buffer's row
+stride, so no pass copies the rows into or out of the wider buffer; row starts must keep fp32
+alignment (``t`` a multiple of 4), or the methods take their copying paths.
 """
 
 from __future__ import annotations
@@ -51,6 +59,21 @@ Slot = tuple[int, int, int]
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _byte_rows(buf: Tensor) -> bool:
+    """Whether the uint8 ``buf`` is 2-D rows of contiguous bytes the C kernels and the in-place
+    paths can address: contiguous, or a column slice of a wider buffer (rows with a trailer,
+    [Note: a trailer after each row]) whose row starts keep fp32 alignment."""
+    if buf.is_contiguous():
+        return True
+    return (
+        buf.dim() == 2
+        and buf.stride(1) == 1
+        and buf.stride(0) >= buf.shape[1]
+        and buf.stride(0) % 4 == 0
+        and buf.storage_offset() % 4 == 0
+    )
 
 
 def _in_place(x: Tensor) -> bool:
@@ -93,7 +116,7 @@ class RowCodec:
     def _fused(self, values: Tensor | None = None, *rows: Tensor) -> bool:
         """Whether the fused C kernels of [Note: fused wire rows] serve these CPU tensors:
         quantization on, the quant core's C kernels on, ``values`` (if any) contiguous fp32 and
-        the wire ``rows`` contiguous, all on the CPU."""
+        the wire ``rows`` rows of contiguous bytes, all on the CPU."""
         if self.bits is None or self.block_size > _native_kernels.SUM_BLOCK_MAX:
             return False
         if not (_fastpath.fastpath_enabled() and _fastpath._native_enabled):
@@ -102,7 +125,7 @@ class RowCodec:
             values.dtype == torch.float32 and values.device.type == "cpu" and values.is_contiguous()
         ):
             return False
-        if any(r.device.type != "cpu" or not r.is_contiguous() for r in rows):
+        if any(r.device.type != "cpu" or not _byte_rows(r) for r in rows):
             return False
         return _native_kernels.available()
 
@@ -181,7 +204,7 @@ class RowCodec:
             out = torch.empty(m, dtype=torch.float32, device=buf.device)
         _native_kernels.dequantize_sum_int(
             buf,
-            stride=buf.shape[1],
+            stride=buf.stride(0),
             scale_off=0,
             code_off=4 * (m // self.block_size),
             rows=buf.shape[0],
@@ -209,7 +232,7 @@ class RowCodec:
         for n in range(rows):
             _native_kernels.dequantize_sum_int(
                 buf,
-                stride=buf.shape[1],
+                stride=buf.stride(0),
                 scale_off=4 * n * nbo,
                 code_off=4 * nb + n * nbo * per,
                 rows=buf.shape[0],
@@ -258,7 +281,7 @@ class RowCodec:
             return
         nb, per = m // bs, bs * self.bits // 8
         qmax, pack4 = qmax_for_bits(self.bits), self.bits == 4
-        row_bytes, base, el = buf.shape[1], buf.data_ptr(), out_rows[0].element_size()
+        row_bytes, base, el = buf.stride(0), buf.data_ptr(), out_rows[0].element_size()
         targets = [o.data_ptr() for o in out_rows]
         pos = 0
         for start, length, padded in slots:
@@ -278,19 +301,25 @@ class RowCodec:
                     )
             pos += padded
 
-    def encode(self, x: Tensor) -> Tensor:
-        """``(rows, m)`` float -> ``(rows, row_bytes(m))`` uint8."""
+    def encode(self, x: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """``(rows, m)`` float -> ``(rows, row_bytes(m))`` uint8, written into ``out`` when
+        given: a uint8 ``(rows, row_bytes(m))`` tensor on ``x``'s device, contiguous or the
+        leading columns of a wider buffer ([Note: a trailer after each row])."""
         rows, m = x.shape
+        if out is not None:
+            self._check_out(out, rows, m, x.device)
         if self.bits is None:
-            return x.to(self.wire_dtype).contiguous().view(torch.uint8).view(rows, -1)
+            values = x.to(self.wire_dtype).contiguous().view(torch.uint8).view(rows, -1)
+            return values if out is None else out.copy_(values)
         self._check(m)
         bs = self.block_size
-        if _in_place(x):
+        if _in_place(x) and (out is None or _byte_rows(out)):
             # [Note: wire rows in place] Each row's scales and codes are written straight
             # into its wire row by the quant core's kernels (INT4 packed there), instead of
             # quantizing into temporaries, packing INT4 with torch ops and concatenating:
             # the same bytes with three fewer passes over memory.
-            out = torch.empty((rows, self.row_bytes(m)), dtype=torch.uint8, device=x.device)
+            if out is None:
+                out = torch.empty((rows, self.row_bytes(m)), dtype=torch.uint8, device=x.device)
             nb, qmax = m // bs, qmax_for_bits(self.bits)
             for r in range(rows):
                 scales = out[r, : 4 * nb].view(torch.float32)
@@ -305,7 +334,16 @@ class RowCodec:
             code_bytes = pack_int4(codes).view(rows, m // 2)
         else:
             code_bytes = codes.view(torch.uint8).view(rows, m)
-        return torch.cat([scale_bytes, code_bytes], dim=1)
+        return torch.cat([scale_bytes, code_bytes], dim=1, out=out)
+
+    def _check_out(self, out: Tensor, rows: int, m: int, device: torch.device) -> None:
+        shape = (rows, self.row_bytes(m))
+        if out.dtype != torch.uint8 or tuple(out.shape) != shape or out.device != device:
+            raise ValueError(
+                f"out must be a uint8 tensor of shape {shape} on {device} (the wire rows of "
+                f"{rows} x {m} values); got {out.dtype} of shape {tuple(out.shape)} on "
+                f"{out.device}"
+            )
 
     def decode(self, buf: Tensor, m: int, *, dtype: torch.dtype = torch.float32) -> Tensor:
         """``(rows, row_bytes(m))`` uint8 -> ``(rows, m)`` values in ``dtype`` (dequantized in
@@ -315,7 +353,7 @@ class RowCodec:
             return buf.contiguous().view(self.wire_dtype).view(rows, m).to(dtype)
         bs = self.block_size
         nb = m // bs
-        if buf.device.type == "cpu" and buf.is_contiguous():
+        if buf.device.type == "cpu" and _byte_rows(buf):
             # See [Note: wire rows in place]: each row decoded straight from its wire bytes.
             out = torch.empty((rows, m), dtype=dtype, device=buf.device)
             qmax = qmax_for_bits(self.bits)

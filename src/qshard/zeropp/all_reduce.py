@@ -309,20 +309,20 @@ class ReplicateAllReduce:
                 errors = (xin.new_zeros(n * c), xin.new_zeros(c))
                 self._errors[size] = errors
             xin[:size] += errors[0][:size]
-        send = codec.encode(xin.view(n, c))
+        # [Note: the shard size travels with hop 1] Every row carries the sender's shard size
+        # (8 bytes), so every rank sees every other's and all refuse a mismatch alike; the
+        # codec writes and reads the rows in place ([Note: a trailer after each row]).
+        rb = codec.row_bytes(c)
+        framed = torch.empty((n, rb + _SIZE_BYTES), dtype=torch.uint8, device=x.device)
+        send = codec.encode(xin.view(n, c), out=framed[:, :rb])
+        framed[:, rb:] = _size_bytes(size, x.device)
         if errors is not None:
             errors[0].copy_(xin - codec.decode(send, c).view(-1))
-        # [Note: the shard size travels with hop 1] Every row carries the sender's shard size
-        # (8 bytes), so every rank sees every other's and all refuse a mismatch alike.
-        rows = send.shape[1]
-        framed = torch.empty((n, rows + _SIZE_BYTES), dtype=torch.uint8, device=x.device)
-        framed[:, :rows] = send
-        framed[:, rows:] = _size_bytes(size, x.device)
         recv = torch.empty_like(framed)
         record("all_to_all", group_ranks=self.ranks, tensor_bytes=framed.numel(), tag=TAG)
         duplex.all_to_all_single(recv, framed, self.group, twin=self.twin)
-        self._check_sizes(recv[:, rows:], size)
-        mean = codec.reduce(recv[:, :rows].contiguous(), c).div_(n)  # fp32 between the hops
+        self._check_sizes(recv[:, rb:], size)
+        mean = codec.reduce(recv[:, :rb], c).div_(n)  # fp32 between the hops
         if errors is not None:
             mean += errors[1]
         own = codec.encode(mean.view(1, c))
