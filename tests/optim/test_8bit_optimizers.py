@@ -5,6 +5,7 @@ overrides, StableEmbedding, option validation and state size."""
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import pickle
 
@@ -356,6 +357,25 @@ def test_maximize_false_is_taken_and_true_refused_naming_the_class(cls):
     cls(p, maximize=False)
     with pytest.raises(ValueError, match=rf"^{cls.__name__} does not support maximize=True"):
         cls(p, maximize=True)
+
+
+@pytest.mark.parametrize(
+    ("cls", "parent"), [(qoptim.AdamW8bit, qoptim.Adam8bit), (qoptim.AdamW4bit, qoptim.Adam4bit)]
+)
+def test_adamw_takes_every_option_of_adam_by_name_and_refuses_a_misspelt_one(cls, parent):
+    """AdamW8bit / AdamW4bit took ``**kwargs``: help() showed none of the options, and a
+    misspelt one was refused naming the parent ("Adam8bit.__init__() got an unexpected keyword
+    argument 'blocksize'")."""
+    ours = inspect.signature(cls.__init__).parameters
+    theirs = inspect.signature(parent.__init__).parameters
+    assert list(ours) == list(theirs)
+    for name, param in ours.items():
+        assert param.kind == theirs[name].kind, name
+        if name != "weight_decay":
+            assert param.default == theirs[name].default, name
+    assert ours["weight_decay"].default == 1e-2  # torch.optim.AdamW's
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}.__init__\(\) got an unexpected"):
+        cls([nn.Parameter(torch.randn(4, 4))], blocksize=64)
 
 
 def test_bf16_parameters_use_fp32_math_and_keep_state_dtypes():

@@ -360,6 +360,29 @@ class AdamW4bit(Adam4bit):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
-        **kwargs: Any,
+        *,
+        optim_bits: int = 4,
+        min_4bit_size: int = 4096,
+        block_size: int = 128,
+        second_moment_map: str = "linear",
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        maximize: bool = False,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        # Spelled out (not **kwargs) so that help() shows every option and a misspelt one is
+        # refused naming this class; tests pin the signature to Adam4bit's.
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            optim_bits=optim_bits,
+            min_4bit_size=min_4bit_size,
+            block_size=block_size,
+            second_moment_map=second_moment_map,
+            foreach=foreach,
+            fused=fused,
+            maximize=maximize,
+        )

@@ -180,6 +180,31 @@ class AdamW8bit(Adam8bit):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
-        **kwargs: Any,
+        *,
+        optim_bits: int = 8,
+        min_8bit_size: int = 4096,
+        block_size: int = 256,
+        bnb_compat: bool = False,
+        stochastic_rounding: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        maximize: bool = False,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        # Spelled out (not **kwargs) so that help() shows every option and a misspelt one is
+        # refused naming this class; tests pin the signature to Adam8bit's.
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            optim_bits=optim_bits,
+            min_8bit_size=min_8bit_size,
+            block_size=block_size,
+            bnb_compat=bnb_compat,
+            stochastic_rounding=stochastic_rounding,
+            foreach=foreach,
+            fused=fused,
+            maximize=maximize,
+        )
