@@ -317,3 +317,42 @@ def test_foreign_state_dicts_load_where_they_mean_the_same_and_are_refused_other
     eight.step()
     with pytest.raises(ValueError, match=r"min_8bit_size.*another optimizer"):
         AdamW4bit([p]).load_state_dict(eight.state_dict())
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_changed_second_moment_map_is_refused_while_state_written_with_the_old_one_lives(
+    kernel, monkeypatch
+):
+    """[Note: the map the codes were written with]: switching a group's second_moment_map after
+    the state was made read the codes with the other map, silently (a wrong second moment).
+    Now refused naming both maps, on the kernel's path and the torch reference's; a load
+    restores the saved map with the state, and a fresh optimizer takes any map."""
+    from qshard.optim import _kernels4
+
+    if not kernel:
+        monkeypatch.setattr(_kernels4, "library", lambda: None)  # the torch reference path
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64, 128))
+    opt = AdamW4bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0]["second_moment_map"] = "dynamic"
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="second_moment_map is 'dynamic' but .* 'linear'"):
+        opt.step()
+    assert torch.equal(p.detach(), before)  # refused before anything moved
+    opt.param_groups[0]["second_moment_map"] = "linear"
+    opt.step()
+
+    saved = copy.deepcopy(opt.state_dict())
+    other = AdamW4bit([p], second_moment_map="dynamic")
+    other.load_state_dict(saved)  # the saved group's map comes with its state
+    assert other.param_groups[0]["second_moment_map"] == "linear"
+    other.step()
+    other.param_groups[0]["second_moment_map"] = "dynamic"
+    with pytest.raises(ValueError, match="start from fresh state"):
+        other.step()
+
+    fresh = AdamW4bit([p], second_moment_map="dynamic")
+    fresh.step()
+    fresh.step()

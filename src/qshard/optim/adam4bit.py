@@ -53,6 +53,15 @@ __all__ = ["Adam4bit", "AdamW4bit"]
 _STATES = ("exp_avg", "exp_avg_sq")
 _SPECS = (("exp_avg", True), ("exp_avg_sq", False))
 
+#: [Note: the map the codes were written with] The second moment's codes mean nothing without
+#: the map that wrote them, and ``second_moment_map`` is a group option a user can change
+#: between steps: the codes were then read with the other map (a silently wrong second
+#: moment). The map's name rides on the codes tensor as this attribute, set when the state is
+#: made, or at its first check for state made elsewhere (a load restores the saved group's
+#: options with its state, so the group's map is the codes' map then), and each check compares
+#: it with the group's. Nothing is added to the state_dict: checkpoints keep their keys.
+_MAP_ATTR = "_qshard_second_moment_map"
+
 
 class Adam4bit(BlockwiseOptimizer):
     """Adam with 4-bit block-wise state; ``torch.optim.Adam`` semantics (L2 weight decay).
@@ -184,8 +193,28 @@ class Adam4bit(BlockwiseOptimizer):
             absmax = torch.zeros(rows, nbr, dtype=torch.float32, device=local.device)
             state[f"{name}_codes"] = _wrap_like(p, codes, (p.shape[0], nbytes))
             state[f"{name}_absmax"] = _wrap_like(p, absmax, (p.shape[0], nbr))
+        setattr(state[f"{_STATES[1]}_codes"], _MAP_ATTR, group["second_moment_map"])
+
+    def _check_map(self, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Refuse state whose second moment was written with another map than the group's
+        ([Note: the map the codes were written with])."""
+        codes = state.get(f"{_STATES[1]}_codes")
+        if codes is None:
+            return
+        want = group["second_moment_map"]
+        made = getattr(codes, _MAP_ATTR, None)
+        if made is None:
+            setattr(codes, _MAP_ATTR, want)
+        elif made != want:
+            raise ValueError(
+                f"{type(self).__name__}: second_moment_map is {want!r} but this group's "
+                f"second-moment state was written with {made!r}, and its codes mean nothing "
+                f"under another map. Set the group's second_moment_map back to {made!r}, or "
+                "start from fresh state (a new optimizer) to use another map"
+            )
 
     def _check_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        self._check_map(group, state)
         p_l = _local(p)
         if f"{_STATES[0]}_codes" not in state or p_l.numel() == 0:
             return
@@ -212,6 +241,7 @@ class Adam4bit(BlockwiseOptimizer):
         ``tensor4_t`` up to its hyperparameters."""
         if _kernels4.library() is None:
             return None
+        self._check_map(group, state)
         return _multi_tensor_entry(
             type(self).__name__,
             p,
