@@ -338,7 +338,7 @@ def test_a_changed_second_moment_map_is_refused_while_state_written_with_the_old
     opt.step()
     opt.param_groups[0]["second_moment_map"] = "dynamic"
     before = p.detach().clone()
-    with pytest.raises(ValueError, match="second_moment_map is 'dynamic' but .* 'linear'"):
+    with pytest.raises(ValueError, match=r"second_moment_map is 'dynamic' but .* 'linear'"):
         opt.step()
     assert torch.equal(p.detach(), before)  # refused before anything moved
     opt.param_groups[0]["second_moment_map"] = "linear"
