@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from qshard.comm import Topology
 from qshard.testing import run_world
 from qshard.train import checkpoint as ckpt
+from qshard.train import loop
 from qshard.train.config import TrainConfig
 from qshard.train.loop import RunDirError, build, train
 
@@ -105,6 +107,18 @@ def _two_rank_world(rank, world, tmp):
         out["other_seed"] = "trained"
     except ckpt.CheckpointError as exc:
         out["other_seed"] = str(exc)
+    # A --resume with other betas and weight decay applies them: the load restored the
+    # checkpoint's param groups over them, silently ([Note: resumed hyperparameters]).
+    changed = cfg.replace(out=str(tmp / "resumed"), resume=True, beta2=0.5, weight_decay=0.3)
+    changed = changed.replace(steps=7)
+    model, opt, _ = build(changed, topology=Topology.from_env(ranks_per_node=1))
+    configured = [(g["betas"], g["weight_decay"]) for g in opt.param_groups]
+    job = SimpleNamespace(checkpoints=tmp / "resumed/checkpoints", is_main=rank == 0)
+    out["changed_resume_step"] = loop._resume(changed, job, model, opt)
+    out["changed_resume_groups"] = (
+        [(g["betas"], g["weight_decay"]) for g in opt.param_groups],
+        configured,
+    )
     out["ledger_inter"] = full["inter_node_bytes_per_step"]
     out["estimate_inter"] = full["estimate_inter_node_bytes_per_step"]
     out["zero3_16bit"] = full["zero3_16bit_inter_node_bytes_per_step"]
@@ -189,6 +203,14 @@ def test_resume_under_torchrun_refuses_another_seed(worlds):
         f"--resume: {tmp / 'resumed/checkpoints/step_00000006'} was written with --seed 0 "
         "(now 1); pass the same options to resume it" in two["other_seed"]
     ), two["other_seed"]
+
+
+def test_resume_applies_changed_betas_and_weight_decay(worlds):
+    _, _, two = worlds
+    assert two["changed_resume_step"] == 6
+    got, configured = two["changed_resume_groups"]
+    assert got == configured
+    assert {tuple(b) for b, _ in got} == {(0.9, 0.5)} and {wd for _, wd in got} == {0.3, 0.0}
 
 
 def test_resume_reproduces_uninterrupted_losses(worlds):

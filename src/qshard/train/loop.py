@@ -331,6 +331,11 @@ def build(
     return model, build_optimizer(model, config), layout
 
 
+#: Param-group options the configuration sets that a ``--resume`` applies over the checkpoint's
+#: ([Note: resumed hyperparameters]).
+_RESUMED_OPTIONS = ("betas", "weight_decay")
+
+
 def _resume(
     config: TrainConfig, job: _Job, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
@@ -339,6 +344,15 @@ def _resume(
     restart fallback] in qshard.train.checkpoint)."""
     if not config.resume:
         return 0
+    # [Note: resumed hyperparameters] Loading restores the saved param groups, and with them
+    # the betas and weight decay the checkpointed run used: a --beta2 or --weight-decay changed
+    # on --resume was silently dropped (while config.json recorded it). They may change like
+    # --lr (which the loop sets every step), so the built optimizer's values are put back after
+    # the load. The 1-bit optimizers' schedules (freeze step, sync intervals) keep the
+    # checkpoint's: recomputed for another --steps they could unfreeze a frozen variance.
+    configured = [
+        {k: group[k] for k in _RESUMED_OPTIONS if k in group} for group in optimizer.param_groups
+    ]
     loaded = ckpt.load_newest(
         job.checkpoints,
         model=model,
@@ -358,6 +372,8 @@ def _resume(
             file=sys.stderr,
             flush=True,
         )
+    for group, values in zip(optimizer.param_groups, configured, strict=True):
+        group.update(values)
     # The launcher compared the options before any rank started; under torchrun none did.
     changed = resume_mismatches(ckpt.checkpoint_info(loaded.path), config)
     if changed:
