@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -383,6 +384,14 @@ def test_failure_hint_skips_checkpoints_that_fail_their_checks(tmp_path):
     assert report.startswith("no checkpoint passes its checks (step_00000004 (")
     assert "step_00000002 (" in report and "rerun from the start" in report
 
+    # The final checkpoint of a run that died exporting: --resume finishes it (the hint said
+    # "continue", and that --resume was refused: "leaves nothing to train").
+    shutil.rmtree(root)
+    final = fake(200, b"intact", b"intact")
+    report = _report(ChildFailedError("train", killed), config).splitlines()[-1]
+    assert report.startswith(f"the final checkpoint {final} is complete: rerun with --resume to ")
+    assert "finish the run (the export and summary; nothing is trained again)" in report
+
 
 def test_resume_from_a_damaged_checkpoint_fails_before_launch(tmp_path, capsys):
     """A newest checkpoint with a broken qshard.json (the message was json's own, naming no
@@ -495,9 +504,12 @@ def test_resume_with_a_bad_metrics_line_fails_before_launch(tmp_path, capsys, mo
     assert main(argv) == 0 and len(launched) == 1
 
 
-def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys):
+def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys, monkeypatch):
     """--resume from a checkpoint at or past --steps trained nothing, said "resumed" and
-    overwrote the finished run's summary with an empty one."""
+    overwrote the finished run's summary with an empty one. A run that stopped after its final
+    checkpoint without its summary (a rank died exporting) is finished by that --resume."""
+    import qshard.train.cli as cli
+
     (tmp_path / "text.txt").write_text("hello world\n" * 2000)
     ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
     ckpt_dir.mkdir(parents=True)
@@ -505,11 +517,16 @@ def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys)
     (ckpt_dir / ".metadata").write_bytes(b"")
     argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--warmup-steps", "1"]
     argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    launched = []
+    monkeypatch.setattr(cli, "launch", launched.append)
+    assert main([*argv, "--steps", "10"]) == 0 and len(launched) == 1  # unfinished: finish it
+    (tmp_path / "run/summary.json").write_text("{}")
     for steps in ("10", "4"):
         assert main([*argv, "--steps", steps]) == 2
         err = capsys.readouterr().err
         assert f"is at step 10, so --steps {steps} leaves nothing to train" in err, err
         assert "pass --steps above 10 to continue that run" in err
+    assert len(launched) == 1
 
 
 def test_a_fresh_run_over_an_earlier_one_is_refused_before_launch(tmp_path, capsys):

@@ -299,7 +299,12 @@ def preflight(config: TrainConfig) -> None:
         except DamagedCheckpointError as exc:
             raise refuse_damaged(exc) from exc
         step = info.get("step")
-        if isinstance(step, int) and step >= config.steps:
+        # [Note: finishing a run] A run stopped after its final checkpoint (a rank died while
+        # exporting or writing the summary) is finished by a --resume at the same --steps: the
+        # loop trains nothing and writes what is missing. Only a finished run (its summary
+        # written) has nothing left to do.
+        unfinished = step == config.steps and not _finished(config)
+        if isinstance(step, int) and step >= config.steps and not unfinished:
             raise ValueError(
                 f"--resume: {latest} is at step {step}, so --steps {config.steps} leaves nothing "
                 f"to train; pass --steps above {step} to continue that run"
@@ -562,9 +567,14 @@ def _report(exc: ChildFailedError, config: TrainConfig, *, tracebacks: Path | No
     return "\n".join([head + ":", *lines, hint])
 
 
+def _finished(config: TrainConfig) -> bool:
+    """Whether the run in ``--out`` wrote its summary, the last thing a run does."""
+    return (Path(config.out) / "summary.json").is_file()
+
+
 def _resume_hint(config: TrainConfig) -> str:
     """How to continue a run that stopped: from its newest complete checkpoint, if any."""
-    from qshard.train.checkpoint import newest_intact
+    from qshard.train.checkpoint import checkpoint_info, newest_intact
 
     root = os.path.join(config.out, "checkpoints")
     intact, damaged = newest_intact(root)  # a refused newest one is not the way on
@@ -580,6 +590,11 @@ def _resume_hint(config: TrainConfig) -> str:
         )
     if intact is None:
         return "no complete checkpoint was written: rerun from the start"
+    if checkpoint_info(intact).get("step") == config.steps and not _finished(config):
+        return (  # see [Note: finishing a run]
+            f"the final checkpoint {intact} is complete: rerun with --resume to finish the run "
+            "(the export and summary; nothing is trained again)"
+        )
     return f"the newest complete checkpoint is {intact}: rerun with --resume to continue from it"
 
 
