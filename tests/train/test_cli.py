@@ -4,6 +4,7 @@ fix named, and bad corpora fail in the launcher before any rank starts."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -139,6 +140,14 @@ def test_defaults_that_cannot_fit_are_noted_once_and_only_for_a_valid_run(capsys
     assert main(["--steps", "3", "--nproc", "3"]) == 2
     err = capsys.readouterr().err
     assert "must be divisible by the number of ranks 3" in err and "note:" not in err
+    assert "e.g. --batch-size 6" in err
+    # On --resume the batch size is the run's: the fix is --nproc (it suggested --batch-size 3,
+    # which the resume then refused as another batch size than the checkpoint's).
+    with pytest.raises(ValueError) as refused:
+        TrainConfig(nproc=3, batch_size=4, resume=True)
+    assert str(refused.value).endswith(
+        "a --resume keeps the run's batch size: pass --nproc among 1, 2, 4"
+    )
     # Under torchrun every rank parses the flags; rank 0 alone says it.
     for var, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
         monkeypatch.setenv(var, value)
@@ -723,3 +732,61 @@ def test_resume_of_per_rank_hsdp_checkpoints_with_other_ranks_per_node_is_refuse
     # The same layout gets past this check (to the state files' own checks).
     main([*argv, "--nproc", "2", "--ranks-per-node", "2"])
     assert "holds per-rank HSDP checkpoints" not in capsys.readouterr().err
+
+
+def test_a_full_disk_is_named_with_its_fix(tmp_path, monkeypatch):
+    """A full disk under --out (a first-user probe on a 2 MiB tmpfs): the launcher died with a
+    raw traceback writing its lock file (creating the empty file needed no space), a rank's
+    report said only "OSError: [Errno 28] No space left on device", and a DCP save into it was
+    reported by its last line, the torch.save error the full disk led to."""
+    import builtins
+
+    import qshard.train.cli as cli
+    from qshard.train.checkpoint import _last_line
+
+    class _FullFile:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    real_open = builtins.open
+    monkeypatch.setattr(cli, "open", lambda *a, **k: _FullFile(real_open(*a, **k)), raising=False)
+    with pytest.raises(ValueError) as refused:
+        cli.claim_run_dir(str(tmp_path / "run"), create=True)
+    assert str(refused.value) == (
+        f"--out {tmp_path / 'run'}: cannot write {tmp_path / 'run' / '.qshard.lock'} (No space "
+        "left on device); free space on the file system that holds --out (checkpoints, metrics, "
+        "the export), or pass another --out"
+    )
+    monkeypatch.undo()
+
+    (tmp_path / "error.json").write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "OSError: [Errno 28] No space left on device",
+                    "extraInfo": {"timestamp": "0"},
+                }
+            }
+        )
+    )
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=11, exitcode=1, error_file=str(tmp_path / "error.json"))
+    }
+    text = _report(ChildFailedError("train", failures), TrainConfig(out=str(tmp_path))).splitlines()
+    assert text[2] == (
+        "  (a disk is full: free space on the file system that holds --out (checkpoints, metrics, "
+        f"the export), or pass another --out; --out is {tmp_path})"
+    )
+    dcp_error = RuntimeError(
+        '[rank0]: Traceback (most recent call last):\n  File "x.py", line 1, in save\n'
+        "OSError: [Errno 28] No space left on device\n\nDuring handling of the above...\n"
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    )
+    assert _last_line(dcp_error) == "OSError: [Errno 28] No space left on device"
+    assert _last_line(RuntimeError("a\nb\nlast words")) == "last words"

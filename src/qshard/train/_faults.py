@@ -55,6 +55,7 @@ __all__ = [
     "Fault",
     "RankFailure",
     "at_step",
+    "clip",
     "current_step",
     "diagnose",
     "fault_plan",
@@ -219,6 +220,16 @@ def is_collective_failure(exc: BaseException) -> bool:
     )
 
 
+def clip(text: str, limit: int = 300) -> str:
+    """``text`` cut to about ``limit`` characters at a word boundary, marked with `` ...``
+    (a report line; the whole error is in the rank's traceback)."""
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:(") + " ..."
+
+
 def diagnose(
     exc: BaseException, *, step: int, timeout_s: float, latest: Path | None, checkpoints: Path
 ) -> RankFailure:
@@ -256,7 +267,7 @@ def diagnose(
         if latest is not None
         else f"no complete checkpoint under {checkpoints} yet: rerun from the start"
     )
-    reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    reason = clip(str(exc).strip().splitlines()[0]) if str(exc).strip() else type(exc).__name__
     return RankFailure(
         f"rank {rank} stopped at step {step}: a collective failed or did not complete within "
         f"--collective-timeout {timeout_s:g} s ({type(exc).__name__}: {reason}); {who}; {resume}"

@@ -64,6 +64,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import struct
 from dataclasses import dataclass
@@ -575,9 +576,18 @@ def _move_aside(path: Path) -> Path:
 
 
 def _last_line(exc: BaseException) -> str:
-    """The last line of an error (DCP's message is a traceback per failed rank)."""
+    """The line of an error that says what went wrong (DCP's message is a traceback per failed
+    rank): the first operating-system error in it (``[Errno 28] No space left on device``: a
+    full disk showed up as the torch.save error it led to, ``unexpected pos 704 vs 598``), else
+    the last line."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    os_errors = [line for line in lines if _OS_ERROR.search(line)]
+    return _faults.clip(os_errors[0] if os_errors else lines[-1])
+
+
+_OS_ERROR = re.compile(r"\[Errno \d+\]")
 
 
 def _local(t: Any) -> Any:

@@ -23,6 +23,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import inspect
 import itertools
@@ -449,9 +450,17 @@ def claim_run_dir(out: str, *, create: bool) -> IO[str] | None:
             f"--out {out} is in use by another qshard train job ({holder}); wait for it to "
             "end, or pass another --out"
         ) from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
+    try:
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+    except OSError as exc:  # a full disk: creating the empty file needed no space
+        with contextlib.suppress(OSError):  # (its flush fails again; the file is closed)
+            lock.close()
+        raise ValueError(
+            f"--out {out}: cannot write {path / _LOCK} ({exc.strerror or exc}); "
+            f"{_FULL_DISK if exc.errno == errno.ENOSPC else 'pass --out a folder you can write to'}"
+        ) from exc
     return lock
 
 
@@ -552,6 +561,8 @@ def _report(exc: ChildFailedError, config: TrainConfig, *, tracebacks: Path | No
         lines.append(f"  rank {rank} (pid {failure.pid}) {what}")
     if tracebacks is not None:
         lines.append(f"  (the tracebacks are in {tracebacks})")
+    if any(os.strerror(errno.ENOSPC) in line for line in lines):
+        lines.append(f"  (a disk is full: {_FULL_DISK}; --out is {config.out})")
     reached = _last_logged_step(config)
     restarts = (
         f" after {config.max_restarts} restart{'s' if config.max_restarts != 1 else ''}"
@@ -565,6 +576,12 @@ def _report(exc: ChildFailedError, config: TrainConfig, *, tracebacks: Path | No
     if not config.max_restarts:
         hint += ", or pass --max-restarts N to restart automatically"
     return "\n".join([head + ":", *lines, hint])
+
+
+_FULL_DISK = (
+    "free space on the file system that holds --out (checkpoints, metrics, the export), or "
+    "pass another --out"
+)
 
 
 def _finished(config: TrainConfig) -> bool:

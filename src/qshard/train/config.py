@@ -274,6 +274,13 @@ class TrainConfig:
                 f"--ranks-per-node {_largest_divisor_at_most(self.nproc, self.ranks_per_node)}"
             )
         if self.batch_size % self.nproc:
+            if self.resume:  # the batch size is the checkpointed run's (RESUME_MUST_MATCH)
+                ranks = [n for n in range(1, self.batch_size + 1) if self.batch_size % n == 0]
+                raise ValueError(
+                    f"--batch-size {self.batch_size} must be divisible by the number of ranks "
+                    f"{self.nproc}, and a --resume keeps the run's batch size: pass --nproc "
+                    f"among {', '.join(map(str, ranks))}"
+                )
             raise ValueError(
                 f"--batch-size {self.batch_size} must be divisible by the number of ranks "
                 f"{self.nproc}; e.g. --batch-size {self.nproc * max(1, self.batch_size // self.nproc)}"
