@@ -15,7 +15,9 @@ on this CPU), shards it, and trains on the same batches of the embedded corpus:
 - ``hsdp``: HSDP (``ZeroPPConfig(hsdp=True)``: shard inside a node, FSDP2's own fp32 replicate
   all-reduce across nodes); ``hsdp-bf16``: its replicate all-reduce (and intra-node comms) on a
   16-bit wire; ``hsdp-int4``: the replicate all-reduce block-quantized to INT4 (qgZ's format,
-  fp32 between the two hops);
+  fp32 between the two hops); both defer their replicate all-reduce through the backward (the
+  default); ``hsdp-bf16-sync`` / ``hsdp-int4-sync`` (opt-in, not in the default sweep) run it
+  synchronously inside FSDP2's hook, the A/B of that deferral;
 - ``hsdp-1bit``, ``hsdp-01``: HSDP with no gradient crossing nodes and 1-bit Adam / 0/1 Adam
   syncing the replicas. 1-bit Adam is timed after its full-precision warm-up (``--warmup``
   steps); 0/1 Adam in its phase-B steady state, with a sync every ``--zero-one-interval``
@@ -142,8 +144,12 @@ from _throughput_report import (  # noqa: E402, F401  (re-exported: tests, step_
 )
 
 HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
-ALL_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
-DEFAULT_VARIANTS = ALL_VARIANTS
+# Opt-in A/B rows (not in the default sweep): the compressed replicate all-reduce run
+# synchronously inside FSDP2's hook, as before it was deferred ([Note: deferred replicate
+# all-reduce] in qshard.zeropp.all_reduce).
+SYNC_VARIANTS = ("hsdp-bf16-sync", "hsdp-int4-sync")
+DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
+ALL_VARIANTS = (*DEFAULT_VARIANTS, *SYNC_VARIANTS)
 # ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
 FEATURES: dict[str, dict[str, object]] = {
     "zero3": {},
@@ -155,6 +161,8 @@ FEATURES: dict[str, dict[str, object]] = {
     "hsdp": {"hsdp": True},
     "hsdp-bf16": {"hsdp": True, "wire_dtype": "bf16"},
     "hsdp-int4": {"hsdp": True, "replicate_bits": 4},
+    "hsdp-bf16-sync": {"hsdp": True, "wire_dtype": "bf16", "overlap_reduce_scatter": False},
+    "hsdp-int4-sync": {"hsdp": True, "replicate_bits": 4, "overlap_reduce_scatter": False},
     "hsdp-1bit": {"hsdp": True, "replicate_reduce": False},
     "hsdp-01": {"hsdp": True, "replicate_reduce": False},
 }

@@ -88,8 +88,13 @@ def test_a_knob_of_a_feature_that_is_off_is_refused(kwargs, match):
         ({"prefetch": False, "prefetch_depth": 3}, "configures prefetch", {"prefetch": True}),
         (
             {"hsdp": True, "overlap_reduce_scatter": True},
-            "never overlaps backward",
+            "FSDP2's own full-precision replicate all-reduce .* which needs its output at once",
             {"overlap_reduce_scatter": False},
+        ),
+        (
+            {"hsdp": True, "overlap_reduce_scatter": True, "replicate_reduce": False},
+            "replicate_reduce=False, which sends nothing across nodes to overlap",
+            {"replicate_reduce": True, "replicate_bits": 4},
         ),
     ],
 )

@@ -6,6 +6,7 @@ One gloo world of 2 emulated nodes x 2 ranks runs every sub-case (3 x 2 in the s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -169,6 +170,18 @@ def _case_training(topo: Topology, results: dict) -> None:
         results[f"{name}_bytes"] = {
             (e.tag, e.op): (e.intra_node_bytes, e.inter_node_bytes) for e in summaries[-1].entries
         }
+        # [Note: deferred replicate all-reduce]: the default defers every unit's reduction but
+        # the root's (FSDP2 reduces it last, at the end of backward); synchronous, the same bits
+        results[f"{name}_overlapped"] = summaries[-1].event("replicate_overlapped")
+        params = _local(model)
+        sync = shard(
+            GPT(CFG), topology=topo, config=dataclasses.replace(cfg, overlap_reduce_scatter=False)
+        )
+        sync_losses, sync_summaries = _train(sync, topo.rank, CommLedger(topo))
+        results[f"{name}_sync_overlapped"] = sync_summaries[-1].event("replicate_overlapped")
+        results[f"{name}_sync_identical"] = sync_losses == losses and all(
+            torch.equal(a, b) for a, b in zip(_local(sync), params, strict=True)
+        )
 
 
 def _accumulate(model, rank: int, ledger: CommLedger) -> tuple[list[torch.Tensor], float]:
@@ -288,6 +301,8 @@ def _check_training(out: list[dict]) -> None:
             diffs = [abs(a - b) / first for a, b in zip(r[name], r["plain"])]
             assert max(diffs) < tol, (name, rank, max(diffs))
             assert r[f"{name}_replicas"], (name, rank)
+            assert r[f"{name}_sync_identical"], (name, rank)
+            assert r[f"{name}_overlapped"] >= CFG.n_layer and r[f"{name}_sync_overlapped"] == 0
         assert r["plain"][-1] < 0.9 * r["plain"][0]
     r = out[0]
     b = r["hsdp_bytes"]

@@ -447,7 +447,7 @@ def test_deferred_qgz_matches_synchronous_2x2():
         assert r["clip_norm"] and r["clip_grads"], rank
         for where in ("error_drain", "error_mid"):
             assert "injected inter-node hop failure" in r[where], (where, r[where])
-            assert "deferred qgZ" in r[where], (where, r[where])
+            assert "a deferred reduce-scatter failed" in r[where], (where, r[where])
         assert r["error_queue_empty"] and r["error_mid_queue_empty"], rank
         assert r["error_recovers"], rank
         assert r["direct_sync"] and r["stepwise_equal"], rank

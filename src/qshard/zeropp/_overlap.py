@@ -76,7 +76,8 @@ class OverlapQueue:
     every pending reduction (backward does it at its end); ``len()`` counts them.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, what: str = "reduce-scatter") -> None:
+        self.what = what  # the reduction its errors name
         self._items: deque[Pending] = deque()
         self._task: int | None = None  # graph task whose end drains the queue
 
@@ -87,7 +88,7 @@ class OverlapQueue:
         """Queue ``item`` and make sure the current backward drains it before it returns."""
         task = torch._C._current_graph_task_id()
         if task == -1:
-            raise RuntimeError("a qgZ reduce-scatter can only be deferred inside backward")
+            raise RuntimeError(f"a {self.what} can only be deferred inside backward")
         self._items.append(item)
         if self._task != task:
             self._task = task
@@ -125,8 +126,9 @@ class OverlapQueue:
             self.drain()
         except Exception as exc:  # a finalizer must not raise
             logger.warning(
-                "qshard: finishing the deferred reduce-scatters of a backward that raised "
-                "failed too (%s); their gradients are incomplete",
+                "qshard: finishing the deferred %ss of a backward that raised failed too "
+                "(%s); their gradients are incomplete",
+                self.what,
                 exc,
             )
 
@@ -142,10 +144,9 @@ class OverlapQueue:
         except Exception as exc:
             self._items.clear()
             raise RuntimeError(
-                f"a deferred reduce-scatter failed (deferred qgZ / plain; "
-                f"{type(exc).__name__}: {exc}); the gradients of this backward are incomplete. "
-                "ZeroPPConfig(overlap_reduce_scatter=False) runs the reduce-scatter "
-                "synchronously inside FSDP2's call"
+                f"a deferred {self.what} failed ({type(exc).__name__}: {exc}); the gradients of "
+                f"this backward are incomplete. ZeroPPConfig(overlap_reduce_scatter=False) runs "
+                f"the {self.what} synchronously inside FSDP2's call"
             ) from exc
 
 
@@ -201,9 +202,13 @@ def _param_group(unit: nn.Module | None):
     return groups[0] if groups is not None and len(groups) == 1 else None
 
 
-def defer_reason(unit: nn.Module | None, output: torch.Tensor) -> str | None:
+def defer_reason(
+    unit: nn.Module | None, output: torch.Tensor, *, in_all_reduce_hook: bool = False
+) -> str | None:
     """None if FSDP2 lets ``unit``'s reduce-scatter into ``output`` finish after the call
-    returns (see [Note: deferred qgZ]), else why not."""
+    returns (see [Note: deferred qgZ]), else why not. ``in_all_reduce_hook``: asked by the
+    unit's all-reduce hook, the last collective before FSDP2 views the output ([Note: deferred
+    replicate all-reduce] in ``qshard.zeropp.all_reduce``)."""
     if torch._C._current_graph_task_id() == -1:
         return "outside backward"
     group = _param_group(unit)
@@ -214,8 +219,8 @@ def defer_reason(unit: nn.Module | None, output: torch.Tensor) -> str | None:
     missing = [a for a in ("mesh_info", "fsdp_params", "_orig_dtype") if not hasattr(group, a)]
     if missing:
         return f"this torch's FSDP2 parameter group lacks {missing}"
-    if isinstance(group.mesh_info, _REPLICATED_MESH_INFOS) or getattr(
-        group, "_all_reduce_hook", None
+    if isinstance(group.mesh_info, _REPLICATED_MESH_INFOS) or (
+        getattr(group, "_all_reduce_hook", None) and not in_all_reduce_hook
     ):
         return "an all-reduce follows the reduce-scatter (HSDP or an all-reduce hook)"
     if getattr(group, "force_sum_reduction_for_comms", False):

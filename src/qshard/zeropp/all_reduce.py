@@ -34,6 +34,20 @@ other parameters and replicas that drifted apart (a first-user probe: relative g
 receives every sender's size, so all refuse a mismatch alike, before hop 2, naming
 ``set_reduce_scatter_unused_params(True)``. Cost: ``8 N`` bytes per unit and step.
 
+[Note: deferred replicate all-reduce] FSDP2 calls the all-reduce hook synchronously, and on
+CPU both hops crossed the slow inter-node link while the backward thread waited: HSDP with a
+compressed reduction overlapped no communication with compute. After the hook FSDP2 does with
+the output only what it does after a reduce-scatter ([Note: deferred qgZ] in
+``qshard/zeropp/_overlap.py``), so under the same conditions (no accumulation into an existing
+gradient, no post-accumulate-grad hook, cast or post-divide) the hook defers: it encodes and
+issues hop 1 and returns; the next unit's hook call (every rank at the same program point) waits
+for hop 1, which had that unit's backward to arrive, reduces and issues hop 2; a later call or
+the end of backward writes the mean once hop 2 has arrived (CPU only: on CUDA the hook runs on
+FSDP2's all-reduce stream, which overlaps it already). ``backward()`` returns with every
+gradient written, as before. :class:`_Reduction` is the one sequence of steps both paths run,
+so the bits and bytes are the same. A size mismatch between nodes is then raised at the step
+that reads hop 1, from the next call or the drain, wrapped in the queue's error.
+
 Error bound (per element of block ``k``, ``q = 2**(bits-1) - 1``, round to nearest): with
 ``A_i`` the absmax of block ``k`` of rank ``i``'s input and ``B`` the absmax of the mean
 block that hop 2 quantizes, ``|out - mean_i x_i| <= (sum_i A_i / N + B) / (2 q)`` plus fp32
@@ -70,6 +84,7 @@ from qshard._fsdp import fsdp_param_groups
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once, logger
+from qshard.zeropp._overlap import OverlapQueue, defer_reason
 from qshard.zeropp._wire import RowCodec
 
 __all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
@@ -129,6 +144,11 @@ class ReplicateAllReduce:
         twin: a second group of the ranks of a 2-rank ``group``
             (:meth:`qshard.comm.Topology.twin_for`): on gloo both hops then exchange both ways
             at once (:mod:`qshard.comm.duplex`); same bits.
+        overlap: inside backward, where FSDP2 only views the output afterwards, return after
+            issuing hop 1 and finish while the next units' backward runs (see [Note: deferred
+            replicate all-reduce]; needs ``module``); same bits and bytes.
+        queue: the progress queue shared by every hook over the same ``group`` (they must
+            issue their collectives in one order); each hook makes its own otherwise.
     """
 
     def __init__(
@@ -141,6 +161,8 @@ class ReplicateAllReduce:
         error_feedback: bool = False,
         module: torch.nn.Module | None = None,
         twin: dist.ProcessGroup | None = None,
+        overlap: bool = False,
+        queue: OverlapQueue | None = None,
     ) -> None:
         if bits not in (None, 4, 8):
             raise ValueError(f"bits must be 4, 8 or None; got {bits}")
@@ -171,6 +193,8 @@ class ReplicateAllReduce:
         self._pending: torch.Tensor | None = None  # micro-batches whose reduction is deferred
         self._warned_resize = False
         self._unchecked: tuple[torch.Tensor, int] | None = None  # (sizes, own size), GPU
+        self.overlap = bool(overlap)
+        self.queue = queue if queue is not None else OverlapQueue("replicate all-reduce")
 
     def chunk_numel(self, numel: int) -> int:
         """Elements of one rank's chunk for a shard of ``numel`` elements (padded)."""
@@ -218,6 +242,7 @@ class ReplicateAllReduce:
                 ledger.count("replicate_single_node")
             return
         if self.bits is None and self.wire_dtype is None:
+            self.queue.drain()
             record(
                 "all_reduce",
                 group_ranks=self.ranks,
@@ -226,6 +251,19 @@ class ReplicateAllReduce:
             )
             dist.all_reduce(output, op=dist.ReduceOp.AVG, group=self.group)
             return
+        module = self._module() if self._module is not None else None
+        if (
+            self.overlap
+            and output.device.type == "cpu"  # CUDA: FSDP2's all-reduce stream overlaps already
+            and output.is_contiguous()
+            and defer_reason(module, output, in_all_reduce_hook=True) is None
+        ):
+            self.queue.prepare()  # older reductions issue what they can first
+            self.queue._push(_Reduction(self, output))
+            if (ledger := active_ledger()) is not None:
+                ledger.count("replicate_overlapped")
+            return
+        self.queue.drain()
         output.copy_(self.reduce(output.reshape(-1)).view(output.shape))
 
     def _check_sizes(self, headers: torch.Tensor, size: int) -> None:
@@ -293,35 +331,70 @@ class ReplicateAllReduce:
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every
         rank). Collective."""
-        self._check_unchecked()  # a GPU call's sizes, read one call late
-        n = len(self.ranks)
+        reduction = _Reduction(self, x.reshape(-1), write=False)
+        reduction.issue()
+        reduction.finish(block=True)
+        return reduction.mean
+
+
+class _Reduction:
+    """One replicate all-reduce as a state machine: construction encodes the input and issues
+    hop 1 (all-to-all), :meth:`issue` waits for it, reduces in fp32, re-encodes the owned mean
+    chunk and issues hop 2 (all-gather), :meth:`finish` decodes what hop 2 delivered. The
+    synchronous call runs the steps at once, the deferred one spreads them over the backward
+    ([Note: deferred replicate all-reduce]); the arithmetic is the same."""
+
+    __slots__ = ("c", "comm", "errors", "gathered", "hop1", "hop2", "mean", "out", "rb", "size")
+
+    def __init__(self, comm: ReplicateAllReduce, out: torch.Tensor, *, write: bool = True):
+        comm._check_unchecked()  # a GPU call's sizes, read one call late
+        x = out.reshape(-1)
+        n = len(comm.ranks)
         size = x.numel()
-        c = self.chunk_numel(size)
-        codec = self.codec
+        c = comm.chunk_numel(size)
+        codec = comm.codec
+        self.comm, self.size, self.c = comm, size, c
+        self.out = out if write else None
+        self.mean: torch.Tensor | None = None
+        self.hop2: dist.Work | None = None
+        self.gathered: torch.Tensor | None = None
         xin = torch.zeros(n * c, dtype=torch.float32, device=x.device)
         xin[:size] = x
         errors = None
-        if self.error_feedback:
-            errors = self._errors.get(size)
+        if comm.error_feedback:
+            errors = comm._errors.get(size)
             if errors is None:
-                if self._errors and not self._warned_resize:
-                    self._warn_resize(size)
+                if comm._errors and not comm._warned_resize:
+                    comm._warn_resize(size)
                 errors = (xin.new_zeros(n * c), xin.new_zeros(c))
-                self._errors[size] = errors
+                comm._errors[size] = errors
             xin[:size] += errors[0][:size]
+        self.errors = errors
         # [Note: the shard size travels with hop 1] Every row carries the sender's shard size
         # (8 bytes), so every rank sees every other's and all refuse a mismatch alike; the
         # codec writes and reads the rows in place ([Note: a trailer after each row]).
-        rb = codec.row_bytes(c)
+        rb = self.rb = codec.row_bytes(c)
         framed = torch.empty((n, rb + _SIZE_BYTES), dtype=torch.uint8, device=x.device)
         send = codec.encode(xin.view(n, c), out=framed[:, :rb])
         framed[:, rb:] = _size_bytes(size, x.device)
         if errors is not None:
             errors[0].copy_(xin - codec.decode(send, c).view(-1))
         recv = torch.empty_like(framed)
-        record("all_to_all", group_ranks=self.ranks, tensor_bytes=framed.numel(), tag=TAG)
-        duplex.all_to_all_single(recv, framed, self.group, twin=self.twin)
-        self._check_sizes(recv[:, rb:], size)
+        record("all_to_all", group_ranks=comm.ranks, tensor_bytes=framed.numel(), tag=TAG)
+        work = duplex.all_to_all_single(recv, framed, comm.group, twin=comm.twin, async_op=True)
+        self.hop1: tuple[dist.Work | None, torch.Tensor] | None = (work, recv)
+
+    def issue(self) -> None:
+        """Wait for hop 1, reduce, and issue hop 2 (once)."""
+        if self.hop1 is None:
+            return
+        comm, c, rb, errors, codec = self.comm, self.c, self.rb, self.errors, self.comm.codec
+        work, recv = self.hop1
+        self.hop1 = None
+        if work is not None:
+            work.wait()
+        comm._check_sizes(recv[:, rb:], self.size)
+        n = len(comm.ranks)
         mean = codec.reduce(recv[:, :rb], c).div_(n)  # fp32 between the hops
         if errors is not None:
             mean += errors[1]
@@ -330,7 +403,27 @@ class ReplicateAllReduce:
             errors[1].copy_(mean - codec.decode(own, c).view(-1))
             for e in errors:  # see [Note: non-finite replicate reduction]
                 e.masked_fill_(~torch.isfinite(e), 0.0)
-        gathered = torch.empty((n, own.shape[1]), dtype=torch.uint8, device=x.device)
-        record("all_gather", group_ranks=self.ranks, tensor_bytes=gathered.numel(), tag=TAG)
-        duplex.all_gather_single(gathered.view(-1), own.view(-1), self.group, twin=self.twin)
-        return codec.decode(gathered, c).view(-1)[:size]
+        gathered = torch.empty((n, own.shape[1]), dtype=torch.uint8, device=mean.device)
+        record("all_gather", group_ranks=comm.ranks, tensor_bytes=gathered.numel(), tag=TAG)
+        self.hop2 = duplex.all_gather_single(
+            gathered.view(-1), own.view(-1), comm.group, twin=comm.twin, async_op=True
+        )
+        self.gathered = gathered
+
+    def finish(self, *, block: bool) -> bool:
+        """Decode hop 2 once it arrived (waiting, if ``block``) and write the output; True once
+        written. Issues nothing."""
+        if self.gathered is None:
+            return False  # hop 2 not issued yet
+        if self.hop2 is not None:
+            if not block and not self.hop2.is_completed():
+                return False
+            self.hop2.wait()
+            self.hop2 = None
+        mean = self.comm.codec.decode(self.gathered, self.c).view(-1)[: self.size]
+        self.gathered = None
+        if self.out is None:
+            self.mean = mean
+        else:
+            self.out.copy_(mean.view(self.out.shape))
+        return True

@@ -43,8 +43,11 @@ class ZeroPPConfig:
             elsewhere the call is synchronous. ``None`` (default): on whenever a ZeRO++ feature
             is on, off for plain ZeRO-3 (which keeps FSDP2's synchronous reduce-scatter and
             costs what it always cost); ``True`` / ``False`` force it. Numerics and bytes
-            unchanged. ``True`` with ``hsdp`` is refused: HSDP's replicate all-reduce reads the
-            output at once, so it never overlaps.
+            unchanged. With ``hsdp`` it is the compressed replicate all-reduce (``replicate_bits``
+            or ``wire_dtype``) that overlaps the next units' backward ([Note: deferred replicate
+            all-reduce] in ``qshard/zeropp/all_reduce.py``; on by default, as a ZeRO++ feature);
+            ``True`` with FSDP2's own full-precision all-reduce, or with
+            ``replicate_reduce=False``, is refused (nothing of ours to overlap).
         wire_dtype: ``None`` sends unquantized collectives in the parameter / reduce dtype;
             ``torch.bfloat16`` or ``torch.float16`` casts them to 16 bits on the wire while
             computing and reducing in fp32 (the paper's fp16 ZeRO-3 baseline, on hardware
@@ -251,11 +254,17 @@ class ZeroPPConfig:
                 "replicate reduction, which is off (replicate_bits=None); set replicate_bits=8 "
                 "or 4 (or leave replicate_block_size=256)"
             )
-        if self.overlap_reduce_scatter:
+        if self.overlap_reduce_scatter and (self.replicate_native or not self.replicate_reduce):
             raise ValueError(
-                "overlap_reduce_scatter=True with hsdp=True: HSDP's reduce-scatter is followed "
-                "by the replicate all-reduce, which needs its output at once, so it never "
-                "overlaps backward; drop overlap_reduce_scatter (HSDP runs it synchronously)"
+                "overlap_reduce_scatter=True with hsdp=True and "
+                + (
+                    "FSDP2's own full-precision replicate all-reduce (replicate_bits=None, no "
+                    "wire_dtype), which needs its output at once"
+                    if self.replicate_reduce
+                    else "replicate_reduce=False, which sends nothing across nodes to overlap"
+                )
+                + ": drop overlap_reduce_scatter, or compress the replicate reduction "
+                "(replicate_bits=8/4 or wire_dtype=torch.bfloat16), which overlaps backward"
             )
         if (
             self.replicate_error_feedback

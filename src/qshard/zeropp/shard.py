@@ -710,6 +710,10 @@ def _shard_hsdp(
     if topology.world_size > 1 and (record or hook):
         topology.init_twins()  # the twins of 2-rank exchanges (gloo), as in shard()
     twin = topology.twin_for(dist.get_process_group_ranks(replicate_group)) if hook else None
+    # One progress queue for every unit's hook: they share the replicate group, whose
+    # collectives every rank must issue in one order ([Note: deferred replicate all-reduce]).
+    queue = OverlapQueue("replicate all-reduce")
+    overlap = config.overlap_reduce_scatter is not False
     for m in units:
         if record:
             m.set_custom_all_gather(
@@ -731,6 +735,8 @@ def _shard_hsdp(
                     error_feedback=config.replicate_error_feedback,
                     module=m,  # [Note: set_requires_all_reduce on the hook path]
                     twin=twin,
+                    overlap=overlap,
+                    queue=queue,
                 )
             )
     # [Note: replica sync] in qshard._replicas: the 1-D DTensors of a compressed reduction and
