@@ -145,8 +145,10 @@ class OverlapQueue:
             self._items.clear()
             raise RuntimeError(
                 f"a deferred {self.what} failed ({type(exc).__name__}: {exc}); the gradients of "
-                f"this backward are incomplete. ZeroPPConfig(overlap_reduce_scatter=False) runs "
-                f"the {self.what} synchronously inside FSDP2's call"
+                f"this backward are incomplete. The error is the reduction's own (the "
+                f"synchronous call raises it too); to rule the deferral out, "
+                f"ZeroPPConfig(overlap_reduce_scatter=False) runs the {self.what} inside "
+                f"FSDP2's call"
             ) from exc
 
 
@@ -161,7 +163,9 @@ class _EndOfBackward:
     ended and before the exception reaches the caller. So a failed backward, like FSDP2's
     synchronous reduce-scatter, leaves the gradients of the units reduced before the error
     written and no reduction in flight: a caller who skips the batch and zeroes the
-    gradients (``zero_grad(set_to_none=False)`` included) trains on as plain FSDP2 does. Left
+    gradients (``zero_grad(set_to_none=False)`` included), after ``model.reset_iter_state()``
+    (FSDP2's recovery: without it plain FSDP2 leaves the units unsharded and the optimizer's
+    parameters never get a gradient again), trains on as plain FSDP2 does. Left
     for the next backward's first deferral (as before), the old reduction wrote its sum into
     the gradient buffer the caller had zeroed in between, and FSDP2 then added the next
     step's gradients on top of it. Every rank that raised at the same program point drains
