@@ -334,7 +334,8 @@ class RowCodec:
             code_bytes = pack_int4(codes).view(rows, m // 2)
         else:
             code_bytes = codes.view(torch.uint8).view(rows, m)
-        return torch.cat([scale_bytes, code_bytes], dim=1, out=out)
+        rows_out = torch.cat([scale_bytes, code_bytes], dim=1)
+        return rows_out if out is None else out.copy_(rows_out)
 
     def _check_out(self, out: Tensor, rows: int, m: int, device: torch.device) -> None:
         shape = (rows, self.row_bytes(m))
