@@ -529,13 +529,17 @@ def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys,
     launched = []
     monkeypatch.setattr(cli, "launch", launched.append)
     assert main([*argv, "--steps", "10"]) == 0 and len(launched) == 1  # unfinished: finish it
-    (tmp_path / "run/summary.json").write_text("{}")
+    # an extended run's earlier launch's summary (it finished at step 6): still unfinished
+    summary = tmp_path / "run/summary.json"
+    summary.write_text(json.dumps({"start_step": 0, "steps_trained": 6}))
+    assert main([*argv, "--steps", "10"]) == 0 and len(launched) == 2
+    summary.write_text(json.dumps({"start_step": 6, "steps_trained": 4}))  # finished at 10
     for steps in ("10", "4"):
         assert main([*argv, "--steps", steps]) == 2
         err = capsys.readouterr().err
         assert f"is at step 10, so --steps {steps} leaves nothing to train" in err, err
         assert "pass --steps above 10 to continue that run" in err
-    assert len(launched) == 1
+    assert len(launched) == 2
 
 
 def test_a_fresh_run_over_an_earlier_one_is_refused_before_launch(tmp_path, capsys):

@@ -185,6 +185,17 @@ def _two_rank_world(rank, world, tmp):
     verdicts: list[object] = [None] * world
     dist.all_gather_object(verdicts, verdict)
     out["bad_out"] = verdicts
+    # (5) [Note: finishing a run] an extended run whose last launch died exporting: its final
+    # checkpoint is there, its summary and export are an earlier launch's (step 3). The resume
+    # trains nothing and replaces both (it kept the stale export, named by a stale summary).
+    if rank == 0:
+        shutil.copytree(tmp / "full", tmp / "extended")
+        (tmp / "extended/model.safetensors").write_bytes(b"stale export of step 3")
+        (tmp / "extended/summary.json").write_text(
+            json.dumps({"start_step": 0, "steps_trained": 3})
+        )
+    dist.barrier()
+    out["finish_losses"] = train(cfg.replace(out=str(tmp / "extended"), resume=True))["losses"]
     return out
 
 
@@ -211,6 +222,15 @@ def test_resume_applies_changed_betas_and_weight_decay(worlds):
     got, configured = two["changed_resume_groups"]
     assert got == configured
     assert {tuple(b) for b, _ in got} == {(0.9, 0.5)} and {wd for _, wd in got} == {0.3, 0.0}
+
+
+def test_resume_finishes_an_extended_run_that_died_exporting(worlds):
+    tmp, _, two = worlds
+    assert two["finish_losses"] == {}  # nothing trained again
+    full = (tmp / "full/model.safetensors").read_bytes()
+    assert (tmp / "extended/model.safetensors").read_bytes() == full
+    summary = json.loads((tmp / "extended/summary.json").read_text())
+    assert summary["start_step"] == 6 and summary["steps_trained"] == 0
 
 
 def test_resume_reproduces_uninterrupted_losses(worlds):

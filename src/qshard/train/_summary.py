@@ -4,6 +4,7 @@ the end-of-run summary (terminal text, ``summary.txt``, ``summary.json``)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,18 @@ def header(
             title="estimate: memory per rank by layout (tensors only)",
         )
     return f"{first}\n{memory}"
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step at which the run in ``run_dir`` last finished, by its ``summary.json`` (its
+    launch's ``start_step + steps_trained``): None without one or when it cannot be read. A
+    summary of an earlier launch of an extended run names an earlier step ([Note: finishing a
+    run] in qshard.train.cli)."""
+    try:
+        data = json.loads((run_dir / "summary.json").read_text())
+        return int(data["start_step"]) + int(data["steps_trained"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def write_summary(run_dir: Path, text: str, result: dict[str, Any]) -> None:

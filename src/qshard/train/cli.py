@@ -302,8 +302,9 @@ def preflight(config: TrainConfig) -> None:
         step = info.get("step")
         # [Note: finishing a run] A run stopped after its final checkpoint (a rank died while
         # exporting or writing the summary) is finished by a --resume at the same --steps: the
-        # loop trains nothing and writes what is missing. Only a finished run (its summary
-        # written) has nothing left to do.
+        # loop trains nothing and writes the export and summary. Only a finished run (a summary
+        # written at --steps; an extended run keeps its earlier launch's summary and export
+        # until its last launch replaces them) has nothing left to do.
         unfinished = step == config.steps and not _finished(config)
         if isinstance(step, int) and step >= config.steps and not unfinished:
             raise ValueError(
@@ -585,8 +586,11 @@ _FULL_DISK = (
 
 
 def _finished(config: TrainConfig) -> bool:
-    """Whether the run in ``--out`` wrote its summary, the last thing a run does."""
-    return (Path(config.out) / "summary.json").is_file()
+    """Whether the run in ``--out`` wrote its summary (the last thing a run does) for
+    ``--steps``: an extended run's earlier summary does not count."""
+    from qshard.train._summary import finished_step
+
+    return finished_step(Path(config.out)) == config.steps
 
 
 def _resume_hint(config: TrainConfig) -> str:

@@ -703,7 +703,10 @@ def _finish(
     # appears atomically, so its presence means both are there.
     llama = isinstance(model, Llama)
     target = job.run_dir / (_HF_EXPORT[0] if llama else "model.safetensors")
-    if config.export and (trained or not target.is_file()):
+    # An extended run's earlier summary and export describe an earlier step: a launch that
+    # trains nothing rewrites them unless they are this --steps' ([Note: finishing a run]).
+    current = _summary.finished_step(job.run_dir) == config.steps
+    if config.export and (trained or not current or not target.is_file()):
         shape = model.config  # type: ignore[union-attr]
         meta = {name: getattr(shape, name) for name in shape.__dataclass_fields__}
         if llama and job.is_main:
@@ -748,7 +751,7 @@ def _finish(
     if job.is_main:
         text = _summary.summary(config, result, measured, steps_run, estimates)
         print(text, flush=True)
-        if trained or not (job.run_dir / "summary.json").is_file():  # keep the run's own
+        if trained or not current:  # keep the run's own
             _summary.write_summary(job.run_dir, text, result)
     recorder.close()
     return result
