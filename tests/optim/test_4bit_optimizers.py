@@ -356,3 +356,19 @@ def test_a_changed_second_moment_map_is_refused_while_state_written_with_the_old
     fresh = AdamW4bit([p], second_moment_map="dynamic")
     fresh.step()
     fresh.step()
+
+    # An in-place load, as DCP's get_state_dict -> dcp.load -> set_state_dict does it: the
+    # codes tensors this optimizer made (stamped 'dynamic') receive the saved bytes and the
+    # groups the saved 'linear'. It was refused naming 'dynamic' as the codes' map, and
+    # following that advice read 'linear' codes with the dynamic map.
+    in_place = fresh.state_dict()
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            in_place["state"][i][k].copy_(v)
+    in_place["param_groups"] = copy.deepcopy(saved["param_groups"])
+    fresh.load_state_dict(in_place)
+    assert fresh.param_groups[0]["second_moment_map"] == "linear"
+    fresh.step()
+    fresh.param_groups[0]["second_moment_map"] = "dynamic"
+    with pytest.raises(ValueError, match="written with 'linear'"):
+        fresh.step()

@@ -188,8 +188,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                     if v.is_floating_point() and not quantized:  # a full-precision state
                         v = v.to(dtype=_full_state_dtype(p))
                     self.state[p][k] = v.to(device=p.device)
+        self._after_load()
         for post_hook in post.values():
             post_hook(self)
+
+    def _after_load(self) -> None:
+        """Called once the loaded state and groups are in place (before the post-hooks)."""
 
     # -- step -------------------------------------------------------------------------------
 

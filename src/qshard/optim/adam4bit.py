@@ -57,9 +57,10 @@ _SPECS = (("exp_avg", True), ("exp_avg_sq", False))
 #: the map that wrote them, and ``second_moment_map`` is a group option a user can change
 #: between steps: the codes were then read with the other map (a silently wrong second
 #: moment). The map's name rides on the codes tensor as this attribute, set when the state is
-#: made, or at its first check for state made elsewhere (a load restores the saved group's
-#: options with its state, so the group's map is the codes' map then), and each check compares
-#: it with the group's. Nothing is added to the state_dict: checkpoints keep their keys.
+#: made, again after a load (which restores the saved group's options with its state: the
+#: group's map is the codes' map then; an in-place DCP load keeps the old tensors), or at its
+#: first check for state made elsewhere, and each check compares it with the group's. Nothing
+#: is added to the state_dict: checkpoints keep their keys.
 _MAP_ATTR = "_qshard_second_moment_map"
 
 
@@ -194,6 +195,16 @@ class Adam4bit(BlockwiseOptimizer):
             state[f"{name}_codes"] = _wrap_like(p, codes, (p.shape[0], nbytes))
             state[f"{name}_absmax"] = _wrap_like(p, absmax, (p.shape[0], nbr))
         setattr(state[f"{_STATES[1]}_codes"], _MAP_ATTR, group["second_moment_map"])
+
+    def _after_load(self) -> None:
+        # The loaded codes were written with the loaded group's map. An in-place load (DCP's
+        # get_state_dict -> dcp.load -> set_state_dict) keeps the codes tensors this optimizer
+        # made, stamped with its constructor's map: stamp them again.
+        for group in self.param_groups:
+            for p in group["params"]:
+                codes = self.state.get(p, {}).get(f"{_STATES[1]}_codes")
+                if codes is not None:
+                    setattr(codes, _MAP_ATTR, group["second_moment_map"])
 
     def _check_map(self, group: dict[str, Any], state: dict[str, Any]) -> None:
         """Refuse state whose second moment was written with another map than the group's
