@@ -93,7 +93,8 @@ def test_a_knob_of_a_feature_that_is_off_is_refused(kwargs, match):
         ),
         (
             {"hsdp": True, "overlap_reduce_scatter": True, "replicate_reduce": False},
-            "replicate_reduce=False, which sends nothing across nodes to overlap",
+            "replicate_reduce=False, which sends nothing across nodes to overlap: drop "
+            "overlap_reduce_scatter, or set replicate_reduce=True and compress",
             {"replicate_reduce": True, "replicate_bits": 4},
         ),
     ],

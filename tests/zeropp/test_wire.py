@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qshard.quant import blockwise
+from qshard.quant import _native_kernels, blockwise
 from qshard.zeropp._common import sum_rows
-from qshard.zeropp._wire import RowCodec
+from qshard.zeropp._wire import RowCodec, _byte_rows
 
 
 def _composed_encode(codec: RowCodec, x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +205,10 @@ def test_rows_with_a_trailer_equal_contiguous_rows(bits, trailer, fastpath):
         cols = wide[:, :rb]
         assert codec.encode(x, out=cols) is cols
         assert torch.equal(cols, plain)
+        # the aligned trailer is served in place (the C kernels where they run), not copied
+        assert _byte_rows(cols) == (trailer % 4 == 0)
+        if bits is not None and fastpath and trailer % 4 == 0:
+            assert codec._fused(None, cols) == _native_kernels.available()
         assert bool((wide[:, rb:] == 0xA5).all())  # the trailer is the caller's
         assert _bits_equal(codec.decode(cols, m), codec.decode(plain, m))
         slots = [(0, 256, 256), (300, 77, 256), (999, 1, 256)]

@@ -67,7 +67,9 @@ class Pending(Protocol):
 
 
 class OverlapQueue:
-    """The FIFO of deferred reductions of one topology's qgZ comms (see [Note: deferred qgZ]).
+    """The FIFO of deferred reductions of one topology's qgZ / plain reduce-scatter comms (see
+    [Note: deferred qgZ]), or of one HSDP model's replicate all-reduce hooks ([Note: deferred
+    replicate all-reduce] in ``qshard.zeropp.all_reduce``).
 
     Every FSDP unit's comm of one :func:`qshard.zeropp.shard` call shares one queue, because
     they share the intra- and inter-node process groups whose issue order must agree. Building
@@ -147,8 +149,8 @@ class OverlapQueue:
                 f"a deferred {self.what} failed ({type(exc).__name__}: {exc}); the gradients of "
                 f"this backward are incomplete. The error is the reduction's own (the "
                 f"synchronous call raises it too); to rule the deferral out, "
-                f"ZeroPPConfig(overlap_reduce_scatter=False) runs the {self.what} inside "
-                f"FSDP2's call"
+                f"ZeroPPConfig(overlap_reduce_scatter=False) (overlap=False on a comm built by "
+                f"hand) runs the {self.what} inside FSDP2's call"
             ) from exc
 
 

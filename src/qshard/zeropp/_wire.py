@@ -65,6 +65,8 @@ def _byte_rows(buf: Tensor) -> bool:
     """Whether the uint8 ``buf`` is 2-D rows of contiguous bytes the C kernels and the in-place
     paths can address: contiguous, or a column slice of a wider buffer (rows with a trailer,
     [Note: a trailer after each row]) whose row starts keep fp32 alignment."""
+    if buf.storage_offset() % 4:
+        return False
     if buf.is_contiguous():
         return True
     return (
@@ -72,7 +74,6 @@ def _byte_rows(buf: Tensor) -> bool:
         and buf.stride(1) == 1
         and buf.stride(0) >= buf.shape[1]
         and buf.stride(0) % 4 == 0
-        and buf.storage_offset() % 4 == 0
     )
 
 

@@ -263,8 +263,10 @@ class ZeroPPConfig:
                     if self.replicate_reduce
                     else "replicate_reduce=False, which sends nothing across nodes to overlap"
                 )
-                + ": drop overlap_reduce_scatter, or compress the replicate reduction "
-                "(replicate_bits=8/4 or wire_dtype=torch.bfloat16), which overlaps backward"
+                + ": drop overlap_reduce_scatter, or "
+                + ("" if self.replicate_reduce else "set replicate_reduce=True and ")
+                + "compress the replicate reduction (replicate_bits=8/4 or "
+                "wire_dtype=torch.bfloat16), which overlaps backward"
             )
         if (
             self.replicate_error_feedback
