@@ -9,7 +9,8 @@ NaN loss the loop skips before backward. The loop catches it, zeroes the gradien
 without FSDP2's ``reset_iter_state()``. Then every model must train as it would have:
 bit-identical to plain FSDP2 with the features off and with hpZ alone (whose reduce-scatter is
 deferred), bit-identical to the same ZeRO++ config with ``overlap_reduce_scatter=False`` and
-close to plain FSDP2 with quantization; no deferred reduction left in the overlap queue after
+close to plain FSDP2 with quantization; HSDP with an INT8 replicate all-reduce (deferred)
+bit-identical to its synchronous hook; no deferred reduction left in the overlap queue after
 the failed ``backward()`` returns; every rank having issued as many collectives on every process
 group; and no memory growing over repeated failed steps.
 """
@@ -38,7 +39,13 @@ FEATURES = {
     "qgz": {"qgz": True},
     "all": {"qwz": True, "hpz": True, "qgz": True},
     "all_sync": {"qwz": True, "hpz": True, "qgz": True, "overlap_reduce_scatter": False},
+    # HSDP's replicate all-reduce, deferred through the backward: bit-identical to its
+    # synchronous hook ([Note: deferred replicate all-reduce] in qshard.zeropp.all_reduce)
+    "hsdp8": {"hsdp": True, "replicate_bits": 8},
+    "hsdp8_sync": {"hsdp": True, "replicate_bits": 8, "overlap_reduce_scatter": False},
 }
+#: kind -> the run it must equal bit for bit (the others: plain FSDP2)
+EXACT_AGAINST = {"all": "all_sync", "hsdp8": "hsdp8_sync"}
 #: step -> how it fails (every rank): see _Fault.
 FAULTS = {0: "backward", 2: "interrupt", 3: "forward", 4: "nan"}
 STEPS = 7
@@ -92,11 +99,8 @@ def _build(kind: str, topo: Topology):
 
 
 def _queue_len(model) -> int:
-    comms = [
-        fsdp_param_groups(m)[0]._reduce_scatter_comm
-        for m in model.modules()
-        if isinstance(m, FSDPModule)
-    ]
+    groups = [fsdp_param_groups(m)[0] for m in model.modules() if isinstance(m, FSDPModule)]
+    comms = [g._reduce_scatter_comm for g in groups] + [g._all_reduce_hook for g in groups]
     return sum(len(c.queue) for c in comms if c is not None and hasattr(c, "queue"))
 
 
@@ -140,7 +144,8 @@ def _trajectory(kind: str, topo: Topology, rank: int, reset: bool) -> dict:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()  # plain FSDP2 without reset_iter_state() leaves some units unsharded
-    out["params"] = [p.to_local().detach().clone() for p in model.parameters()]
+    # full tensors: HSDP shards inside a node, FSDP2 over the world (collective, same order)
+    out["params"] = [p.full_tensor().detach().clone() for p in model.parameters()]
     return out
 
 
@@ -153,7 +158,7 @@ def _case_trajectories(topo: Topology, rank: int, res: dict) -> None:
             res[f"{key}_what"] = run["what"]
             res[f"{key}_queue"] = run["queue"]
             res[f"{key}_seq"] = run["seq"]
-            same = runs["all_sync"] if kind == "all" else ref
+            same = runs[EXACT_AGAINST.get(kind, "fsdp")]
             res[f"{key}_exact"] = run["loss"] == same["loss"] and all(
                 torch.equal(a, b) for a, b in zip(run["params"], same["params"])
             )
@@ -240,7 +245,7 @@ def test_failed_steps_train_on_like_plain_fsdp2_2x2():
             for kind in ("fsdp", *FEATURES):
                 key = f"{kind}_{reset}"
                 assert r[f"{key}_what"] == expected, (rank, key, r[f"{key}_what"])
-                if kind in ("off", "hpz", "all"):  # all: against all_sync
+                if kind in ("off", "hpz", *EXACT_AGAINST):  # see EXACT_AGAINST
                     assert r[f"{key}_exact"], (rank, key)
                 assert r[f"{key}_queue"] == [0] * STEPS, (rank, key, r[f"{key}_queue"])
                 assert r[f"{key}_close"] < 0.05, (rank, key, r[f"{key}_close"])
