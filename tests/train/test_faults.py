@@ -394,3 +394,30 @@ def test_summary_loss_mean_leaves_out_skipped_steps():
     assert _loss_line({0: 5.5, 1: 5.0}, {}) == (
         "loss 5.5000 (step 0) -> 5.0000 (step 1), mean of last 2 5.2500"
     )
+
+
+def _roll_call(rank: int, world: int) -> str:
+    from qshard.train import _faults
+
+    if rank == 1:
+        time.sleep(2.0)  # stalled (stopped, swapping) while the collective timed out
+    failure = _faults.diagnose(
+        RuntimeError("Timed out waiting 6000ms"),
+        step=3,
+        timeout_s=6.0,
+        latest=None,
+        checkpoints=Path("/nowhere/checkpoints"),
+    )
+    return str(failure)
+
+
+def test_the_roll_call_names_a_rank_that_answered_late():
+    """A rank stopped for a while (between the collective timeout and the roll call's grace)
+    answered in time, and the report said only "every rank answered afterwards (a transient
+    network failure?)", naming no rank (a first-user probe with SIGSTOP for 8 s)."""
+    from qshard.testing import run_world
+
+    on_time, late = run_world(_roll_call, 2, timeout_s=60)
+    assert "every rank answered afterwards, rank 1 only after " in on_time, on_time
+    assert "(stalled: it was stopped, swapping or starved of CPU while the collective" in on_time
+    assert "every rank answered afterwards (a transient network failure?)" in late, late

@@ -198,6 +198,10 @@ def _store() -> dist.Store | None:
         return None
 
 
+#: A rank that answers the roll call this long after the caller reached it is named as stalled.
+_LATE_S = 1.0
+
+
 def _key(kind: str, rank: int) -> str:
     return f"qshard/{kind}/{restart_count()}/{rank}"
 
@@ -237,27 +241,42 @@ def diagnose(
     rank, world = dist.get_rank(), dist.get_world_size()
     lost: list[int] = []
     killed: list[int] = []
+    late: dict[int, float] = {}  # rank -> seconds into the roll call when it answered
     store = _store()
     if store is not None:
         try:
             store.set(_key("alive", rank), str(step))
-            deadline = time.monotonic() + min(10.0, max(2.0, timeout_s / 2))
+            start = time.monotonic()
+            deadline = start + min(10.0, max(2.0, timeout_s / 2))
             keys = {r: _key("alive", r) for r in range(world) if r != rank}
-            while time.monotonic() < deadline:
-                missing = [r for r, k in keys.items() if not store.check([k])]
-                if not missing:
-                    break
-                time.sleep(0.2)
+            waiting = dict(keys)
+            while waiting and time.monotonic() < deadline:
+                for r, k in list(waiting.items()):
+                    if store.check([k]):
+                        del waiting[r]
+                        if (waited := time.monotonic() - start) >= _LATE_S:
+                            late[r] = waited
+                if waiting:
+                    time.sleep(0.2)
             lost = [r for r, k in keys.items() if not store.check([k])]
             killed = _kill_local(store, lost)
         except Exception:  # the store may be gone too: report what we know
             pass
-    who = (
-        f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} did not answer "
-        f"(hung or dead)"
-        if lost
-        else "every rank answered afterwards (a transient network failure?)"
-    )
+    if lost:
+        who = (
+            f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} did not answer "
+            f"(hung or dead)"
+        )
+    elif late:
+        # A rank that answered well after this one reached the roll call was stalled while the
+        # collective timed out (stopped, swapping, or starved of CPU), not the network.
+        who = "every rank answered afterwards, " + ", ".join(
+            f"rank {r} only after {t:.1f} s" for r, t in sorted(late.items())
+        )
+        who += f" (stalled: {'they were' if len(late) > 1 else 'it was'} stopped, swapping or "
+        who += "starved of CPU while the collective timed out?)"
+    else:
+        who = "every rank answered afterwards (a transient network failure?)"
     if killed:
         who += f"; stopped rank{'s' if len(killed) > 1 else ''} "
         who += ", ".join(map(str, killed)) + " on this host: killed with this rank"
