@@ -48,7 +48,9 @@ die() { echo "netsim: $*" >&2; exit 2; }
 unavailable() { echo "netsim: unavailable here: $*" >&2; exit "$EXIT_UNAVAILABLE"; }
 
 usage() { sed -n '2,/^set -Eeuo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2; exit 2; }
+help() { sed -n '2,/^set -Eeuo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0; }
 
+[ "${1:-}" = "--help" ] && help
 while getopts "n:r:b:m:p:P:t:l:h" opt; do
     case "$opt" in
         n) nodes=$OPTARG ;;
@@ -59,6 +61,7 @@ while getopts "n:r:b:m:p:P:t:l:h" opt; do
         P) port=$OPTARG ;;
         t) rank_timeout=$OPTARG ;;
         l) logdir=$OPTARG ;;
+        h) help ;;
         *) usage ;;
     esac
 done

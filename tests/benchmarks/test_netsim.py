@@ -49,6 +49,13 @@ def test_usage_errors_name_the_fix():
     assert bad.returncode == 2 and "-p PREFIX must match" in bad.stderr
     bad = _run("up")
     assert bad.returncode == 2 and "give -p PREFIX" in bad.stderr
+    # help is asked for, not a usage error: the text on stdout, exit 0 (it was exit 2, and
+    # --help an "illegal option")
+    for flag in ("-h", "--help"):
+        res = _run(flag)
+        assert res.returncode == 0 and "Usage:" in res.stdout and not res.stderr, flag
+    bad = _run("-x")
+    assert bad.returncode == 2 and "Usage:" in bad.stderr
 
 
 def test_rank_failure_propagates_and_tears_down():
