@@ -259,7 +259,7 @@ class ReplicateAllReduce:
             and defer_reason(module, output, in_all_reduce_hook=True) is None
         ):
             self.queue.prepare()  # older reductions issue what they can first
-            self.queue._push(_Reduction(self, output))
+            self.queue._push(_Reduction(self, output.view(-1), out=output))
             if (ledger := active_ledger()) is not None:
                 ledger.count("replicate_overlapped")
             return
@@ -331,7 +331,7 @@ class ReplicateAllReduce:
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The compressed mean of flat ``x`` over the group (a new fp32 tensor, same on every
         rank). Collective."""
-        reduction = _Reduction(self, x.reshape(-1), write=False)
+        reduction = _Reduction(self, x.reshape(-1))
         reduction.issue()
         reduction.finish(block=True)
         return reduction.mean
@@ -340,21 +340,23 @@ class ReplicateAllReduce:
 class _Reduction:
     """One replicate all-reduce as a state machine: construction encodes the input and issues
     hop 1 (all-to-all), :meth:`issue` waits for it, reduces in fp32, re-encodes the owned mean
-    chunk and issues hop 2 (all-gather), :meth:`finish` decodes what hop 2 delivered. The
-    synchronous call runs the steps at once, the deferred one spreads them over the backward
-    ([Note: deferred replicate all-reduce]); the arithmetic is the same."""
+    chunk and issues hop 2 (all-gather), :meth:`finish` decodes what hop 2 delivered into
+    ``out`` (or into :attr:`mean` without one). The synchronous call runs the steps at once,
+    the deferred one spreads them over the backward ([Note: deferred replicate all-reduce]);
+    the arithmetic is the same."""
 
     __slots__ = ("c", "comm", "errors", "gathered", "hop1", "hop2", "mean", "out", "rb", "size")
 
-    def __init__(self, comm: ReplicateAllReduce, out: torch.Tensor, *, write: bool = True):
+    def __init__(
+        self, comm: ReplicateAllReduce, x: torch.Tensor, *, out: torch.Tensor | None = None
+    ) -> None:
         comm._check_unchecked()  # a GPU call's sizes, read one call late
-        x = out.reshape(-1)
         n = len(comm.ranks)
         size = x.numel()
         c = comm.chunk_numel(size)
         codec = comm.codec
         self.comm, self.size, self.c = comm, size, c
-        self.out = out if write else None
+        self.out = out
         self.mean: torch.Tensor | None = None
         self.hop2: dist.Work | None = None
         self.gathered: torch.Tensor | None = None
@@ -382,7 +384,7 @@ class _Reduction:
         recv = torch.empty_like(framed)
         record("all_to_all", group_ranks=comm.ranks, tensor_bytes=framed.numel(), tag=TAG)
         work = duplex.all_to_all_single(recv, framed, comm.group, twin=comm.twin, async_op=True)
-        self.hop1: tuple[dist.Work | None, torch.Tensor] | None = (work, recv)
+        self.hop1: tuple[dist.Work, torch.Tensor] | None = (work, recv)
 
     def issue(self) -> None:
         """Wait for hop 1, reduce, and issue hop 2 (once)."""
@@ -391,8 +393,7 @@ class _Reduction:
         comm, c, rb, errors, codec = self.comm, self.c, self.rb, self.errors, self.comm.codec
         work, recv = self.hop1
         self.hop1 = None
-        if work is not None:
-            work.wait()
+        work.wait()
         comm._check_sizes(recv[:, rb:], self.size)
         n = len(comm.ranks)
         mean = codec.reduce(recv[:, :rb], c).div_(n)  # fp32 between the hops
