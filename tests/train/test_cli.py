@@ -240,25 +240,30 @@ def test_resume_without_checkpoint_fails_before_launch(tmp_path, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
-def test_resume_with_other_model_options_is_refused(tmp_path, capsys):
+def _checkpoint(
+    tmp_path: Path, step: int, config: dict | None = None, *, metadata: bool = True
+) -> Path:
+    """A corpus file and a ``run/checkpoints/step_N`` folder for the launcher's checks: its
+    ``qshard.json`` (the saved ``config``) and, with ``metadata``, DCP's ``.metadata``."""
     (tmp_path / "text.txt").write_text("hello world\n" * 2000)
-    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
-    ckpt_dir.mkdir(parents=True)
-    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": {"n_embd": 64}}))
-    argv = [
-        "--nproc",
-        "2",
-        "--out",
-        str(tmp_path / "run"),
-        "--resume",
-        "--n-embd",
-        "32",
-        "--data",
-        str(tmp_path / "text.txt"),
-        "--cache-dir",
-        str(tmp_path / "c"),
-    ]
-    assert main(argv) == 2
+    folder = tmp_path / f"run/checkpoints/step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "qshard.json").write_text(json.dumps({"step": step, "config": config or {}}))
+    if metadata:
+        (folder / ".metadata").write_bytes(b"")
+    return folder
+
+
+def _argv(tmp_path: Path, *flags: str) -> list[str]:
+    """The launcher's arguments for 2 ranks, ``--out tmp/run`` and :func:`_checkpoint`'s
+    corpus, with ``flags``."""
+    data = ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    return ["--nproc", "2", "--out", str(tmp_path / "run"), *flags, *data]
+
+
+def test_resume_with_other_model_options_is_refused(tmp_path, capsys):
+    _checkpoint(tmp_path, 10, {"n_embd": 64}, metadata=False)
+    assert main(_argv(tmp_path, "--resume", "--n-embd", "32")) == 2
     assert "was written with --n-embd 64 (now 32); pass the same options" in capsys.readouterr().err
 
 
@@ -490,18 +495,13 @@ def test_resume_with_a_bad_metrics_line_fails_before_launch(tmp_path, capsys, mo
     launcher refuses it first, naming the file's own line number (blank lines counted)."""
     import qshard.train.cli as cli
 
-    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
+    _checkpoint(tmp_path, 3)
     run = tmp_path / "run"
-    ckpt_dir = run / "checkpoints/step_00000003"
-    ckpt_dir.mkdir(parents=True)
-    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 3, "config": {}}))
-    (ckpt_dir / ".metadata").write_bytes(b"")
     records = [json.dumps({"step": step, "loss": 5.0}) for step in range(6)]
     (run / "metrics.jsonl").write_text("\n".join([records[0], "", "garbage", *records[2:]]))
     launched = []
     monkeypatch.setattr(cli, "launch", launched.append)
-    argv = ["--nproc", "2", "--out", str(run), "--resume", "--steps", "40"]
-    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    argv = _argv(tmp_path, "--resume", "--steps", "40")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(
@@ -519,13 +519,8 @@ def test_resume_with_nothing_left_to_train_fails_before_launch(tmp_path, capsys,
     checkpoint without its summary (a rank died exporting) is finished by that --resume."""
     import qshard.train.cli as cli
 
-    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
-    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
-    ckpt_dir.mkdir(parents=True)
-    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": {}}))
-    (ckpt_dir / ".metadata").write_bytes(b"")
-    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--warmup-steps", "1"]
-    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    _checkpoint(tmp_path, 10)
+    argv = _argv(tmp_path, "--resume", "--warmup-steps", "1")
     launched = []
     monkeypatch.setattr(cli, "launch", launched.append)
     assert main([*argv, "--steps", "10"]) == 0 and len(launched) == 1  # unfinished: finish it
@@ -546,13 +541,8 @@ def test_a_fresh_run_over_an_earlier_one_is_refused_before_launch(tmp_path, caps
     """A run without --resume in an --out holding checkpoints: refused, naming --resume and
     --overwrite, before any rank starts and without touching them (a forgotten --resume must
     not delete a long run's checkpoints; ./run.sh passes --overwrite)."""
-    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
-    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
-    ckpt_dir.mkdir(parents=True)
-    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": {}}))
-    (ckpt_dir / ".metadata").write_bytes(b"")
-    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--steps", "4", "--warmup-steps", "1"]
-    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    ckpt_dir = _checkpoint(tmp_path, 10)
+    argv = _argv(tmp_path, "--steps", "4", "--warmup-steps", "1")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "holds an earlier run's checkpoints (newest: " in err, err
@@ -571,14 +561,9 @@ def test_a_fresh_run_over_an_earlier_one_is_refused_before_launch(tmp_path, caps
 def test_resume_of_a_per_rank_checkpoint_with_another_parallel_is_refused(tmp_path, capsys):
     """0/1 Adam's per-rank files hold each rank's part of the model: replicated (zero3) and HSDP
     parts differ. Before, the ranks failed with a bare tensor size mismatch."""
-    (tmp_path / "text.txt").write_text("hello world\n" * 2000)
-    ckpt_dir = tmp_path / "run/checkpoints/step_00000010"
-    ckpt_dir.mkdir(parents=True)
-    saved = {"optim": "zero_one_adam", "parallel": "zero3"}
-    (ckpt_dir / "qshard.json").write_text(json.dumps({"step": 10, "config": saved}))
-    argv = ["--nproc", "2", "--out", str(tmp_path / "run"), "--resume", "--optim", "zero_one_adam"]
-    argv += ["--zeropp", "off", "--parallel", "hsdp", "--ranks-per-node", "2"]
-    argv += ["--data", str(tmp_path / "text.txt"), "--cache-dir", str(tmp_path / "c")]
+    _checkpoint(tmp_path, 10, {"optim": "zero_one_adam", "parallel": "zero3"}, metadata=False)
+    argv = _argv(tmp_path, "--resume", "--optim", "zero_one_adam", "--zeropp", "off")
+    argv += ["--parallel", "hsdp", "--ranks-per-node", "2"]
     assert main(argv) == 2
     assert "was written with --parallel zero3 (now hsdp)" in capsys.readouterr().err
 
