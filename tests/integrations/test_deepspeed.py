@@ -302,8 +302,8 @@ def test_deepspeed_defaults_of_unmapped_options_are_accepted():
         ({"optimizer": {"type": "AdamW", "params": [["lr", 1e-3]]}}, "params: must be a JSON"),
         ({"gradient_clipping": float("nan")}, "gradient_clipping: must be a finite number"),
         ({"gradient_clipping": float("inf")}, "0: no clipping"),
-        # a falsy non-object section was read as absent (stage 0, no optimizer, fp32)
-        ({"zero_optimization": False}, "zero_optimization: must be a JSON object; got False"),
+        # a falsy non-object section was read as absent (stage 0, no optimizer, fp32); the
+        # ZeRO section's booleans are DeepSpeed's old form (test_inputs_a_first_user_...)
         ({"zero_optimization": []}, "zero_optimization: must be a JSON object"),
         ({"optimizer": []}, "optimizer: must be a JSON object"),
         ({"bf16": 0}, "bf16: must be a JSON object; got 0"),
@@ -473,6 +473,29 @@ def test_duplicate_keys_are_refused(tmp_path):
         read_deepspeed_config(path)
 
 
+def test_inputs_a_first_user_got_wrong_are_named():
+    # Neither a dict nor a path: a raw TypeError from pathlib before.
+    for source in ([{"train_batch_size": 8}], 5, None):
+        with pytest.raises(DeepSpeedConfigError, match="takes a dict or the path of a JSON file"):
+            read_deepspeed_config(source)
+    # DeepSpeed's old boolean form of the ZeRO section: false is stage 0 (it was refused as
+    # "must be a JSON object"), true stage 1 (refused as stage 1 is).
+    off = read_deepspeed_config({"zero_optimization": False, "optimizer": {"type": "OneBitAdam"}})
+    assert off.zeropp is None and off.optimizer == "onebit_adam"
+    with pytest.raises(DeepSpeedConfigError, match="true is DeepSpeed's old form of stage 1"):
+        read_deepspeed_config({"zero_optimization": True})
+    # A quoted switch names JSON true/false (amsgrad's said "set it to false" of "false"), and
+    # is checked at stage 0 too (overlap_comm "true" passed there, refused at stage 3).
+    adam = {"type": "AdamW", "params": {"amsgrad": "false"}}
+    with pytest.raises(DeepSpeedConfigError, match=r"amsgrad: must be true or false.*without"):
+        read_deepspeed_config({"optimizer": adam, "zero_optimization": {"stage": 3}})
+    null = {"type": "AdamW", "params": {"amsgrad": None}}  # null: absent, as elsewhere
+    assert read_deepspeed_config({"optimizer": null}).optimizer == "adamw"
+    for stage in (0, 3):
+        with pytest.raises(DeepSpeedConfigError, match=r"overlap_comm: must be true or false"):
+            read_deepspeed_config({"zero_optimization": {"stage": stage, "overlap_comm": "true"}})
+
+
 def test_whole_numbers_written_as_floats_are_ints():
     # 1e5 and 8.0 are read as floats by JSON; DeepSpeed takes them as the integers (pydantic's
     # int fields, the 1-bit optimizers' step comparisons). They were refused ("must be an int").
@@ -540,8 +563,23 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
     assert (cfg.zeropp, cfg.optim, cfg.lr, cfg.beta2) == ("qwz,hpz,qgz", "adamw", 3e-4, 0.95)
     assert (cfg.weight_decay, cfg.grad_clip, cfg.dtype, cfg.batch_size) == (0.1, 0.5, "bf16", 8)
     assert config_from_args([*base, "--lr", "3e-4"]).lr == 3e-4  # the same value: fine
-    with pytest.raises(ValueError, match=r"--lr 0.001 conflicts with .*ds.json, which sets 0.0003"):
+    with pytest.raises(
+        ValueError,
+        match=r"--lr 0.001 conflicts with .*ds.json, which sets 0.0003 \(its optimizer.params.lr\)",
+    ):
         config_from_args([*base, "--lr", "1e-3"])
+    # A value the file does not write is DeepSpeed's default, and the error says so (it said
+    # "which sets 0.0" of a file without gradient_clipping).
+    (tmp_path / "bare").mkdir()
+    bare = ["--deepspeed-config", _write(tmp_path / "bare", {"zero_optimization": {"stage": 3}})]
+    with pytest.raises(
+        ValueError,
+        match=r"--grad-clip 1.0 conflicts with .*, which sets 0.0 \(its gradient_clipping; 0.0, "
+        r"no clipping, where the key is absent\)",
+    ):
+        config_from_args([*bare, "--grad-clip", "1.0"])
+    with pytest.raises(ValueError, match=r"which sets fp32 \(bf16 when its bf16 section is"):
+        config_from_args([*bare, "--dtype", "bf16"])
     with pytest.raises(ValueError, match="--zeropp off conflicts"):
         config_from_args([*base, "--zeropp", "off"])
     for same in ("all", "qgz,hpz,qwz"):  # the file's features named otherwise: no conflict

@@ -127,6 +127,11 @@ def read_deepspeed_config(
     where = "the DeepSpeed config"
     if isinstance(source, Mapping):
         cfg = dict(source)
+    elif not isinstance(source, (str, os.PathLike)):
+        raise DeepSpeedConfigError(
+            f"read_deepspeed_config takes a dict or the path of a JSON file; got "
+            f"{type(source).__name__} {source!r:.80}"
+        )
     else:
         where = str(source)
         try:
@@ -288,6 +293,16 @@ class _Reader:
             if "bf16" in cfg:
                 raise self.fail("bfloat16", "give either bf16 or its old name bfloat16, not both")
             cfg = {("bf16" if k == "bfloat16" else k): v for k, v in cfg.items()}
+        if isinstance(cfg.get("zero_optimization"), bool):
+            # DeepSpeed's old form of the section: false is stage 0, true stage 1.
+            if cfg["zero_optimization"]:
+                raise self.fail(
+                    "zero_optimization",
+                    "true is DeepSpeed's old form of stage 1, which has no equivalent: qshard "
+                    "shards parameters, gradients and optimizer state together (FSDP2 = "
+                    'ZeRO-3); use {"stage": 3}, or false / {"stage": 0} for data parallel',
+                )
+            cfg = {**cfg, "zero_optimization": {"stage": 0}}
         self.sort_keys(
             "",
             cfg,
@@ -415,7 +430,9 @@ class _Reader:
             raise self.fail(
                 "optimizer.params.max_grad_norm", "use the top-level gradient_clipping instead"
             )
-        if params.get("amsgrad", False):
+        if params.get("amsgrad") is not None and _flag(
+            self, params, "amsgrad", where="optimizer.params"
+        ):
             raise self.fail(
                 "optimizer.params.amsgrad",
                 "DeepSpeed's FusedAdam and 1-bit optimizers refuse AMSGrad; set it to false",
@@ -613,6 +630,9 @@ class _Reader:
         qwz = _flag(self, zero, "zero_quantized_weights")
         qgz = _flag(self, zero, "zero_quantized_gradients")
         hpz = size > 1
+        overlap = zero.get("overlap_comm")
+        if overlap is not None:  # absent / null: DeepSpeed's default at stage 3, on
+            overlap = _flag(self, zero, "overlap_comm")  # checked at stage 0 too
         if stage == 0:
             for key, on in (
                 ("zero_quantized_weights", qwz),
@@ -655,9 +675,6 @@ class _Reader:
         if mp_policy is None and comm in ("fp16", "bf16"):
             # fp32 compute, 16-bit gradients on the wire (reduced in fp32 here, see the docs).
             wire = torch.float16 if comm == "fp16" else torch.bfloat16
-        overlap = zero.get("overlap_comm")
-        if overlap is not None:  # absent / null: DeepSpeed's default at stage 3, on
-            overlap = _flag(self, zero, "overlap_comm")
         return (
             ZeroPPConfig(
                 qwz=qwz,

@@ -48,6 +48,22 @@ SCHEDULE_KWARGS = (
 )
 
 
+# Where each flag's value comes from in a file, for the conflict error: a value the file does
+# not write is DeepSpeed's default, and the error said "which sets 0.0" of a file without a
+# gradient_clipping key.
+_FILE_SOURCE = {
+    "optim": "its optimizer.type",
+    "lr": "its optimizer.params.lr",
+    "beta1": "its optimizer.params.betas",
+    "beta2": "its optimizer.params.betas",
+    "weight_decay": "its optimizer.params.weight_decay",
+    "zeropp": "its zero_optimization section; off at stage 0 or without the section",
+    "dtype": "bf16 when its bf16 section is enabled, else fp32",
+    "grad_clip": "its gradient_clipping; 0.0, no clipping, where the key is absent",
+    "batch_size": "its train_batch_size, or train_micro_batch_size_per_gpu x --nproc",
+}
+
+
 def translation(path: str, *, ranks_per_node: int | None = None) -> DeepSpeedTranslation:
     """The config at ``path``, translated (raises :class:`DeepSpeedConfigError`). Read without
     ``ranks_per_node``, the library warns that ``zero_hpz_partition_size`` goes unchecked; the
@@ -201,8 +217,8 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
         if name in explicit and not _same_value(name, given, value):
             flag = "--" + name.replace("_", "-")
             raise DeepSpeedConfigError(
-                f"{flag} {given} conflicts with {path}, which sets {value}; drop {flag} or "
-                "change the file"
+                f"{flag} {given} conflicts with {path}, which sets {value} "
+                f"({_FILE_SOURCE[name]}); drop {flag} or change the file"
             )
         out[name] = value
     if "batch_size" in values:  # after the conflicts: a flag given otherwise is named first
