@@ -95,6 +95,50 @@ def test_one_process_optimizer_still_runs_without_a_world():
         assert not torch.equal(p.detach(), torch.ones(3))
 
 
+def test_inputs_other_integer_and_tensor_types_work_as_in_torch():
+    """A first-user review's findings: each of these was refused or misread."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    import numpy as np
+
+    # numpy integers (a step count computed with numpy) were refused as "not an int".
+    assert (
+        OneBitAdam([nn.Parameter(torch.ones(2))], freeze_step=np.int64(1000) // 4).freeze_step
+        == 250
+    )
+    zo = ZeroOneAdam(
+        [nn.Parameter(torch.ones(2))], var_freeze_step=np.int32(7), local_step_clipper=np.uint8(4)
+    )
+    assert (zo.var_freeze_step, zo.local_step_clipper) == (7, 4)
+    assert type(zo.var_freeze_step) is int
+    for bad in (True, 0, 2.0, "3"):
+        with pytest.raises(ValueError, match="var_freeze_step must be an int >= 1"):
+            ZeroOneAdam([nn.Parameter(torch.ones(2))], var_freeze_step=bad)
+    # One Parameter instead of a list: torch.optim's TypeError; it was split into its rows and
+    # refused as "can't optimize a non-leaf Tensor".
+    for cls in (OneBitAdam, ZeroOneAdam):
+        with pytest.raises(TypeError, match=r"iterable of Tensors or dicts.*pass \[param\]"):
+            cls(nn.Parameter(torch.ones(3, 2)))
+    # A tensor lr decayed in place by a scheduler: the lr at the freeze was the group's own
+    # tensor, so the "interval outgrows the lr" check compared the lr with itself and warned
+    # at every interval above 2; with a float lr (the same schedule) it stays quiet.
+    for lr in (1e-2, torch.tensor(1e-2)):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = ZeroOneAdam(
+            model.parameters(), lr=lr, var_freeze_step=2, local_step_scaler=1, local_step_clipper=8
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)  # halves every step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(20):
+                opt.zero_grad()
+                model(torch.randn(4, 3)).sum().backward()
+                opt.step()
+                sched.step()
+        assert opt.comm_stats["local"] > 0  # the interval did grow
+
+
 # ------------------------------------------------------------------ resume, other freeze
 
 

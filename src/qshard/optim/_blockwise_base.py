@@ -35,7 +35,7 @@ from qshard.optim._multi_tensor import (
     _step_bank,
     _steps_off_device,
 )
-from qshard.optim._options import SCHEDULER_KEYS, listed_once
+from qshard.optim._options import SCHEDULER_KEYS, eager_only, listed_once
 from qshard.optim._state_layout import _full_state_dtype, _local
 
 __all__ = ["BlockwiseOptimizer"]
@@ -198,6 +198,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     # -- step -------------------------------------------------------------------------------
 
     @torch.no_grad()
+    @eager_only
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:

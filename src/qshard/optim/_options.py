@@ -6,10 +6,11 @@ these too). An error names the option, the value and what to pass instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -24,6 +25,7 @@ __all__ = [
     "check_common_options",
     "check_numbers",
     "check_params_and_torch_flags",
+    "eager_only",
     "listed_once",
     "refuse_maximize",
 ]
@@ -50,6 +52,23 @@ COMMON_DEFAULTS: dict[str, Any] = {
 SCHEDULER_KEYS = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
 )
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_only(step: _F) -> _F:
+    """``step`` kept out of ``torch.compile``: a compiled function that calls it runs it eagerly
+    (a graph break), as FSDP2 keeps its hooks out.
+
+    [Note: the optimizers' step under torch.compile] Dynamo traces a ``torch.optim.Optimizer``
+    subclass's ``step`` into the graph. Ours hand raw pointers to C kernels (ctypes), keep
+    numpy plans of addresses across steps, call ``lru_cache``d map builders and the 1-bit
+    optimizers' collectives: traced, the step read stale addresses (AdamW4bit's first
+    compiled step differed from eager by ~lr, the next one crashed with a segmentation fault,
+    AdamW8bit in a training step corrupted the heap). Run eagerly, the step is exactly the
+    eager step; the rest of the compiled function (forward, backward) stays compiled."""
+    return torch.compiler.disable(step, recursive=True)  # type: ignore[return-value]
 
 
 def refuse_maximize(maximize: Any, name: str) -> None:

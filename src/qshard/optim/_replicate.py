@@ -140,6 +140,11 @@ def localize(
     process group (the replicate group when they are HSDP DTensors) and the
     :class:`LocalShards` of the DTensors (None without DTensors). See
     [Note: 1-bit optimizers on HSDP]."""
+    if torch.is_tensor(params):  # list() split it into rows, refused as "non-leaf Tensors"
+        raise TypeError(
+            f"{name}: params should be an iterable of Tensors or dicts (torch.optim's rule); "
+            f"got one {torch.typename(params)}: pass [param]"
+        )
     params = list(params)
     dtensor = _dtensor_type()
     if params and isinstance(params[0], dict):  # lists, not iterators: read here and by torch

@@ -18,6 +18,8 @@ schedules are testable and plottable without an optimizer.
 
 from __future__ import annotations
 
+import operator
+
 __all__ = [
     "next_sync_step",
     "next_variance_step",
@@ -27,10 +29,23 @@ __all__ = [
 ]
 
 
+def _positive_int(name: str, value: object, why: str = "") -> int:
+    """``value`` as an int >= 1: any integer (Python's, numpy's: anything with ``__index__``)
+    but a bool; else a ValueError naming ``name`` (``why``: said after "an int >= 1")."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # np.int64(1000) // 4 was refused as "not an int"
+        except TypeError:
+            pass
+        else:
+            if number >= 1:
+                return number
+    raise ValueError(f"{name} must be an int >= 1{why}; got {value!r}")
+
+
 def _check_positive(**values: int) -> None:
     for name, v in values.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        _positive_int(name, v)
 
 
 def next_variance_step(step: int, updates_done: int, *, kappa: int) -> int:

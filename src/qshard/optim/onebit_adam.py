@@ -28,6 +28,8 @@ from qshard.optim._onebit import (
     _check_variance_floor,
     _DataParallelOneBitOptimizer,
 )
+from qshard.optim._options import eager_only
+from qshard.optim._schedules import _positive_int
 
 __all__ = ["OneBitAdam"]
 
@@ -76,12 +78,11 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         variance_floor: float = DEFAULT_VARIANCE_FLOOR,
     ) -> None:
         self.variance_floor = _check_variance_floor(variance_floor)
-        if not isinstance(freeze_step, int) or isinstance(freeze_step, bool) or freeze_step < 1:
-            raise ValueError(
-                f"freeze_step must be an int >= 1 (the variance needs at least one "
-                f"full-precision step); got {freeze_step!r}"
-            )
-        self.freeze_step = freeze_step
+        self.freeze_step = _positive_int(
+            "freeze_step",
+            freeze_step,
+            " (the variance needs at least one full-precision step)",
+        )
         super().__init__(
             params,
             {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay},
@@ -101,6 +102,7 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
         return min(self._extra["step"], self.freeze_step)
 
     @torch.no_grad()
+    @eager_only
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step: average (fp32 or 1-bit) and update every trainable parameter."""
         loss = None

@@ -87,7 +87,9 @@ from qshard.optim._onebit import (
     _check_variance_floor,
     _DataParallelOneBitOptimizer,
 )
+from qshard.optim._options import eager_only
 from qshard.optim._schedules import (
+    _positive_int,
     next_sync_step,
     next_variance_step,
     sync_interval,
@@ -108,12 +110,6 @@ __all__ = [
 
 PHASE_A_COMPRESSION = ("momentum", "gradient")
 """Choices of ``ZeroOneAdam(phase_a_compression=)``; see [Note: phase A compression]."""
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-    return value
 
 
 class ZeroOneAdam(_DataParallelOneBitOptimizer):
@@ -236,6 +232,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
         return all("lr_sum" not in s or s["lr_sum"] == 0.0 for s in self.state.values())
 
     @torch.no_grad()
+    @eager_only
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One optimizer step (see the module docstring for what communicates when)."""
         loss = None
@@ -332,7 +329,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
                 self._state(p)["sync_anchor"] = p.detach().clone()
                 self._state(p)["lr_sum"] = 0.0
         if extra["phase_b_lrs"] is None:  # also after loading a state saved before this check
-            extra["phase_b_lrs"] = [g["lr"] for g in self.param_groups]
+            # Values, not the groups' objects: a tensor lr is updated in place by the
+            # schedulers, and the "lr at the freeze" followed it (the check warned always).
+            extra["phase_b_lrs"] = [float(g["lr"]) for g in self.param_groups]
         for group, p in pairs:
             state = self._state(p)
             beta1, _ = group["betas"]
