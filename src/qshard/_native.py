@@ -31,6 +31,8 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 
+from qshard._env import env_flag
+
 __all__ = ["DEFAULT_FLAGS", "NativeLibrary", "advise_huge_pages", "build_library", "cache_dir"]
 
 log = logging.getLogger(__name__)
@@ -157,7 +159,7 @@ class NativeLibrary:
             return self._lib
         with self._lock:
             if self._lib is None and self.failure is None:
-                if self._disable_env and os.environ.get(self._disable_env):
+                if self._disable_env and env_flag(self._disable_env, False):
                     self.failure = f"disabled by {self._disable_env}"
                 else:
                     try:

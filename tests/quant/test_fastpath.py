@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import qshard.quant as Q
-from qshard._env import env_int
+from qshard._env import env_flag, env_int
 from qshard.quant import _fastpath, _native_kernels
 
 from ._helpers import FAST, float_tensors
@@ -145,6 +145,38 @@ def test_min_numel_environment_variable_names_itself(monkeypatch):
     assert env_int(name, 1 << 18, minimum=0) == 4096
     monkeypatch.delenv(name)
     assert env_int(name, 1 << 18, minimum=0) == 1 << 18
+
+
+def test_switch_variables_read_one_way(monkeypatch):
+    # QSHARD_NO_KERNELS=0 turned the kernels off (any value did), while QSHARD_QUANT_FASTPATH=0
+    # and QSHARD_DISABLE_TRITON=0 meant the opposite: every switch is now read by env_flag.
+    name = "QSHARD_TEST_SWITCH"
+    for raw, want in (("1", True), (" Yes ", True), ("on", True), ("0", False), ("FALSE", False)):
+        monkeypatch.setenv(name, raw)
+        assert env_flag(name, not want) is want
+    for raw in ("", "  "):
+        monkeypatch.setenv(name, raw)
+        assert env_flag(name, True) is True and env_flag(name, False) is False
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=f"{name}='maybe' must be 1 or 0"):
+        env_flag(name, False)
+    from qshard._native import NativeLibrary
+    from qshard.optim import _kernels
+
+    monkeypatch.setenv("QSHARD_NO_KERNELS", "0")
+    base = _kernels._LIBRARY
+    for raw, loads in (("0", True), ("1", False)):
+        monkeypatch.setenv("QSHARD_NO_KERNELS", raw)
+        lib = NativeLibrary(
+            base.name,
+            base.source,
+            declare=base._declare,
+            what=base._what,
+            fallback=base._fallback,
+            disable_env="QSHARD_NO_KERNELS",
+            flags=base.flags,
+        )
+        assert (lib.get() is not None) is loads
 
 
 def test_compiled_int8_matches_reference(fast_mode):

@@ -17,6 +17,8 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any
 
+from qshard._env import env_flag
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,7 +61,7 @@ def available() -> bool:
     Callers check `tensor.is_cuda` themselves; this says nothing about CPU tensors, which the
     kernels only accept under `TRITON_INTERPRET=1` (see `interpreter()`).
     """
-    return os.environ.get("QSHARD_DISABLE_TRITON", "0") != "1" and _triton_importable()
+    return not env_flag("QSHARD_DISABLE_TRITON", False) and _triton_importable()
 
 
 def serves(t: torch.Tensor) -> bool:

@@ -34,7 +34,6 @@ once more (see [Note: one code object per specialisation]).
 
 from __future__ import annotations
 
-import os
 import threading
 import types
 from collections.abc import Callable
@@ -42,18 +41,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from qshard._env import env_int
+from qshard._env import env_flag, env_int
 from qshard.quant import _native_kernels
 from qshard.quant._codetable import remember
 
 __all__ = ["fastpath_enabled", "set_fastpath", "use_fastpath"]
 
 
-def _env_flag(name: str, default: str) -> bool:
-    return os.environ.get(name, default).strip().lower() not in ("0", "false", "off", "no")
-
-
-_enabled = _env_flag("QSHARD_QUANT_FASTPATH", "1")
+_enabled = env_flag("QSHARD_QUANT_FASTPATH", True)
 _min_numel = env_int(
     "QSHARD_QUANT_FASTPATH_MIN_NUMEL", 1 << 18, minimum=0, hint=" (elements; unset it for 262144)"
 )
