@@ -439,6 +439,25 @@ def test_flags_and_sizes_of_the_wrong_type_are_refused(kw, match):
         qoptim.AdamW8bit([nn.Parameter(torch.randn(64, 128))], **kw)
 
 
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit], ids=lambda c: c.__name__)
+def test_sizes_given_as_numpy_integers_are_taken_as_ints(cls):
+    # np.int64(128) (a size computed with numpy) was refused as "must be an int".
+    import numpy as np
+
+    size, bits = ("min_8bit_size", 8) if cls is qoptim.AdamW8bit else ("min_4bit_size", 4)
+    kw = {"block_size": np.int64(64), size: np.uint16(16), "optim_bits": np.int32(bits)}
+    p = nn.Parameter(torch.randn(64, 64))
+    ref = nn.Parameter(p.detach().clone())
+    opt, opt_ref = cls([p], **kw), cls([ref], block_size=64, **{size: 16, "optim_bits": bits})
+    assert all(type(opt.param_groups[0][k]) is int for k in kw)  # Python ints in the group
+    for _ in range(2):
+        g = torch.randn_like(p)
+        p.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        opt_ref.step()
+    assert torch.equal(p, ref)
+
+
 _NAN = float("nan")
 
 

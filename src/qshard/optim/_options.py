@@ -6,6 +6,7 @@ these too). An error names the option, the value and what to pass instead.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ __all__ = [
     "eager_only",
     "listed_once",
     "refuse_maximize",
+    "whole_int",
 ]
 
 #: Options every 8-bit optimizer accepts, per parameter group.
@@ -52,6 +54,18 @@ COMMON_DEFAULTS: dict[str, Any] = {
 SCHEDULER_KEYS = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
 )
+
+
+def whole_int(value: Any) -> int | None:
+    """``value`` as a Python int when it is an integer of any type (numpy's too: anything with
+    ``__index__``) but a bool; else None. The options take numpy integers (``np.int64(4096)``
+    was refused as "must be an int") and keep Python ints in the param groups."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -179,18 +193,22 @@ def check_common_options(group: dict[str, Any], name: str) -> None:
     """Check the options of :data:`COMMON_DEFAULTS`, ``lr``, the parameters and torch's
     ``foreach``/``fused`` flags of ``group`` (``Optimizer8bit._validate_common``); ``name``:
     the optimizer's class name, for the errors."""
-    if group["optim_bits"] not in (8, 32):
+    bits = whole_int(group["optim_bits"])
+    if bits not in (8, 32):
         raise ValueError(f"{name}: optim_bits must be 8 or 32; got {group['optim_bits']!r}")
-    size = group["min_8bit_size"]
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise ValueError(f"{name}: min_8bit_size must be an int >= 0; got {size!r}")
-    bs = group["block_size"]
+    size = whole_int(group["min_8bit_size"])
+    if size is None or size < 0:
+        raise ValueError(
+            f"{name}: min_8bit_size must be an int >= 0; got {group['min_8bit_size']!r}"
+        )
     # (a bool is an int: block_size=True made blocks of one element, absmax per element)
-    if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= _kernels.MAX_BLOCK:
+    bs = whole_int(group["block_size"])
+    if bs is None or not 1 <= bs <= _kernels.MAX_BLOCK:
         raise ValueError(
             f"{name}: block_size must be an int in 1..{_kernels.MAX_BLOCK} (256 or 2048 are "
-            f"usual); got {bs!r}"
+            f"usual); got {group['block_size']!r}"
         )
+    group.update(optim_bits=bits, min_8bit_size=size, block_size=bs)
     for flag in ("bnb_compat", "stochastic_rounding"):
         if not isinstance(group[flag], bool):  # a config's "false" is truthy
             raise ValueError(f"{name}: {flag} must be True or False; got {group[flag]!r}")

@@ -42,6 +42,7 @@ from qshard.optim._options import (
     check_numbers,
     check_params_and_torch_flags,
     refuse_maximize,
+    whole_int,
 )
 from qshard.optim._overrides import is_full_precision_param
 from qshard.optim._qstate import blocks_per_row, row_view
@@ -126,17 +127,21 @@ class Adam4bit(BlockwiseOptimizer):
 
     def _validate_common(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
-        if group["optim_bits"] not in (4, 32):
+        bits = whole_int(group["optim_bits"])
+        if bits not in (4, 32):
             raise ValueError(f"{name}: optim_bits must be 4 or 32; got {group['optim_bits']!r}")
-        size = group["min_4bit_size"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"{name}: min_4bit_size must be an int >= 0; got {size!r}")
-        bs = group["block_size"]
-        if not isinstance(bs, int) or not 2 <= bs <= _kernels4.MAX_BLOCK or bs % 2:
+        size = whole_int(group["min_4bit_size"])
+        if size is None or size < 0:
+            raise ValueError(
+                f"{name}: min_4bit_size must be an int >= 0; got {group['min_4bit_size']!r}"
+            )
+        bs = whole_int(group["block_size"])
+        if bs is None or not 2 <= bs <= _kernels4.MAX_BLOCK or bs % 2:
             raise ValueError(
                 f"{name}: block_size must be an even int in 2..{_kernels4.MAX_BLOCK} (two codes "
-                f"share a byte; 128 is the default); got {bs!r}"
+                f"share a byte; 128 is the default); got {group['block_size']!r}"
             )
+        group.update(optim_bits=bits, min_4bit_size=size, block_size=bs)
         if group["second_moment_map"] not in _qstate4.SECOND_MOMENT_MAPS:
             raise ValueError(
                 f"{name}: second_moment_map must be one of {_qstate4.SECOND_MOMENT_MAPS}; got "
