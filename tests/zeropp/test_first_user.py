@@ -190,6 +190,30 @@ def _train(
     return losses, evals, params, buffers
 
 
+def _train_in_backward(model, rank: int, steps: int = 3):
+    """torchtune's optimizer in backward: one SGD per parameter, stepped from its
+    post-accumulate-grad hook. Returns (losses, [], full parameters, buffers) as _train."""
+    opts = {p: torch.optim.SGD([p], lr=1e-2) for p in model.parameters() if p.requires_grad}
+
+    def step(p):
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in opts:
+        p.register_post_accumulate_grad_hook(step)
+    losses = []
+    for i in range(steps):
+        x, y = _batch(rank, i)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    params = [p.full_tensor().detach().float().clone() for p in model.parameters()]
+    return losses, [], params, [b.detach().float().clone() for b in model.buffers()]
+
+
 def _same(a, b) -> bool:
     return (
         a[0] == b[0]
@@ -279,6 +303,20 @@ def _world(rank: int, world: int, tmp: str) -> dict:
         model.set_reshard_after_backward(False)
         res[f"rab_{name}"] = _same(_train(model, rank, evaluate=False), ref)
 
+    # The optimizer stepped inside backward: with no kept block, the step resharded the hpZ
+    # blocks whose backward gather was in flight (FSDP2 failed: "split_with_sizes expects
+    # split_sizes to sum exactly to ..."); a copy kept by set_reshard_after_backward(False)
+    # must not outlive the steps either.
+    ref = _train_in_backward(_plain(mesh), rank)
+    hpz0 = dataclasses.replace(HPZ, keep_last_blocks=0)
+    res["inbwd_hpz0"] = _same(_train_in_backward(_sharded(topo, hpz0), rank), ref)
+    res["inbwd_hpz"] = _same(_train_in_backward(_sharded(topo, HPZ), rank), ref)
+    model = _sharded(topo, OFF)
+    model.set_reshard_after_backward(False)
+    res["inbwd_rab_off"] = _same(_train_in_backward(model, rank), ref)
+    all0 = dataclasses.replace(ALL, keep_last_blocks=0)
+    res["inbwd_all0_gap"] = _loss_gap(_train_in_backward(_sharded(topo, all0), rank), ref)
+
     # bf16 parameters, bf16 compute, fp32 reduction
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     bf16 = torch.bfloat16
@@ -316,9 +354,12 @@ def test_first_user_model_2x2(tmp_path):
             "dcp_resume_all",
             "skip_off",
             "skip_hpz",
+            "inbwd_hpz0",
+            "inbwd_hpz",
+            "inbwd_rab_off",
         ):
             assert r[key] is True, (rank, key)
-        for key in ("all_gap", "skip_all_gap"):
+        for key in ("all_gap", "skip_all_gap", "inbwd_all0_gap"):
             assert r[key] < 0.06, (rank, key, r[key])
         for key in ("twice", "twice_no_blocks"):
             assert "already sharded" in r[key] and "found no blocks" not in r[key], r[key]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -598,6 +599,7 @@ class _StaleCopyGuard:
     def __init__(self) -> None:
         self._pending: dict[int, nn.Module] = {}
         self._units: list[weakref.ref[nn.Module]] = []
+        self._deferred_task: int | None = None  # the backward whose end reshards
         _GUARDS.add(self)
         _install_step_hook()
 
@@ -635,11 +637,30 @@ class _StaleCopyGuard:
         )
 
     def reshard_pending(self) -> None:
+        """After an optimizer step. A step inside backward (per-parameter optimizers stepped
+        from post-accumulate-grad hooks, torchtune's optimizer in backward) defers all of it to
+        the end of that backward: the units still pending then are those whose backward has
+        not run, and resharding them pulled a copy from under FSDP2 (hpZ's secondary shard
+        with its backward gather in flight: "split_with_sizes expects split_sizes to sum
+        exactly to 68"). Their backward uses the forward's weights anyway; what is pending when
+        the backward ends had none, and a unit kept by ``set_reshard_after_backward(False)`` is
+        stale after the steps: both are resharded then."""
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            if self._deferred_task != task:
+                self._deferred_task = task
+                Variable._execution_engine.queue_callback(self._after_backward)
+            return
+        self._reshard_now()
+
+    def _after_backward(self) -> None:
+        self._deferred_task = None
+        self._reshard_now()
+
+    def _reshard_now(self) -> None:
         pending, self._pending = list(self._pending.values()), {}
         for module in pending:
             module.reshard()  # type: ignore[operator]
-        if torch._C._current_graph_task_id() != -1:
-            return  # a step inside backward (per-parameter optimizers): units are in use
         for ref in self._units:
             if (unit := ref()) is None:
                 continue
