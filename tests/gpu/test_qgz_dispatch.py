@@ -174,6 +174,19 @@ def _world(rank: int, world: int) -> list[str]:
                 mixed, _ = _run(rs, x, size, dtype, op, route=rank % 2 == 0)
                 assert _same(want, mixed), (case, "mixed")
             done.append(str(case))
+        # [Note: qgZ checks the shard sizes]: shards of different sizes padded to the same rows
+        # (a parameter with a gradient on rank 0 only) are refused by every rank, fused or not
+        rs = HierarchicalQuantizedReduceScatter(topology=topo, bits=8, block_size=BS)
+        size = 21 if rank == 0 else 13
+        for route in (True, False, rank % 2 == 0):
+            try:
+                _run(rs, _grads(rank, world, size, torch.float32, 9), size, torch.float32,
+                     ops["AVG"], route=route)  # fmt: skip
+            except RuntimeError as exc:
+                assert "different sizes" in str(exc) and "[13, 21]" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"{nodes}x{rpn} route={route}: a size mismatch passed")
+        done.append(f"{nodes}x{rpn} sizes refused")
     return done
 
 
@@ -181,4 +194,4 @@ def test_qgz_reduce_scatter_fused_equals_torch_path():
     from qshard.testing import run_world
 
     out = run_world(_world, 4, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
-    assert all(len(r) == 11 for r in out), out
+    assert all(len(r) == 14 for r in out), out

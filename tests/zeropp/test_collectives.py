@@ -274,10 +274,13 @@ def _ledger_bytes_2x2(topo: Topology) -> None:
     wire = m * 0.5 + m / 256 * 4
     s = ledger.summary()
     d = topo.ranks_per_node
-    # hop 2: each rank of a node sends its node partial for the other nodes (1/D of m each)
-    assert s.inter() == pytest.approx((topo.num_nodes - 1) / topo.num_nodes * wire)
-    # hop 1: each rank sends (D-1)/D of its whole buffer inside the node
-    assert s.intra() == pytest.approx(d * (d - 1) / d * wire)
+    n = topo.num_nodes
+    # hop 2: each rank of a node sends its node partial for the other nodes (1/D of m each),
+    # stage 0's N rows with the node's range of shard sizes (16 bytes each)
+    assert s.inter() == pytest.approx((n - 1) / n * wire + (n - 1) * 16 * d)
+    # hop 1: each rank sends (D-1)/D of its whole buffer inside the node, stage 0's D rows
+    # with its shard size (8 bytes each); [Note: qgZ checks the shard sizes]
+    assert s.intra() == pytest.approx(d * (d - 1) / d * wire + (d - 1) * d * 8)
 
 
 def _check_fused_equals_reference(topo: Topology, world: int) -> list[str]:
@@ -329,6 +332,33 @@ def _check_fused_equals_reference(topo: Topology, world: int) -> list[str]:
     return done
 
 
+def _check_shard_size_mismatch(topo: Topology, world: int) -> list[str]:
+    """[Note: qgZ checks the shard sizes]: ranks whose gradient shards differ in size but pad
+    to the same wire rows (a parameter with a gradient on rank 0 only) made qgZ sum misaligned
+    elements without a word. Every rank refuses alike, and the next reduce-scatter works."""
+    rank, group = dist.get_rank(), dist.group.WORLD
+    done = []
+    for bits in (4, 8):
+        for stages in (1, 2):
+            comm = HierarchicalQuantizedReduceScatter(
+                topology=topo, bits=bits, block_size=64, pipeline_stages=stages
+            )
+            size = 100 if rank == 0 else 68  # both pad to the same rows
+            out = torch.empty(size)
+            with pytest.raises(RuntimeError, match=r"different sizes .*\[68, 100\].*unused_params"):
+                comm(out, torch.randn(world * size), group, ReduceOp.AVG)
+            # the refused call left nothing behind: the same comm then equals a fresh one
+            g = _data(9, rank, world * 68, torch.float32)
+            got, fresh = torch.empty(68), torch.empty(68)
+            comm(got, g, group, ReduceOp.AVG)
+            HierarchicalQuantizedReduceScatter(
+                topology=topo, bits=bits, block_size=64, pipeline_stages=stages
+            )(fresh, g, group, ReduceOp.AVG)
+            assert torch.equal(got, fresh), (bits, stages)
+            done.append(f"size mismatch refused int{bits} x{stages}")
+    return done
+
+
 def _world(rank: int, world: int, rpns: tuple[int, ...]) -> list[str]:
     done = []
     for rpn in rpns:
@@ -337,6 +367,7 @@ def _world(rank: int, world: int, rpns: tuple[int, ...]) -> list[str]:
         done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_all_gather(topo, world)]
         done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_reduce_scatter(topo, world)]
         done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_fused_equals_reference(topo, world)]
+        done += [f"{topo.num_nodes}x{rpn}: {c}" for c in _check_shard_size_mismatch(topo, world)]
         if topo.num_nodes == 2 and rpn == 2:
             _ledger_bytes_2x2(topo)
     return done
@@ -346,6 +377,8 @@ def test_collectives_4_ranks_1x4_2x2_4x1():
     out = run_world(_world, 4, args=((4, 2, 1),), timeout_s=280)
     assert any("2x2: rs fallback" in c for c in out[0])
     assert any("2x2: fused == reference torch.bfloat16 int4" in c for c in out[0])
+    for layout in ("1x4", "2x2", "4x1"):
+        assert f"{layout}: size mismatch refused int8 x2" in out[3]
 
 
 def test_collectives_3_ranks_3x1_1x3():

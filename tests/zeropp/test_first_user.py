@@ -260,6 +260,53 @@ def _resume(topo: Topology, rank: int, path: str) -> bool:
     return steps(model, opt, 2) == continued
 
 
+class _Branch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)  # _batch gives 8 features
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return h + self.extra(h) if use else h
+
+
+class _Branchy(nn.Module):
+    """Two blocks whose ``extra`` layer runs where ``use`` says: a data-dependent branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Branch() for _ in range(2))
+        self.use = [False, False]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, use in zip(self.blocks, self.use, strict=True):
+            x = block(x, use)
+        return x.sum(-1)
+
+
+def _unused_on_some_ranks(topo: Topology, rank: int) -> dict:
+    """[Note: qgZ checks the shard sizes]: a parameter with a gradient on rank 0 only gave
+    qgZ's ranks gradient shards of different sizes padded to the same rows, and the unit's
+    other gradients came out wrong without a word (relative error 0.6-1.6). Every rank now
+    refuses it, deferred or not; set_reduce_scatter_unused_params(True) trains."""
+    out = {}
+    sync = dataclasses.replace(ALL, overlap_reduce_scatter=False)
+    for name, cfg, fix in (("deferred", ALL, False), ("sync", sync, False), ("fix", ALL, True)):
+        model = _Branchy()
+        shard(model, topology=topo, config=cfg, blocks=list(model.blocks))
+        if fix:
+            model.set_reduce_scatter_unused_params(True)
+        model.use = [False, rank == 0]
+        x, y = _batch(rank, 0)
+        try:
+            F.mse_loss(model(x), y).backward()
+            out[name] = "trained"
+        except RuntimeError as exc:
+            out[name] = "refused" if "different sizes" in str(exc) else str(exc)
+    return out
+
+
 def _world(rank: int, world: int, tmp: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     topo = Topology(world_size=world, ranks_per_node=2)
@@ -317,6 +364,8 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     all0 = dataclasses.replace(ALL, keep_last_blocks=0)
     res["inbwd_all0_gap"] = _loss_gap(_train_in_backward(_sharded(topo, all0), rank), ref)
 
+    res["unused"] = _unused_on_some_ranks(topo, rank)
+
     # bf16 parameters, bf16 compute, fp32 reduction
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     bf16 = torch.bfloat16
@@ -361,6 +410,10 @@ def test_first_user_model_2x2(tmp_path):
             assert r[key] is True, (rank, key)
         for key in ("all_gap", "skip_all_gap", "inbwd_all0_gap"):
             assert r[key] < 0.06, (rank, key, r[key])
+        assert r["unused"] == {"deferred": "refused", "sync": "refused", "fix": "trained"}, (
+            rank,
+            r["unused"],
+        )
         for key in ("twice", "twice_no_blocks"):
             assert "already sharded" in r[key] and "found no blocks" not in r[key], r[key]
 

@@ -50,11 +50,17 @@ from qshard.quant.blockwise import (
 )
 from qshard.zeropp._common import sum_rows
 
-__all__ = ["RowCodec", "Slot"]
+__all__ = ["RowCodec", "Slot", "int64_bytes"]
 
 #: ``(start, length, padded)``: ``length`` values of a flat tensor from ``start``, zero-padded
 #: to ``padded`` elements (a multiple of the block size) on the wire.
 Slot = tuple[int, int, int]
+
+
+def int64_bytes(values: Sequence[int], device: torch.device) -> Tensor:
+    """``values`` as the bytes of int64s: a trailer after each wire row (a shard size, a
+    node's range of sizes) that the receivers check, [Note: a trailer after each row]."""
+    return torch.tensor(list(values), dtype=torch.int64, device=device).view(torch.uint8)
 
 
 def _is_int(value: object) -> bool:
@@ -141,12 +147,15 @@ class RowCodec:
                 f"rows of {buf.shape[1]} bytes do not hold {m} values ({self.row_bytes(m)} bytes)"
             )
 
-    def encode_slots(self, src: Tensor, slots: Sequence[Slot], rows: int) -> Tensor:
+    def encode_slots(
+        self, src: Tensor, slots: Sequence[Slot], rows: int, *, out: Tensor | None = None
+    ) -> Tensor:
         """The wire rows of slots of the flat ``src``: slot ``(start, length, padded)`` is
         ``src[start : start + length]`` zero-padded to ``padded`` elements; the slots fill
         ``rows`` rows of equal length in order, none straddling two rows. Byte for byte
         :meth:`encode` of those padded rows (in fp32), without building them: see
-        [Note: fused wire rows]."""
+        [Note: fused wire rows]. ``out``: the rows to write, as :meth:`encode`'s (the leading
+        columns of a wider buffer too, [Note: a trailer after each row])."""
         bs, numel = self.block_size, src.numel()
         total = 0
         for start, length, padded in slots:
@@ -165,15 +174,20 @@ class RowCodec:
             if pos % m + slot[2] > m:
                 raise ValueError(f"slot {slot} straddles rows of {m} elements")
             pos += slot[2]
-        if not self._fused(src):
+        if out is not None:
+            self._check_rows(out, m)
+            if out.shape[0] != rows:
+                raise ValueError(f"out has {out.shape[0]} rows; need {rows}")
+        if not self._fused(src) or (out is not None and not self._fused(None, out)):
             x = torch.zeros(total, dtype=torch.float32, device=src.device)
             flat, pos = src.reshape(-1), 0
             for start, length, padded in slots:
                 x[pos : pos + length].copy_(flat[start : start + length])
                 pos += padded
-            return self.encode(x.view(rows, m))
-        out = torch.empty((rows, self.row_bytes(m)), dtype=torch.uint8, device=src.device)
-        row_bytes, nb = out.shape[1], m // bs
+            return self.encode(x.view(rows, m), out=out)
+        if out is None:
+            out = torch.empty((rows, self.row_bytes(m)), dtype=torch.uint8, device=src.device)
+        row_bytes, nb = out.stride(0), m // bs  # a row's start, past any trailer
         per = bs * self.bits // 8  # code bytes per block
         qmax, pack4 = qmax_for_bits(self.bits), self.bits == 4
         base, x_ptr, pos = out.data_ptr(), src.data_ptr(), 0

@@ -85,7 +85,7 @@ from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once, logger
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
-from qshard.zeropp._wire import RowCodec
+from qshard.zeropp._wire import RowCodec, int64_bytes
 
 __all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
 
@@ -115,11 +115,6 @@ class RecordingAllReduceHook:
 #: Bytes of the shard-size header each hop-1 row carries ([Note: the shard size travels with
 #: hop 1]).
 _SIZE_BYTES = 8
-
-
-def _size_bytes(size: int, device: torch.device) -> torch.Tensor:
-    """``size`` as the 8 bytes of an int64 (the hop-1 row header)."""
-    return torch.tensor([size], dtype=torch.int64, device=device).view(torch.uint8)
 
 
 class ReplicateAllReduce:
@@ -378,7 +373,7 @@ class _Reduction:
         rb = self.rb = codec.row_bytes(c)
         framed = torch.empty((n, rb + _SIZE_BYTES), dtype=torch.uint8, device=x.device)
         send = codec.encode(xin.view(n, c), out=framed[:, :rb])
-        framed[:, rb:] = _size_bytes(size, x.device)
+        framed[:, rb:] = int64_bytes([size], x.device)
         if errors is not None:
             errors[0].copy_(xin - codec.decode(send, c).view(-1))
         recv = torch.empty_like(framed)

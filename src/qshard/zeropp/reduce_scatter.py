@@ -31,6 +31,22 @@ no permuted copy, no fp32 partial sums, no padded result. The kernels compute wh
 path computes, in the same order and roundings, so the wire bytes and the output are
 identical, and a mixed world (some ranks on either path) agrees byte for byte
 (tests/gpu/test_qgz_dispatch.py).
+
+[Note: qgZ checks the shard sizes] FSDP2 reduce-scatters only the parameters that got a
+gradient, so a parameter used on some ranks and not on others in one step (a data-dependent
+branch, an MoE expert without tokens) gives the ranks gradient shards of different sizes. Plain
+FSDP2 then fails in gloo ("Received data size doesn't match"); qgZ pads every stage to whole
+4-block rows, so shards of different sizes usually made wire rows of the same size, and the
+all-to-alls summed misaligned elements without a word: the unit's other gradients came out
+wrong (a first-user probe: relative error 0.6-1.7 where INT8 gives 0.01-0.03) and the ranks'
+optimizer states drifted apart. Now stage 0's hop-1 rows carry the sender's shard size (8
+bytes each) and its hop-2 rows the smallest and largest size of the sender's node (16 bytes);
+every rank thus sees every node's range and all refuse a mismatch alike, after hop 2 (or after
+hop 1 on one node), naming ``set_reduce_scatter_unused_params(True)``. The fused path frames
+the same bytes (a mixed world still agrees); on a GPU it reads the verdict at the next call,
+so no call waits on the host for its own all-to-all (the last unit of a backward is then
+checked at the next step's first reduce-scatter). Cost: ``8 D + 16 N`` bytes per unit and rank
+and step.
 """
 
 from __future__ import annotations
@@ -52,7 +68,7 @@ from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
 from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, sum_rows
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
-from qshard.zeropp._wire import RowCodec, Slot
+from qshard.zeropp._wire import RowCodec, Slot, int64_bytes
 
 __all__ = [
     "HierarchicalQuantizedReduceScatter",
@@ -333,6 +349,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         # of codes (checked in the sm_90 PTX: byte-wise loads otherwise). Both paths pad alike,
         # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
         self._pad_blocks = 1 if bits is None else 4
+        # the fused path's size check on a GPU, read at the next call (no host sync)
+        self._unchecked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __call__(
         self,
@@ -402,8 +420,25 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         reduction.issue()
         reduction.finish(block=True)
 
+    def _check_later(self, flag: torch.Tensor, sizes: torch.Tensor) -> None:
+        """The fused path's [Note: qgZ checks the shard sizes]: ``flag`` (a device bool) says
+        the sizes differ. Read at once on the CPU; on a GPU at the next call, so that no call
+        waits on the host for its own all-to-all (as HSDP's replicate all-reduce)."""
+        self._unchecked = (flag, sizes)
+        if flag.device.type == "cpu":
+            self._check_unchecked()
+
+    def _check_unchecked(self) -> None:
+        if self._unchecked is None:
+            return
+        flag, sizes = self._unchecked
+        self._unchecked = None
+        if bool(flag):
+            _check_shard_sizes([sizes.reshape(-1).tolist()])
+
     def _reduce_fused(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         """``_reduce`` on qgZ's fused Triton kernels (CUDA tensors): see [Note: fused qgZ]."""
+        self._check_unchecked()
         topo = self.topology
         nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
         stages, bs, bits = self.pipeline_stages, self.block_size, self.bits
@@ -453,6 +488,11 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
 
         def last_hop(k: int, work, recv: torch.Tensor) -> None:
             work.wait()
+            if k == 0:  # the sizes (one node) or every node's range of sizes
+                rb = row_bytes(sub if inter_group is not None else nodes * sub)
+                got = _int64s(recv[:, rb:]).reshape(-1)
+                self._check_later((got != got[0]).any(), got)
+                recv = recv[:, :rb].contiguous()
             dst = output_slice(k)
             if dst.numel():
                 _triton.dequant_reduce_rows(recv, out=dst, scale=factor, **kw)
@@ -460,18 +500,29 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         def start_intra(k: int):
             if intra_group is None:
                 return None, None
-            return all_to_all(quantize_slots(k, per_node), intra_group, intra_ranks)
+            send = quantize_slots(k, per_node)
+            if k == 0:  # [Note: qgZ checks the shard sizes]
+                send = _with_trailer(send, int64_bytes([size], inp.device))
+            return all_to_all(send, intra_group, intra_ranks)
 
         def finish_intra(k: int, work, recv):
             """The send rows of stage k's inter-node hop (None: the output is written)."""
             if work is None:
-                return quantize_slots(k, nodes)
-            if inter_group is None:
+                send = quantize_slots(k, nodes)
+                node_range = int64_bytes([size, size], inp.device)
+            elif inter_group is None:
                 last_hop(k, work, recv)
                 return None
-            work.wait()
-            send = torch.empty((nodes, row_bytes(sub)), dtype=torch.uint8, device=inp.device)
-            return _triton.dequant_reduce_requant_rows(recv, out=send, **kw)
+            else:
+                work.wait()
+                if k == 0:
+                    rb = row_bytes(nodes * sub)
+                    got = _int64s(recv[:, rb:]).reshape(-1)
+                    node_range = torch.stack((got.min(), got.max())).view(torch.uint8)
+                    recv = recv[:, :rb].contiguous()
+                send = torch.empty((nodes, row_bytes(sub)), dtype=torch.uint8, device=inp.device)
+                send = _triton.dequant_reduce_requant_rows(recv, out=send, **kw)
+            return _with_trailer(send, node_range) if k == 0 else send
 
         pending_intra = start_intra(0)
         pending_inter: list[tuple[int, object, torch.Tensor]] = []
@@ -515,6 +566,7 @@ class _Reduction:
         "result",
         "scale",
         "size",
+        "sizes",
         "stages",
         "sub",
     )
@@ -542,6 +594,9 @@ class _Reduction:
         self.inter: list[tuple[dist.Work | None, torch.Tensor] | None] = [None] * stages
         self.issued = 0  # stages whose hop 2 is issued (or, on one node, whose sum is final)
         self.finished = 0  # stages whose slice of the result is written
+        # [Note: qgZ checks the shard sizes] the smallest and largest gradient shard size of
+        # this rank's node, known once stage 0's hop 1 arrived
+        self.sizes = (size, size)
         m1 = nodes * sub
         self.intra: list[tuple[dist.Work | None, torch.Tensor] | None] = []
         if per_node == 1:  # one rank per node: hop 1 is local, this rank's own slices
@@ -553,11 +608,18 @@ class _Reduction:
             return
         intra_group, intra_ranks = topo.intra_node_group, topo.node_ranks(topo.node)
         flat = inp.reshape(-1)
-        for slots in _stage_slots(nodes, per_node, stages, size, sub):
+        for k, slots in enumerate(_stage_slots(nodes, per_node, stages, size, sub)):
             # Stage k's slots of reorder_slices, quantized from the unpermuted gradients
-            # straight into the send rows (see [Note: fused wire rows] in qshard.zeropp._wire).
+            # straight into the send rows (see [Note: fused wire rows] in qshard.zeropp._wire);
+            # stage 0's rows carry this rank's shard size ([Note: qgZ checks the shard sizes]).
             with record_function("qshard::qgz::quantize_intra"):
-                send = self.codec.encode_slots(flat, slots, per_node)
+                if k == 0:
+                    rb = self.codec.row_bytes(m1)
+                    send = torch.empty((per_node, rb + 8), dtype=torch.uint8, device=inp.device)
+                    self.codec.encode_slots(flat, slots, per_node, out=send[:, :rb])
+                    send[:, rb:] = int64_bytes([size], inp.device)
+                else:
+                    send = self.codec.encode_slots(flat, slots, per_node)
             recv = torch.empty_like(send)
             record("all_to_all", group_ranks=intra_ranks, tensor_bytes=send.numel(), tag=TAG)
             work = duplex.all_to_all_single(
@@ -575,8 +637,15 @@ class _Reduction:
             if work is not None:
                 with record_function("qshard::qgz::wait_intra"):
                     work.wait()
+                if k == 0:  # the node's shard sizes ride on stage 0's rows
+                    rb = codec.row_bytes(nodes * sub)
+                    got = _int64s(recv[:, rb:]).reshape(-1).tolist()
+                    self.sizes = (min(got), max(got))
+                    recv = recv[:, :rb]
             self.intra[k] = None
             if self.inter_group is None:  # one node: the node's sum is the result
+                if k == 0:
+                    _check_shard_sizes([self.sizes])
                 if work is not None:
                     with record_function("qshard::qgz::reduce_intra"):
                         recv = codec.reduce(recv, nodes * sub)
@@ -588,6 +657,13 @@ class _Reduction:
                 else:  # the node partials, each block summed and requantized in cache
                     with record_function("qshard::qgz::reduce_intra"):
                         send = codec.reduce_encode(recv, nodes * sub, nodes)
+                if k == 0:  # every node's range of sizes reaches every rank
+                    framed = torch.empty(
+                        (nodes, send.shape[1] + 16), dtype=torch.uint8, device=send.device
+                    )
+                    framed[:, : send.shape[1]] = send
+                    framed[:, send.shape[1] :] = int64_bytes(self.sizes, send.device)
+                    send = framed
                 recv = torch.empty_like(send)
                 record(
                     "all_to_all", group_ranks=self.inter_ranks, tensor_bytes=send.numel(), tag=TAG
@@ -613,6 +689,10 @@ class _Reduction:
             else:
                 with record_function("qshard::qgz::wait_inter"):
                     work.wait()
+                if k == 0:
+                    rb = codec.row_bytes(sub)
+                    _check_shard_sizes(_int64s(recv[:, rb:]).tolist())
+                    recv = recv[:, :rb]
                 with record_function("qshard::qgz::reduce_inter"):
                     codec.reduce(recv, sub, out=dst)  # summed in place
             self.inter[k] = None
@@ -624,6 +704,38 @@ class _Reduction:
             out = out * self.scale
         self.output.copy_(out.view(self.output.shape))
         return True
+
+
+def _with_trailer(rows: torch.Tensor, trailer: torch.Tensor) -> torch.Tensor:
+    """``rows`` (uint8) with the bytes ``trailer`` after each: the fused path's framing of
+    stage 0's rows, byte for byte the torch path's (which encodes into a framed buffer)."""
+    out = torch.empty(
+        (rows.shape[0], rows.shape[1] + trailer.numel()), dtype=torch.uint8, device=rows.device
+    )
+    out[:, : rows.shape[1]] = rows
+    out[:, rows.shape[1] :] = trailer
+    return out
+
+
+def _int64s(trailers: torch.Tensor) -> torch.Tensor:
+    """The int64s of each row's trailer bytes, ``(rows, k)``, on their device."""
+    return trailers.contiguous().view(torch.int64).reshape(trailers.shape[0], -1)
+
+
+def _check_shard_sizes(ranges: list[list[int]] | list[tuple[int, int]]) -> None:
+    """Refuse a reduce-scatter whose ranks' gradient shards differ in size ([Note: qgZ checks
+    the shard sizes]): ``ranges`` holds each node's smallest and largest size, the same on
+    every rank, so every rank refuses alike."""
+    sizes = sorted({s for r in ranges for s in r})
+    if len(sizes) > 1:
+        raise RuntimeError(
+            "qgZ's reduce-scatter got gradient shards of different sizes from the ranks "
+            f"(elements: {sizes}): a parameter of this FSDP unit got a gradient on some ranks "
+            "and none on others in this step (a data-dependent branch, an MoE expert without "
+            "tokens). Call set_reduce_scatter_unused_params(True) on the model (FSDP2 then "
+            "reduces every trainable parameter, zeros for unused ones), or give every "
+            "trainable parameter a gradient on every rank"
+        )
 
 
 @functools.lru_cache(maxsize=64)
