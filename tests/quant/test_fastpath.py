@@ -131,6 +131,14 @@ def test_switch_and_threshold(fast_mode):
         Q.set_fastpath(True, min_numel=-1)
     with pytest.raises(ValueError, match="int >= 0"):
         Q.set_fastpath(True, min_numel=2.5)
+    # set_fastpath("false") left the fast path on; min_numel=True was taken as 1
+    was = _fastpath.fastpath_enabled()
+    for bad in ("false", "0", None, 1):
+        with pytest.raises(TypeError, match="enabled must be True or False"):
+            Q.set_fastpath(bad)
+    with pytest.raises(ValueError, match="min_numel must be an int"):
+        Q.set_fastpath(True, min_numel=True)
+    assert _fastpath.fastpath_enabled() == was
 
 
 def test_min_numel_environment_variable_names_itself(monkeypatch):

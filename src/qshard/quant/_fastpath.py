@@ -58,11 +58,14 @@ def set_fastpath(enabled: bool, *, min_numel: int | None = None) -> None:
     """Turn the fast CPU kernels on or off for this process, and optionally set the size
     (elements) below which the reference path is used. Both paths give the same bits."""
     global _enabled, _min_numel
+    # bools only: set_fastpath("false") left the fast path on (a non-empty string is truthy)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False; got {enabled!r}")
     if min_numel is not None:
-        if not isinstance(min_numel, int) or min_numel < 0:
+        if not isinstance(min_numel, int) or isinstance(min_numel, bool) or min_numel < 0:
             raise ValueError(f"min_numel must be an int >= 0; got {min_numel!r}")
         _min_numel = int(min_numel)
-    _enabled = bool(enabled)
+    _enabled = enabled
 
 
 def fastpath_enabled() -> bool:

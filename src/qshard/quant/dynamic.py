@@ -54,6 +54,10 @@ def _check_total_bits(total_bits: int) -> None:
         raise ValueError(f"total_bits must be an int in 2..8; got {total_bits!r}")
 
 
+# The maps are constants: built eagerly also inside torch.compile, where Inductor's linspace
+# differs from eager's in the last bit (42 of the signed map's 256 values differed, so codes made
+# under compile decoded with another map than eager's).
+@torch.compiler.disable
 def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7) -> Tensor:
     """The dynamic (tree) quantization map: ``2**total_bits`` sorted fp32 values in [-1, 1].
 
@@ -109,6 +113,7 @@ def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7
     return out
 
 
+@torch.compiler.disable
 def linear_map(*, signed: bool, total_bits: int = 8) -> Tensor:
     """Evenly spaced codes, the paper's linear-quantization baseline (sorted fp32).
 
