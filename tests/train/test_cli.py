@@ -594,6 +594,19 @@ def test_resume_refuses_what_changes_the_model_or_the_data_stream(change, named)
     assert resume_mismatches(_saved(base), base.replace(**change)) == [named]
 
 
+def test_resume_names_parallel_only_for_a_one_bit_checkpoint():
+    # An adamw8bit checkpoint may change --parallel; resumed with --optim onebit_adam it was
+    # told to put back --parallel as well (chosen by the new run's optimizer).
+    base = TrainConfig(parallel="hsdp", zeropp="off")
+    assert resume_mismatches(_saved(base), base.replace(optim="onebit_adam", parallel="zero3")) == [
+        "--optim adamw8bit (now onebit_adam)"
+    ]
+    one_bit = TrainConfig(optim="onebit_adam", zeropp="off", parallel="hsdp")
+    assert resume_mismatches(_saved(one_bit), one_bit.replace(parallel="zero3")) == [
+        "--parallel hsdp (now zero3)"
+    ]
+
+
 def test_resume_refuses_another_corpus_and_accepts_the_same_one_by_another_path(
     tmp_path, monkeypatch
 ):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qshard.train.data import CorpusError, batch_for_step, corpus_files, load_corpus
+from qshard.train.data import CorpusError, _is_val, batch_for_step, corpus_files, load_corpus
 
 
 def _folder(tmp_path, n=30):
@@ -51,6 +51,40 @@ def test_folder_corpus_split_by_file_and_cached(tmp_path):
     assert c3.key != c1.key
     # no temp files left behind
     assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_copies_with_the_same_names_sizes_and_mtimes_keep_their_own_text(tmp_path):
+    # Keyed by relative paths, sizes and mtimes alone, v2/train.txt (a copy with v1's mtime,
+    # as cp -p or rsync -a leave it) read v1's cached text while naming v2.
+    import os
+
+    paths = []
+    for name, letter in (("v1", "A"), ("v2", "B")):
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / "train.txt")
+        paths[-1].write_text(letter * 5000)
+    os.utime(paths[1], ns=(paths[0].stat().st_atime_ns, paths[0].stat().st_mtime_ns))
+    a, b = (load_corpus(p, cache_dir=tmp_path / "cache") for p in paths)
+    assert a.key != b.key
+    assert set(bytes(a.train)) == {ord("A")} and set(bytes(b.train)) == {ord("B")}
+
+
+def test_a_tiny_file_alone_in_a_split_names_the_split(tmp_path):
+    # A folder whose split by path put a 20-byte file alone in validation was refused with
+    # "give more text", while it held plenty.
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "big.txt").write_text("text " * 20_000)
+    for i in range(200):  # a name whose hash puts it in validation
+        if _is_val(f"tiny{i}.bin", 0.05) and not _is_val("big.txt", 0.05):
+            (root / f"tiny{i}.bin").write_bytes(b"x" * 20)
+            break
+    with pytest.raises(
+        CorpusError,
+        match=r"20 validation tokens, fewer than the 33 one sample needs \(the split by file "
+        r"path put 1 of 2 files there: pass another --val-fraction",
+    ):
+        load_corpus(root, cache_dir=tmp_path / "cache", min_tokens=33)
 
 
 def test_single_file_splits_by_position(tmp_path):

@@ -136,8 +136,9 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay. Left at this default with an ``lr`` below
-    it, it becomes a tenth of ``lr`` (the command notes it)."""
+    """Learning rate the cosine decay ends at, at step ``steps`` (one past the last step run:
+    the last step trains a little above it). Left at this default with an ``lr`` below it, it
+    becomes a tenth of ``lr`` (the command notes it)."""
     warmup_steps: int = 20
     """Linear warm-up steps to ``lr``; must be below ``steps``. Left at this default on a run
     of 20 steps or fewer, it becomes a tenth of ``steps`` (the command notes it)."""
@@ -381,7 +382,10 @@ def resume_mismatches(saved: Mapping[str, object], config: TrainConfig) -> list[
     saved_config = saved.get("config")
     saved_config = saved_config if isinstance(saved_config, Mapping) else {}
     must_match = RESUME_MUST_MATCH
-    if config.optim in DATA_PARALLEL_OPTIMIZERS:  # per-rank files: each rank's own part
+    # Per-rank files (the checkpoint's optimizer is a 1-bit one): each rank's own part. By the
+    # checkpoint's optimizer, not the new run's: an adamw8bit run resumed with --optim
+    # onebit_adam was also told to put back its --parallel, which it may change.
+    if saved_config.get("optim", config.optim) in DATA_PARALLEL_OPTIMIZERS:
         must_match += ("parallel",)
     changed = [
         f"--{name.replace('_', '-')} {saved_config[name]} (now {getattr(config, name)})"

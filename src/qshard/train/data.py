@@ -109,7 +109,10 @@ def _is_val(rel: str, val_fraction: float) -> bool:
 
 
 def _cache_key(root: Path, files: list[Path], val_fraction: float) -> str:
-    h = hashlib.sha256(f"v1|{val_fraction}".encode())
+    # The corpus's own resolved path leads: keyed by relative paths alone, two corpora with the
+    # same file names, sizes and mtimes (a copy made by cp -p, rsync -a or tar) shared one entry,
+    # and a run on the second trained on the first's text while naming the second.
+    h = hashlib.sha256(f"v2|{val_fraction}|{root.resolve()}".encode())
     for p in files:
         st = p.stat()
         h.update(f"|{p.relative_to(root).as_posix()}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -167,6 +170,7 @@ def load_corpus(
             raise CorpusError(
                 f"the corpus at {source!r} is empty (all {len(files)} files are empty)"
             )
+        split_files: dict[str, int] = {}
         if not train_parts or not val_parts:
             # One file (or an unlucky split): split the joined text by position instead.
             joined = _SEPARATOR.join(train_parts + val_parts)
@@ -174,7 +178,9 @@ def load_corpus(
             train_bytes, val_bytes = joined[:cut], joined[cut:]
         else:
             train_bytes, val_bytes = _SEPARATOR.join(train_parts), _SEPARATOR.join(val_parts)
+            split_files = {"training": len(train_parts), "validation": len(val_parts)}
         meta = {"source": source, "num_files": len(files), "val_fraction": val_fraction}
+        meta.update(split_files=split_files)
         meta.update(train_tokens=len(train_bytes), val_tokens=len(val_bytes))
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -192,9 +198,19 @@ def load_corpus(
     val = _read_tokens(folder / "val.bin", meta["val_tokens"])
     for name, arr in (("training", train), ("validation", val)):
         if arr.size < min_tokens:
+            # A folder split by file paths can put a tiny file alone on one side while the
+            # corpus holds plenty: say so (it said only "give more text").
+            split = meta.get("split_files", {})
+            why = (
+                f" (the split by file path put {split[name]} of {len(files)} files there: "
+                "pass another --val-fraction, which picks the files by a hash of their paths, "
+                "or add or rename files)"
+                if name in split
+                else ""
+            )
             raise CorpusError(
                 f"the corpus at {source!r} has {arr.size} {name} tokens, fewer than the "
-                f"{min_tokens} one sample needs; give more text or a shorter --context"
+                f"{min_tokens} one sample needs{why}; give more text or a shorter --context"
             )
     return Corpus(train=train, val=val, source=source, num_files=len(files), key=key)
 
