@@ -8,8 +8,8 @@
 * a package's ``__all__`` agrees with its submodules' (``qshard``'s lazy table included);
 * the qshard modules import each other without a cycle (module-level imports, from the AST).
 
-All checks run in this one process: a public module is imported once, the graph is read from
-the sources without importing anything.
+All checks but the last run in this one process: a public module is imported once, the graph is
+read from the sources without importing anything; the last imports the packages in a fresh one.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import builtins
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 import types
 import typing
 from pathlib import Path
@@ -423,3 +425,18 @@ def test_import_qshard_loads_only_the_version():
         for a in n.names
     }
     assert imported <= {"importlib.metadata"}
+
+
+def test_importing_the_packages_loads_neither_dynamo_nor_triton():
+    """torch._dynamo (and triton with it) load on first use, not with qshard: importing them
+    cost ~0.8 s per process (every rank of every world), and triton read its interpreter
+    setting before tests/gpu could set it (129 interpreter tests failed when the optimizers
+    wrapped their step with torch.compiler.disable at class definition)."""
+    code = (
+        "import sys, qshard.optim, qshard.quant, qshard.zeropp, qshard.comm, qshard.nn; "
+        "print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -81,8 +81,12 @@ def eager_only(step: _F) -> _F:
     optimizers' collectives: traced, the step read stale addresses (AdamW4bit's first
     compiled step differed from eager by ~lr, the next one crashed with a segmentation fault,
     AdamW8bit in a training step corrupted the heap). Run eagerly, the step is exactly the
-    eager step; the rest of the compiled function (forward, backward) stays compiled."""
-    return torch.compiler.disable(step, recursive=True)  # type: ignore[return-value]
+    eager step; the rest of the compiled function (forward, backward) stays compiled.
+
+    ``torch._disable_dynamo`` is ``torch.compiler.disable`` imported at the first call (what
+    torch.optim's own methods use): importing torch._dynamo with qshard (and triton with it)
+    cost ~0.8 s per process, and fixed Triton's interpreter setting before a test could."""
+    return torch._disable_dynamo(step, recursive=True)  # type: ignore[return-value]
 
 
 def refuse_maximize(maximize: Any, name: str) -> None:

@@ -56,8 +56,8 @@ def _check_total_bits(total_bits: int) -> None:
 
 # The maps are constants: built eagerly also inside torch.compile, where Inductor's linspace
 # differs from eager's in the last bit (42 of the signed map's 256 values differed, so codes made
-# under compile decoded with another map than eager's).
-@torch.compiler.disable
+# under compile decoded with another map than eager's). Lazily: see qshard.optim._options.eager_only.
+@torch._disable_dynamo
 def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7) -> Tensor:
     """The dynamic (tree) quantization map: ``2**total_bits`` sorted fp32 values in [-1, 1].
 
@@ -113,7 +113,7 @@ def dynamic_map(*, signed: bool, total_bits: int = 8, max_exponent_bits: int = 7
     return out
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def linear_map(*, signed: bool, total_bits: int = 8) -> Tensor:
     """Evenly spaced codes, the paper's linear-quantization baseline (sorted fp32).
 

@@ -561,6 +561,7 @@ class _Reduction:
         "inter_twin",
         "intra",
         "issued",
+        "mismatch",
         "nodes",
         "output",
         "result",
@@ -597,6 +598,7 @@ class _Reduction:
         # [Note: qgZ checks the shard sizes] the smallest and largest gradient shard size of
         # this rank's node, known once stage 0's hop 1 arrived
         self.sizes = (size, size)
+        self.mismatch: list | None = None  # the sizes, once found to differ
         m1 = nodes * sub
         self.intra: list[tuple[dist.Work | None, torch.Tensor] | None] = []
         if per_node == 1:  # one rank per node: hop 1 is local, this rank's own slices
@@ -644,8 +646,8 @@ class _Reduction:
                     recv = recv[:, :rb]
             self.intra[k] = None
             if self.inter_group is None:  # one node: the node's sum is the result
-                if k == 0:
-                    _check_shard_sizes([self.sizes])
+                if k == 0 and self.sizes[0] != self.sizes[1]:
+                    self.mismatch = [list(self.sizes)]  # raised by finish
                 if work is not None:
                     with record_function("qshard::qgz::reduce_intra"):
                         recv = codec.reduce(recv, nodes * sub)
@@ -678,6 +680,14 @@ class _Reduction:
         """Sum the stages whose hop 2 arrived (all of them, waiting, if ``block``); write the
         output when every stage is summed. True once the output is written. Issues nothing."""
         sub, codec = self.sub, self.codec
+        if self.mismatch is not None:
+            # Raised only by a blocking finish (the synchronous call, the drain at the end of
+            # backward): a non-blocking one finds it when hop 2 happens to have arrived, which
+            # differs between ranks, and a rank that raised there stopped issuing while the
+            # others went on (their collectives out of step: a crash in the next world step).
+            if not block:
+                return False
+            _check_shard_sizes(self.mismatch)
         while self.finished < self.issued:
             k = self.finished
             work, recv = self.inter[k]  # type: ignore[misc]
@@ -691,7 +701,11 @@ class _Reduction:
                     work.wait()
                 if k == 0:
                     rb = codec.row_bytes(sub)
-                    _check_shard_sizes(_int64s(recv[:, rb:]).tolist())
+                    ranges = _int64s(recv[:, rb:]).tolist()
+                    if len({s for r in ranges for s in r}) > 1:
+                        self.mismatch = ranges
+                        self.inter[k] = None
+                        return self.finish(block=block)
                     recv = recv[:, :rb]
                 with record_function("qshard::qgz::reduce_inter"):
                     codec.reduce(recv, sub, out=dst)  # summed in place
