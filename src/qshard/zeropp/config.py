@@ -29,7 +29,8 @@ class ZeroPPConfig:
         qgz: hierarchical quantized gradient reduce-scatter (two all-to-all hops, intra-node
             then inter-node, quantized on the wire, reduced in fp32).
         weight_bits: qwZ code width, 8 (the paper) or 4.
-        weight_block_size: elements per qwZ quantization block (one fp32 scale each).
+        weight_block_size: elements per qwZ quantization block (one fp32 scale each); like
+            the other two block sizes, a multiple of 8.
         grad_bits: qgZ code width, 4 (the paper) or 8.
         grad_block_size: elements per qgZ quantization block.
         pipeline_stages: qgZ chunks pipelined through the two hops (1 = no pipelining); the
@@ -161,8 +162,9 @@ class ZeroPPConfig:
             v = getattr(self, name)
             if not _is_int(v) or v < 8 or v % 8:
                 raise ValueError(
-                    f"{name} must be a positive multiple of 8 (INT4 packs two codes a byte and "
-                    f"scales stay 4-byte aligned on the wire); got {v!r}"
+                    f"{name} must be a positive multiple of 8 (the wire rows keep every "
+                    f"block's fp32 scale 4-byte aligned, and INT4 packs two codes a byte); "
+                    f"got {v!r}"
                 )
         if self.overlap_reduce_scatter is not None and not isinstance(
             self.overlap_reduce_scatter, bool
