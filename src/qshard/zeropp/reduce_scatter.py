@@ -660,12 +660,7 @@ class _Reduction:
                     with record_function("qshard::qgz::reduce_intra"):
                         send = codec.reduce_encode(recv, nodes * sub, nodes)
                 if k == 0:  # every node's range of sizes reaches every rank
-                    framed = torch.empty(
-                        (nodes, send.shape[1] + 16), dtype=torch.uint8, device=send.device
-                    )
-                    framed[:, : send.shape[1]] = send
-                    framed[:, send.shape[1] :] = int64_bytes(self.sizes, send.device)
-                    send = framed
+                    send = _with_trailer(send, int64_bytes(self.sizes, send.device))
                 recv = torch.empty_like(send)
                 record(
                     "all_to_all", group_ranks=self.inter_ranks, tensor_bytes=send.numel(), tag=TAG
@@ -721,8 +716,9 @@ class _Reduction:
 
 
 def _with_trailer(rows: torch.Tensor, trailer: torch.Tensor) -> torch.Tensor:
-    """``rows`` (uint8) with the bytes ``trailer`` after each: the fused path's framing of
-    stage 0's rows, byte for byte the torch path's (which encodes into a framed buffer)."""
+    """``rows`` (uint8) with the bytes ``trailer`` after each (a copy): stage 0's framing of
+    [Note: qgZ checks the shard sizes] where the rows were written unframed (hop 2 on both
+    paths, hop 1 on the fused one; the torch path encodes hop 1 into its framed rows)."""
     out = torch.empty(
         (rows.shape[0], rows.shape[1] + trailer.numel()), dtype=torch.uint8, device=rows.device
     )
