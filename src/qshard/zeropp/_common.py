@@ -15,6 +15,7 @@ from qshard.comm.topology import Topology
 __all__ = [
     "WIRE_DTYPES",
     "DeferredWork",
+    "SizeVerdict",
     "WireComm",
     "group_ranks",
     "log_once",
@@ -23,6 +24,35 @@ __all__ = [
 ]
 
 logger = logging.getLogger("qshard.zeropp")
+
+
+class SizeVerdict:
+    """The gradient shard sizes a reduction received (one per sender, or each node's smallest
+    and largest), checked on the host: at once on the CPU; on a GPU at the reduction's next
+    call, so that no call waits on the host for its own all-to-all. ``refuse`` gets the sizes
+    when they differ and raises. Shared by HSDP's replicate all-reduce ([Note: the shard size
+    travels with hop 1]) and qgZ's fused path ([Note: qgZ checks the shard sizes])."""
+
+    __slots__ = ("_refuse", "_sizes")
+
+    def __init__(self, refuse: Callable[[list[int]], None]) -> None:
+        self._refuse = refuse
+        self._sizes: torch.Tensor | None = None
+
+    def put(self, sizes: torch.Tensor) -> None:
+        self._sizes = sizes
+        if sizes.device.type == "cpu":
+            self.check()
+
+    def check(self) -> None:
+        """Read the last sizes put (if not read yet); ``refuse`` them if they differ."""
+        if self._sizes is None:
+            return
+        sizes, self._sizes = self._sizes.reshape(-1).tolist(), None
+        if len(set(sizes)) > 1:
+            self._refuse(sizes)
+
+
 _LOGGED: set[str] = set()
 
 #: The 16-bit wire formats of the paper's ZeRO-3 baseline (compute stays in the param dtype).

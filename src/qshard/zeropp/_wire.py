@@ -50,7 +50,7 @@ from qshard.quant.blockwise import (
 )
 from qshard.zeropp._common import sum_rows
 
-__all__ = ["RowCodec", "Slot", "int64_bytes"]
+__all__ = ["RowCodec", "Slot", "int64_bytes", "int64s"]
 
 #: ``(start, length, padded)``: ``length`` values of a flat tensor from ``start``, zero-padded
 #: to ``padded`` elements (a multiple of the block size) on the wire.
@@ -61,6 +61,12 @@ def int64_bytes(values: Sequence[int], device: torch.device) -> Tensor:
     """``values`` as the bytes of int64s: a trailer after each wire row (a shard size, a
     node's range of sizes) that the receivers check, [Note: a trailer after each row]."""
     return torch.tensor(list(values), dtype=torch.int64, device=device).view(torch.uint8)
+
+
+def int64s(trailers: Tensor) -> Tensor:
+    """The int64s of each row's trailer bytes (:func:`int64_bytes`'s), ``(rows, k)``, on
+    their device."""
+    return trailers.contiguous().view(torch.int64).reshape(trailers.shape[0], -1)
 
 
 def _is_int(value: object) -> bool:

@@ -83,9 +83,9 @@ import torch.distributed as dist
 from qshard._fsdp import fsdp_param_groups
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
-from qshard.zeropp._common import WIRE_DTYPES, group_ranks, log_once, logger
+from qshard.zeropp._common import WIRE_DTYPES, SizeVerdict, group_ranks, log_once, logger
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
-from qshard.zeropp._wire import RowCodec, int64_bytes
+from qshard.zeropp._wire import RowCodec, int64_bytes, int64s
 
 __all__ = ["TAG", "RecordingAllReduceHook", "ReplicateAllReduce"]
 
@@ -187,7 +187,7 @@ class ReplicateAllReduce:
         self._module = weakref.ref(module) if module is not None else None
         self._pending: torch.Tensor | None = None  # micro-batches whose reduction is deferred
         self._warned_resize = False
-        self._unchecked: tuple[torch.Tensor, int] | None = None  # (sizes, own size), GPU
+        self._sizes = SizeVerdict(self._refuse_sizes)  # hop 1's senders' shard sizes
         self.overlap = bool(overlap)
         self.queue = queue if queue is not None else OverlapQueue("replicate all-reduce")
 
@@ -261,29 +261,17 @@ class ReplicateAllReduce:
         self.queue.drain()
         output.copy_(self.reduce(output.reshape(-1)).view(output.shape))
 
-    def _check_sizes(self, headers: torch.Tensor, size: int) -> None:
-        """Refuse shards of different sizes across the group ([Note: the shard size travels
-        with hop 1]); ``headers`` holds one received 8-byte size per sender. On a GPU they are
-        read at the next call, so that no call waits on the host for its own all-to-all."""
-        self._unchecked = (headers.contiguous().view(torch.int64).reshape(-1), size)
-        if headers.device.type == "cpu":
-            self._check_unchecked()
-
-    def _check_unchecked(self) -> None:
-        if self._unchecked is None:
-            return
-        sizes, size = self._unchecked
-        self._unchecked = None
-        if any(s != size for s in sizes.tolist()):
-            raise RuntimeError(
-                "HSDP's replicate all-reduce got gradient shards of different sizes from the "
-                f"nodes (elements per replicate rank {self.ranks}: {sizes.tolist()}): a "
-                "parameter of this FSDP unit got a gradient on some nodes' ranks and none on "
-                "others in this step (a data-dependent branch, an MoE expert without tokens). "
-                "Call set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces "
-                "every trainable parameter, zeros for unused ones), or give every trainable "
-                "parameter a gradient on every rank"
-            )
+    def _refuse_sizes(self, sizes: list[int]) -> None:
+        """[Note: the shard size travels with hop 1]: the nodes' shards differ in size."""
+        raise RuntimeError(
+            "HSDP's replicate all-reduce got gradient shards of different sizes from the "
+            f"nodes (elements per replicate rank {self.ranks}: {sizes}): a "
+            "parameter of this FSDP unit got a gradient on some nodes' ranks and none on "
+            "others in this step (a data-dependent branch, an MoE expert without tokens). "
+            "Call set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces "
+            "every trainable parameter, zeros for unused ones), or give every trainable "
+            "parameter a gradient on every rank"
+        )
 
     def _check_pending(self, output: torch.Tensor) -> None:
         if self._pending.shape != output.shape:
@@ -345,7 +333,7 @@ class _Reduction:
     def __init__(
         self, comm: ReplicateAllReduce, x: torch.Tensor, *, out: torch.Tensor | None = None
     ) -> None:
-        comm._check_unchecked()  # a GPU call's sizes, read one call late
+        comm._sizes.check()  # a GPU call's sizes, read one call late
         n = len(comm.ranks)
         size = x.numel()
         c = comm.chunk_numel(size)
@@ -389,7 +377,7 @@ class _Reduction:
         work, recv = self.hop1
         self.hop1 = None
         work.wait()
-        comm._check_sizes(recv[:, rb:], self.size)
+        comm._sizes.put(int64s(recv[:, rb:]))
         n = len(comm.ranks)
         mean = codec.reduce(recv[:, :rb], c).div_(n)  # fp32 between the hops
         if errors is not None:

@@ -66,9 +66,16 @@ from qshard._fsdp import premul_sum_factor
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
-from qshard.zeropp._common import DeferredWork, WireComm, group_ranks, log_once, sum_rows
+from qshard.zeropp._common import (
+    DeferredWork,
+    SizeVerdict,
+    WireComm,
+    group_ranks,
+    log_once,
+    sum_rows,
+)
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
-from qshard.zeropp._wire import RowCodec, Slot, int64_bytes
+from qshard.zeropp._wire import RowCodec, Slot, int64_bytes, int64s
 
 __all__ = [
     "HierarchicalQuantizedReduceScatter",
@@ -349,8 +356,8 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         # of codes (checked in the sm_90 PTX: byte-wise loads otherwise). Both paths pad alike,
         # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
         self._pad_blocks = 1 if bits is None else 4
-        # the fused path's size check on a GPU, read at the next call (no host sync)
-        self._unchecked: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the fused path's received shard sizes ([Note: qgZ checks the shard sizes])
+        self._sizes = SizeVerdict(lambda sizes: _check_shard_sizes([sizes]))
 
     def __call__(
         self,
@@ -420,25 +427,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         reduction.issue()
         reduction.finish(block=True)
 
-    def _check_later(self, flag: torch.Tensor, sizes: torch.Tensor) -> None:
-        """The fused path's [Note: qgZ checks the shard sizes]: ``flag`` (a device bool) says
-        the sizes differ. Read at once on the CPU; on a GPU at the next call, so that no call
-        waits on the host for its own all-to-all (as HSDP's replicate all-reduce)."""
-        self._unchecked = (flag, sizes)
-        if flag.device.type == "cpu":
-            self._check_unchecked()
-
-    def _check_unchecked(self) -> None:
-        if self._unchecked is None:
-            return
-        flag, sizes = self._unchecked
-        self._unchecked = None
-        if bool(flag):
-            _check_shard_sizes([sizes.reshape(-1).tolist()])
-
     def _reduce_fused(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         """``_reduce`` on qgZ's fused Triton kernels (CUDA tensors): see [Note: fused qgZ]."""
-        self._check_unchecked()
+        self._sizes.check()  # a GPU call's, read one call late
         topo = self.topology
         nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
         stages, bs, bits = self.pipeline_stages, self.block_size, self.bits
@@ -490,8 +481,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             work.wait()
             if k == 0:  # the sizes (one node) or every node's range of sizes
                 rb = row_bytes(sub if inter_group is not None else nodes * sub)
-                got = _int64s(recv[:, rb:]).reshape(-1)
-                self._check_later((got != got[0]).any(), got)
+                self._sizes.put(int64s(recv[:, rb:]))
                 recv = recv[:, :rb].contiguous()
             dst = output_slice(k)
             if dst.numel():
@@ -517,7 +507,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
                 work.wait()
                 if k == 0:
                     rb = row_bytes(nodes * sub)
-                    got = _int64s(recv[:, rb:]).reshape(-1)
+                    got = int64s(recv[:, rb:]).reshape(-1)
                     node_range = torch.stack((got.min(), got.max())).view(torch.uint8)
                     recv = recv[:, :rb].contiguous()
                 send = torch.empty((nodes, row_bytes(sub)), dtype=torch.uint8, device=inp.device)
@@ -641,7 +631,7 @@ class _Reduction:
                     work.wait()
                 if k == 0:  # the node's shard sizes ride on stage 0's rows
                     rb = codec.row_bytes(nodes * sub)
-                    got = _int64s(recv[:, rb:]).reshape(-1).tolist()
+                    got = int64s(recv[:, rb:]).reshape(-1).tolist()
                     self.sizes = (min(got), max(got))
                     recv = recv[:, :rb]
             self.intra[k] = None
@@ -696,7 +686,7 @@ class _Reduction:
                     work.wait()
                 if k == 0:
                     rb = codec.row_bytes(sub)
-                    ranges = _int64s(recv[:, rb:]).tolist()
+                    ranges = int64s(recv[:, rb:]).tolist()
                     if len({s for r in ranges for s in r}) > 1:
                         self.mismatch = ranges
                         self.inter[k] = None
@@ -725,11 +715,6 @@ def _with_trailer(rows: torch.Tensor, trailer: torch.Tensor) -> torch.Tensor:
     out[:, : rows.shape[1]] = rows
     out[:, rows.shape[1] :] = trailer
     return out
-
-
-def _int64s(trailers: torch.Tensor) -> torch.Tensor:
-    """The int64s of each row's trailer bytes, ``(rows, k)``, on their device."""
-    return trailers.contiguous().view(torch.int64).reshape(trailers.shape[0], -1)
 
 
 def _check_shard_sizes(ranges: list[list[int]] | list[tuple[int, int]]) -> None:
