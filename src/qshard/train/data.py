@@ -180,8 +180,9 @@ def load_corpus(
             train_bytes, val_bytes = _SEPARATOR.join(train_parts), _SEPARATOR.join(val_parts)
             split_files = {"training": len(train_parts), "validation": len(val_parts)}
         meta = {"source": source, "num_files": len(files), "val_fraction": val_fraction}
-        meta.update(split_files=split_files)
-        meta.update(train_tokens=len(train_bytes), val_tokens=len(val_bytes))
+        meta.update(
+            split_files=split_files, train_tokens=len(train_bytes), val_tokens=len(val_bytes)
+        )
         try:
             folder.mkdir(parents=True, exist_ok=True)
             _atomic_write(folder / "train.bin", train_bytes)
