@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["fsdp_param_groups", "prefetch_unshard", "premul_sum_factor"]
+__all__ = ["fsdp_param_groups", "prefetch_unshard", "premul_sum_factor", "trainable_shard_numel"]
 
 
 def fsdp_param_groups(module: Any) -> list[Any] | None:
@@ -34,6 +34,25 @@ def fsdp_param_groups(module: Any) -> list[Any] | None:
         return None
     group = state._fsdp_param_group
     return [] if group is None else [group]
+
+
+def trainable_shard_numel(module: Any) -> int | None:
+    """Elements of ``module``'s gradient reduce-scatter output when every trainable parameter
+    of the unit has a gradient (the sum of their padded shard sizes, what FSDP2's
+    ``foreach_reduce`` makes of them); ``None`` if FSDP2's internals differ or the unit has
+    no parameter group or several (each reduce-scattered on its own)."""
+    groups = fsdp_param_groups(module)
+    if groups is None or len(groups) != 1:  # (one reduce-scatter per group)
+        return None
+    total = 0
+    for fsdp_param in getattr(groups[0], "fsdp_params", None) or ():
+        size = getattr(fsdp_param, "padded_sharded_param_size", None)
+        param = getattr(fsdp_param, "sharded_param", None)
+        if size is None or param is None:
+            return None
+        if param.requires_grad:
+            total += size.numel()
+    return total
 
 
 def premul_sum_factor(op: Any) -> float:

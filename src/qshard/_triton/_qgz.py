@@ -318,18 +318,26 @@ def _wire_rows(buf: torch.Tensor, name: str, block_size: int, bits: int) -> _Blo
 
 
 def qgz_slots(
-    *, nodes: int, ranks_per_node: int, stages: int, size: int, block_size: int
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    stages: int,
+    size: int,
+    block_size: int,
+    frame: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where qgZ's send slots come from: (offsets, lengths, slot_numel).
 
     The gradient buffer is `nodes * ranks_per_node` partitions of `size` elements (rank-major).
-    Each partition is padded to a multiple of `stages * block_size` and cut into `stages`
-    sub-slices of `slot_numel`; slot (k, d, n) (k-major, the paper's eq. 2 generalised by
-    Algorithm 2, as `qshard.zeropp.reduce_scatter` lays it out) takes sub-slice k of
-    partition n * ranks_per_node + d. `lengths` < slot_numel where the padding starts.
+    Each partition is padded to a multiple of `stages * block_size` at least `frame` long
+    (default `size`; qgZ frames its rows for the unit's size, [Note: qgZ frames at the unit's
+    size]) and cut into `stages` sub-slices of `slot_numel`; slot (k, d, n) (k-major, the
+    paper's eq. 2 generalised by Algorithm 2, as `qshard.zeropp.reduce_scatter` lays it out)
+    takes sub-slice k of partition n * ranks_per_node + d. `lengths` < slot_numel where the
+    padding starts.
     """
     unit = stages * block_size
-    slot_numel = -(-size // unit) * unit // stages
+    slot_numel = -(-max(size, frame or 0) // unit) * unit // stages
     k = torch.arange(stages).view(stages, 1, 1)
     d = torch.arange(ranks_per_node).view(1, ranks_per_node, 1)
     n = torch.arange(nodes).view(1, 1, nodes)

@@ -80,7 +80,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from qshard._fsdp import fsdp_param_groups
+from qshard._fsdp import fsdp_param_groups, trainable_shard_numel
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.zeropp._common import WIRE_DTYPES, SizeVerdict, group_ranks, log_once, logger
@@ -207,6 +207,16 @@ class ReplicateAllReduce:
         """Forget the error-feedback buffers and any deferred micro-batches."""
         self._errors.clear()
         self._pending = None
+
+    def _frame_size(self, numel: int) -> int:
+        """The shard size hop 1's rows are framed for: the unit's, with every trainable
+        parameter's gradient, or ``numel`` if larger or unknown (no unit): a node whose shard
+        lacks a parameter's gradient sends rows of the other nodes' length, so the exchange
+        succeeds and every rank refuses the sizes alike ([Note: qgZ frames at the unit's
+        size] in qshard.zeropp.reduce_scatter; sizes far apart made gloo abort the process)."""
+        module = self._module() if self._module is not None else None
+        full = trainable_shard_numel(module) if module is not None else None
+        return numel if full is None else max(numel, full)
 
     def _requires_all_reduce(self) -> bool:
         """The unit's ``set_requires_all_reduce`` flag (FSDP2 keeps it on its param groups)."""
@@ -336,7 +346,7 @@ class _Reduction:
         comm._sizes.check()  # a GPU call's sizes, read one call late
         n = len(comm.ranks)
         size = x.numel()
-        c = comm.chunk_numel(size)
+        c = comm.chunk_numel(comm._frame_size(size))
         codec = comm.codec
         self.comm, self.size, self.c = comm, size, c
         self.out = out

@@ -47,6 +47,18 @@ the same bytes (a mixed world still agrees); on a GPU it reads the verdict at th
 so no call waits on the host for its own all-to-all (the last unit of a backward is then
 checked at the next step's first reduce-scatter). Cost: ``8 D + 16 N`` bytes per unit and rank
 and step.
+
+[Note: qgZ frames at the unit's size] The check above needs the exchange to succeed, and the
+rows' length followed each rank's own shard size: sizes apart by more than the 4-block padding
+(one unused ``Linear(96, 96)`` at the default block size) made rows of different lengths, and
+gloo aborted the process ("Received data size doesn't match expected size", one rank killed by
+SIGABRT, the others reset) before any size was read. So the rows are framed for the unit's
+shard size with every trainable parameter's gradient (``trainable_shard_numel``, the same on
+every rank), or the rank's own if larger: a rank missing a gradient pads its rows to that
+length, every exchange carries rows of one length, and every rank reads the sizes and refuses
+alike. Where every rank misses the same parameter (sizes equal, the reduction is right) the
+rows carry that parameter's padding, the bytes ``set_reduce_scatter_unused_params(True)`` sends
+as zeros. Outside ``shard()`` (no unit) the rows follow the shard size as before.
 """
 
 from __future__ import annotations
@@ -62,7 +74,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
 
 from qshard import _triton
-from qshard._fsdp import premul_sum_factor
+from qshard._fsdp import premul_sum_factor, trainable_shard_numel
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
@@ -417,6 +429,13 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             if ledger is not None:
                 ledger.count("qgz_single_rank_nodes")
 
+    def _frame_size(self, size: int) -> int:
+        """The shard size this call's wire rows are framed for: the unit's, with every
+        trainable parameter's gradient, or ``size`` if larger or unknown ([Note: qgZ frames
+        at the unit's size])."""
+        full = trainable_shard_numel(self.unit) if self.unit is not None else None
+        return size if full is None else max(size, full)
+
     def _reduce(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         self._count_topology_events()
         world = self.topology.world_size
@@ -441,7 +460,9 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             flat = flat.contiguous()
         # qgz_slots pads each stage's sub-slice to a multiple of its block_size argument.
         pad = bs * self._pad_blocks
-        offsets, lengths, sub = _slots(nodes, per_node, stages, size, pad, inp.device)
+        offsets, lengths, sub = _slots(
+            nodes, per_node, stages, size, pad, inp.device, self._frame_size(size)
+        )
         direct = output.is_contiguous()
         out = (
             output.view(-1) if direct else torch.empty(size, dtype=output.dtype, device=inp.device)
@@ -574,7 +595,7 @@ class _Reduction:
         stages = comm.pipeline_stages
         size = output.numel()
         unit = stages * comm._pad_blocks * comm.block_size
-        padded = -(-size // unit) * unit
+        padded = -(-comm._frame_size(size) // unit) * unit
         sub = padded // stages
         self.codec, self.output, self.scale = comm.codec, output, scale
         self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
@@ -756,11 +777,22 @@ def _stage_slots(
 
 @functools.lru_cache(maxsize=64)
 def _slots(
-    nodes: int, per_node: int, stages: int, size: int, block_size: int, device: torch.device
+    nodes: int,
+    per_node: int,
+    stages: int,
+    size: int,
+    block_size: int,
+    device: torch.device,
+    frame: int,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """qgZ's send slots on ``device`` (``_triton.qgz_slots``), built and copied once per
-    gradient size: FSDP2 reduces the same few unit sizes every step."""
+    gradient and frame size: FSDP2 reduces the same few unit sizes every step."""
     offsets, lengths, sub = _triton.qgz_slots(
-        nodes=nodes, ranks_per_node=per_node, stages=stages, size=size, block_size=block_size
+        nodes=nodes,
+        ranks_per_node=per_node,
+        stages=stages,
+        size=size,
+        block_size=block_size,
+        frame=frame,
     )
     return offsets.to(device), lengths.to(device), sub
