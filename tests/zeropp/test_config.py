@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed import ReduceOp
 
+from qshard.nn import StableEmbedding
 from qshard.quant.blockwise import dequantize_blockwise, quantize_blockwise
 from qshard.train.model import GPT, Block, GPTConfig
 from qshard.zeropp import ZeroPPConfig, find_blocks
@@ -171,6 +172,15 @@ def test_find_blocks():
     # nested lists: only the outermost list's children
     outer = nn.Sequential(nn.ModuleList([nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]))]))
     assert find_blocks(outer) == [outer[0][0]]
+    # ...but a child that is itself a container without forward (stages of blocks) gives its
+    # children: FSDP2 refuses to wrap a ModuleList, and find_blocks returned two of them
+    a, b, c, d = (nn.Linear(2, 2) for _ in range(4))
+    staged = nn.Sequential(nn.ModuleList([nn.ModuleList([a, b]), nn.ModuleDict({"x": c}), d]))
+    assert find_blocks(staged) == [a, b, c, d]
+    # one layer listed twice (ALBERT-style sharing) is one block: the second entry was refused
+    # as a parameter "shared by blocks[0] and blocks[1]" of a blocks= nobody passed
+    shared = nn.Sequential(nn.ModuleList([a, a, b]))
+    assert find_blocks(shared) == [a, b]
 
 
 def test_op_scale():
@@ -375,6 +385,25 @@ def test_shard_refuses_what_fsdp2_would_refuse_later(tmp_path):
             shard(model, topology=topo)
         # ...which shard() accepts when the tie lives in one unit: the GPT's own head/embedding
         # tie (both in the root), a tie inside one block, a user's unit inside a block
+        # trainable parameters of two dtypes in one unit: FSDP2 accepts the unit and fails at
+        # the first forward ("FSDP expects uniform original parameter dtype", no name)
+        model = GPT(cfg)
+        model.blocks[1].mlp.to(torch.bfloat16)
+        with pytest.raises(
+            ValueError,
+            match=r"blocks\[1\] \(blocks.1\) holds trainable parameters of several "
+            r"dtypes.*blocks.1.*model.to\(torch.bfloat16\)",
+        ):
+            shard(model, topology=topo)
+        assert wrapped(model) == []
+        model.blocks[1].mlp.requires_grad_(False)  # frozen, FSDP2 takes it
+        assert "blocks.1" in wrapped(shard(model, topology=topo))
+        # StableEmbedding(dtype=bf16) made its LayerNorm in fp32: a unit of two dtypes
+        emb = nn.Sequential(StableEmbedding(16, 8, dtype=torch.bfloat16), nn.Linear(8, 4))
+        emb[1].to(torch.bfloat16)
+        shard(emb, topology=topo, blocks=[emb[0]])
+        assert emb(torch.tensor([[1, 2]])).dtype == torch.bfloat16
+
         model = GPT(cfg)
         model.blocks[1].attn.proj.bias = model.blocks[1].mlp.proj.bias
         fully_shard(model.blocks[1].ln_attn)

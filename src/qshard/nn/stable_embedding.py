@@ -27,9 +27,10 @@ class StableEmbedding(nn.Embedding):
     ``_weight``/``_freeze`` keyword-only, for ``StableEmbedding.from_pretrained``, which keeps
     the given table as ``nn.Embedding.from_pretrained`` does and starts a fresh LayerNorm).
     The output has the weight's dtype; the LayerNorm runs in fp32 on the fp32 lookup. Its
-    affine parameters are made in fp32, and a module-wide cast (``.half()``, ``.to(bf16)``)
-    casts them like every other parameter (FSDP2 wants one dtype per unit); they are upcast
-    for the computation, so a cast rounds them once but the normalisation stays fp32. ``reset_parameters`` re-initialises the LayerNorm too (meta-device
+    affine parameters are made in the weight's dtype (``dtype=``, or the given table's), and a
+    module-wide cast (``.half()``, ``.to(bf16)``) casts them like every other parameter (FSDP2
+    wants one dtype per unit); they are upcast for the computation, so the normalisation stays
+    fp32. ``reset_parameters`` re-initialises the LayerNorm too (meta-device
     init: ``to_empty`` then ``reset_parameters``). The qshard optimizers refuse sparse gradients,
     so use ``sparse=True`` only with an optimizer that takes them.
     """
@@ -62,8 +63,10 @@ class StableEmbedding(nn.Embedding):
             device=device,
             dtype=dtype,
         )
-        norm_device = device if _weight is None else _weight.device
-        self.norm = nn.LayerNorm(embedding_dim, device=norm_device, dtype=torch.float32)
+        # the LayerNorm's affine parameters in the weight's dtype: one dtype per module, as
+        # FSDP2 wants of a unit (made in fp32 beside a bf16 weight, dtype=torch.bfloat16 gave a
+        # unit FSDP2 refused at the first forward); upcast in forward all the same
+        self.norm = nn.LayerNorm(embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
         register_full_precision_state(self, "weight")
 
     def reset_parameters(self) -> None:

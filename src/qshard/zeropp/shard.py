@@ -176,15 +176,32 @@ def _untied(model: nn.Module, found: list[nn.Module]) -> list[nn.Module]:
 
 
 def _listed_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of every outermost ``nn.ModuleList``, in order. A child that is itself a
+    container without a forward (an ``nn.ModuleList`` of stages, each a list of blocks, or an
+    ``nn.ModuleDict``) gives its own children: FSDP2 refuses to wrap such a container ("does
+    not support containers that do not implement forward"), and ``shard()`` passed that on
+    without naming ``blocks=``. A block listed twice (one layer applied twice, ALBERT-style
+    sharing) is one unit: the second entry was refused as a parameter "shared by blocks[0] and
+    blocks[1]" though the user never passed ``blocks=``."""
     found: list[nn.Module] = []
     taken: set[int] = set()
-    for mod in model.modules():
-        if id(mod) in taken:
-            continue
-        if isinstance(mod, nn.ModuleList):
-            for child in mod:
+
+    def add(children) -> None:
+        for child in children:
+            if id(child) in taken:
+                continue
+            taken.add(id(child))
+            if isinstance(child, nn.ModuleList):
+                add(child)
+            elif isinstance(child, nn.ModuleDict):
+                add(child.values())
+            else:
                 found.append(child)
                 taken.update(id(m) for m in child.modules())
+
+    for mod in model.modules():
+        if id(mod) not in taken and isinstance(mod, nn.ModuleList):
+            add(mod)
             taken.update(id(m) for m in mod.modules())
     return found
 
@@ -498,9 +515,12 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
     owner: dict[int, int] = {}
     for i, unit in enumerate(units):
         stack = [unit]
+        dtypes: dict[torch.dtype, int] = {}  # a trainable parameter of each dtype in the unit
         while stack:
             mod = stack.pop()
             for p in mod.parameters(recurse=False):
+                if p.requires_grad:
+                    dtypes.setdefault(p.dtype, id(p))
                 j = owner.setdefault(id(p), i)
                 if j != i:
                     name = param_names.get(id(p), "?")
@@ -511,6 +531,17 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
                         "(their parameters then join the root unit), or tie it inside one block"
                     )
             stack.extend(c for c in mod.children() if id(c) not in wrapped)
+        if len(dtypes) > 1:
+            # FSDP2 accepts the unit and fails at the first forward with a bare "FSDP expects
+            # uniform original parameter dtype but got {...}" naming no parameter
+            (d1, p1), (d2, p2) = list(dtypes.items())[:2]
+            n1, n2 = param_names.get(p1, "?"), param_names.get(p2, "?")
+            raise ValueError(
+                f"{label(i)} holds trainable parameters of several dtypes ({n1!r} is {d1}, "
+                f"{n2!r} is {d2}) and FSDP2 keeps one dtype per unit: cast the model to one "
+                "dtype before shard() (model.to(torch.bfloat16)), and use a MixedPrecisionPolicy "
+                "(mp_policy=) for lower-precision compute"
+            )
         wrapped.add(id(unit))
 
 
