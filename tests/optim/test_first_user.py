@@ -255,3 +255,25 @@ def test_a_pre_hook_remapping_groups_by_name_puts_states_on_their_parameters(cls
     for p, q in zip(model.parameters(), copy_.parameters()):
         for k, v in opt.state[p].items():
             assert torch.equal(v, resumed.state[q][k]), k
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("option", ["maximize", "amsgrad", "centered"])
+def test_a_torch_option_set_by_hand_in_param_groups_is_refused_at_step(cls, option):
+    """``maximize=True`` (or ``amsgrad``, ``centered``) written into ``param_groups`` after
+    construction, as one switches torch.optim's options, was stepped as if it were not there
+    (the parameter still went downhill); the constructor, add_param_group and load_state_dict
+    refuse it. The step now refuses it before any tensor moves, and steps again once it is set
+    back."""
+    params = _params()
+    opt = cls(params, lr=1e-2)
+    _grads(params, 1)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[0][option] = True
+    with pytest.raises(ValueError, match=rf"param group 0 has {option}=True, set by hand"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing moved
+    opt.param_groups[0][option] = False  # torch's neutral value: steps as before
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))

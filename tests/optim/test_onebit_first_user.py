@@ -286,3 +286,32 @@ def test_zero_one_phase_a_waits_for_a_variance_step():
     assert max(moves.values()) < 1000, max(moves.values())  # measured 51 (a fresh v, m of 2 steps)
     later = [s for s in variance_steps if s > first]
     assert moves[first] == 0.0 and moves[later[0]] > 0  # trains from its first variance step
+
+
+@pytest.mark.parametrize("option", ["maximize", "freeze_step", "var_freeze_step"])
+def test_a_whole_optimizer_option_set_by_hand_in_param_groups_is_refused_at_step(option):
+    """The 1-bit optimizers refuse such keys in ``add_param_group`` (a group would ignore
+    them); written into ``param_groups`` by hand they were ignored at every step."""
+    for cls in (OneBitAdam, ZeroOneAdam):
+        p = nn.Parameter(torch.ones(8))
+        opt = cls([p], lr=1e-2)
+        opt.param_groups[0][option] = 5
+        p.grad = torch.ones(8)
+        with pytest.raises(ValueError, match=rf"\['{option}'\] set by hand in a param group"):
+            opt.step()
+        assert torch.equal(p, torch.ones(8))
+        del opt.param_groups[0][option]
+        opt.step()
+        assert not torch.equal(p, torch.ones(8))
+
+
+def test_onebit_adam_synchronize_is_a_no_op_returning_false():
+    """docs/zero_one_adam.md: OneBitAdam is "used the same way" as ZeroOneAdam, whose loop ends
+    with ``opt.synchronize()``; OneBitAdam had no such method (AttributeError)."""
+    p = nn.Parameter(torch.ones(8))
+    opt = OneBitAdam([p], lr=1e-2)
+    p.grad = torch.ones(8)
+    opt.step()
+    after = p.detach().clone()
+    assert opt.synchronize() is False and opt.in_sync
+    assert torch.equal(p, after)

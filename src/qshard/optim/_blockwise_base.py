@@ -206,7 +206,24 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # Refuse before any tensor moves: a group's tensors are stepped group by group, so an
         # error in a later group would leave a half-applied step.
-        for group in self.param_groups:
+        neutral = self._neutral_options()
+        for gi, group in enumerate(self.param_groups):
+            # a torch-only option set by hand after the group was added (the constructor,
+            # add_param_group and load_state_dict refuse it) stepped as if it were not there
+            by_hand = {
+                k: group[k]
+                for k in neutral
+                if k in group and k not in self.defaults and group[k] != neutral[k]
+            }
+            if by_hand:
+                k, v = next(iter(by_hand.items()))
+                raise ValueError(
+                    f"{type(self).__name__}: param group {gi} has {k}={v!r}, set by hand in "
+                    f"param_groups; {type(self).__name__} does not take {k} and computes what "
+                    f"torch.optim does with {k}={neutral[k]!r}, so the step would ignore it. "
+                    f"Set it back (opt.param_groups[{gi}][{k!r}] = {neutral[k]!r}) or use an "
+                    "optimizer that takes it"
+                )
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(

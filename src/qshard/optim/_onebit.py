@@ -80,6 +80,27 @@ _NOT_PER_GROUP = frozenset(
 )
 
 
+def _refuse_misplaced(group: dict[str, Any], name: str, *, by_hand: bool = False) -> None:
+    """Refuse a param group holding a :data:`_NOT_PER_GROUP` key, which the step would ignore
+    (``by_hand``: found in ``param_groups`` at a step, set after the group was added)."""
+    misplaced = sorted(set(group) & _NOT_PER_GROUP)
+    if not misplaced:
+        return
+    where = "set by hand in a param group" if by_hand else "in a param group"
+    fix = (
+        f"remove {'them' if len(misplaced) > 1 else 'it'} from the group "
+        f"(del opt.param_groups[i][{misplaced[0]!r}]) and pass such settings to the {name} "
+        "constructor (see its docstring)"
+        if by_hand
+        else f"pass the others to the {name} constructor (see its docstring)"
+    )
+    raise ValueError(
+        f"{name}: {misplaced} {where}: these are settings of the whole optimizer (or of "
+        "DeepSpeed's / torch's Adam, not taken here), which a param group would silently "
+        f"ignore. Per group only lr, betas, eps and weight_decay; {fix}"
+    )
+
+
 DEFAULT_VARIANCE_FLOOR = 0.01
 """Default ``variance_floor`` of both optimizers; see [Note: variance floor]."""
 
@@ -226,14 +247,7 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                     f"{name}.add_param_group: HSDP parameters are localised once, at "
                     "construction; pass every parameter group to the constructor"
                 )
-        misplaced = sorted(set(param_group) & _NOT_PER_GROUP)
-        if misplaced:
-            raise ValueError(
-                f"{name}: {misplaced} in a param group: these are settings of the whole "
-                f"optimizer (or of DeepSpeed's / torch's Adam, not taken here), which a param "
-                "group would silently ignore. Per group only lr, betas, eps and weight_decay; "
-                f"pass the others to the {name} constructor (see its docstring)"
-            )
+        _refuse_misplaced(param_group, name)
         super().add_param_group(listed_once(param_group, name))
         group = self.param_groups[-1]
         try:
@@ -389,7 +403,12 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
             self._shards.zero_grad()
 
     def _trainable(self) -> list[tuple[dict[str, Any], torch.Tensor]]:
-        """``(group, tensor stepped)`` of every trainable parameter (on HSDP: local shards)."""
+        """``(group, tensor stepped)`` of every trainable parameter (on HSDP: local shards).
+        Refuses first a group given a whole-optimizer key by hand after construction
+        (``opt.param_groups[0]["maximize"] = True``), which the step would silently ignore as
+        ``add_param_group`` says; before anything moves or communicates."""
+        for group in self.param_groups:
+            _refuse_misplaced(group, type(self).__name__, by_hand=True)
         self._check_built_after_init()
         if self._shards is not None:
             self._shards.pull()
@@ -620,3 +639,10 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
     def in_sync(self) -> bool:
         """True when every rank holds the same parameters and momenta (0/1 Adam overrides)."""
         return True
+
+    def synchronize(self) -> bool:
+        """Make the replicas identical again; returns whether it communicated. 1-bit Adam
+        averages at every step, so its replicas are always in sync and this returns False
+        (0/1 Adam overrides it): code written for either optimizer calls it unchanged (it
+        raised ``AttributeError`` on OneBitAdam)."""
+        return False
