@@ -306,6 +306,9 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["variance_updates"] = 0
+            pending = self._pending_masks.pop(id(self._key(p)), None)
+            if pending is not None:  # set before this first step: [Note: zero masks through DCP]
+                state["zero_mask"] = pending[1]
             self._error_buffers(p)  # with m and v: [Note: DCP checkpoints]
         return bool(new)
 
@@ -519,7 +522,9 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                 mask = mask.to_local()
         if not any(param is p for _, p in trainable):
             raise ValueError("set_zero_mask: param is not a trainable parameter of this optimizer")
-        state = self._state(param)
+        key = self._key(param)
+        state = self.state.get(key, {})  # (not the defaultdict's: no empty entry made)
+        self._pending_masks.pop(id(key), None)
         if mask is None:
             state.pop("zero_mask", None)
             return
@@ -528,7 +533,21 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                 f"zero mask shape {tuple(mask.shape)} must equal the parameter shape "
                 f"{tuple(param.shape)}"
             )
-        state["zero_mask"] = mask.detach().to(device=param.device, dtype=torch.bool).clone()
+        mask = mask.detach().to(device=param.device, dtype=torch.bool).clone()
+        if "exp_avg" in state:
+            state["zero_mask"] = mask
+        else:
+            # [Note: zero masks through DCP] kept aside until the parameter's state is made (its
+            # first step): a state holding only the mask would make optimizer.state non-empty,
+            # and torch.distributed.checkpoint then skips the zero-lr step that builds the
+            # template it loads into (no m, v or error buffers in it: none loaded)
+            state.pop("zero_mask", None)
+            self._pending_masks[id(key)] = (key, mask)
+
+    @property
+    def _pending_masks(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Masks set before their parameter's first step, by id of its state key."""
+        return self.__dict__.setdefault("_pending_mask_map", {})
 
     def _mask(self, p: torch.Tensor) -> torch.Tensor | None:
         mask = self._state(p).get("zero_mask")

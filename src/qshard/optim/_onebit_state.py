@@ -73,11 +73,19 @@ class _OneBitCheckpoint:
             "in_sync": self.in_sync,
             **self._extra,
         }
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = dict(sd["state"])
+        for i, p in enumerate(params):  # masks set before the first step ride along
+            pending = self._pending_masks.get(id(p))
+            if pending is not None and pending[0] is p:
+                state[i] = {**state.get(i, {}), "zero_mask": pending[1]}
+        # positions (in the groups' order) of the parameters with a zero mask: a DCP load
+        # keeps only the states the fresh optimizer has, and drops a mask it has none for
+        extra["masked"] = sorted(i for i, st in state.items() if "zero_mask" in st)
         sd[_EXTRA_KEY] = extra
         for group in sd["param_groups"]:
             group[_EXTRA_KEY] = copy.deepcopy(extra)
-        params = [p for g in self.param_groups for p in g["params"]]
-        sd["state"] = {i: self._export_state(params[i], st) for i, st in sd["state"].items()}
+        sd["state"] = {i: self._export_state(params[i], st) for i, st in state.items()}
         return sd
 
     def _export_state(self, key: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +186,7 @@ class _OneBitCheckpoint:
         saved_world, saved_rank = extra.pop("world_size"), extra.pop("rank")
         saved_global = extra.pop("global_world_size", None)
         saved_in_sync = extra.pop("in_sync", True)
+        masked = extra.pop("masked", ())  # (absent in checkpoints written before it)
         if through_dcp and not saved_in_sync:
             raise ValueError(
                 f"{name}.load_state_dict: this state went through torch.distributed.checkpoint "
@@ -200,13 +209,36 @@ class _OneBitCheckpoint:
         saved_params = [p for g in groups for p in g["params"]]
         here = [p for g in self.param_groups for p in g["params"]]
         key_of = dict(zip(saved_params, here))
+        saved_state = state_dict.get("state", {})
+        lost = [
+            i
+            for i in masked
+            if i < len(saved_params) and "zero_mask" not in saved_state.get(saved_params[i], {})
+        ]
+        if lost:
+            # [Note: zero masks through DCP] DCP loads into a template, a fresh optimizer's
+            # state after one zero-lr step, which has a mask only where set_zero_mask was
+            # called on it: the saved masks were dropped and the masked elements trained on
+            # without a word. A mask set before that step waits for it (_pending_masks in
+            # qshard.optim._onebit), so the template holds it and DCP loads the saved one.
+            raise ValueError(
+                f"{name}.load_state_dict: the checkpoint has zero masks (set_zero_mask) for "
+                f"{len(lost)} parameter(s) (positions {lost} in the param groups) that this "
+                "state_dict lacks: torch.distributed.checkpoint loads only the states the fresh "
+                "optimizer holds. Call set_zero_mask(param, mask) on this optimizer, with the "
+                "masks of the saved run, before get_state_dict / get_optimizer_state_dict"
+            )
         state = {
-            k: self._import_state(key_of.get(k), st, own_errors)
-            for k, st in state_dict.get("state", {}).items()
+            k: self._import_state(key_of.get(k), st, own_errors) for k, st in saved_state.items()
         }
         super().load_state_dict({**state_dict, "state": state, "param_groups": groups})
         self._extra = {k: extra[k] for k in self._extra}
         self._link_extra()
+        for kid, (key, mask) in list(self._pending_masks.items()):
+            st = self.state.get(key)
+            if st is not None and "exp_avg" in st:  # loaded: a mask set before, kept
+                st.setdefault("zero_mask", mask)
+                del self._pending_masks[kid]
         for st in self.state.values():  # saved before per-parameter counts existed
             if "exp_avg_sq" in st and "variance_updates" not in st:
                 st["variance_updates"] = self._variance_updates_done()
