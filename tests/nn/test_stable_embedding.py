@@ -21,13 +21,15 @@ def test_forward_equals_embedding_then_fp32_layer_norm():
     assert bool((emb.weight[3] == 0).all())  # padding row zeroed after the Xavier init
 
 
-def test_bf16_weight_keeps_fp32_norm_and_returns_bf16():
+def test_bf16_weight_normalises_in_fp32_and_returns_bf16():
     torch.manual_seed(0)
     emb = StableEmbedding(20, 8, dtype=torch.bfloat16)
     idx = torch.tensor([1, 2, 5])
     out = emb(idx)
     assert out.dtype == torch.bfloat16
-    ref = F.layer_norm(emb.weight[idx].float(), (8,), emb.norm.weight, emb.norm.bias, 1e-5)
+    assert emb.norm.weight.dtype == torch.bfloat16  # one dtype per module (FSDP2 units)
+    w, b = emb.norm.weight.float(), emb.norm.bias.float()
+    ref = F.layer_norm(emb.weight[idx].float(), (8,), w, b, 1e-5)
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
 

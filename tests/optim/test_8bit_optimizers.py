@@ -271,10 +271,16 @@ def test_stable_embedding():
     assert emb.weight.abs().max() <= bound and emb.weight.abs().max() > 0.9 * bound
     out = emb(torch.tensor([[1, 2, 3]]))
     torch.testing.assert_close(out.mean(-1), torch.zeros(1, 3), atol=1e-5, rtol=0)
-    # bf16 weight: the LayerNorm still runs in fp32 and the output has the weight's dtype.
+    # bf16 weight: the LayerNorm still runs in fp32 and the output has the weight's dtype; its
+    # affine parameters are bf16 too (one dtype per module, as FSDP2 wants of a unit: made in
+    # fp32, shard() of such a model failed at the first forward)
     emb_bf16 = StableEmbedding(10, 8, dtype=torch.bfloat16)
-    assert emb_bf16(torch.tensor([1])).dtype == torch.bfloat16
-    assert emb_bf16.norm.weight.dtype == torch.float32
+    out = emb_bf16(torch.tensor([1]))
+    assert out.dtype == torch.bfloat16
+    assert emb_bf16.norm.weight.dtype == emb_bf16.norm.bias.dtype == torch.bfloat16
+    lookup = emb_bf16.weight[1].float()
+    expected = torch.nn.functional.layer_norm(lookup, (8,))  # fp32, then rounded once
+    assert torch.equal(out[0], expected.to(torch.bfloat16))
     # 32-bit state automatically, also for a deep copy (no identity-keyed registry).
     for model in (nn.Sequential(emb, nn.Linear(64, 64)), copy.deepcopy(nn.Sequential(emb))):
         opt = qoptim.Adam8bit(model.parameters(), min_8bit_size=0)

@@ -277,3 +277,35 @@ def test_a_torch_option_set_by_hand_in_param_groups_is_refused_at_step(cls, opti
     opt.param_groups[0][option] = False  # torch's neutral value: steps as before
     opt.step()
     assert not all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_a_state_missing_what_the_optimizer_keeps_is_refused_at_load():
+    """A Lion8bit state_dict (momentum only, options a subset of AdamW8bit's) loaded into
+    AdamW8bit took Lion's momentum as Adam's and a zero second moment at the saved step count,
+    without a word; a state with half of a quantized state (codes without absmax) loaded and
+    failed at the next step with a bare KeyError, or (absmax without codes) restarted the
+    momentum from zero. Both are refused at load; a momentum switched on later (SGD8bit's
+    buffer is made at its next step) still loads."""
+    params = _params()
+    lion = Lion8bit(params, lr=1e-3)
+    _grads(params, 1)
+    lion.step()
+    adam = AdamW8bit(_params(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"has no 'exp_avg_sq'.*another optimizer"):
+        adam.load_state_dict(lion.state_dict())
+    src = AdamW8bit(params, lr=1e-3)
+    src.step()
+    for half in ("exp_avg_codes", "exp_avg_absmax"):
+        sd = copy.deepcopy(src.state_dict())
+        del sd["state"][0][half]
+        with pytest.raises(ValueError, match=r"without its other half"):
+            AdamW8bit(_params(), lr=1e-3).load_state_dict(sd)
+    sgd = SGD8bit(params, lr=1e-2)  # no momentum: no buffer
+    sgd.step()
+    sd = sgd.state_dict()
+    sd["param_groups"][0]["momentum"] = 0.9  # switched on before saving, not stepped since
+    target = SGD8bit(_params(), lr=1e-2, momentum=0.9)
+    target.load_state_dict(sd)
+    _grads(target.param_groups[0]["params"], 2)
+    target.step()  # the buffer is made now
+    assert "momentum_buffer_codes" in target.state[target.param_groups[0]["params"][0]]

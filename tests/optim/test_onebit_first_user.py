@@ -5,6 +5,7 @@ must not change (one process without a world, resume with the same settings)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -367,3 +368,94 @@ def test_zero_masks_through_dcp_are_restored_or_refused(cls, tmp_path):
             continue
         set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         assert torch.equal(steps(m2, opt2, 3, 1), expected)
+
+
+def _resume_into_a_per_rank_seeded_model(rank: int, world: int, path: str) -> list:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    out = []
+    for cls in (OneBitAdam, ZeroOneAdam):
+        ckpt = os.path.join(path, cls.__name__)
+
+        def steps(m, opt, n, seed):
+            gen = torch.Generator().manual_seed(seed + rank)
+            for _ in range(n):
+                opt.zero_grad()
+                m(torch.randn(4, 8, generator=gen)).square().mean().backward()
+                opt.step()
+            return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+        torch.manual_seed(0)
+        m = nn.Linear(8, 8)
+        opt = cls(m.parameters(), lr=1e-3)
+        steps(m, opt, 2, 0)
+        msd, osd = get_state_dict(m, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        expected = steps(m, opt, 2, 100)
+        torch.manual_seed(rank)  # a per-rank seed (data, dropout): weights about to be loaded
+        m2 = nn.Linear(8, 8)
+        opt2 = cls(m2.parameters(), lr=1e-3)
+        msd, osd = get_state_dict(m2, opt2)  # torch's zero-lr template step: no refusal
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=ckpt)
+        set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        out.append(torch.equal(steps(m2, opt2, 2, 100), expected))
+        # a zero-lr first step defers the check, it does not drop it
+        torch.manual_seed(rank)
+        m3 = nn.Linear(8, 8)
+        opt3 = cls(m3.parameters(), lr=0.0)
+        steps(m3, opt3, 1, 0)
+        opt3.param_groups[0]["lr"] = 1e-3
+        try:
+            steps(m3, opt3, 1, 0)
+            out.append("not refused")
+        except RuntimeError as exc:
+            out.append("refused" if "initial parameters differ" in str(exc) else str(exc))
+    return out
+
+
+def test_dcp_resume_into_a_model_built_with_a_per_rank_seed(tmp_path):
+    """torch's ``get_state_dict`` runs a zero-lr step on the fresh optimizer to build the
+    template ``dcp.load`` fills; that step ran the one-time replica check on parameters the
+    checkpoint was about to overwrite, and a fresh model built after ``torch.manual_seed(rank)``
+    was refused ("initial parameters differ across ranks ... broadcast them"). The values are
+    now checked at the first step that can move a parameter: the resume continues bit for bit,
+    and differing replicas are still refused after a zero-lr first step."""
+    results = run_world(
+        _resume_into_a_per_rank_seeded_model, 2, args=(str(tmp_path),), timeout_s=120
+    )
+    for r in results:
+        assert r == [True, "refused", True, "refused"], r
+
+
+def test_onebit_adam_resumed_with_a_later_freeze_stays_frozen():
+    """A OneBitAdam state saved after its freeze (compressed steps done), loaded into one with
+    a later ``freeze_step``, went back to full-precision steps and updated the frozen variance
+    again, without a word (ZeroOneAdam warned and stayed in phase B). It now stays frozen, with
+    a warning; a state saved before its freeze takes the new one."""
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(64, generator=gen))
+    opt = OneBitAdam([p], lr=1e-2, freeze_step=2)
+    for _ in range(4):
+        p.grad = torch.randn(64, generator=gen)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    q = nn.Parameter(p.detach().clone())
+    later = OneBitAdam([q], lr=1e-2, freeze_step=10)
+    with pytest.warns(UserWarning, match=r"cannot be unfrozen.*freeze_step becomes 4"):
+        later.load_state_dict(saved)
+    v = later.state[q]["exp_avg_sq"].clone()
+    q.grad = torch.randn(64, generator=gen)
+    later.step()
+    assert torch.equal(later.state[q]["exp_avg_sq"], v)
+    assert later.comm_stats["compressed"] == 3 and later.comm_stats["full_precision"] == 2
+    # saved in the warm-up: the new freeze applies, no warning
+    early = OneBitAdam([nn.Parameter(torch.ones(8))], lr=1e-2, freeze_step=10)
+    early.param_groups[0]["params"][0].grad = torch.ones(8)
+    early.step()
+    again = OneBitAdam([nn.Parameter(torch.ones(8))], lr=1e-2, freeze_step=20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.load_state_dict(copy.deepcopy(early.state_dict()))
+    assert again.freeze_step == 20

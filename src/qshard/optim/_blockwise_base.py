@@ -89,6 +89,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         """Refuse ``p``'s quantized state if its layout no longer fits ``p`` and the group (for
         the tensors :meth:`_step_param` steps; the multi-tensor rows check their own)."""
 
+    #: States an option switched on after a parameter stepped adds at its next step (see
+    #: :meth:`_add_missing_state`): a loaded state may lack them.
+    _optional_states: ClassVar[frozenset[str]] = frozenset()
+
     #: What the sparse-gradient error points to (torch's optimizers that take them).
     _sparse_alternative = "torch.optim.SparseAdam"
 

@@ -563,10 +563,19 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
     def _check_replicated(self, params: list[torch.Tensor], *, values_agree: bool = True) -> None:
         """Once, on the first step: every rank must hold the same parameter layout and, when
         ``values_agree`` (not resuming mid local interval), the same values, over the same
-        group; otherwise replicas silently drift apart."""
+        group; otherwise replicas silently drift apart.
+
+        The values are checked at the first step whose learning rates are not all zero: a
+        zero-lr step moves no parameter, so the check is as good one step later, and the
+        zero-lr step ``torch.distributed.checkpoint.state_dict`` runs on a fresh optimizer to
+        build its load template (``get_state_dict`` before ``dcp.load``) ran it on parameters
+        the checkpoint was about to overwrite: a model built with a per-rank seed was refused
+        as "initial parameters differ across ranks", naming a broadcast a resume does not
+        need. A warm-up that starts at lr 0 is checked at its second step alike."""
         if self._replication_checked:
             return
-        self._replication_checked = True
+        moves = any(float(g["lr"]) != 0.0 for g in self.param_groups)
+        self._replication_checked = moves or not values_agree
         if self.world_size == 1:  # one replica agrees with itself
             return
         layout = 0
@@ -599,7 +608,7 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                 f"{gathered[:, :4].tolist()}); build the same model and pass the same "
                 "process_group on every rank"
             )
-        if values_agree and not bool((gathered[:, 4:] == mine[4:]).all()):
+        if values_agree and moves and not bool((gathered[:, 4:] == mine[4:]).all()):
             raise RuntimeError(
                 f"{name}: initial parameters differ across ranks (sums {gathered[:, 4].tolist()})"
                 "; broadcast them from one rank before training, e.g. "

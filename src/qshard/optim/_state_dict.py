@@ -29,6 +29,10 @@ class _Loading(Protocol):
 
     def _validate_group(self, group: dict[str, Any]) -> None: ...
 
+    def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]: ...
+
+    _optional_states: frozenset[str]
+
     def _missing_step(self, state: dict[str, Any]) -> float | None: ...
 
 
@@ -88,9 +92,12 @@ def checked_state_dict(opt: _Loading, state_dict: dict[str, Any]) -> dict[str, A
         except ValueError as e:
             raise ValueError(f"{name}.load_state_dict: param group {gi}: {e}") from e
         groups.append(group)
+    group_of = {k: gi for gi, g in enumerate(saved_groups) for k in g["params"]}
     states = {}
     for key, st in state_dict["state"].items():
         st = {k: v for k, v in st.items() if v is not None}
+        if st and key in group_of:
+            _check_complete(opt, key, st, groups[group_of[key]])
         if st and "step" not in st:
             step = opt._missing_step(st)
             if step is None:
@@ -101,3 +108,29 @@ def checked_state_dict(opt: _Loading, state_dict: dict[str, Any]) -> dict[str, A
             st["step"] = torch.tensor(float(step), dtype=torch.float32)
         states[key] = st
     return {**state_dict, "state": states, "param_groups": groups}
+
+
+def _check_complete(opt: _Loading, key: Any, state: dict[str, Any], group: dict[str, Any]) -> None:
+    """Refuse a stepped state that lacks a state the optimizer always keeps for its group (a
+    Lion8bit state, momentum only, loaded into AdamW8bit took the momentum as Adam's and made
+    a zero second moment at the saved step count without a word), or half of a quantized one
+    (codes without absmax, or absmax without codes: a bare KeyError at the next step, or the
+    momentum silently restarted from zero). States an option switched on later adds
+    (``_optional_states``: SGD's or RMSprop's momentum buffer) may be absent."""
+    name = type(opt).__name__
+    for spec, _signed in opt._state_specs({**group, "params": []}):
+        codes, absmax = f"{spec}_codes" in state, f"{spec}_absmax" in state
+        if spec in state or (codes and absmax):
+            continue
+        if codes or absmax:
+            half = f"{spec}_codes" if codes else f"{spec}_absmax"
+            raise ValueError(
+                f"{name}.load_state_dict: the state of parameter {key} has {half!r} without "
+                f"its other half ({sorted(state)}): a quantized state is codes and absmax"
+            )
+        if spec not in opt._optional_states:
+            raise ValueError(
+                f"{name}.load_state_dict: the state of parameter {key} has no {spec!r} (keys "
+                f"{sorted(state)}), which {name} keeps for every parameter it steps: was the "
+                f"state_dict saved by another optimizer?"
+            )

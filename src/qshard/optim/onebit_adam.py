@@ -17,12 +17,14 @@ parameters after every step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from qshard._stack import user_stacklevel
 from qshard.optim._onebit import (
     DEFAULT_VARIANCE_FLOOR,
     _check_variance_floor,
@@ -97,6 +99,25 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
 
     def _freeze_name(self) -> str:
         return f"freeze_step={self.freeze_step}"
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """See :meth:`_DataParallelOneBitOptimizer.load_state_dict`. A state saved after its
+        variance froze (a compressed step done) stays frozen under a later ``freeze_step``:
+        ``freeze_step`` becomes the saved step, with a warning, as ZeroOneAdam does with
+        ``var_freeze_step``. Before, the next steps went back to full precision and updated the
+        frozen variance again, and the compressed phase later resumed on stale error buffers."""
+        super().load_state_dict(state_dict)
+        step = self._extra["step"]
+        if self._extra["compressed"] > 0 and step < self.freeze_step:
+            warnings.warn(
+                f"OneBitAdam.load_state_dict: this state was saved after its variance froze "
+                f"(step {step}, compressed steps done), but this optimizer has freeze_step="
+                f"{self.freeze_step}: the variance cannot be unfrozen, so it stays frozen and "
+                f"freeze_step becomes {step}. Build the OneBitAdam with the freeze_step it was "
+                "saved with to keep the saved schedule",
+                stacklevel=user_stacklevel(),
+            )
+            self.freeze_step = step
 
     def _variance_updates_done(self) -> int:
         return min(self._extra["step"], self.freeze_step)

@@ -70,6 +70,8 @@ class RMSprop8bit(Optimizer8bit):
             if not group[k] >= 0:  # NaN too, as torch.optim.RMSprop
                 raise ValueError(f"{k} must be >= 0; got {group[k]!r}")
 
+    _optional_states = frozenset({"momentum_buffer"})  # momentum may be switched on later
+
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         if group["momentum"] > 0:
             return (("square_avg", False), ("momentum_buffer", True))

@@ -74,6 +74,8 @@ class SGD8bit(Optimizer8bit):
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
+    _optional_states = frozenset({"momentum_buffer"})  # momentum may be switched on later
+
     def _state_specs(self, group: dict[str, Any]) -> tuple[tuple[str, bool], ...]:
         return (("momentum_buffer", True),) if group["momentum"] != 0 else ()
 
