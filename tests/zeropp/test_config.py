@@ -403,6 +403,10 @@ def test_shard_refuses_what_fsdp2_would_refuse_later(tmp_path):
         emb[1].to(torch.bfloat16)
         shard(emb, topology=topo, blocks=[emb[0]])
         assert emb(torch.tensor([[1, 2]])).dtype == torch.bfloat16
+        # max_norm renormalises the gathered copy in place, never the shards: warned
+        renorm = nn.Sequential(StableEmbedding(16, 8, max_norm=0.5), nn.Linear(8, 4))
+        with pytest.warns(UserWarning, match=r"'0' is an embedding with max_norm.*renorm_"):
+            shard(renorm, topology=topo, blocks=[renorm[1]])
 
         model = GPT(cfg)
         model.blocks[1].attn.proj.bias = model.blocks[1].mlp.proj.bias

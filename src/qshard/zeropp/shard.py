@@ -6,6 +6,7 @@ The one place qshard touches FSDP2 modules: every hook and comm it installs is s
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from qshard import _replicas
 from qshard._fsdp import fsdp_param_groups
+from qshard._stack import user_stacklevel
 from qshard.comm.topology import Topology
 from qshard.zeropp._meshes import cached_hsdp_mesh, shared_post_forward_meshes
 from qshard.zeropp._overlap import OverlapQueue
@@ -510,6 +512,19 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
             "fails on an empty gradient at the first backward: remove it from the model, or "
             f"freeze it before shard(): model.get_parameter({name!r}).requires_grad_(False)"
             + (f" (also {', '.join(map(repr, empty[1:]))})" if len(empty) > 1 else "")
+        )
+    renormed = [name for name, m in model.named_modules() if getattr(m, "max_norm", None)]
+    if renormed and any(isinstance(model.get_submodule(n), nn.Embedding) for n in renormed):
+        # F.embedding renormalises the looked-up rows of the weight it is given in place: under
+        # FSDP2 that is the gathered copy, and the shards the optimizer steps never are (plain
+        # fully_shard alike; a first-user probe: row norms 1.09 where max_norm=0.5 keeps 0.5)
+        warnings.warn(
+            f"{renormed[0]!r} is an embedding with max_norm: under FSDP2 its renormalisation "
+            "changes the gathered copy in each forward, not the sharded weights the optimizer "
+            "steps, so training differs from the unsharded model's. Renormalise the rows "
+            "yourself after each optimizer step (under torch.no_grad(), on the local shard: "
+            "weight.to_local().renorm_(2, 0, max_norm)), or train without max_norm",
+            stacklevel=user_stacklevel(),
         )
     wrapped = {id(m) for m in model.modules() if isinstance(m, FSDPModule)}
     owner: dict[int, int] = {}
