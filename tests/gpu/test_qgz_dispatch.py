@@ -187,6 +187,30 @@ def _world(rank: int, world: int) -> list[str]:
             else:
                 raise AssertionError(f"{nodes}x{rpn} route={route}: a size mismatch passed")
         done.append(f"{nodes}x{rpn} sizes refused")
+        # [Note: qgZ frames at the unit's size]: rows framed for more than the shard (a unit
+        # whose parameters did not all get a gradient) are the same bytes on both paths...
+        rs = HierarchicalQuantizedReduceScatter(
+            topology=topo, bits=8, block_size=BS, pipeline_stages=2
+        )
+        rs._frame_size = lambda size: size + 60  # type: ignore[method-assign]
+        x = _grads(rank, world, 37, torch.float32, 11)
+        want, ref = _run(rs, x, 37, torch.float32, ops["AVG"], route=False)
+        got, fused = _run(rs, x, 37, torch.float32, ops["AVG"], route=True)
+        assert all(_same(a, b) for a, b in zip(ref.sends, fused.sends)), "framed wire"
+        assert ref.sends[0].numel() > 0 and _same(want, got), "framed output"
+        # ...and sizes further apart than the padding, framed alike, are refused everywhere
+        # (unframed, their rows differed in length and gloo aborted the process)
+        rs._frame_size = lambda size: 300  # type: ignore[method-assign]
+        size = 300 if rank == 0 else 13
+        for route in (True, False, rank % 2 == 0):
+            try:
+                _run(rs, _grads(rank, world, size, torch.float32, 12), size, torch.float32,
+                     ops["AVG"], route=route)  # fmt: skip
+            except RuntimeError as exc:
+                assert "different sizes" in str(exc) and "[13, 300]" in str(exc), str(exc)
+            else:
+                raise AssertionError(f"{nodes}x{rpn} route={route}: a size mismatch passed")
+        done.append(f"{nodes}x{rpn} framed")
     return done
 
 
@@ -194,4 +218,4 @@ def test_qgz_reduce_scatter_fused_equals_torch_path():
     from qshard.testing import run_world
 
     out = run_world(_world, 4, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
-    assert all(len(r) == 14 for r in out), out
+    assert all(len(r) == 17 for r in out), out
