@@ -459,3 +459,18 @@ def test_onebit_adam_resumed_with_a_later_freeze_stays_frozen():
         warnings.simplefilter("error")
         again.load_state_dict(copy.deepcopy(early.state_dict()))
     assert again.freeze_step == 20
+
+
+def test_a_state_with_one_moment_is_refused_at_load():
+    """A hand-edited state_dict with ``exp_avg`` but no ``exp_avg_sq`` loaded and failed at the
+    next step with a bare ``KeyError: 'exp_avg_sq'``."""
+    for cls in (OneBitAdam, ZeroOneAdam):
+        p = nn.Parameter(torch.ones(8))
+        opt = cls([p], lr=1e-2)
+        p.grad = torch.ones(8)
+        opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        del sd["state"][0]["exp_avg_sq"]
+        fresh = cls([nn.Parameter(torch.ones(8))], lr=1e-2)
+        with pytest.raises(ValueError, match=r"has 'exp_avg' without 'exp_avg_sq'"):
+            fresh.load_state_dict(sd)

@@ -210,6 +210,14 @@ class _OneBitCheckpoint:
         here = [p for g in self.param_groups for p in g["params"]]
         key_of = dict(zip(saved_params, here))
         saved_state = state_dict.get("state", {})
+        for k, st in saved_state.items():
+            moments = [m for m in ("exp_avg", "exp_avg_sq") if m in st]
+            if len(moments) == 1:  # (a bare KeyError at the next step)
+                raise ValueError(
+                    f"{name}.load_state_dict: the state of parameter {k} has {moments[0]!r} "
+                    f"without {'exp_avg_sq' if moments[0] == 'exp_avg' else 'exp_avg'!r} (keys "
+                    f"{sorted(st)}): a stepped parameter keeps both moments"
+                )
         lost = [
             i
             for i in masked
