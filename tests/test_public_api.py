@@ -232,7 +232,24 @@ def test_exception_is_importable_from_its_public_module(name):
 
 def test_top_level_names_are_the_lazy_table():
     assert set(qshard.__all__) - {"__version__"} == set(qshard._LAZY)
-    assert sorted(dir(qshard)) == sorted(qshard.__all__)
+    assert sorted(dir(qshard)) == sorted({*qshard.__all__, *qshard._SUBPACKAGES})
+
+
+def test_subpackages_are_reachable_from_a_bare_import():
+    """``import qshard; qshard.optim.AdamW4bit`` failed ("module 'qshard' has no attribute
+    'optim'") unless something had imported the subpackage first; run in a fresh process."""
+    import subprocess
+    import sys
+
+    names = sorted(qshard._SUBPACKAGES)
+    on_disk = {
+        p.name
+        for p in __import__("pathlib").Path(qshard.__file__).parent.iterdir()
+        if p.is_dir() and (p / "__init__.py").exists() and not p.name.startswith("_")
+    }
+    assert set(names) == on_disk
+    code = "import qshard\n" + "".join(f"qshard.{n}.__all__\n" for n in names)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_every_public_name_resolves_to_its_owner():

@@ -51,7 +51,14 @@ _LAZY = {
 }
 
 
+#: Subpackages reachable as attributes (``import qshard; qshard.optim.AdamW4bit``), imported
+#: on first use as the lazy names are (before, only after something had imported them).
+_SUBPACKAGES = frozenset({"comm", "integrations", "nn", "optim", "quant", "train", "zeropp"})
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"qshard.{name}")  # (binds itself on import)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'qshard' has no attribute {name!r}")
@@ -61,4 +68,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_SUBPACKAGES})

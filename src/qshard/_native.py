@@ -169,13 +169,17 @@ class NativeLibrary:
                     except Exception as e:  # any build problem -> the caller's torch path
                         self.failure = str(e)
                 if self.failure is not None:
-                    log.warning(
+                    # Through the 'qshard' logger only (a second, unconditional line on stderr
+                    # could not be silenced and doubled the message): a WARNING reaches stderr
+                    # once without any logging set up; switched off on purpose, INFO.
+                    deliberate = self.failure.startswith("disabled by ")
+                    log.log(
+                        logging.INFO if deliberate else logging.WARNING,
                         "%s unavailable (%s); using the %s",
                         self._what,
                         self.failure,
                         self._fallback,
                     )
-                    print(f"{self._what} unavailable: {self.failure}", file=sys.stderr)
         return self._lib
 
 

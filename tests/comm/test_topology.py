@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -152,6 +153,10 @@ def _groups_world(rank: int, world_size: int, rpn: int) -> list:
     twin = copy.deepcopy(topo)
     assert twin == topo and twin.intra_node_group is topo.intra_node_group
     assert twin.inter_node_group is topo.inter_node_group
+    # Pickled, it is its three numbers (pickle.dumps failed on its process groups): the copy
+    # describes the same rank and has made no group yet
+    thawed = pickle.loads(pickle.dumps(topo))
+    assert thawed == topo and thawed.rank == rank and not thawed._groups
     intra = dist.get_process_group_ranks(topo.intra_node_group)
     inter = dist.get_process_group_ranks(topo.inter_node_group)
     # The groups work: a sum over the node and over the peers.

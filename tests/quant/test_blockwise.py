@@ -433,3 +433,14 @@ def test_a_saved_block_quantized_tensor_loads_with_torch_load_defaults(tmp_path)
         q.block_size,
     )
     assert torch.equal(dequantize_blockwise(back), dequantize_blockwise(q))
+
+
+def test_block_quantized_compares_by_identity():
+    """``==`` on two BlockQuantized compared their tensors field by field and raised ("Boolean
+    value of Tensor with more than one value is ambiguous"), while ``hash`` was the object's:
+    both are the object's identity now, as for tensors' containers."""
+    import copy
+
+    q = quantize_blockwise(torch.randn(300), block_size=64)
+    twin = copy.deepcopy(q)
+    assert q == q and q != twin and len({q, twin}) == 2

@@ -183,6 +183,15 @@ def test_find_blocks():
     assert find_blocks(shared) == [a, b]
 
 
+def test_quantized_all_gather_refuses_a_missing_topology():
+    """``QuantizedAllGather(topology=None)`` was accepted and failed inside the first forward
+    ("'NoneType' object has no attribute 'is_intra_node'")."""
+    from qshard.zeropp import QuantizedAllGather
+
+    with pytest.raises(TypeError, match=r"topology must be a qshard.comm.Topology.*from_env"):
+        QuantizedAllGather(topology=None)  # type: ignore[arg-type]
+
+
 def test_op_scale():
     assert op_scale(ReduceOp.AVG, 8) == 1 / 8
     assert op_scale(ReduceOp.SUM, 8) == 1

@@ -7,7 +7,7 @@ tensors before the interpreter shuts down (see ``qshard/comm/_exit.py``).
 """
 
 from qshard.comm import _exit  # noqa: F401  (installs the handler)
-from qshard.comm.compressed import compressed_all_reduce
+from qshard.comm.compressed import compressed_all_reduce, padded_numel, server_error_numel
 from qshard.comm.ledger import (
     OPS,
     CommLedger,
@@ -27,6 +27,8 @@ __all__ = [
     "Topology",
     "active_ledger",
     "compressed_all_reduce",
+    "padded_numel",
     "record",
     "recording",
+    "server_error_numel",
 ]

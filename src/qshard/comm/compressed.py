@@ -130,10 +130,12 @@ def compressed_all_reduce(
         tensors: float32 tensors of any shapes (the same shapes on every rank: checked once per
             layout, a ``ValueError`` otherwise; see [Note: same tensors on every rank]). Not
             modified.
-        worker_errors: one float32 buffer of ``padded_numel(t.numel(), n)`` elements per tensor
-            (any shape, read flat), this rank's worker error; updated in place. Start from zeros.
-        server_errors: one float32 buffer of ``server_error_numel(t.numel(), n)`` elements per
-            tensor (any shape), this rank's server error; updated in place. Start from zeros.
+        worker_errors: one float32 buffer of ``qshard.comm.padded_numel(t.numel(), n)``
+            elements per tensor (any shape, read flat), this rank's worker error; updated in
+            place. Start from zeros.
+        server_errors: one float32 buffer of ``qshard.comm.server_error_numel(t.numel(), n)``
+            elements per tensor (any shape), this rank's server error; updated in place. Start
+            from zeros.
         masks: optional bool tensor per tensor (shape of the tensor, or ``None``): ``False``
             marks structurally zero elements, which are sent as nothing and come back exactly 0
             (see [Note: valid elements]). Must be identical on every rank. Any other dtype is

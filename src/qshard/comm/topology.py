@@ -301,6 +301,15 @@ class Topology:
         memo[id(self)] = new
         return new
 
+    def __reduce__(self) -> tuple:
+        # Pickled (a config sent to a worker, saved with a run), a Topology is its three
+        # numbers: its process groups cannot be pickled ("cannot pickle ProcessGroup" once
+        # they existed) and belong to this process; the copy creates its own when asked.
+        return (
+            _unpickle,
+            (self._world_size, self._ranks_per_node, self._rank),
+        )
+
     def __repr__(self) -> str:
         return (
             f"Topology(world_size={self._world_size}, ranks_per_node={self._ranks_per_node}, "
@@ -358,3 +367,7 @@ def _check_nodes(world_size: int, rank: int, ranks_per_node: int) -> None:
                 "runs the same number of ranks); launch with the same --nproc-per-node on "
                 "every node or pass Topology.from_env(ranks_per_node=...)"
             )
+
+
+def _unpickle(world_size: int, ranks_per_node: int, rank: int) -> Topology:
+    return Topology(world_size=world_size, ranks_per_node=ranks_per_node, rank=rank)

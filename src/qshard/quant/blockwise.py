@@ -115,7 +115,7 @@ for _q in (127, 7):
 del _q
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # tensors: identity equality and hash
 class BlockQuantized:
     """A block-quantized tensor: plain tensors (so they can be all-gathered) plus metadata.
 

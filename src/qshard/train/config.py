@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,10 @@ def parse_zeropp(spec: str) -> frozenset[str]:
             f"{', '.join(ZEROPP_FEATURES)} (e.g. qwz,hpz)"
         )
     return frozenset(parts)
+
+
+#: Fields that name files or folders (``os.PathLike`` accepted, kept as ``str``).
+_PATH_FIELDS = frozenset({"out", "data", "cache_dir", "deepspeed_config"})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +184,8 @@ class TrainConfig:
     optimizer state untouched) and go on; one of :data:`ON_NONFINITE`."""
 
     def __post_init__(self) -> None:
+        self._check_types()
+
         def positive(name: str, *, zero_ok: bool = False) -> None:
             value = getattr(self, name)
             if (
@@ -286,6 +293,36 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be divisible by the number of ranks "
                 f"{self.nproc}; e.g. --batch-size {self.nproc * max(1, self.batch_size // self.nproc)}"
             )
+
+    def _check_types(self) -> None:
+        """Each field's kind, named with its flag: built in Python (not by the CLI's parser),
+        ``resume="no"`` resumed (a non-empty string is true), ``lr="0.001"`` failed with
+        "must be real number, not str" and ``zeropp=None`` with an AttributeError. Paths may
+        be ``os.PathLike`` (kept as their string)."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            flag = f"--{f.name.replace('_', '-')}"
+            optional = f.type.endswith("| None")
+            if value is None and optional:
+                continue
+            kind = f.type.removesuffix(" | None")
+            if kind == "str" and f.name in _PATH_FIELDS and isinstance(value, os.PathLike):
+                object.__setattr__(self, f.name, os.fspath(value))
+                continue
+            ok = {
+                "bool": isinstance(value, bool),
+                "int": isinstance(value, int) and not isinstance(value, bool),
+                "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+                "str": isinstance(value, str),
+            }[kind]
+            if not ok:
+                what = {"bool": "True or False", "int": "an int", "float": "a number"}.get(
+                    kind, "a path" if f.name in _PATH_FIELDS else "a string"
+                )
+                raise TypeError(
+                    f"TrainConfig.{f.name} ({flag}) must be {what}"
+                    f"{' or None' if optional else ''}; got {value!r} ({type(value).__name__})"
+                )
 
     def _check_parallel(self, features: frozenset[str]) -> None:
         if self.parallel not in PARALLELISMS:

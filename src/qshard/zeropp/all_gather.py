@@ -207,6 +207,11 @@ class QuantizedAllGather(RecordingAllGather):
         segment_sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None,
         hierarchical: bool = True,
     ) -> None:
+        if not isinstance(topology, Topology):  # (None failed inside the first forward)
+            raise TypeError(
+                f"topology must be a qshard.comm.Topology; got {type(topology).__name__}: use "
+                "Topology.from_env() (or Topology(world_size=..., ranks_per_node=...))"
+            )
         super().__init__(wire_dtype=wire_dtype, topology=topology)
         if bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4; got {bits}")
