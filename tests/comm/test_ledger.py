@@ -170,3 +170,23 @@ def test_gather_summary_in_one_process_without_a_process_group():
     assert s.event("fallback") == 1
     with pytest.raises(RuntimeError, match="init_process_group"):
         _ledger(4, 2, rank=1).gather_summary()
+
+
+def test_history_keeps_the_last_steps_and_the_totals_all():
+    """``history`` kept every closed step's summary: ~0.6 KiB per step and rank without bound
+    over a long run (the training app closes a step every step and never reads it). It keeps
+    the last ``max_history`` now; ``summary()`` still totals every step."""
+    led = _ledger(4, 2, rank=1)
+    for _ in range(1005):
+        led.record("all_gather", group_ranks=range(4), tensor_bytes=M, tag="a")
+        led.step()
+    assert len(led.history) == 1000 and led.summary().select(tag="a")[0].calls == 1005
+    every = CommLedger(led.topology, max_history=None)
+    for _ in range(3):
+        every.step()
+    assert len(every.history) == 3
+    led.reset()
+    assert len(led.history) == 0 and led.history.maxlen == 1000
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="max_history must be None or an int >= 0"):
+            CommLedger(led.topology, max_history=bad)

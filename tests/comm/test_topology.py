@@ -157,6 +157,15 @@ def _groups_world(rank: int, world_size: int, rpn: int) -> list:
     # describes the same rank and has made no group yet
     thawed = pickle.loads(pickle.dumps(topo))
     assert thawed == topo and thawed.rank == rank and not thawed._groups
+    # [Note: one set of groups per job]: another topology of the job (a new
+    # Topology.from_env() per shard()) gets the same groups; each made its own, never freed
+    made = len(dist.distributed_c10d._world.pg_map)
+    again = Topology.from_env(ranks_per_node=rpn)
+    again.init_groups()
+    assert again.intra_node_group is topo.intra_node_group
+    assert again.inter_node_group is topo.inter_node_group
+    assert again.twin_group("intra") is topo.twin_group("intra")
+    assert len(dist.distributed_c10d._world.pg_map) == made
     intra = dist.get_process_group_ranks(topo.intra_node_group)
     inter = dist.get_process_group_ranks(topo.inter_node_group)
     # The groups work: a sum over the node and over the peers.

@@ -36,6 +36,7 @@ Collectives deep inside FSDP2 hooks find the ledger through :func:`active_ledger
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -203,16 +204,23 @@ class CommLedger:
     Thread-safe: FSDP2 may issue collectives from autograd hooks.
     """
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, *, max_history: int | None = 1000) -> None:
+        if max_history is not None and (
+            isinstance(max_history, bool) or not isinstance(max_history, int) or max_history < 0
+        ):
+            raise ValueError(f"max_history must be None or an int >= 0; got {max_history!r}")
         self.topology = topology
+        self._max_history = max_history
         self._lock = threading.Lock()
         self._current: dict[tuple[str, str], _Acc] = {}
         self._total: dict[tuple[str, str], _Acc] = {}
         self._events_current: dict[str, int] = {}
         self._events_total: dict[str, int] = {}
         self._steps = 0
-        self.history: list[LedgerSummary] = []
-        """Summaries of the closed steps, in order."""
+        self.history: collections.deque[LedgerSummary] = collections.deque(maxlen=max_history)
+        """Summaries of the last ``max_history`` closed steps (all with ``None``), in order:
+        kept whole, a long run grew by ~0.6 KiB per step and rank without bound (the totals
+        are kept apart, in :meth:`summary`)."""
 
     def record(
         self,
@@ -321,7 +329,7 @@ class CommLedger:
             self._current, self._total = {}, {}
             self._events_current, self._events_total = {}, {}
             self._steps = 0
-            self.history = []
+            self.history = collections.deque(maxlen=self._max_history)
 
     def gather_summary(self, group: object | None = None) -> LedgerSummary:
         """Totals with exact per-node bytes: every rank's share summed per node, busiest node
