@@ -344,7 +344,23 @@ def _world(rank: int, world: int, tmp: str) -> dict:
     ref = _train(_plain(mesh), rank)
     res["off"] = _same(_train(_sharded(topo, OFF), rank), ref)
     res["hpz"] = _same(_train(_sharded(topo, HPZ), rank), ref)
-    res["all_gap"] = _loss_gap(_train(_sharded(topo, ALL), rank), ref)
+    # [Note: qgZ frames at the unit's size]: with every gradient present the frame is the
+    # shard size (frozen LoRA bases, a 3-element bias, a parameter-free block, a block called
+    # twice): a frame larger than the size would send padding on every step
+    from qshard.zeropp.reduce_scatter import HierarchicalQuantizedReduceScatter as Qgz
+
+    frames, frame_size = [], Qgz._frame_size
+
+    def recorded(self, size):
+        frames.append((size, frame_size(self, size)))
+        return frames[-1][1]
+
+    Qgz._frame_size = recorded
+    try:
+        res["all_gap"] = _loss_gap(_train(_sharded(topo, ALL), rank), ref)
+    finally:
+        Qgz._frame_size = frame_size
+    res["frames"] = bool(frames) and all(size == frame for size, frame in frames)
 
     # an evaluation that skips a block, between backward and step; plain FSDP2 keeps its root
     # unsharded after forward, and asks for model.reshard() (reshard_before_step) here
@@ -435,6 +451,7 @@ def test_first_user_model_2x2(tmp_path):
             "inbwd_hpz0",
             "inbwd_hpz",
             "inbwd_rab_off",
+            "frames",
         ):
             assert r[key] is True, (rank, key)
         for key in ("all_gap", "skip_all_gap", "inbwd_all0_gap"):
