@@ -513,8 +513,12 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
             f"freeze it before shard(): model.get_parameter({name!r}).requires_grad_(False)"
             + (f" (also {', '.join(map(repr, empty[1:]))})" if len(empty) > 1 else "")
         )
-    renormed = [name for name, m in model.named_modules() if getattr(m, "max_norm", None)]
-    if renormed and any(isinstance(model.get_submodule(n), nn.Embedding) for n in renormed):
+    renormed = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and m.max_norm is not None
+    ]
+    if renormed:
         # F.embedding renormalises the looked-up rows of the weight it is given in place: under
         # FSDP2 that is the gathered copy, and the shards the optimizer steps never are (plain
         # fully_shard alike; a first-user probe: row norms 1.09 where max_norm=0.5 keeps 0.5)
