@@ -411,6 +411,20 @@ def _world(rank: int, world: int, tmp: str) -> dict:
 
     res["unused"] = _unused_on_some_ranks(topo, rank)
 
+    # a mesh not in node order: hpZ's secondary rows [0, 2], [1, 3] crossed nodes and its
+    # backward gathers left the node without a word; refused now, accepted without hpZ
+    from torch.distributed.device_mesh import DeviceMesh
+
+    perm = DeviceMesh("cpu", torch.tensor([0, 2, 1, 3]))
+    model = Net()
+    try:
+        shard(model, topology=topo, config=HPZ, blocks=model.block_list(), mesh=perm)
+        res["hpz_perm_mesh"] = "accepted"
+    except ValueError as exc:
+        res["hpz_perm_mesh"] = str(exc)
+    model = Net()
+    shard(model, topology=topo, config=OFF, blocks=model.block_list(), mesh=perm)
+
     # bf16 parameters, bf16 compute, fp32 reduction
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     bf16 = torch.bfloat16
@@ -464,6 +478,7 @@ def test_first_user_model_2x2(tmp_path):
             "wide_sync": "refused",
             "wide_unused_everywhere": "close",
         }, (rank, r["unused"])
+        assert "row [0, 2] crosses nodes" in r["hpz_perm_mesh"], r["hpz_perm_mesh"]
         for key in ("twice", "twice_no_blocks"):
             assert "already sharded" in r[key] and "found no blocks" not in r[key], r[key]
 

@@ -354,6 +354,8 @@ def shard(
             f"shard() needs a 1-D mesh over all {topology.world_size} ranks (ZeRO-3) or a 2-D "
             f"mesh with dims {HSDP_MESH_DIMS} (HSDP); got {mesh}"
         )
+    elif config.hpz:
+        _check_hpz_mesh(mesh, topology)
     # Collective, every rank at the same point: the groups of qgZ's hops and qwZ's, and on
     # gloo the twins of every installed comm's 2-rank exchanges ([Note: gloo exchanges are
     # half duplex] in qshard.comm.duplex).
@@ -562,6 +564,22 @@ def _check_units(model: nn.Module, block_list: list[nn.Module]) -> None:
                 "(mp_policy=) for lower-precision compute"
             )
         wrapped.add(id(unit))
+
+
+def _check_hpz_mesh(mesh: DeviceMesh, topology: Topology) -> None:
+    """hpZ's secondary shard groups are FSDP2's rows of ``ranks_per_node`` consecutive mesh
+    entries: with a mesh not in node order (``[0, 2, 4, 1, 3, 5]`` on 3 nodes of 2) they
+    crossed nodes, and the backward gathers hpZ keeps inside a node went over the network
+    without a word (more inter-node bytes than hpZ off, measured on 3 x 2)."""
+    rows = mesh.mesh.reshape(-1, topology.ranks_per_node).tolist()
+    crossing = next((row for row in rows if not topology.is_intra_node(row)), None)
+    if crossing is not None:
+        raise ValueError(
+            f"hpZ's secondary shards are rows of {topology.ranks_per_node} consecutive ranks of "
+            f"the mesh, and this mesh's row {crossing} crosses nodes ({topology}): its backward "
+            "gathers would leave the node. Pass a mesh in node-major rank order "
+            f"(init_device_mesh(device, ({topology.world_size},)), or none), or hpz=False"
+        )
 
 
 def _hpz_reshard(topology: Topology) -> bool | int:
