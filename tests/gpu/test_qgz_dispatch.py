@@ -111,6 +111,23 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1), b.view(-1))
 
 
+def _refused_on_every_route(rs, rank: int, world: int, size0: int, size: int, *, seed, where):
+    """Rank 0's shard has ``size0`` elements, the others ``size``: every rank refuses the
+    reduce-scatter, fused, on the torch path, and in a world mixing both."""
+    from torch.distributed import ReduceOp
+
+    n = size0 if rank == 0 else size
+    for route in (True, False, rank % 2 == 0):
+        try:
+            _run(rs, _grads(rank, world, n, torch.float32, seed), n, torch.float32,
+                 ReduceOp.AVG, route=route)  # fmt: skip
+        except RuntimeError as exc:
+            assert "different sizes" in str(exc), str(exc)
+            assert f"[{size}, {size0}]" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{where} route={route}: a size mismatch passed")
+
+
 def _world(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
     from torch.distributed import ReduceOp
@@ -177,15 +194,7 @@ def _world(rank: int, world: int) -> list[str]:
         # [Note: qgZ checks the shard sizes]: shards of different sizes padded to the same rows
         # (a parameter with a gradient on rank 0 only) are refused by every rank, fused or not
         rs = HierarchicalQuantizedReduceScatter(topology=topo, bits=8, block_size=BS)
-        size = 21 if rank == 0 else 13
-        for route in (True, False, rank % 2 == 0):
-            try:
-                _run(rs, _grads(rank, world, size, torch.float32, 9), size, torch.float32,
-                     ops["AVG"], route=route)  # fmt: skip
-            except RuntimeError as exc:
-                assert "different sizes" in str(exc) and "[13, 21]" in str(exc), str(exc)
-            else:
-                raise AssertionError(f"{nodes}x{rpn} route={route}: a size mismatch passed")
+        _refused_on_every_route(rs, rank, world, 21, 13, seed=9, where=f"{nodes}x{rpn}")
         done.append(f"{nodes}x{rpn} sizes refused")
         # [Note: qgZ frames at the unit's size]: rows framed for more than the shard (a unit
         # whose parameters did not all get a gradient) are the same bytes on both paths...
@@ -201,15 +210,7 @@ def _world(rank: int, world: int) -> list[str]:
         # ...and sizes further apart than the padding, framed alike, are refused everywhere
         # (unframed, their rows differed in length and gloo aborted the process)
         rs._frame_size = lambda size: 300  # type: ignore[method-assign]
-        size = 300 if rank == 0 else 13
-        for route in (True, False, rank % 2 == 0):
-            try:
-                _run(rs, _grads(rank, world, size, torch.float32, 12), size, torch.float32,
-                     ops["AVG"], route=route)  # fmt: skip
-            except RuntimeError as exc:
-                assert "different sizes" in str(exc) and "[13, 300]" in str(exc), str(exc)
-            else:
-                raise AssertionError(f"{nodes}x{rpn} route={route}: a size mismatch passed")
+        _refused_on_every_route(rs, rank, world, 300, 13, seed=12, where=f"{nodes}x{rpn}")
         done.append(f"{nodes}x{rpn} framed")
     return done
 
