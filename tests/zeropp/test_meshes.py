@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qshard.comm import _job
 from qshard.zeropp import _meshes
 
 
@@ -38,7 +39,7 @@ def test_cache_is_per_default_group(tmp_path):
     try:
         b = _meshes._cached(("test",), build)  # a new job: the old entry is dropped
         assert b is not a and len(built) == 2
-        assert all(w is dist.group.WORLD for w, _ in _meshes._CACHE.values())
+        assert all(w is dist.group.WORLD for w, _ in _job._CACHE.values())
     finally:
         dist.destroy_process_group()
 

@@ -29,17 +29,12 @@ stays in step.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
 from qshard._env import env_int
-
-# (world_size, ranks_per_node, kind) -> (the default group it was made under, this process's
-# group of that kind): [Note: one set of groups per job].
-_GROUPS: dict[tuple[int, int, str], tuple[object, dist.ProcessGroup]] = {}
-_GROUPS_LOCK = threading.Lock()
+from qshard.comm._job import per_job
 
 # The launch variables' errors end with this.
 _UNSET = " (as the launcher sets it), or unset it"
@@ -238,24 +233,16 @@ class Topology:
                 "init_process_group (Topology.from_env(), or Topology(world_size=..., "
                 "ranks_per_node=...) without rank=)"
             )
-        key = (self._world_size, self._ranks_per_node, kind)
-        world = dist.group.WORLD
-        with _GROUPS_LOCK:  # [Note: one set of groups per job]
-            for k in [k for k, (w, _) in _GROUPS.items() if w is not world]:
-                del _GROUPS[k]  # made under a destroyed default group
-            hit = _GROUPS.get(key)
-        if hit is not None:
-            return hit[1]
         if kind.startswith("intra"):
             all_ranks = [self.node_ranks(n) for n in range(self.num_nodes)]
             mine = self.node
         else:
             all_ranks = [self.peer_ranks(lr) for lr in range(self._ranks_per_node)]
             mine = self.local_rank
-        groups = [dist.new_group(ranks) for ranks in all_ranks]
-        with _GROUPS_LOCK:
-            _GROUPS[key] = (world, groups[mine])
-        return groups[mine]
+        return per_job(  # [Note: one set of groups per job]
+            ("topology", self._world_size, self._ranks_per_node, kind),
+            lambda: [dist.new_group(ranks) for ranks in all_ranks][mine],
+        )
 
     @property
     def intra_node_group(self) -> dist.ProcessGroup:
@@ -313,24 +300,11 @@ class Topology:
         _ = self.inter_node_group
         self.init_twins()
 
-    def __deepcopy__(self, memo: dict) -> Topology:
-        # A process group cannot be copied (a deepcopy of a Topology, or of anything holding
-        # one, failed with "cannot pickle ProcessGroup" once its groups existed); the copy
-        # describes the same ranks of the same job, so it shares the groups already created.
-        new = Topology.__new__(Topology)
-        new._world_size, new._ranks_per_node, new._rank = (
-            self._world_size,
-            self._ranks_per_node,
-            self._rank,
-        )
-        new._groups = dict(self._groups)
-        memo[id(self)] = new
-        return new
-
     def __reduce__(self) -> tuple:
-        # Pickled (a config sent to a worker, saved with a run), a Topology is its three
-        # numbers: its process groups cannot be pickled ("cannot pickle ProcessGroup" once
-        # they existed) and belong to this process; the copy creates its own when asked.
+        # Pickled or deep-copied, a Topology is its three numbers: its process groups cannot be
+        # pickled ("cannot pickle ProcessGroup" once they existed; a deepcopy failed alike) and
+        # belong to this process. A copy in this job finds the same groups ([Note: one set of
+        # groups per job]); one in another process makes its own when asked.
         return (
             _unpickle,
             (self._world_size, self._ranks_per_node, self._rank),

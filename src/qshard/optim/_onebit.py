@@ -178,6 +178,9 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
         self._extra: dict[str, Any] = dict(extra_state)
         self._link_extra()
         self._replication_checked = False
+        # masks set before their parameter's first step, by state key: [Note: zero masks
+        # through DCP] (keyed by tensor, as self.state: a deep copy maps them alike)
+        self._pending_masks: dict[torch.Tensor, torch.Tensor] = {}
         self._error_mesh: Any = None  # built on the first state_dict(); see _export_error
         if self._shards is not None:  # this optimizer syncs their replicas: [Note: replica sync]
             _replicas.claim(self, self._shards.dtensors())
@@ -306,9 +309,9 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["variance_updates"] = 0
-            pending = self._pending_masks.pop(id(self._key(p)), None)
+            pending = self._pending_masks.pop(self._key(p), None)
             if pending is not None:  # set before this first step: [Note: zero masks through DCP]
-                state["zero_mask"] = pending[1]
+                state["zero_mask"] = pending
             self._error_buffers(p)  # with m and v: [Note: DCP checkpoints]
         return bool(new)
 
@@ -524,7 +527,7 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
             raise ValueError("set_zero_mask: param is not a trainable parameter of this optimizer")
         key = self._key(param)
         state = self.state.get(key, {})  # (not the defaultdict's: no empty entry made)
-        self._pending_masks.pop(id(key), None)
+        self._pending_masks.pop(key, None)
         if mask is None:
             state.pop("zero_mask", None)
             return
@@ -542,12 +545,7 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
             # and torch.distributed.checkpoint then skips the zero-lr step that builds the
             # template it loads into (no m, v or error buffers in it: none loaded)
             state.pop("zero_mask", None)
-            self._pending_masks[id(key)] = (key, mask)
-
-    @property
-    def _pending_masks(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Masks set before their parameter's first step, by id of its state key."""
-        return self.__dict__.setdefault("_pending_mask_map", {})
+            self._pending_masks[key] = mask
 
     def _mask(self, p: torch.Tensor) -> torch.Tensor | None:
         mask = self._state(p).get("zero_mask")

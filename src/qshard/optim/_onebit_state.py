@@ -76,9 +76,9 @@ class _OneBitCheckpoint:
         params = [p for g in self.param_groups for p in g["params"]]
         state = dict(sd["state"])
         for i, p in enumerate(params):  # masks set before the first step ride along
-            pending = self._pending_masks.get(id(p))
-            if pending is not None and pending[0] is p:
-                state[i] = {**state.get(i, {}), "zero_mask": pending[1]}
+            pending = self._pending_masks.get(p)
+            if pending is not None:
+                state[i] = {**state.get(i, {}), "zero_mask": pending}
         # positions (in the groups' order) of the parameters with a zero mask: a DCP load
         # keeps only the states the fresh optimizer has, and drops a mask it has none for
         extra["masked"] = sorted(i for i, st in state.items() if "zero_mask" in st)
@@ -242,11 +242,11 @@ class _OneBitCheckpoint:
         super().load_state_dict({**state_dict, "state": state, "param_groups": groups})
         self._extra = {k: extra[k] for k in self._extra}
         self._link_extra()
-        for kid, (key, mask) in list(self._pending_masks.items()):
+        for key, mask in list(self._pending_masks.items()):
             st = self.state.get(key)
             if st is not None and "exp_avg" in st:  # loaded: a mask set before, kept
                 st.setdefault("zero_mask", mask)
-                del self._pending_masks[kid]
+                del self._pending_masks[key]
         for st in self.state.values():  # saved before per-parameter counts existed
             if "exp_avg_sq" in st and "variance_updates" not in st:
                 st["variance_updates"] = self._variance_updates_done()

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from qshard._fsdp import trainable_shard_numel
 from qshard.comm.topology import Topology
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DeferredWork",
     "SizeVerdict",
     "WireComm",
+    "frame_numel",
     "group_ranks",
     "log_once",
     "phase_tag",
@@ -24,6 +26,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger("qshard.zeropp")
+
+
+def frame_numel(unit: object | None, numel: int) -> int:
+    """The shard size a compressed reduction's wire rows are framed for: FSDP unit ``unit``'s
+    with every trainable parameter's gradient, or ``numel`` if larger or unknown (no unit), so
+    that ranks missing a gradient still send rows of one length and the sizes are refused
+    alike ([Note: qgZ frames at the unit's size] in qshard.zeropp.reduce_scatter)."""
+    full = trainable_shard_numel(unit) if unit is not None else None
+    return numel if full is None else max(numel, full)
 
 
 class SizeVerdict:

@@ -11,9 +11,10 @@ so :func:`shared_post_forward_meshes` hands every unit of every shard() call the
 built by the first one: two groups per rank per job. FSDP2 reads it only as data (its shard
 group, size and rank), as it does when ``reshard_after_forward=True`` shares one mesh info.
 
-The cache is keyed by the mesh's ranks, the device type and the resharding size, and is valid
-for one default process group: after ``destroy_process_group`` and a new
-``init_process_group`` (tests do that), stale entries are dropped, not reused.
+The cache (:func:`qshard.comm._job.per_job`) is keyed by the mesh's ranks, the device type and
+the resharding size, and is valid for one default process group: after
+``destroy_process_group`` and a new ``init_process_group`` (tests do that), stale entries are
+dropped, not reused.
 
 The hook is FSDP2's private ``_get_post_forward_mesh_info`` (torch 2.9-2.14 have it, with this
 signature). If a torch build lacks it, shard() runs FSDP2 unchanged: correct, with one mesh per
@@ -24,35 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from qshard.comm._job import per_job
 
 __all__ = ["cached_hsdp_mesh", "shared_post_forward_meshes"]
 
 _FULLY_SHARD = "torch.distributed.fsdp._fully_shard._fully_shard"
 _HOOK = "_get_post_forward_mesh_info"
 
-# key -> (the default group it was built under, the cached object)
-_CACHE: dict[tuple, tuple[Any, Any]] = {}
-_LOCK = threading.Lock()
-
-
-def _cached(key: tuple, build: Callable[[], Any]) -> Any:
-    world = dist.group.WORLD
-    with _LOCK:
-        for k in [k for k, (w, _) in _CACHE.items() if w is not world]:
-            del _CACHE[k]  # built under a destroyed default group: its groups are gone
-        hit = _CACHE.get(key)
-    if hit is not None:
-        return hit[1]
-    value = build()
-    with _LOCK:
-        _CACHE[key] = (world, value)
-    return value
+# (the per-job cache, shared with Topology's process groups)
+_cached = per_job
 
 
 def cached_hsdp_mesh(device_type: str, num_nodes: int, ranks_per_node: int, dims) -> DeviceMesh:

@@ -80,10 +80,17 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from qshard._fsdp import fsdp_param_groups, trainable_shard_numel
+from qshard._fsdp import fsdp_param_groups
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
-from qshard.zeropp._common import WIRE_DTYPES, SizeVerdict, group_ranks, log_once, logger
+from qshard.zeropp._common import (
+    WIRE_DTYPES,
+    SizeVerdict,
+    frame_numel,
+    group_ranks,
+    log_once,
+    logger,
+)
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
 from qshard.zeropp._wire import RowCodec, int64_bytes, int64s
 
@@ -209,14 +216,10 @@ class ReplicateAllReduce:
         self._pending = None
 
     def _frame_size(self, numel: int) -> int:
-        """The shard size hop 1's rows are framed for: the unit's, with every trainable
-        parameter's gradient, or ``numel`` if larger or unknown (no unit): a node whose shard
-        lacks a parameter's gradient sends rows of the other nodes' length, so the exchange
-        succeeds and every rank refuses the sizes alike ([Note: qgZ frames at the unit's
-        size] in qshard.zeropp.reduce_scatter; sizes far apart made gloo abort the process)."""
-        module = self._module() if self._module is not None else None
-        full = trainable_shard_numel(module) if module is not None else None
-        return numel if full is None else max(numel, full)
+        """The shard size hop 1's rows are framed for (:func:`frame_numel`): a node whose
+        shard lacks a parameter's gradient sends rows of the other nodes' length, so every
+        rank refuses the sizes alike (sizes far apart made gloo abort the process)."""
+        return frame_numel(self._module() if self._module is not None else None, numel)
 
     def _requires_all_reduce(self) -> bool:
         """The unit's ``set_requires_all_reduce`` flag (FSDP2 keeps it on its param groups)."""

@@ -74,7 +74,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.profiler import record_function
 
 from qshard import _triton
-from qshard._fsdp import premul_sum_factor, trainable_shard_numel
+from qshard._fsdp import premul_sum_factor
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
@@ -82,6 +82,7 @@ from qshard.zeropp._common import (
     DeferredWork,
     SizeVerdict,
     WireComm,
+    frame_numel,
     group_ranks,
     log_once,
     sum_rows,
@@ -433,8 +434,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         """The shard size this call's wire rows are framed for: the unit's, with every
         trainable parameter's gradient, or ``size`` if larger or unknown ([Note: qgZ frames
         at the unit's size])."""
-        full = trainable_shard_numel(self.unit) if self.unit is not None else None
-        return size if full is None else max(size, full)
+        return frame_numel(self.unit, size)
 
     def _reduce(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         self._count_topology_events()
