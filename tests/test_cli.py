@@ -16,7 +16,8 @@ def test_version_and_help(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run(
-        [sys.executable, "-m", "qshard.cli", "version"], capture_output=True, text=True, check=True
-    )
-    assert out.stdout.startswith("qshard ")
+    for module in ("qshard.cli", "qshard"):  # python -m qshard is the command too
+        out = subprocess.run(
+            [sys.executable, "-m", module, "version"], capture_output=True, text=True, check=True
+        )
+        assert out.stdout.startswith("qshard "), module
