@@ -540,6 +540,18 @@ def test_lr_must_be_a_number_and_not_nan(cls):
     with pytest.raises(ValueError, match="lr must be a float >= 0"):  # NaN passed `lr < 0`
         cls(p, lr=float("nan"))
     cls(p, lr=1)  # an int is a number
+    # Written into param_groups by hand: stepped without a word (a checkpoint then rounded it
+    # to a float and the resumed run drifted); refused at step() before anything moves.
+    opt = cls(p, lr=1e-3)
+    p[0].grad = torch.randn(4, 4)
+    before = p[0].detach().clone()
+    opt.param_groups[0]["lr"] = torch.tensor(3e-3)
+    with pytest.raises(ValueError, match=r"param group 0: lr must be a Python float.*float\(lr\)"):
+        opt.step()
+    assert torch.equal(p[0], before) and not opt.state[p[0]]
+    opt.param_groups[0]["lr"] = 3e-3
+    opt.step()
+    assert not torch.equal(p[0], before)
 
 
 @pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])

@@ -35,7 +35,7 @@ from qshard.optim._multi_tensor import (
     _step_bank,
     _steps_off_device,
 )
-from qshard.optim._options import SCHEDULER_KEYS, eager_only, listed_once
+from qshard.optim._options import SCHEDULER_KEYS, _check_lr, eager_only, listed_once
 from qshard.optim._state_layout import _full_state_dtype, _local
 
 __all__ = ["BlockwiseOptimizer"]
@@ -219,6 +219,9 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 for k in neutral
                 if k in group and k not in self.defaults and group[k] != neutral[k]
             }
+            # an lr written into param_groups by hand (a Tensor one is refused at
+            # construction: the update reads a number, and a checkpoint would round it)
+            _check_lr(group["lr"], f"{type(self).__name__}: param group {gi}")
             if by_hand:
                 k, v = next(iter(by_hand.items()))
                 raise ValueError(
