@@ -212,11 +212,77 @@ def _world(rank: int, world: int) -> list[str]:
         rs._frame_size = lambda size: 300  # type: ignore[method-assign]
         _refused_on_every_route(rs, rank, world, 300, 13, seed=12, where=f"{nodes}x{rpn}")
         done.append(f"{nodes}x{rpn} framed")
+    done += _verdicts_read_later(rank, world)
     return done
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.use = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return h + self.extra(h) if self.use else h
+
+
+def _verdicts_read_later(rank: int, world: int) -> list[str]:
+    """[Note: size verdicts on a GPU]: the fused path's shard sizes read later, as for CUDA
+    tensors. A mismatch inside a backward makes ``loss.backward()`` raise on every rank before
+    any optimizer step (read only at each unit's next call, every unit's misaligned sum went
+    through one step); outside a backward the comm's next call raises it."""
+    import torch.distributed as dist
+    from torch.distributed import ReduceOp
+
+    from qshard import _triton
+    from qshard.comm import Topology
+    from qshard.zeropp import HierarchicalQuantizedReduceScatter, ZeroPPConfig, _common, shard
+
+    saved = (_triton.serves, _common._read_at_once)
+    _triton.serves = lambda t: True
+    _common._read_at_once = lambda sizes: False
+    try:
+        topo = Topology(world_size=world, ranks_per_node=2)
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(_Branch() for _ in range(3))
+        model = torch.nn.Sequential(*blocks)
+        shard(model, topology=topo, config=ZeroPPConfig(qgz=True, prefetch=False),
+              blocks=list(blocks))  # fmt: skip
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        before = [p.detach().clone() for p in model.parameters()]
+        blocks[1].use = rank == 0  # the middle unit: not the backward's last reduction
+        try:
+            model(x).square().sum().backward()
+        except RuntimeError as exc:
+            assert "different sizes" in str(exc), str(exc)
+        else:
+            raise AssertionError("a size mismatch read later passed the backward")
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        model.zero_grad(set_to_none=True)
+        blocks[1].use = False  # training goes on once the sizes agree
+        model(x).square().sum().backward()
+        assert all(p.grad.isfinite().all() for p in blocks[0].fc.parameters())
+        # outside a backward nothing waits: the same comm's next call reads it
+        rs = HierarchicalQuantizedReduceScatter(topology=topo, bits=8, block_size=BS)
+        n = 21 if rank == 0 else 13
+        out = torch.empty(n)
+        rs(out, _grads(rank, world, n, torch.float32, 3), dist.group.WORLD, ReduceOp.AVG)
+        try:
+            rs(torch.empty(13), _grads(rank, world, 13, torch.float32, 4), dist.group.WORLD,
+               ReduceOp.AVG)  # fmt: skip
+        except RuntimeError as exc:
+            assert "[13, 21]" in str(exc), str(exc)
+        else:
+            raise AssertionError("the next call did not read the earlier mismatch")
+    finally:
+        _triton.serves, _common._read_at_once = saved
+    return ["verdicts read at the end of backward", "verdicts read at the next call"]
 
 
 def test_qgz_reduce_scatter_fused_equals_torch_path():
     from qshard.testing import run_world
 
     out = run_world(_world, 4, env={"TRITON_INTERPRET": "1"}, timeout_s=240)
-    assert all(len(r) == 17 for r in out), out
+    assert all(len(r) == 19 for r in out), out

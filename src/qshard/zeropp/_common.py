@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.profiler import record_function
 
 from qshard._fsdp import trainable_shard_numel
@@ -39,29 +40,89 @@ def frame_numel(unit: object | None, numel: int) -> int:
 
 class SizeVerdict:
     """The gradient shard sizes a reduction received (one per sender, or each node's smallest
-    and largest), checked on the host: at once on the CPU; on a GPU at the reduction's next
-    call, so that no call waits on the host for its own all-to-all. ``refuse`` gets the sizes
-    when they differ and raises. Shared by HSDP's replicate all-reduce ([Note: the shard size
-    travels with hop 1]) and qgZ's fused path ([Note: qgZ checks the shard sizes])."""
+    and largest), checked on the host. ``refuse`` gets the sizes when they differ and raises.
+    Shared by HSDP's replicate all-reduce ([Note: the shard size travels with hop 1]) and qgZ's
+    fused path ([Note: qgZ checks the shard sizes]).
 
-    __slots__ = ("_refuse", "_sizes")
+    [Note: size verdicts on a GPU] On the CPU the sizes are read at once. On a GPU reading them
+    would make the call wait on the host for its own all-to-all, so they are read later: inside
+    a backward, by one callback at its end (after FSDP2's own, whose stream waits order it after
+    every reduction), which reads every verdict put in that backward, so ``loss.backward()``
+    raises before ``optimizer.step()`` applies a misaligned sum; outside a backward, at the
+    reduction's next call. (Reading them only at the next call, as before, let every unit's
+    misaligned gradients through one ``optimizer.step()``, and a mismatch in a run's last step
+    was never reported.) An event recorded at ``put`` orders the read after the exchange on
+    whatever stream reads it."""
+
+    __slots__ = ("_event", "_refuse", "_sizes")
 
     def __init__(self, refuse: Callable[[list[int]], None]) -> None:
         self._refuse = refuse
         self._sizes: torch.Tensor | None = None
+        self._event: torch.Event | None = None
 
     def put(self, sizes: torch.Tensor) -> None:
         self._sizes = sizes
-        if sizes.device.type == "cpu":
+        if _read_at_once(sizes):
             self.check()
+            return
+        if sizes.device.type != "cpu":
+            self._event = torch.Event(device=sizes.device)
+            self._event.record()
+        _END_OF_BACKWARD.add(self)
 
     def check(self) -> None:
         """Read the last sizes put (if not read yet); ``refuse`` them if they differ."""
         if self._sizes is None:
             return
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
         sizes, self._sizes = self._sizes.reshape(-1).tolist(), None
         if len(set(sizes)) > 1:
             self._refuse(sizes)
+
+
+def _read_at_once(sizes: torch.Tensor) -> bool:
+    """Whether a verdict's sizes are read on the host when put: on the CPU (a test routing the
+    GPU path through Triton's interpreter patches this to see the deferred read)."""
+    return sizes.device.type == "cpu"
+
+
+class _EndOfBackward:
+    """The verdicts put during the current backward, read by one autograd-engine callback at
+    its end ([Note: size verdicts on a GPU]). Outside a backward nothing is queued: the
+    reduction's own next call reads its verdict."""
+
+    def __init__(self) -> None:
+        self._pending: list[SizeVerdict] = []
+        self._task: int | None = None
+
+    def add(self, verdict: SizeVerdict) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return
+        self._pending.append(verdict)
+        if self._task != task:
+            self._task = task
+            Variable._execution_engine.queue_callback(self._check)
+
+    def _check(self) -> None:
+        """Read every pending verdict; the first refusal is raised once all are read (so a
+        later backward does not meet this one's leftovers)."""
+        self._task = None
+        pending, self._pending = self._pending, []
+        error: Exception | None = None
+        for verdict in pending:
+            try:
+                verdict.check()
+            except Exception as e:  # re-raised below, once the rest are read
+                error = error or e
+        if error is not None:
+            raise error
+
+
+_END_OF_BACKWARD = _EndOfBackward()
 
 
 _LOGGED: set[str] = set()

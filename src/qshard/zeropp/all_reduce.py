@@ -346,7 +346,7 @@ class _Reduction:
     def __init__(
         self, comm: ReplicateAllReduce, x: torch.Tensor, *, out: torch.Tensor | None = None
     ) -> None:
-        comm._sizes.check()  # a GPU call's sizes, read one call late
+        comm._sizes.check()  # a GPU call's sizes outside a backward, read one call late
         n = len(comm.ranks)
         size = x.numel()
         c = comm.chunk_numel(comm._frame_size(size))

@@ -43,10 +43,10 @@ optimizer states drifted apart. Now stage 0's hop-1 rows carry the sender's shar
 bytes each) and its hop-2 rows the smallest and largest size of the sender's node (16 bytes);
 every rank thus sees every node's range and all refuse a mismatch alike, after hop 2 (or after
 hop 1 on one node), naming ``set_reduce_scatter_unused_params(True)``. The fused path frames
-the same bytes (a mixed world still agrees); on a GPU it reads the verdict at the next call,
-so no call waits on the host for its own all-to-all (the last unit of a backward is then
-checked at the next step's first reduce-scatter). Cost: ``8 D + 16 N`` bytes per unit and rank
-and step.
+the same bytes (a mixed world still agrees); on a GPU it reads the verdicts at the end of the
+backward, so no call waits on the host for its own all-to-all and ``loss.backward()`` still
+raises before the optimizer steps ([Note: size verdicts on a GPU] in ``_common``). Cost:
+``8 D + 16 N`` bytes per unit and rank and step.
 
 [Note: qgZ frames at the unit's size] The check above needs the exchange to succeed, and the
 rows' length followed each rank's own shard size: sizes apart by more than the 4-block padding
@@ -448,7 +448,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
 
     def _reduce_fused(self, output: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         """``_reduce`` on qgZ's fused Triton kernels (CUDA tensors): see [Note: fused qgZ]."""
-        self._sizes.check()  # a GPU call's, read one call late
+        self._sizes.check()  # a GPU call's outside a backward, read one call late
         topo = self.topology
         nodes, per_node, world = topo.num_nodes, topo.ranks_per_node, topo.world_size
         stages, bs, bits = self.pipeline_stages, self.block_size, self.bits
