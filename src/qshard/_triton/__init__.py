@@ -8,13 +8,23 @@ use, so importing qshard never needs triton, and tests can set `TRITON_INTERPRET
 reads when a kernel is defined) before any kernel exists, to run every kernel on CPU tensors.
 
 Set `QSHARD_DISABLE_TRITON=1` to force the torch path on CUDA (debugging, A/B timing).
+
+[Note: launch on the tensors' device] Triton launches a kernel on the *current* CUDA device and
+its current stream, not on its arguments' device; ATen sets the device per op, so torch code
+never notices. A tensor on another GPU than the current one (a model spread over GPUs in one
+process, `device_map="auto"`, with an 8-bit optimizer) ran the kernel on the current GPU with
+the other GPU's pointers. Every entry below (and `PreparedLaunch.run`) makes the tensors'
+device current for the launch when it is not already.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import itertools
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from qshard._env import env_flag
@@ -31,6 +41,7 @@ __all__ = [
     "dequant_reduce_rows",
     "dequantize_blocks",
     "interpreter",
+    "on_device_of",
     "optim4bit_step",
     "optim4bit_step_multi",
     "optim8bit_step",
@@ -84,41 +95,62 @@ def _module(name: str) -> Any:
     return importlib.import_module(f"qshard._triton.{name}")
 
 
+def on_device_of(values: Iterable[Any]) -> contextlib.AbstractContextManager[Any]:
+    """The device guard of a launch ([Note: launch on the tensors' device]): the first tensor
+    among ``values`` (or the first of a list of tensors) names the launch's device (the kernels
+    check that all share it); a CUDA one that is not current is made current."""
+    import torch
+
+    for v in values:
+        if isinstance(v, (list, tuple)) and v:
+            v = v[0]
+        if isinstance(v, torch.Tensor):
+            if v.is_cuda and v.get_device() != torch.cuda.current_device():
+                return torch.cuda.device(v.device)
+            break
+    return contextlib.nullcontext()
+
+
+def _launch(module: str, fn: str, *args: Any, **kwargs: Any) -> Any:
+    with on_device_of(itertools.chain(args, kwargs.values())):
+        return getattr(_module(module), fn)(*args, **kwargs)
+
+
 def quantize_blocks(x2d: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of `qshard.quant.blockwise.quantize_blocks` (plus `pack=` for fused INT4)."""
-    return _module("_blockwise").quantize_blocks(x2d, **kwargs)
+    return _launch("_blockwise", "quantize_blocks", x2d, **kwargs)
 
 
 def quantize_flat(x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-quantize a flat tensor of any numel without materialising the padding."""
-    return _module("_blockwise").quantize_flat(x, **kwargs)
+    return _launch("_blockwise", "quantize_flat", x, **kwargs)
 
 
 def dequantize_blocks(codes2d: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """Triton twin of `qshard.quant.blockwise.dequantize_blocks` (int8 or packed INT4 codes)."""
-    return _module("_blockwise").dequantize_blocks(codes2d, scales, **kwargs)
+    return _launch("_blockwise", "dequantize_blocks", codes2d, scales, **kwargs)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Triton twin of `qshard.quant.blockwise.pack_int4`."""
-    return _module("_blockwise").pack_int4(codes)
+    return _launch("_blockwise", "pack_int4", codes)
 
 
 def unpack_int4(packed: torch.Tensor, numel: int | None = None) -> torch.Tensor:
     """Triton twin of `qshard.quant.blockwise.unpack_int4`."""
-    return _module("_blockwise").unpack_int4(packed, numel)
+    return _launch("_blockwise", "unpack_int4", packed, numel)
 
 
 def reorder_quantize(x: torch.Tensor, offsets: torch.Tensor, **kwargs: Any) -> Any:
     """qgZ's first step: gather slots at `offsets` and block-quantize them in one pass."""
-    return _module("_qgz").reorder_quantize(x, offsets, **kwargs)
+    return _launch("_qgz", "reorder_quantize", x, offsets, **kwargs)
 
 
 def reorder_quantize_rows(
     x: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor, **kwargs: Any
 ) -> torch.Tensor:
     """qgZ's first hop: `reorder_quantize` written straight into the all-to-all's wire rows."""
-    return _module("_qgz").reorder_quantize_rows(x, offsets, lengths, **kwargs)
+    return _launch("_qgz", "reorder_quantize_rows", x, offsets, lengths, **kwargs)
 
 
 def qgz_slots(**kwargs: Any) -> Any:
@@ -128,33 +160,33 @@ def qgz_slots(**kwargs: Any) -> Any:
 
 def dequant_reduce_requant(codes: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> Any:
     """qgZ's middle hop: dequantize K peers' blocks, sum in fp32, requantize, in one pass."""
-    return _module("_qgz").dequant_reduce_requant(codes, scales, **kwargs)
+    return _launch("_qgz", "dequant_reduce_requant", codes, scales, **kwargs)
 
 
 def dequant_reduce_requant_rows(recv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """qgZ's middle hop on wire rows: received rows in, the next hop's send rows out."""
-    return _module("_qgz").dequant_reduce_requant_rows(recv, **kwargs)
+    return _launch("_qgz", "dequant_reduce_requant_rows", recv, **kwargs)
 
 
 def dequant_reduce(codes: torch.Tensor, scales: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """qgZ's last hop: dequantize K peers' blocks and sum them in fp32 into the output dtype."""
-    return _module("_qgz").dequant_reduce(codes, scales, **kwargs)
+    return _launch("_qgz", "dequant_reduce", codes, scales, **kwargs)
 
 
 def dequant_reduce_rows(recv: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """qgZ's last hop on wire rows: received rows summed (times a scale) into the output."""
-    return _module("_qgz").dequant_reduce_rows(recv, **kwargs)
+    return _launch("_qgz", "dequant_reduce_rows", recv, **kwargs)
 
 
 def optim8bit_step(**kwargs: Any) -> None:
     """Fused in-place 8-bit optimizer step (Adam/AdamW, momentum, RMSprop, Lion, Adagrad)."""
-    return _module("_optim8bit").optim8bit_step(**kwargs)
+    return _launch("_optim8bit", "optim8bit_step", **kwargs)
 
 
 def optim8bit_step_multi(**kwargs: Any) -> None:
     """Fused in-place 8-bit step of a list of tensors in one launch; see
     `_optim8bit.optim8bit_step_multi`."""
-    return _module("_optim8bit").optim8bit_step_multi(**kwargs)
+    return _launch("_optim8bit", "optim8bit_step_multi", **kwargs)
 
 
 def prepare_optim8bit_multi(**kwargs: Any) -> Any:
@@ -165,13 +197,13 @@ def prepare_optim8bit_multi(**kwargs: Any) -> Any:
 
 def optim4bit_step(**kwargs: Any) -> None:
     """Fused in-place 4-bit Adam/AdamW step (`qshard.optim.AdamW4bit`'s CUDA path)."""
-    return _module("_optim4bit").optim4bit_step(**kwargs)
+    return _launch("_optim4bit", "optim4bit_step", **kwargs)
 
 
 def optim4bit_step_multi(**kwargs: Any) -> None:
     """Fused in-place 4-bit Adam/AdamW step of a list of tensors in one launch; see
     `_optim4bit.optim4bit_step_multi`."""
-    return _module("_optim4bit").optim4bit_step_multi(**kwargs)
+    return _launch("_optim4bit", "optim4bit_step_multi", **kwargs)
 
 
 def prepare_optim4bit_multi(**kwargs: Any) -> Any:
@@ -182,14 +214,14 @@ def prepare_optim4bit_multi(**kwargs: Any) -> Any:
 
 def adam8bit_step(**kwargs: Any) -> None:
     """Fused in-place 8-bit Adam/AdamW step; see `_optim8bit.optim8bit_step`."""
-    return _module("_optim8bit").optim8bit_step(kind="adam", **kwargs)
+    return _launch("_optim8bit", "optim8bit_step", kind="adam", **kwargs)
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """Triton twin of `qshard.quant.signs.pack_signs` (MSB first, sign(0) = +1)."""
-    return _module("_signs").pack_signs(x)
+    return _launch("_signs", "pack_signs", x)
 
 
 def unpack_signs(packed: torch.Tensor, numel: int, **kwargs: Any) -> torch.Tensor:
     """Triton twin of `qshard.quant.signs.unpack_signs` (+1 / -1 values)."""
-    return _module("_signs").unpack_signs(packed, numel, **kwargs)
+    return _launch("_signs", "unpack_signs", packed, numel, **kwargs)

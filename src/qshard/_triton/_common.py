@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
+from qshard._triton import on_device_of
+
 # 1.5 * 2**23. Adding and subtracting it rounds an fp32 |t| < 2**22 to an integer with the
 # FPU's round-half-to-even, the rounding torch.round uses. [Note: rint] libdevice.rint does the
 # same on CUDA but Triton's interpreter cannot run it, and one formula for both keeps the
@@ -397,6 +399,8 @@ class PreparedLaunch:
         out = torch.from_numpy(table)
         if self._device.type != "cpu":  # pinned, so the copy need not wait for the stream
             out = out.pin_memory().to(self._device, non_blocking=True)
-        self._kernel[self._grid](
-            out, out.view(torch.float32), len(self._rows), *self._args, **self._consts, **consts
-        )
+        with on_device_of((out,)):  # [Note: launch on the tensors' device]
+            self._kernel[self._grid](
+                out, out.view(torch.float32), len(self._rows), *self._args, **self._consts,
+                **consts,
+            )  # fmt: skip

@@ -71,7 +71,9 @@ def unpack_signs(
 ) -> torch.Tensor:
     """`numel` values of +1 / -1 in `dtype` from bytes written by pack_signs."""
     check_contiguous("packed", packed)
-    if numel < 0 or packed.numel() != -(-numel // 8):
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0 (the element count given to pack_signs); got {numel}")
+    if packed.numel() != -(-numel // 8):
         raise ValueError(f"{numel} signs need ceil({numel} / 8) bytes; got {packed.numel()}")
     out = torch.empty((numel,), dtype=dtype, device=packed.device)
     if numel:
