@@ -41,6 +41,8 @@ def test_any_shape_and_empty():
 def test_validation():
     with pytest.raises(ValueError, match="bytes"):
         unpack_signs(torch.zeros(2, dtype=torch.uint8), 17)
+    with pytest.raises(ValueError, match="numel must be >= 0"):  # said "need ... 0 bytes"
+        unpack_signs(torch.zeros(1, dtype=torch.uint8), -1)
     with pytest.raises(TypeError):
         pack_signs(torch.arange(4))
     with pytest.raises(TypeError):

@@ -83,10 +83,11 @@ def unpack_signs(
             f"(pass int(numel))"
         ) from None
     flat = packed.reshape(-1)
-    if numel < 0 or flat.numel() != -(-numel // 8):
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0 (the element count given to pack_signs); got {numel}")
+    if flat.numel() != -(-numel // 8):
         raise ValueError(
-            f"{numel} signs need ceil({numel} / 8) = {-(-max(numel, 0) // 8)} bytes; "
-            f"got {flat.numel()}"
+            f"{numel} signs need ceil({numel} / 8) = {-(-numel // 8)} bytes; got {flat.numel()}"
         )
     result = None
     if out is not None:
