@@ -147,6 +147,13 @@ def test_hpz_secondary_shard_only_across_nodes(world, per_node, row):
     memory estimate added an "hpZ secondary shard" row."""
     est, _ = _estimates(CONFIG, world, per_node)  # --zeropp all, the default
     assert ("hpZ secondary shard" in est.memory) is row, est.memory
+    if row:
+        # only the blocks before the kept last ones (2 by default) get a secondary shard: the
+        # kept ones and the root stay unsharded ("unsharded units"); every parameter was priced
+        # (2.06x what hpZ held on the app's GPT; tests/zeropp/test_training.py measures it)
+        blocks = list(GPT(gpt_config_of(CONFIG)).blocks)
+        resharded = sum(p.numel() for b in blocks[: len(blocks) - 2] for p in b.parameters())
+        assert est.memory["hpZ secondary shard"] == resharded * 4 / per_node, est.memory
 
 
 def test_the_layout_line_counts_in_the_right_number():

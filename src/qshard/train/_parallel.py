@@ -83,6 +83,14 @@ def zeropp_blocks(config: TrainConfig) -> dict[str, int]:
     return {"weight_block": zcfg.weight_block_size, "grad_block": zcfg.grad_block_size}
 
 
+def zeropp_kept_blocks(config: TrainConfig) -> int:
+    """How many last blocks ``shard()`` keeps unsharded from forward to backward in this run
+    (``ZeroPPConfig.kept_blocks``; 0 without qshard.zeropp)."""
+    if _optional("qshard.zeropp", "ZeroPPConfig") is None:
+        return 0
+    return int(_zeropp_config(config).kept_blocks)
+
+
 def missing_features(config: TrainConfig) -> list[str]:
     """Messages for options of ``config`` this install cannot run (empty when all is there)."""
     problems = []

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from qshard.comm import Topology
 from qshard.train._metrics import encode_record, format_bytes, table
-from qshard.train._parallel import zeropp_blocks
+from qshard.train._parallel import zeropp_blocks, zeropp_kept_blocks
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
 from qshard.train.estimate import (
     ddp_allreduce_bytes,
@@ -51,6 +51,14 @@ def _largest_unit_params(model: nn.Module) -> int:
     in_blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]  # type: ignore[union-attr]
     total = sum(p.numel() for p in model.parameters())
     return max(*in_blocks, total - sum(in_blocks))
+
+
+def _hpz_params(model: nn.Module, config: TrainConfig) -> int:
+    # hpZ's secondary shards hold the blocks before the kept last ones (shard()'s
+    # _fully_shard_units); the kept blocks and the root stay unsharded through backward.
+    blocks = list(model.blocks)  # type: ignore[union-attr]
+    first_kept = max(0, len(blocks) - zeropp_kept_blocks(config))
+    return sum(p.numel() for b in blocks[:first_kept] for p in b.parameters())
 
 
 def _fp32_state(p: nn.Parameter, stable: Any) -> bool:
@@ -102,6 +110,7 @@ def estimate_run(
         optim=config.optim,
         sharded=hsdp or not replicated,
         shard_ranks=ranks_per_node if hsdp else None,
+        hpz_params=_hpz_params(model, config) if "hpz" in features else None,
     )
     sizes = dict(num_params=num_params, world_size=world_size, ranks_per_node=ranks_per_node)
     if hsdp and not replicated:

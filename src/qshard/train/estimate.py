@@ -108,6 +108,7 @@ def estimate_memory(
     fp32_state_params: int = 0,
     shard_ranks: int | None = None,
     quantized_state: float | None = None,
+    hpz_params: int | None = None,
 ) -> dict[str, float]:
     """Per-rank memory by component, in bytes.
 
@@ -119,7 +120,10 @@ def estimate_memory(
     default) or ``ranks_per_node`` (HSDP: sharded inside a node, replicated across nodes).
     ``quantized_state`` is the whole model's 8-/4-bit state in bytes, summed over its quantized
     parameters with :func:`quantized_state_bytes`; ``None`` prices those parameters at
-    :func:`optimizer_state_bytes_per_param` (the large-row limit).
+    :func:`optimizer_state_bytes_per_param` (the large-row limit). ``hpz_params`` counts the
+    parameters of the units hpZ reshards to a node-sized secondary shard after forward: the
+    blocks before the last ``ZeroPPConfig.kept_blocks`` (the kept blocks and the root stay
+    unsharded through backward, the "unsharded units" row); ``None``: every parameter.
     """
     ways = world_size if shard_ranks is None else shard_ranks
     if not sharded:
@@ -137,7 +141,8 @@ def estimate_memory(
         # hpZ on one node of several ranks reshards to the whole world, ZeRO-3's own shard
         # (qshard.zeropp.shard._hpz_reshard): no secondary copy there.
         if "hpz" in features and (ranks_per_node == 1 or ranks_per_node < world_size):
-            rows["hpZ secondary shard"] = num_params * compute_bytes / ranks_per_node
+            resharded = num_params if hpz_params is None else hpz_params
+            rows["hpZ secondary shard"] = resharded * compute_bytes / ranks_per_node
         rows["unsharded units (2 in flight)"] = 2 * largest_unit_params * compute_bytes
     # The 1-bit optimizers' server error is split over their sync group: every rank when
     # replicated, the nodes on HSDP.
