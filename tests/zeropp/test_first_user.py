@@ -333,7 +333,39 @@ def _unused_on_some_ranks(topo: Topology, rank: int) -> dict:
         grads.append(torch.cat([b.fc.weight.grad.full_tensor().reshape(-1) for b in model.blocks]))
     err = (grads[0] - grads[1]).norm() / grads[1].norm()
     out["wide_unused_everywhere"] = "close" if err < 0.03 else f"relative error {err:.3f}"
+    # A whole unit whose output reaches the loss on some ranks only, with the fix on: FSDP2
+    # reduces it at the end of those ranks' backward, pairing different units' reductions.
+    # Refused (here the units differ in size), naming that cause: the message recommended
+    # the fix that was already on.
+    model = _TwoUnits()
+    shard(model, topology=topo, config=ALL, blocks=[model.first, model.second])
+    model.set_reduce_scatter_unused_params(True)
+    model.skip_second = rank == 0
+    x, y = _batch(rank, 0)
+    try:
+        F.mse_loss(model(x), y).backward()
+        out["unit_unused_fix_on"] = "trained"
+    except RuntimeError as exc:
+        text = str(exc)
+        fix_on = "is on, so a whole FSDP unit's output took no part in the loss"
+        out["unit_unused_fix_on"] = "refused, unit named" if fix_on in text else text
     return out
+
+
+class _TwoUnits(nn.Module):
+    """Two units of different sizes; rank 0 runs the second but leaves it out of the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.skip_second = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        out = self.second(h)
+        return (h if self.skip_second else out).sum(-1)
 
 
 def _world(rank: int, world: int, tmp: str) -> dict:
@@ -477,6 +509,7 @@ def test_first_user_model_2x2(tmp_path):
             "wide_deferred": "refused",
             "wide_sync": "refused",
             "wide_unused_everywhere": "close",
+            "unit_unused_fix_on": "refused, unit named",
         }, (rank, r["unused"])
         assert "row [0, 2] crosses nodes" in r["hpz_perm_mesh"], r["hpz_perm_mesh"]
         for key in ("twice", "twice_no_blocks"):

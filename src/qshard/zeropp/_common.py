@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.profiler import record_function
 
-from qshard._fsdp import trainable_shard_numel
+from qshard._fsdp import fsdp_param_groups, trainable_shard_numel
 from qshard.comm.topology import Topology
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "log_once",
     "phase_tag",
     "sum_rows",
+    "unequal_shards",
 ]
 
 logger = logging.getLogger("qshard.zeropp")
@@ -36,6 +37,33 @@ def frame_numel(unit: object | None, numel: int) -> int:
     alike ([Note: qgZ frames at the unit's size] in qshard.zeropp.reduce_scatter)."""
     full = trainable_shard_numel(unit) if unit is not None else None
     return numel if full is None else max(numel, full)
+
+
+def unequal_shards(what: str, unit: object | None) -> str:
+    """Why ranks sent gradient shards of different sizes to ``unit``'s reduction, and the fix;
+    ``what`` names the ranks' sets ("ranks", "nodes' ranks").
+
+    With ``set_reduce_scatter_unused_params(True)`` on the unit every trainable parameter is
+    reduced (zeros where unused), so the sizes can differ only when the ranks paired different
+    units' reductions: a whole unit's output took no part in the loss on some ranks, so FSDP2
+    reduced it at the end of their backward, out of step with the others (plain FSDP2 hangs or
+    mixes the units there; a first-user probe got the fix recommended although it was on)."""
+    groups = fsdp_param_groups(unit) if unit is not None else None
+    if groups and all(getattr(g, "reduce_scatter_unused_params", False) for g in groups):
+        return (
+            f"set_reduce_scatter_unused_params(True) is on, so a whole FSDP unit's output took "
+            f"no part in the loss on some {what} in this step: FSDP2 reduces such a unit at the "
+            "end of their backward, out of step with the other ranks' reductions, which pairs "
+            "different units. Make every unit's output reach the loss on every rank (where a "
+            "branch is skipped: loss = loss + 0 * out.sum())"
+        )
+    return (
+        f"a parameter of this FSDP unit got a gradient on some {what} and none on others in "
+        "this step (a data-dependent branch, an MoE expert without tokens). Call "
+        "set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces every "
+        "trainable parameter, zeros for unused ones), or give every trainable parameter a "
+        "gradient on every rank"
+    )
 
 
 class SizeVerdict:

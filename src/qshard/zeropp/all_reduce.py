@@ -90,6 +90,7 @@ from qshard.zeropp._common import (
     group_ranks,
     log_once,
     logger,
+    unequal_shards,
 )
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
 from qshard.zeropp._wire import RowCodec, int64_bytes, int64s
@@ -276,14 +277,11 @@ class ReplicateAllReduce:
 
     def _refuse_sizes(self, sizes: list[int]) -> None:
         """[Note: the shard size travels with hop 1]: the nodes' shards differ in size."""
+        module = self._module() if self._module is not None else None
         raise RuntimeError(
             "HSDP's replicate all-reduce got gradient shards of different sizes from the "
-            f"nodes (elements per replicate rank {self.ranks}: {sizes}): a "
-            "parameter of this FSDP unit got a gradient on some nodes' ranks and none on "
-            "others in this step (a data-dependent branch, an MoE expert without tokens). "
-            "Call set_reduce_scatter_unused_params(True) on the model (FSDP2 then reduces "
-            "every trainable parameter, zeros for unused ones), or give every trainable "
-            "parameter a gradient on every rank"
+            f"nodes (elements per replicate rank {self.ranks}: {sizes}): "
+            + unequal_shards("nodes' ranks", module)
         )
 
     def _check_pending(self, output: torch.Tensor) -> None:

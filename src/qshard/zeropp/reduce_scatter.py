@@ -86,6 +86,7 @@ from qshard.zeropp._common import (
     group_ranks,
     log_once,
     sum_rows,
+    unequal_shards,
 )
 from qshard.zeropp._overlap import OverlapQueue, defer_reason
 from qshard.zeropp._wire import RowCodec, Slot, int64_bytes, int64s
@@ -370,7 +371,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
         self._pad_blocks = 1 if bits is None else 4
         # the fused path's received shard sizes ([Note: qgZ checks the shard sizes])
-        self._sizes = SizeVerdict(lambda sizes: _check_shard_sizes([sizes]))
+        self._sizes = SizeVerdict(lambda sizes: _check_shard_sizes([sizes], self.unit))
 
     def __call__(
         self,
@@ -581,6 +582,7 @@ class _Reduction:
         "sizes",
         "stages",
         "sub",
+        "unit",
     )
 
     def __init__(
@@ -598,6 +600,7 @@ class _Reduction:
         padded = -(-comm._frame_size(size) // unit) * unit
         sub = padded // stages
         self.codec, self.output, self.scale = comm.codec, output, scale
+        self.unit = comm.unit  # the FSDP unit, named by a size refusal
         self.nodes, self.stages, self.size, self.sub = nodes, stages, size, sub
         self.inter_group = topo.inter_node_group if nodes > 1 else None
         self.inter_ranks = topo.peer_ranks(topo.local_rank)
@@ -693,7 +696,7 @@ class _Reduction:
             # others went on (their collectives out of step: a crash in the next world step).
             if not block:
                 return False
-            _check_shard_sizes(self.mismatch)
+            _check_shard_sizes(self.mismatch, self.unit)
         while self.finished < self.issued:
             k = self.finished
             work, recv = self.inter[k]  # type: ignore[misc]
@@ -738,19 +741,17 @@ def _with_trailer(rows: torch.Tensor, trailer: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_shard_sizes(ranges: list[list[int]] | list[tuple[int, int]]) -> None:
+def _check_shard_sizes(
+    ranges: list[list[int]] | list[tuple[int, int]], unit: object | None = None
+) -> None:
     """Refuse a reduce-scatter whose ranks' gradient shards differ in size ([Note: qgZ checks
     the shard sizes]): ``ranges`` holds each node's smallest and largest size, the same on
-    every rank, so every rank refuses alike."""
+    every rank, so every rank refuses alike; ``unit``: the FSDP unit, for the fix to name."""
     sizes = sorted({s for r in ranges for s in r})
     if len(sizes) > 1:
         raise RuntimeError(
             "qgZ's reduce-scatter got gradient shards of different sizes from the ranks "
-            f"(elements: {sizes}): a parameter of this FSDP unit got a gradient on some ranks "
-            "and none on others in this step (a data-dependent branch, an MoE expert without "
-            "tokens). Call set_reduce_scatter_unused_params(True) on the model (FSDP2 then "
-            "reduces every trainable parameter, zeros for unused ones), or give every "
-            "trainable parameter a gradient on every rank"
+            f"(elements: {sizes}): {unequal_shards('ranks', unit)}"
         )
 
 
