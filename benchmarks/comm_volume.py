@@ -99,7 +99,7 @@ def _world(rank: int, world: int, rpn: int, model_kwargs: dict, steps: int) -> d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--topologies", type=topologies, default="2x2,4x2", help="NODESxRANKS_PER_NODE list"
     )
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         base32 = sum(v[0] for k, v in res["ZeRO-3 (fp32 wire)"].items() if k != "events")
         # The paper's baseline priced as bandwidth-optimal rings: three collectives of the
         # 16-bit model, (P-1)/P of it across each node boundary. Our measured 16-bit baseline
-        # sends more (its reduce-scatter is an all-to-all), so the targets use this, stricter,
-        # denominator.
+        # differs both ways (its reduce-scatter is an all-to-all, more than a ring; its kept last
+        # blocks skip their backward gathers), so a target is met only against both.
         p = nodes * rpn
         ring16 = 3 * (p - 1) / p * m
         rows = []
@@ -160,8 +160,11 @@ def main(argv: list[str] | None = None) -> None:
                 ]
             )
             if name.startswith("ZeRO++"):
+                ring, measured = ring16 / (total * m), base16 / (total * m)
+                target = 6.0 if "INT4" in name else 4.0
+                met = "yes" if min(ring, measured) >= target else "NO"
                 summary_rows.append(
-                    [topo, name, round(ring16 / (total * m), 2), round(base16 / (total * m), 2)]
+                    [topo, name, round(ring, 2), round(measured, 2), f">= {target:g}x", met]
                 )
         report.table(
             f"{topo} ({nodes} nodes x {rpn} ranks), GPT of {params:,} parameters, "
@@ -181,16 +184,24 @@ def main(argv: list[str] | None = None) -> None:
         )
     report.table(
         "Targets: >= 4x vs 16-bit-wire ZeRO-3 (ZeRO++), >= 6x with INT4 weights",
-        ["topology", "config", "vs 16-bit ZeRO-3, ring model", "vs 16-bit ZeRO-3, measured"],
+        [
+            "topology",
+            "config",
+            "vs 16-bit ZeRO-3, ring model",
+            "vs 16-bit ZeRO-3, measured",
+            "target",
+            "met (vs both)",
+        ],
         summary_rows,
     )
     report.note(
         "Ring all-gather / reduce-scatter over P ranks send (P-1)/P of the tensor across each "
         "node boundary, so ZeRO-3's per-collective volume is (P-1)/P M, not M; qgZ's inter-node "
         "hop is a direct all-to-all among N nodes, (N-1)/N of the node's quantized partials. "
-        "The ledger records each collective as the backend runs it: the 16-bit-wire baseline's "
-        "reduce-scatter is an all-to-all (more bytes than a ring), so the targets are checked "
-        "against the ring-model baseline, the stricter denominator."
+        "The ledger records each collective as the backend runs it: the measured 16-bit-wire "
+        "baseline's reduce-scatter is an all-to-all (more bytes than a ring) and its kept last "
+        "blocks are not gathered again in backward (fewer), so it can sit either side of the "
+        "ring model; a target counts as met only against both (the smaller ratio)."
     )
     report.write(args.out_md)
 

@@ -7,6 +7,10 @@ the benchmarks:
 
     python benchmarks/make_results.py            # docs/results/*.md -> docs/RESULTS.md
     python benchmarks/make_results.py --check    # exit 1 if RESULTS.md is stale
+
+A section of the list below whose file is missing stops the build (exit 1, nothing written),
+naming the command that measures it; ``--allow-missing`` lists it under "Not yet measured"
+instead. Another ``*.md`` without a ``- command:`` line in its header is included with a warning.
 """
 
 from __future__ import annotations
@@ -62,6 +66,14 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "(see the section's header)",
     ),
     (
+        "quant_error.md",
+        "python benchmarks/quant_error.py --out-md docs/results/quant_error.md",
+    ),
+    (
+        "zero_one_adam_lsq.md",
+        "python benchmarks/zero_one_adam_lsq.py --out-md docs/results/zero_one_adam_lsq.md",
+    ),
+    (
         "convergence_2000.md",
         "python benchmarks/convergence.py --steps 2000 --variants zero3,onebit_adam,zero_one_adam "
         "--results docs/results/steps2000/convergence.json "
@@ -82,6 +94,21 @@ def _relink(text: str, src_dir: Path, dst_dir: Path) -> str:
         return m.group(1) + Path(new).as_posix() + m.group(3)
 
     return _IMAGE.sub(fix, text)
+
+
+def missing_sections(results_dir: Path) -> list[str]:
+    """The files of ``SECTIONS`` that ``results_dir`` lacks."""
+    return [name for name, _ in SECTIONS if not (results_dir / name).exists()]
+
+
+def unheaded_extras(results_dir: Path) -> list[str]:
+    """Files outside ``SECTIONS`` whose header names no command (not a benchmark's report)."""
+    known = {name for name, _ in SECTIONS}
+    return [
+        p.name
+        for p in sorted(results_dir.glob("*.md"))
+        if p.name not in known and "- command:" not in "\n".join(p.read_text().splitlines()[:20])
+    ]
 
 
 def build(results_dir: Path, out: Path) -> str:
@@ -122,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results-dir", default=str(ROOT / "docs" / "results"))
     p.add_argument("--out", default=str(ROOT / "docs" / "RESULTS.md"))
     p.add_argument("--check", action="store_true", help="exit 1 if --out differs from a rebuild")
+    p.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help='list missing sections under "Not yet measured" instead of stopping',
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     results_dir = Path(args.results_dir)
@@ -136,6 +168,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     if out.is_dir():
         p.error(f"--out {out} is a folder; name a file")
+    missing = missing_sections(results_dir)
+    if missing and not args.allow_missing:
+        regen = dict(SECTIONS)
+        print(
+            f"{results_dir} lacks {len(missing)} section(s); nothing written. Measure them, or "
+            "pass --allow-missing to list them as not yet measured:\n"
+            + "\n".join(f"  {m}: {regen[m]}" for m in missing),
+            file=sys.stderr,
+        )
+        return 1
+    for name in unheaded_extras(results_dir):
+        print(
+            f"warning: {results_dir / name} has no '- command:' line in its header (the "
+            "benchmarks write one); included as it is",
+            file=sys.stderr,
+        )
     text = build(results_dir, out)
     if args.check:
         current = out.read_text() if out.exists() else ""

@@ -38,7 +38,7 @@ need not add up to the step.
 
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
     python benchmarks/optim_step.py --phases --sizes 10M --threads 1 --cpu-time
-    python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md results/optim_step.md
+    python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md /tmp/optim_step.md
     python benchmarks/optim_step.py --models gpt2,lora,small --threads 1,2 --cpu-time
 
 With ``--models`` each table is instead one model's parameter list (GPT-2 small, LoRA adapters,

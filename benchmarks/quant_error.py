@@ -103,7 +103,7 @@ def checkpoint_weights(state: object, path: str) -> list[torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=at_least(1), default=4 * 2**20)
     parser.add_argument("--outlier-rate", type=float, default=1e-4)
     parser.add_argument("--outlier-sigma", type=float, default=20.0)

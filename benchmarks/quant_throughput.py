@@ -9,7 +9,7 @@ torch.compile kernel / loads it from inductor's cache) is reported separately; t
 is the C kernels for fp32 input (qshard.quant._native_kernels) when a C compiler exists. bitsandbytes' CPU ``quantize_blockwise`` is measured when importable.
 
     python benchmarks/quant_throughput.py                 # 64M elements
-    python benchmarks/quant_throughput.py --numel 4000000 --out-md docs/results/quant_throughput.md
+    python benchmarks/quant_throughput.py --numel 4000000 --out-md /tmp/quant_throughput.md
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def interleaved(fn, baseline, repeat: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=at_least(1), default=64 * 2**20, help="elements (fp32)")
     parser.add_argument("--repeat", type=at_least(1), default=5, help="timed calls per kernel")
     parser.add_argument("--block-size", type=at_least(1), default=Q.DEFAULT_BLOCK_SIZE)

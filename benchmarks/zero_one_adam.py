@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=at_least(1), default=400)
     parser.add_argument(
         "--world",

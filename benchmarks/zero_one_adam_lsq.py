@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import Report, add_report_args
 
 DIM, ROWS_PER_RANK, BATCH, FREEZE = 32, 256, 32, 100
 
@@ -69,10 +74,13 @@ def _world(rank: int, world: int, cases: list, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", default="2,4")
     parser.add_argument("--lrs", default="3e-3,1e-2,3e-2,1e-1")
     parser.add_argument("--steps", type=int, default=2000)
+    add_report_args(parser)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(
@@ -80,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     from qshard.testing import run_world
 
-    print(f"host load average {os.getloadavg()[0]:.1f} (times not measured)")
-    print("| ranks | lr | Adam | 1-bit Adam | 0/1 H=1 | H=2 | H=4 | H=16 | H=16 exact sync |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    report = Report("0/1 Adam's local steps at a constant lr: least squares")
+    load = os.getloadavg()[0]
+    table = []
     for world in (int(r) for r in args.ranks.split(",")):
         cases, rows = [], []
         for lr in (float(x) for x in args.lrs.split(",")):
@@ -94,8 +102,17 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((lr, names))
         out = run_world(_world, world, args=(cases, args.steps), timeout_s=3000)[0]
         for lr, names in rows:
-            cells = [f"{out[n][args.steps]:.1e}" for n in names]
-            print(f"| {world} | {lr:g} | " + " | ".join(cells) + " |", flush=True)
+            table.append([world, f"{lr:g}", *(f"{out[n][args.steps]:.1e}" for n in names)])
+    report.table(
+        f"Full-data mse after {args.steps} steps (optimum 0)",
+        ["ranks", "lr", "Adam", "1-bit Adam", "0/1 H=1", "H=2", "H=4", "H=16", "H=16 exact sync"],
+        table,
+    )
+    report.note(
+        f"Host load average {load:.1f} at the start (no times are measured; the numbers are "
+        "deterministic)."
+    )
+    report.write(args.out_md)
 
 
 if __name__ == "__main__":

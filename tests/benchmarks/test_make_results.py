@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected(
-    load_benchmark, tmp_path
+    load_benchmark, tmp_path, capsys
 ):
     mr = load_benchmark("make_results")
     results = tmp_path / "docs" / "results"
@@ -17,7 +17,15 @@ def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected
     )
     (results / "zz_extra.md").write_text("## Extra\n")
     out = tmp_path / "docs" / "RESULTS.md"
-    assert mr.main(["--results-dir", str(results), "--out", str(out)]) == 0
+    # Sections missing stop the build (it wrote a RESULTS.md without them and exited 0),
+    # naming what measures them; --allow-missing lists them instead.
+    assert mr.main(["--results-dir", str(results), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "netsim_check.md: benchmarks/netsim/netsim.sh" in err and not out.exists(), err
+    args = ["--results-dir", str(results), "--out", str(out), "--allow-missing"]
+    assert mr.main(args) == 0
+    # an extra file that is not a benchmark's report (no command in its header) is flagged
+    assert "zz_extra.md has no '- command:' line" in capsys.readouterr().err
     text = out.read_text()
     # Known sections first in their fixed order, then the others.
     assert text.index("## Throughput") < text.index("## Convergence") < text.index("## Extra")
@@ -28,9 +36,9 @@ def test_sections_in_order_images_relinked_missing_listed_and_staleness_detected
     # What was not measured is listed with the command that measures it.
     assert "docs/results/netsim_check.md" in text.split("## Not yet measured")[1]
     assert "Regenerate at full length: `python benchmarks/throughput.py --rates 100,200,400" in text
-    assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 0
+    assert mr.main([*args, "--check"]) == 0
     (results / "zz_extra.md").write_text("## Extra, changed\n")
-    assert mr.main(["--results-dir", str(results), "--out", str(out), "--check"]) == 1
+    assert mr.main([*args, "--check"]) == 1
 
 
 def test_a_results_dir_without_results_is_refused_and_out_is_left_alone(
