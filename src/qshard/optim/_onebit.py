@@ -92,7 +92,9 @@ def _refuse_misplaced(group: dict[str, Any], name: str, *, by_hand: bool = False
         f"(del opt.param_groups[i][{misplaced[0]!r}]) and pass such settings to the {name} "
         "constructor (see its docstring)"
         if by_hand
-        else f"pass the others to the {name} constructor (see its docstring)"
+        else f"pass the others to the {name} constructor (see its docstring); "
+        "torch's ZeroRedundancyOptimizer copies its keyword arguments into every group, and "
+        f"cannot wrap {name} anyway (it replicates every parameter; ZeRO-1 shards them)"
     )
     raise ValueError(
         f"{name}: {misplaced} {where}: these are settings of the whole optimizer (or of "
@@ -265,7 +267,9 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                     "parameters would have no variance estimate and take steps of about "
                     "lr * m / eps. Give the optimizer every parameter before the freeze (one "
                     "may keep requires_grad=False until it is needed, but must train for at "
-                    "least one step before the freeze), or train them with another optimizer"
+                    "least one step before the freeze), or train them with another optimizer whose "
+                    "gradients you average across ranks yourself (dist.all_reduce(p.grad), "
+                    "op=AVG): nothing else averages them"
                 )
         except Exception:
             self.param_groups.pop()
@@ -302,7 +306,8 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                 f"{self._extra['step'] + 1}, after the variance freeze ({self._freeze_name()}):"
                 " they have no variance estimate and would take steps of about lr * m / eps. "
                 "Let them train (requires_grad=True) for at least one step before the freeze, "
-                "or train them with another optimizer"
+                "or train them with another optimizer whose gradients you average across "
+                "ranks yourself (dist.all_reduce(p.grad), op=AVG): nothing else averages them"
             )
         for p in new:
             state = self._state(p)
@@ -399,7 +404,8 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                 "variance estimate: a 1-bit step would move them by about lr * m / eps. They "
                 "are not updated from here on (weight decay still applies). If they are used "
                 "later (a branch or head enabled after the warm-up), let them get gradients "
-                "before the freeze, or train them with another optimizer",
+                "before the freeze, or train them with another optimizer whose gradients you "
+                "average across ranks yourself (nothing else averages them)",
                 stacklevel=user_stacklevel(),
             )
 
@@ -604,7 +610,8 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
                 f"{name}: ranks disagree on the parameters or the process group "
                 f"(per rank [num params, layout hash, group size, group hash]: "
                 f"{gathered[:, :4].tolist()}); build the same model and pass the same "
-                "process_group on every rank"
+                "process_group on every rank (a 1-bit optimizer replicates every parameter: "
+                "ZeroRedundancyOptimizer, which hands each rank different ones, cannot wrap it)"
             )
         if values_agree and moves and not bool((gathered[:, 4:] == mine[4:]).all()):
             raise RuntimeError(
