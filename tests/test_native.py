@@ -135,3 +135,47 @@ def test_cc_keeps_its_launcher_and_flags(cache, monkeypatch):
     # A CC whose program is missing still falls back to the default compiler.
     monkeypatch.setenv("CC", "no-such-compiler -O1")
     assert _native._compiler() in ([cc], [shutil.which("gcc")])
+
+
+def test_a_torn_library_is_built_again_not_loaded(cache):
+    # [Note: a torn library]: a cached .so cut short (a crash before its data reached the
+    # disk) was mapped by CDLL and the process died of SIGBUS, on every later run. In a child
+    # process, so that a regression kills the child, not the test run.
+    import subprocess
+    import sys
+
+    try:
+        _native._compiler()
+    except RuntimeError:
+        pytest.skip("no C compiler")
+    _native.build_library("t", SOURCE)
+    (built,) = sos(cache)
+    assert _native._complete_library(str(cache / built))
+    with open(cache / built, "r+b") as f:
+        f.truncate(1000)
+    assert not _native._complete_library(str(cache / built))
+    child = (
+        "from qshard import _native; import ctypes\n"
+        f"lib = _native.build_library('t', {SOURCE!r})\n"
+        "lib.add3.restype = ctypes.c_int; print(lib.add3(4))\n"
+    )
+    env = {**os.environ, "QSHARD_KERNEL_CACHE": str(cache)}
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "7", (out.returncode, out.stderr)
+    assert "is torn" in out.stderr
+    assert _native._complete_library(str(cache / built)) and sos(cache) == [built]
+
+
+def test_cache_dir_ignores_an_empty_or_relative_xdg_cache_home(tmp_path, monkeypatch):
+    # an empty XDG_CACHE_HOME put the kernel cache in the current directory
+    monkeypatch.delenv("QSHARD_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    default = str(tmp_path / ".cache" / "qshard" / "kernels")
+    for xdg in ("", "rel"):
+        monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+        assert _native.cache_dir() == default
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _native.cache_dir() == str(tmp_path / "xdg" / "qshard" / "kernels")
+    monkeypatch.setenv("QSHARD_KERNEL_CACHE", "~/k")
+    assert _native.cache_dir() == str(tmp_path / "k")

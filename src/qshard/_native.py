@@ -17,6 +17,7 @@ Why C through ctypes: no torch headers and no build step at install time; ``cc -
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,6 +25,7 @@ import os
 import platform
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -51,12 +53,51 @@ DEFAULT_FLAGS: tuple[str, ...] = (
 
 
 def cache_dir() -> str:
-    """The per-user directory holding built libraries (created if missing)."""
-    root = os.environ.get("QSHARD_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "qshard", "kernels"
+    """The per-user directory holding built libraries (created if missing): $QSHARD_KERNEL_CACHE,
+    else $XDG_CACHE_HOME/qshard/kernels, else ~/.cache/qshard/kernels. An empty or relative
+    XDG_CACHE_HOME is ignored, as the XDG spec says (an empty one put the cache in the current
+    directory)."""
+    xdg = os.environ.get("XDG_CACHE_HOME") or ""
+    base = xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache")
+    root = os.path.expanduser(os.environ.get("QSHARD_KERNEL_CACHE") or "") or os.path.join(
+        base, "qshard", "kernels"
     )
     os.makedirs(root, exist_ok=True)
     return root
+
+
+def _complete_library(path: str) -> bool:
+    """Whether the cached build at ``path`` is whole. [Note: a torn library] The build is
+    renamed into place whole, but a crash before its data reached the disk can leave a short
+    file of that name; ``ctypes.CDLL`` maps it and the process dies of SIGBUS, on every later
+    run, with no message. On Linux the file must be an ELF file at least as long as its header
+    says (the section header table, which the linker writes last, ends inside it)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[5] not in (1, 2):
+        return False
+    order = "<" if head[5] == 1 else ">"
+    if head[4] == 2:  # 64-bit
+        (shoff,) = struct.unpack_from(order + "Q", head, 0x28)
+        shentsize, shnum = struct.unpack_from(order + "HH", head, 0x3A)
+    else:
+        (shoff,) = struct.unpack_from(order + "I", head, 0x20)
+        shentsize, shnum = struct.unpack_from(order + "HH", head, 0x2E)
+    return size >= shoff + shentsize * shnum
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _cpu_identity() -> str:
@@ -102,6 +143,10 @@ def build_library(name: str, source: str, flags: Sequence[str] = DEFAULT_FLAGS) 
         (source + " ".join(flags) + " ".join(cc) + _cpu_identity()).encode()
     ).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"{name}_{digest}.so")
+    if os.path.exists(path) and not _complete_library(path):
+        log.warning("qshard: %s is torn (shorter than its header says); building it again", path)
+        with contextlib.suppress(OSError):  # another rank removed or replaced it first
+            os.remove(path)
     if not os.path.exists(path):
         # Build into a private temp file and rename: concurrent ranks never see a partial .so.
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
@@ -114,7 +159,10 @@ def build_library(name: str, source: str, flags: Sequence[str] = DEFAULT_FLAGS) 
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc)} failed:\n{proc.stderr[-2000:]}")
+            _fsync(out)  # on the disk before its name is ([Note: a torn library])
             os.replace(out, path)
+            with contextlib.suppress(OSError):  # a filesystem that cannot sync a folder
+                _fsync(os.path.dirname(path))
     return ctypes.CDLL(path)
 
 

@@ -198,6 +198,34 @@ def test_compiled_int8_matches_reference(fast_mode):
     assert {"quant_int8", "dequant_int8"} <= set(_fastpath.compiled_kernels())
 
 
+def test_a_failed_compile_runs_the_kernels_eagerly(fast_mode, monkeypatch, caplog):
+    # [Note: no C++ compiler]: inductor needs g++; without one every large quantize call raised
+    # InvalidCxxCompiler (qshard train died) where the docs promised a fallback.
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    def no_compiler(fn, **kwargs):
+        def compiled(*args):
+            raise InvalidCxxCompiler()
+
+        return compiled
+
+    x = with_specials(torch.randn(64 * 256 + 77), 0)
+    fast_mode("ref")
+    ref = Q.quantize_blockwise(x)
+    fast_mode("compiled")
+    monkeypatch.setattr(_fastpath, "_compiled", {})
+    monkeypatch.setattr(_fastpath, "_compile_failed", None)
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level("WARNING", logger="qshard.quant"):
+        got = Q.quantize_blockwise(x)
+        again = Q.quantize_blockwise(x)  # no second attempt, no second warning
+    assert same(got, ref) and same(again, ref)
+    assert _fastpath._compile_failed and "C++ compiler" in _fastpath._compile_failed
+    warned = [r for r in caplog.records if "running them eagerly" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert not _fastpath.compiled_kernels()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "block_size"),

@@ -30,10 +30,18 @@ async threads can call in concurrently without racing Dynamo; the kernels themse
 OpenMP-parallel, so serialising Python threads costs little. Dim 0 (the number of blocks)
 is marked dynamic, so new tensor sizes do not recompile; each new dtype or block size compiles
 once more (see [Note: one code object per specialisation]).
+
+[Note: no C++ compiler] inductor compiles its kernels with a C++ compiler. On a machine without
+one (a slim image: no compiler at all, or gcc without g++) the first compile raised
+``InvalidCxxCompiler`` out of every quantize call of 2**18 elements or more, where the docs
+promised a fallback (``qshard train`` died with a one-line "Set TORCHDYNAMO_VERBOSE=1"). A
+failed compile now turns compilation off for the process, logs one line, and the kernel bodies
+run eagerly (the same bits, one memory pass per op).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import types
 from collections.abc import Callable
@@ -194,12 +202,26 @@ _compiled: dict[tuple[object, ...], Callable[..., None]] = {}
 # Tests flip this to run the kernel bodies eagerly: that checks their math (LUT, packing)
 # against the reference without paying a compile per kernel.
 _compile_kernels = True
+# Why torch.compile failed in this process ([Note: no C++ compiler]); the bodies then run eagerly.
+_compile_failed: str | None = None
+logger = logging.getLogger("qshard.quant")
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions of a failed inductor compile (not of the kernel's own arguments)."""
+    from torch._dynamo import exc as dynamo_exc
+    from torch._inductor import exc as inductor_exc
+
+    names = ("InductorError", "InvalidCxxCompiler", "CppCompileError")
+    found = [getattr(inductor_exc, n) for n in names if hasattr(inductor_exc, n)]
+    return (dynamo_exc.BackendCompilerFailed, *found)
 
 
 def _run(name: str, dynamic: tuple[Tensor, ...], *args: object) -> None:
     """Call kernel ``name`` compiled (lazily, once per specialisation), with dim 0 of
     ``dynamic`` marked dynamic."""
-    if not _compile_kernels:
+    global _compile_failed
+    if not _compile_kernels or _compile_failed is not None:
         _BODIES[name](*args)
         return
     for t in dynamic:
@@ -221,7 +243,19 @@ def _run(name: str, dynamic: tuple[Tensor, ...], *args: object) -> None:
             )
             fn = torch.compile(clone, dynamic=False, fullgraph=True)
             _compiled[key] = fn
-        fn(*args)
+        try:
+            fn(*args)
+        except _compile_errors() as exc:
+            _compiled.pop(key, None)
+            _compile_failed = (str(exc).strip().splitlines() or [repr(exc)])[0][:200]
+            logger.warning(
+                "qshard.quant: torch.compile of the fast kernels failed (%s: %s); running "
+                "them eagerly from now on (same results, slower). Install a C++ compiler "
+                "(g++) for the compiled kernels",
+                type(exc).__name__,
+                _compile_failed,
+            )
+            _BODIES[name](*args)
 
 
 def compiled_kernels() -> list[str]:
