@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 from typing import Any
 
@@ -109,6 +110,11 @@ def missing_features(config: TrainConfig) -> list[str]:
         problems.append(
             f"--model llama needs transformers, which is not installed: {INSTALL_TRANSFORMERS}; "
             "or pass --model gpt"
+        )
+    if config.progress and importlib.util.find_spec("tqdm") is None:
+        problems.append(
+            "--progress needs tqdm, which is not installed: pip install 'qshard[train]' (or "
+            "pip install tqdm); or pass --no-progress"
         )
     if config.stable_embedding and _optional("qshard.nn", "StableEmbedding") is None:
         problems.append(

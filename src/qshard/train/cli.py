@@ -162,6 +162,12 @@ def config_from_args(argv: Sequence[str]) -> TrainConfig:
     return config
 
 
+def _tqdm_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tqdm") is None
+
+
 def _fit_defaults(args: dict[str, Any], explicit: set[str]) -> list[str]:
     """[Note: defaults that cannot fit] Two schedule defaults depend on flags a user does
     give: the warm-up must end before the run (TrainConfig refuses ``--warmup-steps`` >=
@@ -189,6 +195,12 @@ def _fit_defaults(args: dict[str, Any], explicit: set[str]) -> list[str]:
         notes.append(
             f"--warmup-steps defaults to {warmup}, which does not end before --steps {steps}; "
             f"{instead}; pass --warmup-steps to choose"
+        )
+    if args.get("progress") and "progress" not in explicit and _tqdm_missing():
+        args["progress"] = False
+        notes.append(
+            "no progress bar: tqdm is not installed (pip install 'qshard[train]' installs what "
+            "the training application uses); --no-progress says so without this note"
         )
     lr, floor = args.get("lr"), args.get("min_lr")
     if (

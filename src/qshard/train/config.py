@@ -185,6 +185,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self._check_types()
+        # "--out=~/runs" reaches us unexpanded (the shell expands ~ only at a word's start):
+        # it made a folder named "~" in the current directory
+        for name in _PATH_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, name, os.path.expanduser(value))
 
         def positive(name: str, *, zero_ok: bool = False) -> None:
             value = getattr(self, name)

@@ -65,8 +65,9 @@ class Corpus:
 def default_cache_dir() -> Path:
     """``$QSHARD_CACHE`` or ``$XDG_CACHE_HOME/qshard`` or ``~/.cache/qshard``."""
     if env := os.environ.get("QSHARD_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or ""  # relative: ignored, as the XDG spec says
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "qshard"
 
 

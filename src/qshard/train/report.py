@@ -9,6 +9,7 @@ Reads each run's ``metrics.jsonl`` and writes, into ``--out`` (default: the firs
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from collections.abc import Sequence
@@ -118,6 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output folder (default: the first run)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     out = args.out or args.runs[0]
+    if importlib.util.find_spec("matplotlib") is None:  # the library alone is installed
+        print(
+            "qshard report: error: the plots need matplotlib, which is not installed: "
+            "pip install 'qshard[train]' (or pip install matplotlib)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         paths = plot_runs(args.runs, out)
     except (FileNotFoundError, ValueError) as exc:  # no metrics, or a line that is no record
