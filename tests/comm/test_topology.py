@@ -180,3 +180,32 @@ def test_groups_on_gloo_2x2():
     out = run_world(_groups_world, 4, args=(2,), timeout_s=120)
     assert out[0] == [[0, 1], [0, 2], 1.0, 2.0]
     assert out[3] == [[2, 3], [1, 3], 5.0, 4.0]
+
+
+def test_a_topology_kept_across_a_new_init_uses_the_new_jobs_groups(tmp_path):
+    # A Topology kept across destroy_process_group / init_process_group (a notebook, a
+    # module-scoped fixture) handed out the old job's groups: the first collective failed with
+    # "Process group ... is not initialized in the world group map".
+    def init(name: str) -> None:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / name}", rank=0, world_size=1
+        )
+
+    init("store1")
+    try:
+        topo = Topology(world_size=1, ranks_per_node=1)
+        old = topo.intra_node_group
+        # the world size is checked before the rank: it blamed the rank on some ranks
+        with pytest.raises(ValueError, match="world_size 2 differs"):
+            Topology(world_size=2, ranks_per_node=1, rank=2)
+    finally:
+        dist.destroy_process_group()
+    init("store2")
+    try:
+        new = topo.intra_node_group
+        assert new is not old
+        x = torch.ones(1)
+        dist.all_reduce(x, group=new)
+        assert x.item() == 1.0 and topo.twin_group("intra") is topo.twin_group("intra")
+    finally:
+        dist.destroy_process_group()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -74,18 +75,23 @@ class Topology:
             )
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            # a float rank gave float nodes (1.5 // 2 == 0.0); a str failed on '<='
-            raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
+        # the world size first: a world_size=2 topology in a world of 4 blamed the rank on
+        # ranks 2 and 3 and the world size on ranks 0 and 1
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() != world_size:
             raise ValueError(
                 f"world_size {world_size} differs from the initialized process group's "
                 f"{dist.get_world_size()}; use Topology.from_env() or pass the real world size"
             )
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            # a float rank gave float nodes (1.5 // 2 == 0.0); a str failed on '<='
+            raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
         self._world_size = world_size
         self._ranks_per_node = ranks_per_node
         self._rank = rank
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        # kind -> (the default group it was made under, the group): a topology kept across
+        # destroy_process_group / init_process_group (a notebook, a module-scoped fixture)
+        # handed out the old job's groups ("not initialized in the world group map")
+        self._groups: dict[str, tuple[Any, dist.ProcessGroup]] = {}
 
     @classmethod
     def from_env(cls, ranks_per_node: int | None = None) -> Topology:
@@ -247,17 +253,13 @@ class Topology:
     @property
     def intra_node_group(self) -> dist.ProcessGroup:
         """This rank's node: ``ranks_per_node`` ranks. Created on first access (collective)."""
-        if "intra" not in self._groups:
-            self._groups["intra"] = self._make_groups("intra")
-        return self._groups["intra"]
+        return self._group("intra")
 
     @property
     def inter_node_group(self) -> dist.ProcessGroup:
         """The ranks with this rank's local rank on every node: ``num_nodes`` ranks, one per
         node. Created on first access (collective)."""
-        if "inter" not in self._groups:
-            self._groups["inter"] = self._make_groups("inter")
-        return self._groups["inter"]
+        return self._group("inter")
 
     def twin_group(self, kind: str) -> dist.ProcessGroup:
         """A second group of the same ranks as ``intra_node_group`` (``kind="intra"``) or
@@ -266,10 +268,15 @@ class Topology:
         :mod:`qshard.comm.duplex`). Created on first access (collective, like the groups)."""
         if kind not in ("intra", "inter"):
             raise ValueError(f"kind must be 'intra' or 'inter'; got {kind!r}")
-        key = f"{kind}_twin"
-        if key not in self._groups:
-            self._groups[key] = self._make_groups(key)
-        return self._groups[key]
+        return self._group(f"{kind}_twin")
+
+    def _group(self, kind: str) -> dist.ProcessGroup:
+        """This rank's group of ``kind``, made once per job (:meth:`_make_groups`)."""
+        world = dist.group.WORLD
+        hit = self._groups.get(kind)
+        if hit is None or hit[0] is not world:
+            hit = self._groups[kind] = (world, self._make_groups(kind))
+        return hit[1]
 
     def twin_for(self, ranks: Sequence[int]) -> dist.ProcessGroup | None:
         """The twin (:meth:`twin_group`) of a 2-rank group with the members of this rank's
