@@ -241,3 +241,31 @@ def test_prepared_launches_kept_only_while_their_tensors_are(monkeypatch, name):
     (_, want), (counts, got), _ = _both(monkeypatch, run)
     assert counts == [1, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7], counts  # (the CPU run prepares nothing)
     assert _equal(want, got)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
+@pytest.mark.parametrize("order", [("bf16", "fp32"), ("fp32", "bf16")])
+def test_a_kept_launch_follows_a_gradient_whose_dtype_changes(monkeypatch, name, order):
+    # With p.grad_dtype = None (torch >= 2.10) an fp32 parameter may get a bf16 gradient one
+    # step and an fp32 one the next; the kept launch ([Note: prepared launch]) read the new
+    # gradient as the old dtype (NaN parameters; on a GPU an out-of-bounds read).
+    from qshard import optim
+
+    if not hasattr(torch.nn.Parameter(torch.zeros(1)), "grad_dtype"):
+        pytest.skip("this torch has no Parameter.grad_dtype")
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+    def run(kernel: bool) -> torch.Tensor:
+        monkeypatch.setattr(_triton, "serves", lambda t: kernel)
+        gen = torch.Generator().manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8, 512, generator=gen))
+        p.grad_dtype = None
+        small = dict(min_8bit_size=1) if "8bit" in name else dict(min_4bit_size=1)
+        opt = getattr(optim, name)([p], lr=1e-2, **small)
+        for dt in (*order, order[0]):
+            p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(dtypes[dt])
+            opt.step()
+        return p.detach().clone()
+
+    got, want = run(True), run(False)
+    assert not got.isnan().any() and torch.equal(got, want)

@@ -555,6 +555,25 @@ def test_lr_must_be_a_number_and_not_nan(cls):
 
 
 @pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
+def test_state_left_on_another_device_is_refused(cls):
+    # Stepped on one device, the model then moved (model.cpu() after CUDA steps): the C kernel
+    # took the CPU parameter and wrote through the state's device addresses (a segfault; here
+    # the state is on "meta", whose data the host cannot reach either).
+    size = dict(min_4bit_size=0) if cls is qoptim.AdamW4bit else dict(min_8bit_size=0)
+    p = nn.Parameter(torch.randn(64, 256))
+    opt = cls([p], **size)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    state = opt.state[p]
+    for k in [k for k in state if k.endswith(("_codes", "_absmax"))]:
+        state[k] = state[k].to("meta")
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="is on meta but the parameter is on cpu"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
 def test_state_that_does_not_fit_the_layout_is_refused(cls):
     # The fused kernels index the state by raw pointer: a group's block_size changed after the
     # state was made, or state loaded from a parameter of another shape, wrote out of bounds

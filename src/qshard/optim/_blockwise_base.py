@@ -186,6 +186,12 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             self._optimizer_load_state_dict_pre_hooks = pre
             self._optimizer_load_state_dict_post_hooks = post
         for p, st in originals.items():
+            # The step counters stay CPU tensors (the kernels read them on the host): torch's
+            # load moves them to the parameter's device when the group says fused=True, and a
+            # CUDA counter then failed to pin at the next fused step (or synced every step).
+            step = self.state[p].get("step")
+            if isinstance(step, Tensor) and not step.is_cpu:
+                self.state[p]["step"] = step.detach().to("cpu", torch.float32)
             for k, v in st.items():
                 if isinstance(v, Tensor) and k != "step":
                     quantized = k.endswith("_codes") or k.endswith("_absmax")
@@ -204,6 +210,14 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     @eager_only
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # the kernels read the step counters and hyperparameters on the host: a captured
+            # step would replay the captured lr and bias correction forever
+            raise RuntimeError(
+                f"{type(self).__name__}.step() cannot be captured in a CUDA graph (its step "
+                "counters and hyperparameters are read on the host each step); step outside "
+                "the captured region"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -215,7 +215,8 @@ def _multi_tensor_entry(
     rows, row_numel = _qstate.row_view(p_l.shape)
     codes_shape = p_l.shape if packed_row is None else (rows, packed_row(row_numel))
     absmax_shape = (rows, _qstate.blocks_per_row(row_numel, block_size))
-    if not _layout_fits(codes_shape, codes, absmax, absmax_shape):
+    on_cpu = all(t.is_cpu for t in codes) and all(t.is_cpu for t in absmax)
+    if not (on_cpu and _layout_fits(codes_shape, codes, absmax, absmax_shape)):
         _check_layout(name, p_l, codes, absmax, tuple(codes_shape), block_size)
         return None  # (not reached: the check says what does not fit)
     two = len(states) == 2
@@ -274,8 +275,10 @@ def _plan_fingerprint(
     ``qshard._triton._common``; :meth:`BlockwiseOptimizer._plan_quantized`) and the gradients'
     addresses, or None when it cannot be kept (a gradient the kernels read through a copy: the
     copy is new each step). Per item: the parameter (identity, address, shape, dtype), its
-    gradient's shape and whether its address is 16-byte aligned (its dtype is the parameter's,
-    which torch's ``.grad`` setter enforces), and the identities of the state tensors under
+    gradient's shape, dtype (not always the parameter's: with ``p.grad_dtype = None``, torch
+    >= 2.10, a bf16 gradient of an fp32 parameter one step and an fp32 one the next was read as
+    the kept launch's dtype) and whether its address is 16-byte aligned, and the identities of
+    the state tensors under
     ``state_keys``. A gradient's address is not part of it: FSDP2 and ``zero_grad`` give new
     gradient tensors each step, often elsewhere, and a kept plan takes the new addresses
     (``_plan_quantized``); its alignment is, because a Triton launch compiled for aligned
@@ -290,7 +293,7 @@ def _plan_fingerprint(
             return None
         g = g_l.data_ptr()
         at(g)
-        more((id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.shape, g % 16 == 0))
+        more((id(p), p_l.data_ptr(), p_l.shape, p_l.dtype, g_l.shape, g_l.dtype, g % 16 == 0))
         for k in state_keys:
             add(id(state[k]))
     return tuple(key), grads

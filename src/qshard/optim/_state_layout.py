@@ -67,6 +67,16 @@ def _check_layout(
     """Refuse quantized state whose layout no longer fits ``p`` and the group's ``block_size``
     (the group option changed after the state was made, or state loaded from another shape):
     the kernels index it by raw pointer, so a mismatch wrote out of bounds."""
+    for t in (*codes, *absmax):
+        if t.device != p.device:
+            # (the kernels read it by raw pointer: the C kernel wrote through CUDA addresses)
+            raise RuntimeError(
+                f"{name}: the state of a parameter of (local) shape {tuple(p.shape)} is on "
+                f"{t.device} but the parameter is on {p.device} (moved, e.g. by model.to(), "
+                "after the optimizer stepped?). Move the optimizer's state with it (load its "
+                "state_dict() again after the move: load_state_dict puts state on each "
+                "parameter's device), or build the optimizer after moving the model"
+            )
     rows, row_numel = _qstate.row_view(p.shape)
     want_absmax = (rows, _qstate.blocks_per_row(row_numel, block_size))
     for c, a in zip(codes, absmax):
