@@ -155,7 +155,9 @@ def quantize_rows(
     if not q.signed and rounding.floor_unsigned:
         codes = torch.where((x2 > 0) & (codes == q.zero_idx), q.zero_idx + 1, codes).to(torch.uint8)
     nonfinite = torch.isnan(absmax)  # a block holding NaN/Inf: NaN absmax, zero codes, as the
-    if bool(nonfinite.any()):  # kernels store it ([Note: non-finite state blocks] in _kernels)
+    # kernels store it ([Note: non-finite state blocks] in _kernels); tested on the host only
+    # on the CPU (on a GPU the test synced every tensor's step: the fix-up runs unconditionally)
+    if not nonfinite.is_cpu or bool(nonfinite.any()):
         spread = nonfinite.repeat_interleave(block_size, dim=1)[:, :row_numel]
         codes = torch.where(spread, q.zero_idx, codes).to(torch.uint8)
     return codes.reshape(x.shape).contiguous(), absmax.contiguous()

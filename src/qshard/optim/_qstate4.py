@@ -132,7 +132,7 @@ def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]
     # A block holding NaN or Inf: NaN absmax and, per element, the code of 0.0, so it decodes
     # to NaN on every path (the 8-bit state's rule; [Note: non-finite state blocks] in _kernels)
     bad = ~absmax.isfinite()
-    if bool(bad.any()):
+    if not bad.is_cpu or bool(bad.any()):  # no host sync on a GPU: the fix-up always runs
         absmax = torch.where(bad, float("nan"), absmax)
         idx = torch.where(
             bad[..., None], torch.bucketize(torch.zeros((), device=x.device), mid), idx
