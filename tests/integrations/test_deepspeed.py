@@ -143,8 +143,10 @@ def test_zeropp_config_is_mapped():
     assert (t.gradient_clipping, t.train_batch_size, t.hpz_partition_size) == (0.5, 8, 2)
     for key in (
         "zero_optimization.reduce_bucket_size",
-        "zero_optimization.prefetch_bucket_size",  # the stage3_ alias, under its field name
-        "zero_optimization.max_live_parameters",
+        # the stage3_ aliases as the file spells them (they were listed under the field's
+        # name, which a user searching the file did not find)
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_max_live_parameters",
         "optimizer.params.torch_adam",
         "steps_per_print",
     ):
@@ -395,9 +397,9 @@ def test_hugging_face_zero3_config_with_auto_in_unread_keys():
     assert t.zeropp is not None and t.mp_policy.param_dtype == torch.bfloat16
     for key in (
         "zero_optimization.reduce_bucket_size",
-        "zero_optimization.prefetch_bucket_size",
-        "zero_optimization.param_persistence_threshold",
-        "zero_optimization.gather_16bit_weights_on_model_save",
+        "zero_optimization.stage3_prefetch_bucket_size",  # as the file spells them
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "optimizer.legacy_fusion",
         "comms_logger",
     ):

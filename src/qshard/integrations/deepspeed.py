@@ -262,12 +262,14 @@ class _Reader:
         no_equivalent: Mapping[str, str],
         only_default: Mapping[str, tuple[Any, str]] | None = None,
         refused: Mapping[str, str] | None = None,
+        written: Mapping[str, str] | None = None,
     ) -> None:
         """Every key of ``section``: mapped, no equivalent (recorded), at its only accepted
-        value, or refused."""
+        value, or refused. ``written``: a key's spelling in the user's file where ``section``
+        holds it under another name (an alias), so that reports name what the file says."""
         mapped = set(mapped)
         for key, value in section.items():
-            name = f"{prefix}{key}"
+            name = f"{prefix}{(written or {}).get(key, key)}"
             if key in mapped:
                 continue
             if key in no_equivalent:
@@ -611,12 +613,12 @@ class _Reader:
         mp_policy: MixedPrecisionPolicy | None,
         ranks_per_node: int | None,
     ) -> tuple[ZeroPPConfig | None, int]:
-        zero = {
-            _ZERO_ALIASES.get(k, k): v for k, v in self.section(cfg, "zero_optimization").items()
-        }
+        given = self.section(cfg, "zero_optimization")
+        zero = {_ZERO_ALIASES.get(k, k): v for k, v in given.items()}
         self.sort_keys(
             "zero_optimization.",
             zero,
+            written={_ZERO_ALIASES.get(k, k): k for k in given},  # stage3_prefetch_bucket_size
             mapped=_ZERO_MAPPED,
             no_equivalent=_ZERO_NO_EQUIVALENT,
             only_default={**_ZERO_ONLY_DEFAULT, **_offload_values(self, zero)},
