@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from qshard._env import env_flag
+from qshard._fs import fsync_path
 
 __all__ = ["DEFAULT_FLAGS", "NativeLibrary", "advise_huge_pages", "build_library", "cache_dir"]
 
@@ -90,14 +91,6 @@ def _complete_library(path: str) -> bool:
         (shoff,) = struct.unpack_from(order + "I", head, 0x20)
         shentsize, shnum = struct.unpack_from(order + "HH", head, 0x2E)
     return size >= shoff + shentsize * shnum
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _cpu_identity() -> str:
@@ -159,10 +152,10 @@ def build_library(name: str, source: str, flags: Sequence[str] = DEFAULT_FLAGS) 
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cc)} failed:\n{proc.stderr[-2000:]}")
-            _fsync(out)  # on the disk before its name is ([Note: a torn library])
+            fsync_path(out)  # on the disk before its name is ([Note: a torn library])
             os.replace(out, path)
             with contextlib.suppress(OSError):  # a filesystem that cannot sync a folder
-                _fsync(os.path.dirname(path))
+                fsync_path(os.path.dirname(path))
     return ctypes.CDLL(path)
 
 

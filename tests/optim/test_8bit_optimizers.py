@@ -554,16 +554,22 @@ def test_lr_must_be_a_number_and_not_nan(cls):
     assert not torch.equal(p[0], before)
 
 
+def _stepped_once(cls, width: int) -> tuple[nn.Parameter, torch.optim.Optimizer]:
+    """A (64, width) parameter with quantized state after one step of ``cls``."""
+    size = dict(min_4bit_size=0) if cls is qoptim.AdamW4bit else dict(min_8bit_size=0)
+    p = nn.Parameter(torch.randn(64, width))
+    opt = cls([p], **size)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    return p, opt
+
+
 @pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
 def test_state_left_on_another_device_is_refused(cls):
     # Stepped on one device, the model then moved (model.cpu() after CUDA steps): the C kernel
     # took the CPU parameter and wrote through the state's device addresses (a segfault; here
     # the state is on "meta", whose data the host cannot reach either).
-    size = dict(min_4bit_size=0) if cls is qoptim.AdamW4bit else dict(min_8bit_size=0)
-    p = nn.Parameter(torch.randn(64, 256))
-    opt = cls([p], **size)
-    p.grad = torch.randn_like(p)
-    opt.step()
+    p, opt = _stepped_once(cls, 256)
     state = opt.state[p]
     for k in [k for k in state if k.endswith(("_codes", "_absmax"))]:
         state[k] = state[k].to("meta")
@@ -578,11 +584,7 @@ def test_state_that_does_not_fit_the_layout_is_refused(cls):
     # The fused kernels index the state by raw pointer: a group's block_size changed after the
     # state was made, or state loaded from a parameter of another shape, wrote out of bounds
     # (the process hung). Now a clear error, before anything moves.
-    size = dict(min_4bit_size=0) if cls is qoptim.AdamW4bit else dict(min_8bit_size=0)
-    p = nn.Parameter(torch.randn(64, 1024))
-    opt = cls([p], **size)
-    p.grad = torch.randn_like(p)
-    opt.step()
+    p, opt = _stepped_once(cls, 1024)
     opt.param_groups[0]["block_size"] = 16
     before = p.detach().clone()
     with pytest.raises(RuntimeError, match="does not fit block_size=16"):
@@ -591,7 +593,7 @@ def test_state_that_does_not_fit_the_layout_is_refused(cls):
     opt.param_groups[0]["block_size"] = opt.defaults["block_size"]
     opt.step()  # back to the layout's block size: fine
     wide = nn.Parameter(torch.randn(64, 2048))  # torch.optim checks group sizes, not shapes
-    opt2 = cls([wide], **size)
+    opt2 = cls([wide], **{k: v for k, v in opt.defaults.items() if k.startswith("min_")})
     opt2.load_state_dict(opt.state_dict())
     wide.grad = torch.randn_like(wide)
     with pytest.raises(RuntimeError, match="fresh state"):

@@ -210,7 +210,11 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     @eager_only
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if (
+            torch.backends.cuda.is_built()
+            and torch.cuda.is_initialized()
+            and torch.cuda.is_current_stream_capturing()
+        ):
             # the kernels read the step counters and hyperparameters on the host: a captured
             # step would replay the captured lr and bias correction forever
             raise RuntimeError(

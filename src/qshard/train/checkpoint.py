@@ -79,6 +79,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from qshard._fs import fsync_path
 from qshard.train import _faults
 from qshard.train._checksums import (
     _DAMAGED,
@@ -129,14 +130,6 @@ CheckpointError.__module__ = DamagedCheckpointError.__module__ = __name__
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
@@ -225,11 +218,11 @@ def save_checkpoint(
         }
         info.update(meta or {})
         _write_json_atomic(partial / _META, info)
-        _fsync_dir(partial)
+        fsync_path(partial)
         if final.exists():  # a save of the same step: move the old one aside first
             _discard(final)
         os.rename(partial, final)
-        _fsync_dir(root)
+        fsync_path(root)
         for old in _complete_checkpoints(root)[:-keep]:
             _discard(old[1])
     _barrier()
@@ -573,7 +566,7 @@ def _move_aside(path: Path) -> Path:
         if not aside.exists():
             break
     os.rename(path, aside)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return aside
 
 
