@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from qshard._env import env_flag
-from qshard._fs import fsync_path
+from qshard._fs import cache_home, fsync_path
 
 __all__ = ["DEFAULT_FLAGS", "NativeLibrary", "advise_huge_pages", "build_library", "cache_dir"]
 
@@ -58,10 +58,8 @@ def cache_dir() -> str:
     else $XDG_CACHE_HOME/qshard/kernels, else ~/.cache/qshard/kernels. An empty or relative
     XDG_CACHE_HOME is ignored, as the XDG spec says (an empty one put the cache in the current
     directory)."""
-    xdg = os.environ.get("XDG_CACHE_HOME") or ""
-    base = xdg if os.path.isabs(xdg) else os.path.expanduser("~/.cache")
     root = os.path.expanduser(os.environ.get("QSHARD_KERNEL_CACHE") or "") or os.path.join(
-        base, "qshard", "kernels"
+        cache_home(), "qshard", "kernels"
     )
     os.makedirs(root, exist_ok=True)
     return root

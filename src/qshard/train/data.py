@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qshard._fs import cache_home
 from qshard.train.config import corpus_source
 
 __all__ = [
@@ -66,9 +67,7 @@ def default_cache_dir() -> Path:
     """``$QSHARD_CACHE`` or ``$XDG_CACHE_HOME/qshard`` or ``~/.cache/qshard``."""
     if env := os.environ.get("QSHARD_CACHE"):
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or ""  # relative: ignored, as the XDG spec says
-    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qshard"
+    return Path(cache_home()) / "qshard"
 
 
 def corpus_files(data: str | os.PathLike[str] | None) -> tuple[Path, list[Path]]:

@@ -60,12 +60,10 @@ Slot = tuple[int, int, int]
 def int64_bytes(values: Sequence[int], device: torch.device) -> Tensor:
     """``values`` as the bytes of int64s: a trailer after each wire row (a shard size, a
     node's range of sizes) that the receivers check, [Note: a trailer after each row]."""
-    # filled on the device: torch.tensor(values, device=cuda) is a host-to-device copy from
-    # pageable memory, which waits on the host for the stream (once per reduction)
-    out = torch.empty(len(values), dtype=torch.int64, device=device)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out.view(torch.uint8)
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cpu":  # pinned: a copy from pageable memory waits on the host
+        host = host.pin_memory().to(device, non_blocking=True)
+    return host.view(torch.uint8)
 
 
 def int64s(trailers: Tensor) -> Tensor:
