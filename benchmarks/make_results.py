@@ -70,6 +70,10 @@ SECTIONS: tuple[tuple[str, str], ...] = (
         "python benchmarks/quant_error.py --out-md docs/results/quant_error.md",
     ),
     (
+        "onebit_step.md",
+        "python benchmarks/onebit_step.py --out-md docs/results/onebit_step.md",
+    ),
+    (
         "zero_one_adam_lsq.md",
         "python benchmarks/zero_one_adam_lsq.py --out-md docs/results/zero_one_adam_lsq.md",
     ),

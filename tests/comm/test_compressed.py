@@ -4,6 +4,7 @@ odd sizes, masks, error-feedback identities and the ledger's byte count."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -12,10 +13,25 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+import qshard.comm.compressed as compressed
 from qshard.comm.compressed import compressed_all_reduce, padded_numel, server_error_numel
 from qshard.comm.ledger import CommLedger, recording
 from qshard.comm.topology import Topology
 from qshard.testing import run_world
+
+IMPLEMENTATIONS = ("per_tensor", "vectorized")  # [Note: two implementations]
+
+
+@contextlib.contextmanager
+def implementation(name: str):
+    """Run the round with one of the two implementations, whatever the device."""
+    saved = compressed._per_tensor
+    compressed._per_tensor = lambda bucket: name == "per_tensor"
+    try:
+        yield
+    finally:
+        compressed._per_tensor = saved
+
 
 # ------------------------------------------------------------------ pure helpers
 
@@ -34,8 +50,9 @@ def test_padded_numel_rejects_bad_sizes():
         padded_numel(5, 0)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("numel", [1, 3, 7, 9, 16, 33, 1000])
-def test_single_process_without_process_group(numel):
+def test_single_process_without_process_group(numel, impl):
     """No init_process_group: one rank, the same compression as the reference's world of 1,
     for sizes whose packed signs are not a multiple of 4 bytes (the scales used to be viewed
     out of the byte buffer at an unaligned offset); several tensors in one bucket."""
@@ -48,7 +65,8 @@ def test_single_process_without_process_group(numel):
     for _ in range(3):
         ts = [torch.randn(k, generator=g) for k in numels]
         before = [(e.clone(), f.clone()) for e, f in zip(ew, es)]
-        out = compressed_all_reduce(ts, ew, es)
+        with implementation(impl):
+            out = compressed_all_reduce(ts, ew, es)
         for t, o, (e0, f0), e1, f1 in zip(ts, out, before, ew, es):
             ref, ref_ew, ref_es = reference_round([t], [e0], [f0], None)
             # The scales are float32 sums of ~2000 squares: relative error up to ~1e-5.
@@ -58,7 +76,8 @@ def test_single_process_without_process_group(numel):
             torch.testing.assert_close(f1.double(), ref_es[0], **tol)
 
 
-def test_masks_must_be_bool_and_buffers_may_have_any_shape():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_masks_must_be_bool_and_buffers_may_have_any_shape(impl):
     """A float mask weighted the values (a 0.5 entry came back halved, and counted as half an
     element in the scale) instead of being refused; a worker error buffer of the right size
     but 2-D failed with a broadcasting error."""
@@ -80,12 +99,47 @@ def test_masks_must_be_bool_and_buffers_may_have_any_shape():
     ew_strided = torch.zeros(2 * padded_numel(6, 1))[::2]
     es2 = torch.zeros(server_error_numel(6, 1), 1)
     for _ in range(3):
-        (ref,) = compressed_all_reduce([t], [ref_ew], [ref_es], masks=[mask])
-        (a,) = compressed_all_reduce([t], [ew2], [es2], masks=[mask])
-        (b,) = compressed_all_reduce([t], [ew_strided], [es], masks=[mask])
+        with implementation(impl):
+            (ref,) = compressed_all_reduce([t], [ref_ew], [ref_es], masks=[mask])
+            (a,) = compressed_all_reduce([t], [ew2], [es2], masks=[mask])
+            (b,) = compressed_all_reduce([t], [ew_strided], [es], masks=[mask])
         assert torch.equal(a, ref) and torch.equal(b, ref)
         assert torch.equal(ew2.reshape(-1), ref_ew) and torch.equal(ew_strided, ref_ew)
         assert torch.equal(es2.reshape(-1), ref_es) and torch.equal(es, ref_es)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_out_shares_memory_with_nothing_but_its_own_input(impl):
+    """``out=[y, x]`` for inputs ``[x, y]`` came back wrong on the per-tensor round (it writes
+    out[0] before it reads the second input), and an ``out`` over an error buffer corrupted
+    the error feedback on both: refused before anything is touched. An ``out`` that requires
+    grad is written outside autograd (it raised half way, after buffers were written)."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, generator=g), torch.randn(16, generator=g)
+    ew = [torch.zeros(padded_numel(16, 1)) for _ in range(2)]
+    es = [torch.zeros(server_error_numel(16, 1)) for _ in range(2)]
+    big = torch.zeros(40)
+    for tensors, out, match in (
+        ([x, y], [y, x], r"out\[[01]\] shares memory with tensors\[[01]\]"),
+        ([x, x], [x, x], r"out\[[01]\] shares memory with (tensors|out)\[[01]\]"),
+        ([x, y], [ew[0], torch.empty(16)], r"out\[0\] shares memory with an error buffer"),
+        ([x, y], [torch.empty(16), es[1]], r"out\[1\] shares memory with an error buffer"),
+        ([big[:16], y], [big[1:17], torch.empty(16)], r"out\[0\] shares memory with tensors\[0\]"),
+        ([x, y], [big[:16], big[10:26]], r"out\[0\] shares memory with out\[1\]"),
+    ):
+        before = [t.clone() for t in (x, y, big, *ew, *es)]
+        with implementation(impl), pytest.raises(ValueError, match=match):
+            compressed_all_reduce(tensors, ew, es, out=out)
+        after = (x, y, big, *ew, *es)
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a refusal touched memory"
+    with implementation(impl):
+        expected = compressed_all_reduce([x, y], [e.clone() for e in ew], [e.clone() for e in es])
+        outs = [torch.zeros(16), torch.zeros(16, requires_grad=True)]
+        got = compressed_all_reduce([x, y], ew, es, out=outs)
+    assert got[1] is outs[1] and outs[1].requires_grad and outs[1].grad_fn is None
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_a_single_tensor_for_a_list_is_named():
@@ -182,6 +236,51 @@ def _check_against_reference(group, shapes, scales, masks, rounds, seed):
             # Every rank reconstructs the identical tensor.
             for other in _gather(out[j], group):
                 assert torch.equal(other, out[j])
+
+
+def _check_out(group, cases):
+    """``out=`` (fresh tensors, or the inputs themselves) gives bit for bit the result and the
+    errors of a call without it, under both implementations; a bad ``out`` is refused before
+    anything is touched."""
+    n = dist.get_world_size(group)
+    for impl in IMPLEMENTATIONS:
+        for ci, (shapes, scales, masks) in enumerate(cases):
+            numels = [math.prod(s) for s in shapes]
+            buffers = {
+                how: (
+                    [torch.zeros(padded_numel(k, n)) for k in numels],
+                    [torch.zeros(server_error_numel(k, n)) for k in numels],
+                )
+                for how in ("new", "fresh", "inputs")
+            }
+            for rnd in range(2):
+                mine = _inputs(50 + 10 * ci + rnd, n, shapes, scales)[dist.get_rank(group)]
+                got = {}
+                with implementation(impl):
+                    for how, (ew, es) in buffers.items():
+                        ts = [t.clone() for t in mine]
+                        out = {"new": None, "fresh": [torch.empty_like(t) for t in ts]}
+                        out["inputs"] = ts
+                        got[how] = compressed_all_reduce(
+                            ts, ew, es, masks=masks, group=group, out=out[how]
+                        )
+                        if how != "new":
+                            assert all(g is o for g, o in zip(got[how], out[how]))
+                for how in ("fresh", "inputs"):
+                    assert all(torch.equal(a, b) for a, b in zip(got[how], got["new"]))
+                    for mine_e, new_e in zip(buffers[how], buffers["new"]):
+                        assert all(torch.equal(a, b) for a, b in zip(mine_e, new_e))
+    t = torch.randn(3, 4)
+    ew, es = [torch.zeros(padded_numel(12, n))], [torch.zeros(server_error_numel(12, n))]
+    for bad, match in (
+        ([], "one out tensor per tensor"),
+        ([torch.empty(12)], r"shape \(3, 4\)"),
+        ([torch.empty(3, 4, dtype=torch.float64)], "float32"),
+        ([torch.empty(4, 3).t()], "contiguous=False"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            compressed_all_reduce([t], ew, es, group=group, out=bad)
+    assert not ew[0].any() and not es[0].any(), "a refused call must not touch the buffers"
 
 
 def _check_error_feedback_identity(group, seed):
@@ -340,13 +439,19 @@ def compressed_world(rank: int, world_size: int) -> None:
         ([(6, 5), (33,)], [1.0, 2.0], [mask, None]),
     ]
     for gi, group in enumerate(groups):
-        for ci, (shapes, scales, masks) in enumerate(cases):
-            _check_against_reference(group, shapes, scales, masks, rounds=3, seed=100 * ci + gi)
-        _check_error_feedback_identity(group, seed=7 + gi)
+        for impl in IMPLEMENTATIONS:
+            with implementation(impl):
+                for ci, (shapes, scales, masks) in enumerate(cases):
+                    seed = 100 * ci + gi
+                    _check_against_reference(group, shapes, scales, masks, rounds=3, seed=seed)
+                _check_error_feedback_identity(group, seed=7 + gi)
+        _check_out(group, cases)
         _check_ledger(group, rank)
         _check_errors(group)
         _check_layout_mismatch(group, rank)
-    _check_server_overflow(pairs[rank // 2])
+    for impl in IMPLEMENTATIONS:
+        with implementation(impl):
+            _check_server_overflow(pairs[rank // 2])
     if rank == 3:
         with pytest.raises(ValueError, match="not a member"):
             compressed_all_reduce([torch.ones(3)], [torch.zeros(24)], [torch.zeros(8)], group=trio)

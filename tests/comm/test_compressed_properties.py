@@ -1,7 +1,9 @@
 """Property-based tests (hypothesis) of the 1-bit compressed all-reduce against a float64
 simulation of every rank (``reference_round`` of test_compressed.py), over groups of 1..5
 ranks (subgroups of ONE 5-rank world), tensors of 1..10^4 elements, several tensors per bucket,
-several rounds of error feedback, and all-zero, constant, NaN/Inf, huge and denormal inputs.
+several rounds of error feedback, and all-zero, constant, NaN/Inf, huge and denormal inputs;
+both implementations ([Note: two implementations]), results in new tensors, in given ones and
+in the inputs themselves (``out=``).
 
 The bounds, from the compression (each rank sends ``s * sign(x)`` with ``s = ||x|| / sqrt(N)``
 over the N valid elements, the server re-compresses its chunk the same way):
@@ -35,7 +37,7 @@ from hypothesis import strategies as st
 
 from qshard.comm.compressed import compressed_all_reduce, padded_numel, server_error_numel
 from qshard.testing import run_world
-from tests.comm.test_compressed import reference_round
+from tests.comm.test_compressed import IMPLEMENTATIONS, implementation, reference_round
 
 WORLD = 5
 KINDS = (
@@ -64,6 +66,8 @@ case = st.fixed_dictionaries(
         "bad_rank": st.integers(0, WORLD - 1),
         "rounds": st.integers(1, 3),
         "seed": st.integers(0, 2**20),
+        "implementation": st.sampled_from(IMPLEMENTATIONS),
+        "out": st.sampled_from(("new", "fresh", "inputs")),
     }
 )
 
@@ -131,7 +135,10 @@ def _check_case(c: dict, groups: dict[int, object], rank: int) -> str | None:
         all_ew = [_gather(e, group) for e in ew]
         all_es = [_gather(e, group) for e in es]
         old_ew, old_es = [e.clone() for e in ew], [e.clone() for e in es]
-        out = compressed_all_reduce(inputs[rank], ew, es, masks=masks, group=group)
+        mine = [t.clone() for t in inputs[rank]]
+        out = {"new": None, "fresh": [torch.empty_like(t) for t in mine], "inputs": mine}
+        with implementation(c["implementation"]):
+            out = compressed_all_reduce(mine, ew, es, masks=masks, group=group, out=out[c["out"]])
         for j, k in enumerate(numels):
             where = f"tensor {j} ({kind}, n={n}, numel={k}, round {rnd})"
             if not _same_everywhere(out[j], group):

@@ -153,7 +153,16 @@ def phase_b_is_adamw_with_frozen_variance(rank: int, world: int) -> None:
         local_step_clipper=1,
         bias_correction=True,
     )
-    opt._compressed_mean = lambda params, tensors, tag: opt._all_reduce_mean(tensors, tag)
+
+    def exact_mean(params, tensors, tag, *, in_place=False):  # the 1-bit average made exact
+        averaged = opt._all_reduce_mean(tensors, tag)
+        if not in_place:
+            return averaged
+        for t, avg in zip(tensors, averaged):
+            t.copy_(avg)
+        return tensors
+
+    opt._compressed_mean = exact_mean
     params = list(model.parameters())
     for step in range(freeze):
         local_backward(model, *minibatch(rank, world, step))

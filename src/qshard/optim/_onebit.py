@@ -642,18 +642,31 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
         return state["worker_error"], state["server_error"]
 
     def _compressed_mean(
-        self, params: list[torch.Tensor], tensors: list[torch.Tensor], tag: str
+        self,
+        params: list[torch.Tensor],
+        tensors: list[torch.Tensor],
+        tag: str,
+        *,
+        in_place: bool = False,
     ) -> list[torch.Tensor]:
-        """1-bit average with this optimizer's per-parameter error buffers (two collectives)."""
+        """1-bit average with this optimizer's per-parameter error buffers (two collectives);
+        ``in_place``: into ``tensors`` themselves (no bucket-sized allocation on a CPU)."""
         errors = [self._error_buffers(p) for p in params]
-        return compressed_all_reduce(
+        direct = in_place and all(t.is_contiguous() for t in tensors)
+        averaged = compressed_all_reduce(
             tensors,
             [e[0] for e in errors],
             [e[1] for e in errors],
             masks=[self._mask(p) for p in params],
             group=self.process_group,
             tag=tag,
+            out=tensors if direct else None,
         )
+        if in_place and not direct:  # a state of other strides (e.g. loaded so)
+            for t, avg in zip(tensors, averaged):
+                t.copy_(avg)
+            return tensors
+        return averaged
 
     def _reset_error_buffers(self) -> None:
         for state in self.state.values():

@@ -171,9 +171,7 @@ class OneBitAdam(_DataParallelOneBitOptimizer):
                 beta1, _ = group["betas"]
                 self._state(p)["exp_avg"].mul_(beta1).add_(self._grad(p), alpha=1 - beta1)
             momenta = [self._state(p)["exp_avg"] for p in params]
-            averaged = self._compressed_mean(params, momenta, f"{self._algorithm}/momentum")
-            for m, avg in zip(momenta, averaged):
-                m.copy_(avg)
+            self._compressed_mean(params, momenta, f"{self._algorithm}/momentum", in_place=True)
             extra["compressed"] += 1
 
         for group, p in pairs:

@@ -283,10 +283,9 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
                 m = self._state(p)["exp_avg"]
                 m.mul_(group["betas"][0]).add_(g, alpha=1 - group["betas"][0])
                 momenta.append(m)
-            averaged = self._compressed_mean(params, momenta, f"{self._algorithm}/momentum")
+            self._compressed_mean(params, momenta, f"{self._algorithm}/momentum", in_place=True)
             extra["compressed"] += 1
-            for (group, p), m, avg in zip(pairs, momenta, averaged):
-                m.copy_(avg)
+            for group, p in pairs:
                 self._apply_update(group, p)
             return
         else:
@@ -438,7 +437,7 @@ class ZeroOneAdam(_DataParallelOneBitOptimizer):
             if decay != 1.0:
                 state["sync_anchor"].mul_(decay)
         drifts = [(p - self._state(p)["sync_anchor"]).mul_(d) for p, d in zip(params, denoms)]
-        averaged = self._compressed_mean(params, drifts, f"{self._algorithm}/drift")
+        averaged = self._compressed_mean(params, drifts, f"{self._algorithm}/drift", in_place=True)
         for p, d, u in zip(params, denoms, averaged):
             state = self._state(p)
             if state["lr_sum"] > 0:

@@ -123,6 +123,16 @@ def unpack_signs(
     return result
 
 
+def _unpack_signs_into(packed: Tensor, out: Tensor) -> None:
+    """:func:`unpack_signs` for trusted callers in a loop over many tensors (the 1-bit
+    all-reduce's per-tensor round): ``packed`` holds the ``ceil(out.numel() / 8)`` bytes,
+    ``out`` is contiguous; nothing is checked, so the C kernel is called with no wrapper."""
+    if out.numel() and packed.is_contiguous() and _fastpath.use_native_out(out):
+        _native_kernels.unpack_signs(packed, out)
+    else:
+        unpack_signs(packed, out.numel(), out=out)
+
+
 def _unpack_signs_reference(flat: Tensor, dtype: torch.dtype) -> Tensor:
     bits = (flat[:, None] & _bit_weights(flat.device)) != 0
     return torch.where(bits, 1.0, -1.0).to(dtype).view(-1)
