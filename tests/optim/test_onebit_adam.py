@@ -646,3 +646,64 @@ def test_bias_correction_counts_each_parameters_variance_updates(name):
     opt2 = cls([nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8))], **kw)
     opt2.load_state_dict(sd)
     assert [st["variance_updates"] for st in opt2.state.values()] == [10, 10]
+
+
+def test_frozen_variance_statistics_follow_every_change_of_v_and_mask():
+    """The floor's mean(v) and the no-variance guard's any(v) are kept across steps ([Note:
+    frozen variance statistics]); each change of v or of the mask, in place or by a new tensor,
+    must reach the next denominator, which is compared with the formula computed anew."""
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    g = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(64, generator=g))
+    opt = OneBitAdam([p], lr=1e-3, freeze_step=2, variance_floor=0.5, bias_correction=True)
+    group = opt.param_groups[0]
+    state = opt.state
+
+    def expected() -> torch.Tensor:
+        s = state[p]
+        v = s["exp_avg_sq"] / (1 - group["betas"][1] ** s["variance_updates"])
+        mask = s.get("zero_mask")
+        mean = v.mean() if mask is None else v[mask].sum() / max(int(mask.sum()), 1)
+        d = torch.maximum(v.sqrt(), mean.sqrt() * 0.5) + group["eps"]
+        return d if bool(s["exp_avg_sq"].any()) else torch.full_like(d, torch.inf)
+
+    def check(what: str) -> None:
+        for _ in range(2):  # computed, then read from the cache
+            got = opt._guard_no_variance(p, opt._denominator(group, p, floor=0.5))
+            torch.testing.assert_close(got, expected(), rtol=1e-6, atol=0, msg=what)
+
+    p.grad = torch.randn(64, generator=g)
+    opt.step()
+    check("after a variance step")
+    p.grad = torch.randn(64, generator=g)
+    opt.step()  # the second variance update: the bias correction's k changes
+    check("after another variance update")
+    state[p]["exp_avg_sq"].mul_(4)
+    check("v scaled in place")
+    replacement = torch.rand(64, generator=g)
+    while replacement._version < state[p]["exp_avg_sq"]._version:
+        replacement.add_(0.0)  # the same version counter: only identity tells them apart
+    state[p]["exp_avg_sq"] = replacement
+    check("v replaced")
+    state[p]["exp_avg_sq"].zero_()
+    check("v zeroed: no variance")
+    state[p]["exp_avg_sq"][3] = 1.0
+    check("v nonzero again")
+    mask = torch.ones(64, dtype=torch.bool)
+    mask[:32] = False
+    opt.set_zero_mask(p, mask)
+    check("a mask set")
+    state[p]["zero_mask"][32:48] = False
+    check("the mask changed in place")
+    opt.set_zero_mask(p, None)
+    check("the mask removed")
+    # copies start without the cache (it holds weak references) and give the same numbers
+    dup = copy.deepcopy(opt)
+    assert "_frozen_stats" not in dup.__dict__ and "_frozen_stats" in opt.__dict__
+    (q,) = dup.param_groups[0]["params"]
+    torch.testing.assert_close(
+        dup._guard_no_variance(q, dup._denominator(dup.param_groups[0], q, floor=0.5)),
+        expected(),
+    )
+    assert "_frozen_stats" not in pickle.loads(pickle.dumps(opt)).__dict__

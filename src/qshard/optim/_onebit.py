@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -205,6 +206,7 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
             )
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
         state["_error_mesh"] = None  # rebuilt from the process group on the next state_dict()
+        state.pop("_frozen_stats", None)  # weak references: [Note: frozen variance statistics]
         return state
 
     def __getstate__(self) -> dict[str, Any]:
@@ -361,16 +363,49 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
         tensor's RMS ``sqrt(mean(v))`` over its unmasked elements; see [Note: variance
         floor]."""
         state = self._state(p)
-        v = state["exp_avg_sq"]
+        v = stored = state["exp_avg_sq"]
         variance_updates = state.get("variance_updates", 0)
+        correction = 1.0
         if self.bias_correction and variance_updates > 0:
-            v = v / (1 - group["betas"][1] ** variance_updates)
+            correction = 1 - group["betas"][1] ** variance_updates
+            v = v / correction
         d = v.sqrt()
         if floor > 0:
             mask = self._mask(p)
-            mean_v = v.mean() if mask is None else (v * mask).sum() / mask.sum().clamp_min(1)
-            d = torch.maximum(d, mean_v.sqrt().mul_(floor))
+
+            def compute_threshold() -> torch.Tensor:
+                mean_v = v.mean() if mask is None else (v * mask).sum() / mask.sum().clamp_min(1)
+                return mean_v.sqrt().mul_(floor)
+
+            sources = (stored, state.get("zero_mask"))  # the stored tensors, not casts of them
+            stamp = (correction, floor)
+            threshold = self._frozen_stat("threshold", p, sources, stamp, compute_threshold)
+            d = torch.maximum(d, threshold, out=d)
         return d.add_(group["eps"])
+
+    # [Note: frozen variance statistics] Once the variance is frozen it changes no more, yet
+    # each update read all of v twice more than the update itself needs: the variance floor's
+    # mean(v), and the no-variance guard's any(v) (plus a masked_fill pass). Both are kept per
+    # parameter and recomputed when an input changes: the tensors they were read from (v and
+    # the mask, by identity: load_state_dict or set_zero_mask may replace them) and their
+    # version counters (every in-place write bumps one: a variance update, a copy into v), with
+    # the numbers they depend on (bias correction, floor). Kept out of copies and pickles.
+    def _frozen_stat(self, name: str, p: torch.Tensor, sources: tuple, stamp: tuple, compute):
+        """``compute()``, reused while ``sources`` (tensors or None) are the same objects at
+        the same versions and ``stamp`` is unchanged; see [Note: frozen variance statistics]."""
+        cache = self.__dict__.setdefault("_frozen_stats", {})
+        full = (*(None if t is None else t._version for t in sources), *stamp)
+        entry = cache.get((name, p))
+        if (
+            entry is not None
+            and entry[1] == full
+            and all((r() if r is not None else None) is t for r, t in zip(entry[0], sources))
+        ):
+            return entry[2]
+        value = compute()
+        refs = tuple(None if t is None else weakref.ref(t) for t in sources)
+        cache[(name, p)] = (refs, full, value)
+        return value
 
     # [Note: no variance yet] A trainable parameter that got no gradient on any rank in every
     # full-precision (variance) step so far, e.g. a branch first used after the warm-up, has
@@ -380,13 +415,16 @@ class _DataParallelOneBitOptimizer(_OneBitCheckpoint, Optimizer):
     # tensor is not moved by the m / d term of those updates (weight decay still applies):
     # in 0/1 Adam's phase A until a variance step gives it a variance, after a freeze for good,
     # with a warning at the freeze naming the fix. v is the same on every rank (it only ever
-    # sees averaged gradients), so every rank decides alike, and the decision is a device-side
-    # where (no host sync per step).
+    # sees averaged gradients), so every rank decides alike; it is read once per change of v
+    # ([Note: frozen variance statistics]), so a GPU syncs once per variance update, not per
+    # step.
     def _guard_no_variance(self, p: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
         """``denom`` where ``p`` has a variance, +inf (no m / d step) where its v is all zero;
         see [Note: no variance yet]."""
-        # in place: ``denom`` is the fresh tensor of _denominator (no allocation per step)
-        return denom.masked_fill_(~self._state(p)["exp_avg_sq"].any(), torch.inf)
+        v = self._state(p)["exp_avg_sq"]
+        if self._frozen_stat("any", p, (v,), (), lambda: bool(v.any())):
+            return denom
+        return denom.fill_(torch.inf)  # in place: the fresh tensor of _denominator
 
     def _warn_no_variance_at_freeze(self, params: list[torch.Tensor]) -> None:
         """Once, at the variance freeze: name the trainable tensors that have no variance
