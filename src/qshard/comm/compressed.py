@@ -255,31 +255,46 @@ def _refuse_overlaps(tensors, out, errors) -> None:
     """``out[i]`` may be ``tensors[i]`` itself and share memory with nothing else: the round
     writes ``out[i]`` before it reads later inputs and before it writes the errors, so another
     input, another ``out`` or an error buffer under it came back silently wrong."""
-    spans: dict[int, list[tuple[int, int, str, torch.Tensor]]] = {}
+    out_storages = {o.untyped_storage().data_ptr() for o in out if o.numel()}
+    shared: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
     for kind, group in (("tensors", tensors), ("out", out), ("an error buffer", errors)):
         for j, t in enumerate(group):
-            if t.numel() == 0:
+            if t.numel() and (ptr := t.untyped_storage().data_ptr()) in out_storages:
+                shared.setdefault(ptr, []).append((kind, j, t))
+    for entries in shared.values():
+        if len(entries) == 2 and _is_own_input(*entries):  # out=tensors: the common case
+            continue
+        for kind, i, o in entries:
+            if kind != "out":
                 continue
-            first = t.data_ptr()
-            last = first + t.element_size() * (
-                1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-            )
-            name = f"{kind}[{j}]" if kind != "an error buffer" else kind
-            spans.setdefault(t.untyped_storage().data_ptr(), []).append((first, last, name, t))
-    for entries in spans.values():
-        outs = [e for e in entries if e[2].startswith("out[")]
-        for first, last, name, o in outs:
-            i = int(name[4:-1])
-            for other_first, other_last, other, t in entries:
-                if other == name or other_last <= first or last <= other_first:
+            for other_kind, j, t in entries:
+                if (other_kind, j) == ("out", i) or not _overlap(o, t):
                     continue
-                same = other == f"tensors[{i}]" and _same_memory(o, t)
-                if not same:
-                    raise ValueError(
-                        f"{name} shares memory with {other}: out[i] may be tensors[i] itself "
-                        "and nothing else (the round writes it before it reads the other "
-                        "inputs and before it writes the errors); pass separate tensors"
-                    )
+                if other_kind == "tensors" and j == i and _same_memory(o, t):
+                    continue
+                other = (
+                    "an error buffer" if other_kind == "an error buffer" else f"{other_kind}[{j}]"
+                )
+                raise ValueError(
+                    f"out[{i}] shares memory with {other}: out[i] may be tensors[i] itself "
+                    "and nothing else (the round writes it before it reads the other inputs "
+                    "and before it writes the errors); pass separate tensors"
+                )
+
+
+def _is_own_input(a: tuple[str, int, torch.Tensor], b: tuple[str, int, torch.Tensor]) -> bool:
+    return a[0] == "tensors" and b[0] == "out" and a[1] == b[1] and _same_memory(a[2], b[2])
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges that ``a`` and ``b`` span (first to last element) intersect."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+        return t.data_ptr(), t.data_ptr() + t.element_size() * extent
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
