@@ -354,17 +354,26 @@ class _Reduction:
         self.mean: torch.Tensor | None = None
         self.hop2: dist.Work | None = None
         self.gathered: torch.Tensor | None = None
-        xin = torch.zeros(n * c, dtype=torch.float32, device=x.device)
-        xin[:size] = x
         errors = None
         if comm.error_feedback:
             errors = comm._errors.get(size)
             if errors is None:
                 if comm._errors and not comm._warned_resize:
                     comm._warn_resize(size)
-                errors = (xin.new_zeros(n * c), xin.new_zeros(c))
+                errors = tuple(
+                    torch.zeros(k, dtype=torch.float32, device=x.device) for k in (n * c, c)
+                )
                 comm._errors[size] = errors
-            xin[:size] += errors[0][:size]
+            # error + input in the worker error itself, which takes the residual below: no
+            # bucket-sized temporary (the same sums: float addition commutes)
+            xin = errors[0]
+            xin[size:].zero_()  # the padding carries nothing
+            xin[:size].add_(x)
+        elif size == n * c and x.dtype == torch.float32 and x.is_contiguous():
+            xin = x  # read in place: nothing to pad
+        else:
+            xin = torch.zeros(n * c, dtype=torch.float32, device=x.device)
+            xin[:size] = x
         self.errors = errors
         # [Note: the shard size travels with hop 1] Every row carries the sender's shard size
         # (8 bytes), so every rank sees every other's and all refuse a mismatch alike; the
@@ -374,7 +383,7 @@ class _Reduction:
         send = codec.encode(xin.view(n, c), out=framed[:, :rb])
         framed[:, rb:] = int64_bytes([size], x.device)
         if errors is not None:
-            errors[0].copy_(xin - codec.decode(send, c).view(-1))
+            torch.sub(xin, codec.decode(send, c).view(-1), out=errors[0])
         recv = torch.empty_like(framed)
         record("all_to_all", group_ranks=comm.ranks, tensor_bytes=framed.numel(), tag=TAG)
         work = duplex.all_to_all_single(recv, framed, comm.group, twin=comm.twin, async_op=True)
@@ -395,9 +404,9 @@ class _Reduction:
             mean += errors[1]
         own = codec.encode(mean.view(1, c))
         if errors is not None:
-            errors[1].copy_(mean - codec.decode(own, c).view(-1))
+            torch.sub(mean, codec.decode(own, c).view(-1), out=errors[1])
             for e in errors:  # see [Note: non-finite replicate reduction]
-                e.masked_fill_(~torch.isfinite(e), 0.0)
+                torch.nan_to_num_(e, nan=0.0, posinf=0.0, neginf=0.0)
         gathered = torch.empty((n, own.shape[1]), dtype=torch.uint8, device=mean.device)
         record("all_gather", group_ranks=comm.ranks, tensor_bytes=gathered.numel(), tag=TAG)
         self.hop2 = duplex.all_gather_single(
@@ -415,10 +424,22 @@ class _Reduction:
                 return False
             self.hop2.wait()
             self.hop2 = None
-        mean = self.comm.codec.decode(self.gathered, self.c).view(-1)[: self.size]
+        gathered, c, size, out = self.gathered, self.c, self.size, self.out
         self.gathered = None
-        if self.out is None:
-            self.mean = mean
-        else:
-            self.out.copy_(mean.view(self.out.shape))
+        codec = self.comm.codec
+        if out is None or not out.is_contiguous() or codec.bits is None:
+            mean = codec.decode(gathered, c).view(-1)[:size]
+            if out is None:
+                self.mean = mean
+            else:
+                out.copy_(mean.view(out.shape))
+            return True
+        # quantized rows decoded straight into ``out``, a partial last one through a temporary
+        flat, full = out.view(-1), size // c
+        rows = [flat[r * c : (r + 1) * c] for r in range(full)]
+        if full:
+            codec.decode_slots(gathered[:full], c, rows, [(0, c, c)])
+        if size > full * c:
+            last = codec.decode(gathered[full : full + 1], c).view(-1)
+            flat[full * c :].copy_(last[: size - full * c])
         return True
