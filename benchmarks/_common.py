@@ -152,6 +152,22 @@ def time_call(fn: Callable[[], object], *, repeat: int = 5, warmup: int = 1) -> 
     return Timing(samples)
 
 
+def matrix_shape(text: str) -> tuple[int, int]:
+    """An argparse ``type``: ``ROWSxCOLS`` (e.g. ``16x256``), both sides >= 1."""
+    try:
+        rows, cols = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS, e.g. 16x256; got {text!r}") from None
+    if rows < 1 or cols < 1:
+        raise argparse.ArgumentTypeError(f"both sides must be >= 1; got {text!r}")
+    return rows, cols
+
+
+def load_text() -> str:
+    """The host's load averages over 1, 5 and 15 minutes, as ``a/b/c``."""
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type``: an int >= ``low``, else a usage error naming the bound (instead of
     a traceback from deep inside the run, or a division by zero after it)."""

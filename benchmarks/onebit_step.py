@@ -19,7 +19,6 @@ Three tables ([Note: two implementations] in qshard.comm.compressed):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import importlib.util
 import os
@@ -32,7 +31,7 @@ sys.path.insert(0, HERE)
 if importlib.util.find_spec("qshard") is None:
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from _common import Report, add_report_args, at_least  # noqa: E402
+from _common import Report, add_report_args, at_least, load_text, matrix_shape  # noqa: E402
 
 ROUNDS = ("per_tensor", "vectorized")
 
@@ -46,21 +45,11 @@ def gpt_shapes(width: int = 256) -> list[tuple[int, ...]]:
     return layer * 4 + [(256, w), (128, w), (w,), (w,)]
 
 
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-@contextlib.contextmanager
 def round_kind(name: str):
     """Run every compressed round with implementation ``name`` (whatever the device)."""
-    import qshard.comm.compressed as compressed
+    from qshard.comm.compressed import _forced_round
 
-    saved = compressed._per_tensor
-    compressed._per_tensor = lambda bucket: name == "per_tensor"
-    try:
-        yield
-    finally:
-        compressed._per_tensor = saved
+    return _forced_round(name)
 
 
 def _median_ms(fn, steps: int) -> float:
@@ -110,7 +99,7 @@ def _all_reduce_rows(args, group=None) -> list[list[object]]:
                 f"{ms['in_place']:.1f}",
                 f"{ms['vectorized']:.1f}",
                 f"{ms['vectorized'] / ms['per_tensor']:.1f}x",
-                _load(),
+                load_text(),
             ]
         )
     return out
@@ -145,8 +134,8 @@ def _optimizer_rows(args) -> list[list[object]]:
     foreach = step_ms(torch.optim.Adam(params, lr=1e-4, foreach=True), 1)
     fused = step_ms(torch.optim.Adam(params, lr=1e-4, fused=True), 1)
     rows = [
-        ["torch Adam (foreach=True)", "-", f"{foreach:.1f}", "1.0x", _load()],
-        ["torch Adam (fused=True)", "-", f"{fused:.1f}", f"{fused / foreach:.2f}x", _load()],
+        ["torch Adam (foreach=True)", "-", f"{foreach:.1f}", "1.0x", load_text()],
+        ["torch Adam (fused=True)", "-", f"{fused:.1f}", f"{fused / foreach:.2f}x", load_text()],
     ]
     makers = {
         "OneBitAdam, compressed phase": lambda: OneBitAdam(params, lr=1e-4, freeze_step=2),
@@ -159,25 +148,17 @@ def _optimizer_rows(args) -> list[list[object]]:
         for kind in ROUNDS:
             with round_kind(kind):
                 ms = step_ms(make(), 32)
-            rows.append([name, kind, f"{ms:.1f}", f"{ms / foreach:.1f}x", _load()])
+            rows.append([name, kind, f"{ms:.1f}", f"{ms / foreach:.1f}x", load_text()])
     return rows
-
-
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        rows, cols = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS, e.g. 16x64; got {text!r}") from None
-    if rows < 1 or cols < 1:
-        raise argparse.ArgumentTypeError(f"both sides must be >= 1; got {text!r}")
-    return rows, cols
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=at_least(1), default=256, help="the GPT's width")
     parser.add_argument("--tensors", type=at_least(1), default=1000, help="second bucket's size")
-    parser.add_argument("--shape", type=_shape, default=(16, 64), help="its tensors, ROWSxCOLS")
+    parser.add_argument(
+        "--shape", type=matrix_shape, default=(16, 64), help="its tensors, ROWSxCOLS"
+    )
     parser.add_argument(
         "--steps", type=at_least(1), default=10, help="timed calls per row (at most 30)"
     )

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 if importlib.util.find_spec("qshard") is None:
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from _common import Report, add_report_args, at_least  # noqa: E402
+from _common import Report, add_report_args, at_least, load_text, matrix_shape  # noqa: E402
 
 
 class _NoOpKernels:
@@ -48,20 +48,6 @@ class _NoOpKernels:
         if name in ("step8_multi", "adam4bit_multi"):
             return lambda *args: 0
         return getattr(self._lib, name)
-
-
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        rows, cols = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS, e.g. 16x256; got {text!r}") from None
-    if rows < 1 or cols < 1:
-        raise argparse.ArgumentTypeError(f"both sides must be >= 1; got {text!r}")
-    return rows, cols
-
-
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _us_per_tensor(opt, kept: bool, args: argparse.Namespace) -> float:
@@ -107,7 +93,7 @@ def _cpu_call_rows(args: argparse.Namespace) -> list[list[object]]:
             per = {kept: _us_per_tensor(opt, kept, args) for kept in (True, False)}
         finally:
             module.library = real
-        rows.append([cls.__name__, f"{per[True]:.2f}", f"{per[False]:.2f}", f"load {_load()}"])
+        rows.append([cls.__name__, f"{per[True]:.2f}", f"{per[False]:.2f}", f"load {load_text()}"])
     return rows
 
 
@@ -153,7 +139,9 @@ def _fsdp_rows(args: argparse.Namespace) -> list[list[object]]:
                         times.append(time.perf_counter() - t0)
                     opt.zero_grad()
                 ms = statistics.median(times) * 1e3
-                rows.append([name, f"{ms:.2f}", f"{ms / args.units * 1e3:.1f}", f"load {_load()}"])
+                rows.append(
+                    [name, f"{ms:.2f}", f"{ms / args.units * 1e3:.1f}", f"load {load_text()}"]
+                )
             return rows
         finally:
             dist.destroy_process_group()
@@ -162,7 +150,9 @@ def _fsdp_rows(args: argparse.Namespace) -> list[list[object]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensors", type=at_least(1), default=2000, help="CPU call table")
-    parser.add_argument("--shape", type=_shape, default=(16, 256), help="their shape, ROWSxCOLS")
+    parser.add_argument(
+        "--shape", type=matrix_shape, default=(16, 256), help="their shape, ROWSxCOLS"
+    )
     parser.add_argument("--units", type=at_least(1), default=200, help="FSDP2 Linear units")
     parser.add_argument("--dim", type=at_least(1), default=64, help="their in/out features")
     parser.add_argument("--steps", type=at_least(1), default=20, help="timed steps")

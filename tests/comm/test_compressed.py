@@ -4,7 +4,6 @@ odd sizes, masks, error-feedback identities and the ledger's byte count."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -22,15 +21,7 @@ from qshard.testing import run_world
 IMPLEMENTATIONS = ("per_tensor", "vectorized")  # [Note: two implementations]
 
 
-@contextlib.contextmanager
-def implementation(name: str):
-    """Run the round with one of the two implementations, whatever the device."""
-    saved = compressed._per_tensor
-    compressed._per_tensor = lambda bucket: name == "per_tensor"
-    try:
-        yield
-    finally:
-        compressed._per_tensor = saved
+implementation = compressed._forced_round  # run the round with one of the two
 
 
 # ------------------------------------------------------------------ pure helpers

@@ -60,6 +60,7 @@ run, compression error included.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Sequence
@@ -331,6 +332,21 @@ class _Bucket(NamedTuple):
 def _per_tensor(bucket: _Bucket) -> bool:
     """Which implementation runs; see [Note: two implementations]."""
     return bucket.tensors[0].device.type == "cpu"
+
+
+@contextlib.contextmanager
+def _forced_round(name: str):
+    """Run every round with implementation ``name`` (``"per_tensor"`` or ``"vectorized"``),
+    whatever the device: for tests and benchmarks that compare the two."""
+    if name not in ("per_tensor", "vectorized"):
+        raise ValueError(f"name must be 'per_tensor' or 'vectorized'; got {name!r}")
+    global _per_tensor
+    saved = _per_tensor
+    _per_tensor = lambda bucket: name == "per_tensor"  # noqa: E731
+    try:
+        yield
+    finally:
+        _per_tensor = saved
 
 
 def _exchange_workers(b: _Bucket, scales: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
