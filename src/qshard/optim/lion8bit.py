@@ -77,9 +77,18 @@ class Lion8bit(Optimizer8bit):
         torch._foreach_mul_(params, 1.0 - lr * wd)
         direction = torch._foreach_mul(exp_avgs, b1)
         torch._foreach_add_(direction, grads, alpha=1.0 - b1)
-        # sign, except that NaN stays NaN (as _functional.lion_update and the fused kernels do)
+        # sign, except that NaN stays NaN (as _functional.lion_update and the fused kernels do);
+        # on a CPU only tensors holding a NaN (their norm is NaN) take the where, read on the
+        # host at no cost (a GPU would sync: it takes the where on every tensor)
         signs = torch._foreach_sign(direction)
-        signs = [torch.where(d.isnan(), d, sg) for d, sg in zip(direction, signs)]
+        if direction[0].device.type == "cpu":
+            has_nan = torch.stack(torch._foreach_norm(direction)).isnan().tolist()
+        else:
+            has_nan = [True] * len(direction)
+        signs = [
+            torch.where(d.isnan(), d, sg) if nan else sg
+            for d, sg, nan in zip(direction, signs, has_nan)
+        ]
         torch._foreach_add_(params, signs, alpha=-lr)
         torch._foreach_mul_(exp_avgs, b2)
         torch._foreach_add_(exp_avgs, grads, alpha=1.0 - b2)
