@@ -40,6 +40,9 @@ poisons only its own process) with its own time cap, all within the global --bud
    real kernels;
 9. gpt_step: a single-GPU training step of qshard's GPT with the quantized paths on vs
    fp32 AdamW (qwZ/qgZ codecs per FSDP unit: one flat buffer a transformer block);
+9b. onebit_round: the 1-bit compressed all-reduce's vectorized round (the accelerators'
+   default) vs the per-tensor one (the CPU's) in a world of one, results cross-checked, and
+   OneBitAdam's compressed step vs torch's fused Adam;
 10. sweep: benchmarks/gpu/sweep.py's tables (launch geometry and encoder variants of the
     optimizer and quantize kernels, each byte-checked against the default; ~100 s);
 11. sm90_ptx: tests/gpu/test_compile_sm90.py (sm_90 cubins, IEEE div/sqrt, no FMA, v4 loads)
@@ -49,7 +52,7 @@ Timings: CUDA events around each call after warm-up calls (median of --repeat).
 
 Layout: this file holds the orchestration and the environment, correctness, kernel-bandwidth,
 test and sweep sections; `_step_sections.py` the optimizer-step and GPT-step sections,
-`_qgz_sections.py` the qgZ ones, `_device.py` the device the sections run on and their shared
+`_qgz_sections.py` the qgZ ones, `_onebit_sections.py` the 1-bit one, `_device.py` the device the sections run on and their shared
 helpers, `_harness.py` the child-process machinery.
 
     python benchmarks/gpu/run_all.py [--quick] [--budget-s 510] [--sections a,b] [--skip c]
@@ -84,6 +87,7 @@ import _device as D  # noqa: E402
 import _harness  # noqa: E402
 from _device import _err, _gbs, _ms, _Rows, _TorchPath  # noqa: E402
 from _harness import Recorder, Section  # noqa: E402
+from _onebit_sections import onebit_round  # noqa: E402
 from _qgz_sections import (  # noqa: E402
     _qgz_rows_correctness,
     qgz_first_hop,
@@ -472,6 +476,7 @@ SECTIONS = [
     ("qgz_reduce_scatter", qgz_reduce_scatter, 60, "qgZ reduce-scatter per rank, 3 paths"),
     ("gpu_tests", gpu_tests, 150, "pytest tests/gpu on the GPU"),
     ("gpt_step", gpt_step, 75, "GPT training step, quantized paths vs fp32"),
+    ("onebit_round", onebit_round, 40, "1-bit all-reduce: vectorized vs per-tensor round"),
     ("sweep", sweep_section, 110, "launch geometry / encoder variants (benchmarks/gpu/sweep.py)"),
     ("sm90_ptx", sm90_ptx, 60, "sm_90 AOT compile + PTX checks (slow test)"),
 ]

@@ -136,6 +136,8 @@ def test_smoke_run_every_section(tmp_path):
         "AdamW4bit step",
         "tests/gpu on the device",
         "GPT training step",
+        "1-bit compressed_all_reduce on the device",
+        "OneBitAdam compressed step vs torch Adam",
     ):
         assert heading in text
     # every kernel bit-exact in the smoke run (the Environment table's cuda_available is False
