@@ -150,9 +150,10 @@ def compressed_all_reduce(
         out: optional contiguous float32 tensors of the inputs' shapes to write the results
             into (outside autograd); ``out[i]`` may be ``tensors[i]`` itself (1-bit Adam
             averages its momenta in place) and may share memory with nothing else (refused).
-            On a CPU the round then allocates no tensor of the bucket's size; see [Note: two
-            implementations]. If a collective fails, ``out`` (and so an input it aliases)
-            holds unspecified values; the error buffers are left as they were.
+            On a CPU the round then allocates only its server slice (1/n of the bucket) and
+            one tensor's scratch; see [Note: two implementations]. If a collective fails,
+            ``out`` (and so an input it aliases) holds unspecified values; the error buffers
+            are left as they were.
 
     Returns:
         The compressed average of ``tensors``, identical on every rank: ``out`` when given,
