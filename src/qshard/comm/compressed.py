@@ -312,8 +312,8 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 # costs little on a GPU, but on a CPU the gather / scatter-add by index and ``torch.where``
 # with scalars run 5-30x slower than plain elementwise passes, and the bucket-sized buffers
 # are page-faulted anew on every call: on a 2-core host the vectorized round of a 3.26 M
-# element, 52-tensor bucket took 196 ms, the per-tensor one 28 ms, 17 ms with ``out=`` the
-# inputs (`benchmarks/onebit_step.py`). They differ only in the order of floating-point sums
+# element, 52-tensor bucket took 168-239 ms, the per-tensor one 28-29 ms, 15-17 ms with
+# ``out=`` the inputs (`benchmarks/onebit_step.py`, docs/results/onebit_step.md). They differ only in the order of floating-point sums
 # (a scale's last bits) and in the signs sent for padding, which no one reads; every
 # reference and property test runs on both.
 class _Bucket(NamedTuple):
