@@ -128,6 +128,21 @@ def _case_all_reduce(topo: Topology, group, results: dict) -> None:
         err = (total - 20 * torch.stack(everyone).mean(0)).abs()
         results[f"ef_{ef}_err"] = float(err.max())
         results[f"ef_{ef}_bound"] = float(_bound(torch.stack(everyone), 4, 32, ar._unit).max())
+    # error feedback: one shard size framed for two sets of trainable parameters (a parameter
+    # without a gradient in one step, then frozen: FSDP2 hands the same 112 elements, framed
+    # for 216 and then for 112) keeps two buffers; the one buffer per size raised "shape
+    # '[2, 64]' is invalid for input of size 256"
+    ar = ReplicateAllReduce(group=group, bits=4, block_size=8, error_feedback=True)
+    frames = iter((216, 112, 112, 216, 112))
+    ar._frame_size = lambda numel: next(frames)
+    x = torch.randn(112, generator=torch.Generator().manual_seed(9 + me))
+    outs = []
+    for _ in range(5):
+        out = x.clone()
+        ar(out)
+        outs.append(out)
+    results["ef_reframed_finite"] = all(bool(torch.isfinite(o).all()) for o in outs)
+    results["ef_reframed_buffers"] = sorted(ar._errors)
 
 
 def _case_training(topo: Topology, results: dict) -> None:
@@ -289,6 +304,7 @@ def _check_all_reduce(out: list[dict]) -> None:
         # it accumulates
         assert r["ef_True_err"] <= 2 * r["ef_True_bound"], r
         assert r["ef_False_err"] > r["ef_True_err"], r
+        assert r["ef_reframed_finite"] and r["ef_reframed_buffers"] == [(112, 64), (112, 128)]
 
 
 def _check_training(out: list[dict]) -> None:

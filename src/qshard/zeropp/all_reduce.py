@@ -185,7 +185,9 @@ class ReplicateAllReduce:
         self.codec = RowCodec(bits=bits, block_size=block_size, wire_dtype=wire_dtype)
         # Quantized chunks hold whole groups of 4 blocks, as qgZ's rows (16-byte aligned).
         self._unit = 4 * block_size if bits is not None else 8
-        self._errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # keyed by (shard size, chunk): the chunk follows the frame, which a frozen parameter
+        # changes for the same shard size ([Note: the shard size travels with hop 1])
+        self._errors: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         if module is not None and not callable(getattr(module, "_get_fsdp_state", None)):
             raise TypeError(
                 f"module must be the FSDP unit the hook is installed on (fully_shard's result); "
@@ -296,10 +298,13 @@ class ReplicateAllReduce:
 
     def _warn_resize(self, size: int) -> None:
         """[Note: error feedback keyed by size] FSDP2 hands the hook a unit's gradient shard
-        and nothing about which parameters it holds; the buffers are kept per shard size. A
-        unit whose set of parameters with a gradient changes between steps (a branch or an
-        expert unused in some steps) shows up here as a new size: its residuals are kept apart,
-        but two different sets of equal size would share a buffer. Warned once per hook."""
+        and nothing about which parameters it holds; the buffers are kept per shard size and
+        chunk (the chunk follows the frame of [Note: the shard size travels with hop 1], which
+        a frozen or unfrozen parameter changes for the same shard size: one buffer per size
+        raised a shape error on the step after an unused parameter was frozen). A unit whose
+        set of parameters with a gradient changes between steps (a branch or an expert unused
+        in some steps) shows up here as a new size: its residuals are kept apart, but two
+        different sets of equal size would share a buffer. Warned once per hook."""
         self._warned_resize = True
         module = self._module() if self._module is not None else None
         if module is not None and callable(
@@ -312,13 +317,18 @@ class ReplicateAllReduce:
             )
         else:
             fix = "give every trainable parameter of the unit a gradient in every step"
+        sizes = sorted({numel for numel, _ in self._errors})
+        change = (
+            f"changed size ({sizes} -> {size} elements)"
+            if size not in sizes
+            else f"kept its size ({size} elements) under another set of trainable parameters"
+        )
         logger.warning(
-            "replicate error feedback: this FSDP unit's gradient shard changed size (%s -> %d "
-            "elements): a parameter got no gradient in some steps. The error buffers are kept "
-            "per size, so two different sets of parameters of equal size would share one. To "
-            "keep them matched, %s, or turn replicate_error_feedback off.",
-            sorted(self._errors),
-            size,
+            "replicate error feedback: this FSDP unit's gradient shard %s: a parameter got no "
+            "gradient in some steps, or was frozen or unfrozen. The error buffers are kept per "
+            "size, so two different sets of parameters of equal size would share one. To keep "
+            "them matched, %s, or turn replicate_error_feedback off.",
+            change,
             fix,
         )
 
@@ -356,14 +366,14 @@ class _Reduction:
         self.gathered: torch.Tensor | None = None
         errors = None
         if comm.error_feedback:
-            errors = comm._errors.get(size)
+            errors = comm._errors.get((size, c))
             if errors is None:
                 if comm._errors and not comm._warned_resize:
                     comm._warn_resize(size)
                 errors = tuple(
                     torch.zeros(k, dtype=torch.float32, device=x.device) for k in (n * c, c)
                 )
-                comm._errors[size] = errors
+                comm._errors[size, c] = errors
             # error + input in the worker error itself, which takes the residual below: no
             # bucket-sized temporary (the same sums: float addition commutes)
             xin = errors[0]
