@@ -304,7 +304,9 @@ def _check_all_reduce(out: list[dict]) -> None:
         # it accumulates
         assert r["ef_True_err"] <= 2 * r["ef_True_bound"], r
         assert r["ef_False_err"] > r["ef_True_err"], r
-        assert r["ef_reframed_finite"] and r["ef_reframed_buffers"] == [(112, 64), (112, 128)]
+        # one buffer per framing of the 112 elements (the chunks depend on the replicas' count)
+        buffers = r["ef_reframed_buffers"]
+        assert r["ef_reframed_finite"] and [k for k, _ in buffers] == [112, 112], buffers
 
 
 def _check_training(out: list[dict]) -> None:
