@@ -201,7 +201,8 @@ def compressed_all_reduce(
                 f"(False: structurally zero); got {mask.dtype} of shape {tuple(mask.shape)} "
                 f"({fix})"
             )
-    outs = _outputs(tensors, out, [*worker_errors, *server_errors])
+    if out is not None:
+        _check_out(tensors, out, [*worker_errors, *server_errors])
     if n > 1:
         _check_same_layout(tensors, masks, group, group_ranks, tag)
     bucket = _Bucket(
@@ -218,20 +219,21 @@ def compressed_all_reduce(
         tag,
     )
     if _per_tensor(bucket):
-        return _per_tensor_round(bucket, outs)
-    for o, result in zip(outs, _vectorized_round(bucket)):
-        o.copy_(result)
-    return outs
-
-
-def _outputs(
-    tensors: Sequence[torch.Tensor],
-    out: Sequence[torch.Tensor] | None,
-    errors: Sequence[torch.Tensor],
-) -> list[torch.Tensor]:
-    """The tensors the results go to: ``out`` checked, or new ones."""
+        if out is None:
+            out = [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
+        return _per_tensor_round(bucket, list(out))
+    results = _vectorized_round(bucket)
     if out is None:
-        return [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
+        return results
+    for o, result in zip(out, results):
+        o.copy_(result)
+    return list(out)
+
+
+def _check_out(
+    tensors: Sequence[torch.Tensor], out: Sequence[torch.Tensor], errors: Sequence[torch.Tensor]
+) -> None:
+    """Refuse an ``out`` the round cannot write, before anything is touched."""
     if len(out) != len(tensors):
         raise ValueError(
             f"need one out tensor per tensor; got {len(out)} for {len(tensors)}"
@@ -250,7 +252,6 @@ def _outputs(
                 f"(contiguous={o.is_contiguous()})"
             )
     _refuse_overlaps(tensors, out, errors)
-    return list(out)
 
 
 def _refuse_overlaps(tensors, out, errors) -> None:
@@ -404,7 +405,7 @@ def _per_tensor_round(b: _Bucket, outs: list[torch.Tensor]) -> list[torch.Tensor
     worker_scales = torch.stack(torch._foreach_norm(xs)) / _root(counts)
     packed = [pack_signs(x) for x in xs]  # ceil(k / 8) bytes each; chunks start on bytes
     row_signs = torch.zeros(n, sum(b.chunks) // 8, dtype=torch.uint8)  # destination-major
-    for p, c, cols in zip(packed, b.chunks, _split_columns(row_signs, b.chunks)):
+    for p, c, cols in zip(packed, b.chunks, _byte_columns(row_signs, b.chunks)):
         padded = torch.zeros(n * c // 8, dtype=torch.uint8)
         padded[: p.numel()] = p
         cols.copy_(padded.view(n, c // 8))
@@ -417,7 +418,7 @@ def _per_tensor_round(b: _Bucket, outs: list[torch.Tensor]) -> list[torch.Tensor
     y_all = torch.empty(sum(b.chunks), dtype=torch.float32)
     ys = list(y_all.split(b.chunks))
     mine = []  # per tensor: the valid prefix of this rank's chunk, and the mask over it
-    cols = _split_columns(recv[:, 4 * num : 4 * num + sign_bytes], b.chunks)
+    cols = _byte_columns(recv[:, 4 * num : 4 * num + sign_bytes], b.chunks)
     for i, (y, col, c, k, mask) in enumerate(zip(ys, cols, b.chunks, b.numels, masks)):
         signs = scratch[: n * c]
         _unpack_signs_into(col.reshape(-1), signs)
@@ -439,7 +440,7 @@ def _per_tensor_round(b: _Bucket, outs: list[torch.Tensor]) -> list[torch.Tensor
     out_scales = gathered.view(torch.float32)[:, :num]  # (n, num)
     ok = (finite & torch.isfinite(out_scales).all(0)).tolist()
     server_signs = server_packed.split([c // 8 for c in b.chunks])
-    cols = _split_columns(gathered[:, 4 * num : 4 * num + sign_bytes], b.chunks)
+    cols = _byte_columns(gathered[:, 4 * num : 4 * num + sign_bytes], b.chunks)
     for i, (x, y, ew, es, col) in enumerate(zip(xs, ys, b.worker_errors, b.server_errors, cols)):
         c, k, mask, out = b.chunks[i], b.numels[i], masks[i], outs[i].view(-1)
         if not ok[i]:  # the errors stay as they were; see [Note: non-finite inputs]
@@ -483,12 +484,10 @@ def _store(buffer: torch.Tensor, x: torch.Tensor, sent: torch.Tensor, scale: tor
         buffer.copy_(flat.view(buffer.shape))
 
 
-def _split_columns(rows: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
-    """Views of the consecutive column blocks of a 2-D tensor, one per tensor: ``widths`` are
-    elements (a byte holds 8 of them when ``rows`` holds packed signs)."""
-    if rows.dtype == torch.uint8:
-        widths = [w // 8 for w in widths]
-    return list(rows.split(widths, dim=1))
+def _byte_columns(rows: torch.Tensor, chunks: list[int]) -> list[torch.Tensor]:
+    """Views of a 2-D tensor of packed signs, one block of columns per tensor (chunk ``c``
+    of a tensor is ``c / 8`` bytes)."""
+    return list(rows.split([c // 8 for c in chunks], dim=1))
 
 
 def _zero_invalid(values: torch.Tensor, length: int, mask: torch.Tensor | None) -> None:
