@@ -234,6 +234,51 @@ def test_scalar_build_writes_the_same_bits(monkeypatch, extra, build):
         assert_same_bits((p1, o1), (p2, o2), cls)
 
 
+def _narrow_grad(shape, gen):
+    """A gradient whose rows, stepped alike, give blocks of every kind: row 1 keeps its states
+    at zero (absmax 0), rows 2 and 4 put them below and above the exact-quotient range."""
+    g = torch.randn(shape, generator=gen) * 0.3
+    for row, scale in ((1, 0.0), (2, 1e-35), (4, 1e19)):
+        if row < shape[0]:
+            g[row] *= scale
+    return g
+
+
+@pytest.mark.parametrize("build", ["avx512-no-vbmi", "scalar"])
+def test_narrow_rows_write_the_same_bits(monkeypatch, build):
+    """[Note: narrow rows]: the default build (AVX-512 VBMI) steps rows of 16 and 32 elements up
+    to 256 elements at a time; the builds without that path step them block by block. Same bits
+    for every optimizer, with blocks that leave the grouped encoder (absmax 0, below and above
+    the exact-quotient range, a row that turns NaN, lanes near a midpoint: random data has a few
+    per step), with row counts that leave a remainder or form no group, bitsandbytes' rules (not
+    grouped), and 1 and 2 threads (other splits of the blocks)."""
+    other = _other_library(build)
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in (1, 2):
+            torch.set_num_threads(nthreads)
+            for shape in ((301, 16), (150, 32), (3, 16), (70, 16)):
+                for cls, kw in [*_ONE_STEP, (qoptim.AdamW8bit, dict(lr=1e-2, bnb_compat=True))]:
+                    kw = {**kw, "min_8bit_size": 1}
+                    gen = torch.Generator().manual_seed(nthreads)
+                    p1 = torch.nn.Parameter(torch.randn(shape, generator=gen))
+                    p2 = torch.nn.Parameter(p1.detach().clone())
+                    o1, o2 = cls([p1], **kw), cls([p2], **kw)
+                    for step in range(3):
+                        g = _narrow_grad(shape, gen)
+                        if step == 2:
+                            g[min(6, shape[0] - 1), 3] = float("nan")
+                        p1.grad, p2.grad = g.clone(), g.clone()
+                        o1.step()
+                        monkeypatch.setattr(_kernels, "library", lambda: other)
+                        o2.step()
+                        monkeypatch.undo()
+                        assert any(k.endswith("_codes") for k in o1.state[p1]), "8-bit state"
+                        assert_same_bits((p1, o1), (p2, o2), (cls, kw, shape, nthreads, step))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _edge_values(q):
     """Every midpoint, the floats either side of it, and every code, in [-1, 1]."""
     mid = q.mid

@@ -1,6 +1,6 @@
 """C text shared by the fused 8-bit and 4-bit optimizer kernels (:mod:`qshard.optim._kernels`,
 :mod:`qshard.optim._kernels4`): the block absmax on bit patterns with its non-finite rule
-(``NONFINITE_C``), a thread's share of a multi-tensor call (``THREAD_SHARE_C``) and the Adam /
+and that of a narrow row's block (``NONFINITE_C``), a thread's share of a multi-tensor call (``THREAD_SHARE_C``) and the Adam /
 AdamW update of one decoded block (``adam_block_c``). Plain
 strings, concatenated into each kernel's source; this module compiles nothing and imports no
 other part of qshard.
@@ -30,6 +30,19 @@ static inline uint32_t abs_bits(float x) {
     memcpy(&u, &x, 4);
     return u & 0x7FFFFFFFu;
 }
+
+#ifdef __AVX512F__
+/* The absmax of n = 16 or 32 floats (a narrow row's block, [Note: narrow rows] in
+ * qshard.optim._kernels), by the rule above. */
+static inline float absmax16n(const float *s, int n) {
+    const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i acc = _mm512_and_si512(_mm512_loadu_si512((const void *)s), mask);
+    if (n == 32)
+        acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512((const void *)(s + 16)),
+                                                     mask));
+    return absmax_of_bits((uint32_t)_mm512_reduce_max_epu32(acc));
+}
+#endif
 
 """
 
