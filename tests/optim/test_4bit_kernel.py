@@ -179,6 +179,43 @@ def test_variant_builds_write_the_same_bits(build, monkeypatch):
             assert_same_bits(a, b, (cls.__name__, kw, shape, build))
 
 
+@pytest.mark.parametrize("build", ["avx2", None], ids=["avx2", "torch"])
+def test_narrow_rows_write_the_same_bits(build, monkeypatch):
+    """[Note: narrow rows]: with AVX-512 the kernel steps rows of 16 and 32 elements up to 256
+    elements at a time; the AVX2 build steps them block by block, and the torch reference is the
+    specification. Same bits for every case (both second-moment maps), with blocks of every kind
+    (states at zero, tiny, huge, a row that turns NaN), row counts that leave a remainder or form
+    no group, and 1 and 2 threads (other splits of the blocks)."""
+    lib = None if build is None else _variant_library(build)
+    threads = torch.get_num_threads()
+    try:
+        for nthreads in (1, 2):
+            torch.set_num_threads(nthreads)
+            for shape in ((301, 16), (150, 32), (3, 16), (70, 16)):
+                for cls, kw in _CASES:
+                    gen = torch.Generator().manual_seed(nthreads)
+                    p1 = torch.nn.Parameter(torch.randn(shape, generator=gen))
+                    p2 = torch.nn.Parameter(p1.detach().clone())
+                    o1 = cls([p1], min_4bit_size=0, **kw)
+                    o2 = cls([p2], min_4bit_size=0, **kw)
+                    for step in range(3):
+                        g = torch.randn(shape, generator=gen) * 0.3
+                        for row, scale in ((1, 0.0), (2, 1e-35), (4, 1e19)):
+                            if row < shape[0]:
+                                g[row] *= scale
+                        if step == 2:
+                            g[min(6, shape[0] - 1), 3] = float("nan")
+                        p1.grad, p2.grad = g.clone(), g.clone()
+                        o1.step()
+                        monkeypatch.setattr(_kernels4, "library", lambda: lib)
+                        o2.step()
+                        monkeypatch.undo()
+                        assert "exp_avg_codes" in o1.state[p1]
+                        assert_same_bits((p1, o1), (p2, o2), (kw, shape, nthreads, step))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_openmp_threads_and_concurrent_callers_write_the_same_bits():
     """The kernel keeps no shared mutable state: 1 or 2 OpenMP threads, and four Python threads
     stepping their own optimizers at once, all give the single-threaded bits."""

@@ -24,6 +24,10 @@ and the code of 0.0 (the 8-bit kernel's [Note: non-finite state blocks]), so it 
 The parameter, gradient and codes 1024 elements ahead are prefetched before the encoders run
 (they touch no memory): 0.86x the step at 10M with one thread side by side (256 to 4096 ahead
 measured the same within noise; load 7-8).
+Rows of 16 or 32 elements (LoRA's B: one block per row) are stepped up to 256 elements at a
+time with AVX-512, each vector decoded and encoded with its own block's absmax (the 8-bit
+kernel's [Note: narrow rows]): a (262144, 16) AdamW4bit step 3.5 -> 1.33 ns per parameter on
+Zen 4 (one thread), the same bits; the search, packing and decoding bodies are shared helpers.
 """
 
 from __future__ import annotations
@@ -63,24 +67,103 @@ _SOURCE = (
 /* Nibble k of a packed row segment. */
 static inline int nib(const uint8_t *c, int k) { return (c[k >> 1] >> ((k & 1) * 4)) & 15; }
 
+#if defined(__AVX512F__)
+/* The code values of the 16 nibbles in the 8 bytes at c (element 2i: the low nibble of byte i),
+ * the 16-entry map in the register tab. */
+static inline __attribute__((always_inline)) __m512 decode16(__m512 tab, const uint8_t *c) {
+    const __m512i shz = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24,
+                                          28);
+    uint32_t w0, w1;
+    memcpy(&w0, c, 4);
+    memcpy(&w1, c + 4, 4);
+    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w0)),
+                                             _mm256_set1_epi32((int)w1), 1);
+    const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(words, shz), _mm512_set1_epi32(15));
+    return _mm512_permutexvar_ps(idx, tab);
+}
+
+/* The encoder's midpoint search in registers (see encode4): mid[7] and the tables of steps 4, 2
+ * and 1. */
+typedef struct {
+    __m512 mid7, t4, t2, t1;
+} search4_t;
+
+static inline search4_t search_tables(const float *mid) {
+    float t4[16], t2[16], t1[16];
+    for (int m = 0; m < 16; m++) {
+        t4[m] = m + 3 < 15 ? mid[m + 3] : 0.0f;
+        t2[m] = m + 1 < 15 ? mid[m + 1] : 0.0f;
+        t1[m] = m < 15 ? mid[m] : 0.0f;
+    }
+    search4_t T;
+    T.mid7 = _mm512_set1_ps(mid[7]);
+    T.t4 = _mm512_loadu_ps(t4);
+    T.t2 = _mm512_loadu_ps(t2);
+    T.t1 = _mm512_loadu_ps(t1);
+    return T;
+}
+
+/* The codes of 16 normalised values: the linear map's formula, or the 4-step search. */
+static inline __attribute__((always_inline)) __m512i count16(const search4_t *T, __m512 x,
+                                                             int linear) {
+    if (linear == 1) {
+        const __m512 t = _mm512_roundscale_ps(
+            _mm512_sub_ps(_mm512_mul_ps(x, _mm512_set1_ps(16.0f)), _mm512_set1_ps(1.5f)),
+            _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+        return _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(t), _mm512_setzero_si512()),
+                                _mm512_set1_epi32(15));
+    }
+    __m512i i = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, T->mid7, _CMP_GT_OQ),
+                                       _mm512_set1_epi32(8));
+    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(i, T->t4), _CMP_GT_OQ),
+                              i, _mm512_set1_epi32(4));
+    i = _mm512_mask_add_epi32(i, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(i, T->t2), _CMP_GT_OQ),
+                              i, _mm512_set1_epi32(2));
+    return _mm512_mask_add_epi32(
+        i, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(i, T->t1), _CMP_GT_OQ), i,
+        _mm512_set1_epi32(1));
+}
+
+/* The search on 4 x 16 values, each step done for the four before the next (four independent
+ * chains side by side: the module docstring's numbers). */
+static inline __attribute__((always_inline)) void count64(const search4_t *T, const __m512 *x,
+                                                          __m512i *i) {
+    for (int h = 0; h < 4; h++)
+        i[h] = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x[h], T->mid7, _CMP_GT_OQ),
+                                      _mm512_set1_epi32(8));
+    for (int h = 0; h < 4; h++)
+        i[h] = _mm512_mask_add_epi32(
+            i[h], _mm512_cmp_ps_mask(x[h], _mm512_permutexvar_ps(i[h], T->t4), _CMP_GT_OQ), i[h],
+            _mm512_set1_epi32(4));
+    for (int h = 0; h < 4; h++)
+        i[h] = _mm512_mask_add_epi32(
+            i[h], _mm512_cmp_ps_mask(x[h], _mm512_permutexvar_ps(i[h], T->t2), _CMP_GT_OQ), i[h],
+            _mm512_set1_epi32(2));
+    for (int h = 0; h < 4; h++)
+        i[h] = _mm512_mask_add_epi32(
+            i[h], _mm512_cmp_ps_mask(x[h], _mm512_permutexvar_ps(i[h], T->t1), _CMP_GT_OQ), i[h],
+            _mm512_set1_epi32(1));
+}
+
+/* 16 codes packed two a byte into the 8 bytes at c: byte j = i[2j] | i[2j + 1] << 4, the low
+ * byte of each 64-bit lane. */
+static inline __attribute__((always_inline)) void pack16(__m512i i, uint8_t *c) {
+    const __m512i oddz = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    const __m512i sh = _mm512_sllv_epi32(i, oddz);
+    const __m512i pair = _mm512_or_si512(sh, _mm512_srli_epi64(sh, 32));
+    const uint64_t out = (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pair));
+    memcpy(c, &out, 8);
+}
+#endif
+
 /* s[0..n) = code[nibble k] * amax. */
 static void decode4(const float *code, const uint8_t *c, float amax, int n, float *s) {
     int k = 0;
 #if defined(__AVX512F__)
     { /* 16 lanes: the whole 16-entry map in one register, one permute per 16 values */
         const __m512 tab = _mm512_loadu_ps(code), az = _mm512_set1_ps(amax);
-        const __m512i shz = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20,
-                                              24, 28);
-        const __m512i m15z = _mm512_set1_epi32(15);
-        for (; k + 16 <= n; k += 16) {
-            uint32_t w0, w1;
-            memcpy(&w0, c + (k >> 1), 4);
-            memcpy(&w1, c + (k >> 1) + 4, 4);
-            const __m512i words = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_set1_epi32((int)w0)), _mm256_set1_epi32((int)w1), 1);
-            const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(words, shz), m15z);
-            _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_permutexvar_ps(idx, tab), az));
-        }
+        for (; k + 16 <= n; k += 16)
+            _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16(tab, c + (k >> 1)), az));
     }
 #endif
 #ifdef __AVX2__
@@ -118,83 +201,26 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     const float r = amax == 0.0f ? 1.0f : 1.0f / amax; /* an all-zero block: codes of 0.0 */
     int k = 0;
 #if defined(__AVX512F__)
-    { /* 16 lanes (64 for the search): the same counts as the 8-lane loop below */
+    { /* 16 lanes (64 for the search): the same counts as the 8-lane loop below. Any map: the
+       * count of midpoints below x by a 4-step binary search, the 16-lane midpoint tables in
+       * registers (step h compares with mid[i + h - 1] at the count i so far; entries past the
+       * 15 midpoints are never read): 12 operations per 16 lanes instead of 15 (or 8 on |x|)
+       * compares and their adds. The predicate mid < x is monotone over the sorted midpoints,
+       * so the result is the compare count's. The search is a chain of 4 dependent
+       * compare-permute steps (~40 cycles): 64 lanes per iteration, four independent chains
+       * side by side, keep the core busy (the module docstring's numbers; the linear map's
+       * short chain run this way measured slower, so it keeps the 16-lane loop). */
         const __m512 rz = _mm512_set1_ps(r);
-        const __m512 sixteenz = _mm512_set1_ps(16.0f), onehalfz = _mm512_set1_ps(1.5f);
-        const __m512i zeroz = _mm512_setzero_si512(), fifteenz = _mm512_set1_epi32(15);
-        const __m512i onez = _mm512_set1_epi32(1), twoz = _mm512_set1_epi32(2);
-        const __m512i fourz = _mm512_set1_epi32(4), eightz = _mm512_set1_epi32(8);
-        const __m512i oddz = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-        /* Any map: the count of midpoints below x by a 4-step binary search, the 16-lane
-         * midpoint tables in registers (step h compares with mid[i + h - 1] at the count i so
-         * far; entries past the 15 midpoints are never read): 12 operations per 16 lanes
-         * instead of 15 (or 8 on |x|) compares and their adds. The predicate mid < x is
-         * monotone over the sorted midpoints, so the result is the compare count's. */
-        float t4[16], t2[16], t1[16];
-        for (int m = 0; m < 16; m++) {
-            t4[m] = m + 3 < 15 ? mid[m + 3] : 0.0f;
-            t2[m] = m + 1 < 15 ? mid[m + 1] : 0.0f;
-            t1[m] = m < 15 ? mid[m] : 0.0f;
-        }
-        const __m512 mid7z = _mm512_set1_ps(mid[7]), t4z = _mm512_loadu_ps(t4);
-        const __m512 t2z = _mm512_loadu_ps(t2), t1z = _mm512_loadu_ps(t1);
-        /* The search is a chain of 4 dependent compare-permute steps (~40 cycles): 64 lanes
-         * per iteration, four independent chains side by side, keep the core busy (the module
-         * docstring's numbers; the linear map's short chain run this way measured slower, so
-         * it keeps the 16-lane loop). */
+        const search4_t T = search_tables(mid);
         for (; linear != 1 && k + 64 <= n; k += 64) {
             __m512 x[4];
             __m512i i[4];
             for (int h = 0; h < 4; h++) x[h] = _mm512_mul_ps(_mm512_loadu_ps(s + k + 16 * h), rz);
-            for (int h = 0; h < 4; h++)
-                i[h] = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x[h], mid7z, _CMP_GT_OQ),
-                                              eightz);
-            for (int h = 0; h < 4; h++)
-                i[h] = _mm512_mask_add_epi32(
-                    i[h],
-                    _mm512_cmp_ps_mask(x[h], _mm512_permutexvar_ps(i[h], t4z), _CMP_GT_OQ),
-                    i[h], fourz);
-            for (int h = 0; h < 4; h++)
-                i[h] = _mm512_mask_add_epi32(
-                    i[h],
-                    _mm512_cmp_ps_mask(x[h], _mm512_permutexvar_ps(i[h], t2z), _CMP_GT_OQ),
-                    i[h], twoz);
-            for (int h = 0; h < 4; h++)
-                i[h] = _mm512_mask_add_epi32(
-                    i[h],
-                    _mm512_cmp_ps_mask(x[h], _mm512_permutexvar_ps(i[h], t1z), _CMP_GT_OQ),
-                    i[h], onez);
-            for (int h = 0; h < 4; h++) {
-                const __m512i sh = _mm512_sllv_epi32(i[h], oddz);
-                const __m512i pair = _mm512_or_si512(sh, _mm512_srli_epi64(sh, 32));
-                const uint64_t out = (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pair));
-                memcpy(c + ((k + 16 * h) >> 1), &out, 8);
-            }
+            count64(&T, x, i);
+            for (int h = 0; h < 4; h++) pack16(i[h], c + ((k + 16 * h) >> 1));
         }
-        for (; k + 16 <= n; k += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + k), rz);
-            __m512i i;
-            if (linear == 1) {
-                const __m512 t = _mm512_roundscale_ps(
-                    _mm512_sub_ps(_mm512_mul_ps(x, sixteenz), onehalfz),
-                    _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-                i = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(t), zeroz), fifteenz);
-            } else {
-                i = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, mid7z, _CMP_GT_OQ), eightz);
-                i = _mm512_mask_add_epi32(
-                    i, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(i, t4z), _CMP_GT_OQ), i,
-                    fourz);
-                i = _mm512_mask_add_epi32(
-                    i, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(i, t2z), _CMP_GT_OQ), i, twoz);
-                i = _mm512_mask_add_epi32(
-                    i, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(i, t1z), _CMP_GT_OQ), i, onez);
-            }
-            /* byte j = i[2j] | i[2j + 1] << 4: the low byte of each 64-bit lane */
-            const __m512i sh = _mm512_sllv_epi32(i, oddz);
-            const __m512i pair = _mm512_or_si512(sh, _mm512_srli_epi64(sh, 32));
-            const uint64_t out = (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pair));
-            memcpy(c + (k >> 1), &out, 8);
-        }
+        for (; k + 16 <= n; k += 16)
+            pack16(count16(&T, _mm512_mul_ps(_mm512_loadu_ps(s + k), rz), linear), c + (k >> 1));
     }
 #endif
 #ifdef __AVX2__
@@ -256,6 +282,45 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
     }
 }
 
+#if defined(__AVX512F__)
+#define QS_GROUP4 1
+/* [Note: narrow rows] of the 8-bit kernel (qshard.optim._kernels), here: rows of 16 or 32
+ * elements are stepped up to 256 elements at a time, each vector decoded and encoded with its
+ * own block's absmax; the same operations as block by block, so the same bits. */
+static inline void decode4_group(const float *code, const uint8_t *c, const float *amax, int n,
+                                 int nel, float *s) {
+    const __m512 tab = _mm512_loadu_ps(code);
+    for (int k = 0; k < nel; k += 16)
+        _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16(tab, c + (k >> 1)),
+                                              _mm512_set1_ps(amax[k / n])));
+}
+
+/* encode4 of nel / n blocks of n (16 or 32) elements at s (nel a multiple of 64, at most 256),
+ * absmaxes m[], packed codes at c. */
+static void encode4_group(const uint32_t *lut, const float *mid, int linear, const float *s,
+                          int n, int nel, const float *m, uint8_t *c) {
+    float r[16];
+    for (int b = 0; b < nel / n; b++) r[b] = m[b] == 0.0f ? 1.0f : 1.0f / m[b]; /* encode4's */
+    const search4_t T = search_tables(mid);
+    for (int k = 0; k < nel; k += 64) {
+        __m512 x[4];
+        __m512i i[4];
+        for (int h = 0; h < 4; h++)
+            x[h] = _mm512_mul_ps(_mm512_loadu_ps(s + k + 16 * h),
+                                 _mm512_set1_ps(r[(k + 16 * h) / n]));
+        if (linear != 1) count64(&T, x, i);
+        else
+            for (int h = 0; h < 4; h++) i[h] = count16(&T, x[h], 1);
+        for (int h = 0; h < 4; h++) pack16(i[h], c + ((k + 16 * h) >> 1));
+    }
+    for (int b = 0; b < nel / n; b++)
+        if (m[b] != m[b]) { /* a non-finite block: the code of 0.0, as encode4 writes */
+            const uint8_t z = linear == 1 ? 0 : (uint8_t)nearest_code(lut, 0.0f);
+            memset(c + b * (n >> 1), z | (z << 4), (size_t)(n >> 1));
+        }
+}
+#endif
+
 """
     + adam_block_c(bias_correction="mul")
     + r"""
@@ -289,36 +354,73 @@ static inline __attribute__((always_inline)) void adam4_blocks(
     const int64_t nbr = (row_numel + block - 1) / block;
     const int64_t nbytes = (row_numel + 1) / 2;
     const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
+    int group = 0; /* blocks per 64 elements, when rows are stepped together: [Note: narrow rows] */
+#ifdef QS_GROUP4
+    if (nbr == 1 && (row_numel == 16 || row_numel == 32)) group = 64 / (int)row_numel;
+#endif
     for (int64_t b = b0; b < b1; b++) {
         float s1[4096], s2[4096];
         const int64_t r = b / nbr, j = b % nbr;
         const int64_t off = r * row_numel + j * block;
         const int64_t coff = r * nbytes + j * (block / 2);
         const int n = (int)((row_numel - j * block) < block ? (row_numel - j * block) : block);
-        decode4(code1, c1 + coff, a1[b], n, s1);
-        decode4(code2, c2 + coff, a2[b], n, s2);
+        int nblk = 1; /* blocks stepped now: up to 256 elements of narrow rows, in 64s */
+        if (group && b + group <= b1) {
+            const int64_t left = (b1 - b) / group * group;
+            nblk = (int)(left < 4 * group ? left : 4 * group);
+        }
+        const int nu = n * nblk; /* their elements (rows of even length: their codes follow) */
+#ifdef QS_GROUP4
+        if (nblk > 1) {
+            decode4_group(code1, c1 + coff, a1 + b, n, nu, s1);
+            decode4_group(code2, c2 + coff, a2 + b, n, nu, s2);
+        } else
+#endif
+        {
+            decode4(code1, c1 + coff, a1[b], n, s1);
+            decode4(code2, c2 + coff, a2[b], n, s2);
+        }
         float m1, m2;
-        if (mode == 1) adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 1, &m1, &m2);
-        else if (mode == 2) adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 2, &m1, &m2);
-        else adam_block(p + off, g + off, s1, s2, n, hp, 0.0f, 0, &m1, &m2);
-        a1[b] = m1;
-        a2[b] = m2;
+        if (mode == 1) adam_block(p + off, g + off, s1, s2, nu, hp, 0.0f, 1, &m1, &m2);
+        else if (mode == 2) adam_block(p + off, g + off, s1, s2, nu, hp, 0.0f, 2, &m1, &m2);
+        else adam_block(p + off, g + off, s1, s2, nu, hp, 0.0f, 0, &m1, &m2);
+        float g1[16], g2[16];
+#ifdef QS_GROUP4
+        if (nblk > 1)
+            for (int h = 0; h < nblk; h++) {
+                a1[b + h] = g1[h] = absmax16n(s1 + h * n, n);
+                a2[b + h] = g2[h] = absmax16n(s2 + h * n, n);
+            }
+        else
+#endif
+        {
+            a1[b] = m1;
+            a2[b] = m2;
+        }
 #ifdef __AVX2__
         /* Prefetch the parameter, gradient and both code rows QS_AHEAD4 elements ahead: the
          * encoders below touch no memory, so without this DRAM idles while they run (the 8-bit
          * kernel's prefetch). Ahead in the flat stream, rows included; a hint, it never faults. */
         {
             const int64_t ahead = off + QS_AHEAD4, cahead = coff + QS_AHEAD4 / 2;
-            if (ahead + n <= rows * row_numel && cahead + (n >> 1) <= rows * nbytes) {
-                for (int l = 0; l < n; l += 16) {
+            if (ahead + nu <= rows * row_numel && cahead + (nu >> 1) <= rows * nbytes) {
+                for (int l = 0; l < nu; l += 16) {
                     _mm_prefetch((const char *)(p + ahead + l), _MM_HINT_T0);
                     _mm_prefetch((const char *)(g + ahead + l), _MM_HINT_T0);
                 }
-                for (int l = 0; l < (n >> 1); l += 64) {
+                for (int l = 0; l < (nu >> 1); l += 64) {
                     _mm_prefetch((const char *)(c1 + cahead + l), _MM_HINT_T0);
                     _mm_prefetch((const char *)(c2 + cahead + l), _MM_HINT_T0);
                 }
             }
+        }
+#endif
+#ifdef QS_GROUP4
+        if (nblk > 1) {
+            encode4_group(lut1, mid1, linear1, s1, n, nu, g1, c1 + coff);
+            encode4_group(lut2, mid2, linear2, s2, n, nu, g2, c2 + coff);
+            b += nblk - 1;
+            continue;
         }
 #endif
         encode4(lut1, mid1, linear1, s1, n, m1, c1 + coff);
