@@ -181,7 +181,7 @@ def test_variant_builds_write_the_same_bits(build, monkeypatch):
 
 @pytest.mark.parametrize("build", ["avx2", None], ids=["avx2", "torch"])
 def test_narrow_rows_write_the_same_bits(build, monkeypatch):
-    """[Note: narrow rows]: with AVX-512 the kernel steps rows of 16 and 32 elements up to 256
+    """[Note: narrow rows]: with AVX-512 the kernel steps rows of 8 to 64 elements up to 256
     elements at a time; the AVX2 build steps them block by block, and the torch reference is the
     specification. Same bits for every case (both second-moment maps), with blocks of every kind
     (states at zero, tiny, huge, a row that turns NaN), row counts that leave a remainder or form
@@ -191,7 +191,7 @@ def test_narrow_rows_write_the_same_bits(build, monkeypatch):
     try:
         for nthreads in (1, 2):
             torch.set_num_threads(nthreads)
-            for shape in ((301, 16), (150, 32), (3, 16), (70, 16)):
+            for shape in ((301, 16), (150, 32), (3, 16), (70, 16), (601, 8), (75, 64)):
                 for cls, kw in _CASES:
                     gen = torch.Generator().manual_seed(nthreads)
                     p1 = torch.nn.Parameter(torch.randn(shape, generator=gen))

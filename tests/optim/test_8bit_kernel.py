@@ -246,8 +246,8 @@ def _narrow_grad(shape, gen):
 
 @pytest.mark.parametrize("build", ["avx512-no-vbmi", "scalar"])
 def test_narrow_rows_write_the_same_bits(monkeypatch, build):
-    """[Note: narrow rows]: the default build (AVX-512 VBMI) steps rows of 16 and 32 elements up
-    to 256 elements at a time; the builds without that path step them block by block. Same bits
+    """[Note: narrow rows]: the default build (AVX-512 VBMI) steps rows of 8 to 32 elements up
+    to 256 elements at a time (rows of 64 block by block: checked too); the builds without that path step them block by block. Same bits
     for every optimizer, with blocks that leave the grouped encoder (absmax 0, below and above
     the exact-quotient range, a row that turns NaN, lanes near a midpoint: random data has a few
     per step), with row counts that leave a remainder or form no group, bitsandbytes' rules (not
@@ -257,7 +257,7 @@ def test_narrow_rows_write_the_same_bits(monkeypatch, build):
     try:
         for nthreads in (1, 2):
             torch.set_num_threads(nthreads)
-            for shape in ((301, 16), (150, 32), (3, 16), (70, 16)):
+            for shape in ((301, 16), (150, 32), (3, 16), (70, 16), (601, 8), (75, 64)):
                 for cls, kw in [*_ONE_STEP, (qoptim.AdamW8bit, dict(lr=1e-2, bnb_compat=True))]:
                     kw = {**kw, "min_8bit_size": 1}
                     gen = torch.Generator().manual_seed(nthreads)

@@ -1,6 +1,6 @@
 """C text shared by the fused 8-bit and 4-bit optimizer kernels (:mod:`qshard.optim._kernels`,
 :mod:`qshard.optim._kernels4`): the block absmax on bit patterns with its non-finite rule
-and that of a narrow row's block (``NONFINITE_C``), a thread's share of a multi-tensor call (``THREAD_SHARE_C``) and the Adam /
+and that of narrow rows' blocks (``NONFINITE_C``), a thread's share of a multi-tensor call (``THREAD_SHARE_C``) and the Adam /
 AdamW update of one decoded block (``adam_block_c``). Plain
 strings, concatenated into each kernel's source; this module compiles nothing and imports no
 other part of qshard.
@@ -32,15 +32,28 @@ static inline uint32_t abs_bits(float x) {
 }
 
 #ifdef __AVX512F__
-/* The absmax of n = 16 or 32 floats (a narrow row's block, [Note: narrow rows] in
- * qshard.optim._kernels), by the rule above. */
-static inline float absmax16n(const float *s, int n) {
+/* Narrow rows ([Note: narrow rows] in qshard.optim._kernels): rows of n = 8, 16, 32 or 64
+ * elements, one block each, stepped together. narrow_absmax: a row's absmax by the rule above.
+ * narrow_scale: lanes k..k+15 of such rows (k a multiple of 16), each lane the value v[] of its
+ * row (n = 8: two rows per vector). */
+static inline float narrow_absmax(const float *s, int n) {
     const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+    if (n == 8)
+        return absmax_of_bits((uint32_t)_mm512_mask_reduce_max_epu32(
+            0xFF, _mm512_and_si512(_mm512_maskz_loadu_epi32(0xFF, s), mask)));
     __m512i acc = _mm512_and_si512(_mm512_loadu_si512((const void *)s), mask);
-    if (n == 32)
-        acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512((const void *)(s + 16)),
-                                                     mask));
+    for (int k = 16; k < n; k += 16)
+        acc = _mm512_max_epu32(acc,
+                               _mm512_and_si512(_mm512_loadu_si512((const void *)(s + k)), mask));
     return absmax_of_bits((uint32_t)_mm512_reduce_max_epu32(acc));
+}
+
+static inline __m512 narrow_scale(const float *v, int k, int n) {
+    if (n == 8)
+        return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(v[k >> 3])),
+                                                   _mm256_castps_pd(_mm256_set1_ps(v[(k >> 3) + 1])),
+                                                   1));
+    return _mm512_set1_ps(v[k / n]);
 }
 #endif
 

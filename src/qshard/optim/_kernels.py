@@ -60,9 +60,9 @@ one process; the host is shared, so ratios, not absolute times, are what carry o
 * one call per parameter group (``step8_multi``, [Note: multi-tensor step] below): the blocks
   of all its tensors split evenly between the threads; a call per tensor cost ~25 us of Python
   and ctypes each (2,000 matrices of 16 x 256: 4.3x fused fp32 AdamW, now 2.0x).
-* rows of 16 or 32 elements (one block per row) stepped up to 256 elements at a time, each
-  vector decoded and encoded with its own block's absmax ([Note: narrow rows]): a (262144, 16)
-  AdamW8bit step 3.7 -> 1.75 ns per parameter on Zen 4 (one thread), the same bits.
+* rows of 8 to 32 elements (one block per row) stepped up to 256 elements at a time, each
+  lane decoded and encoded with its own row's absmax ([Note: narrow rows]): AdamW8bit on
+  (262144, 16) 3.7 -> 1.75 ns per parameter on Zen 4 (one thread), the same bits.
 
 Where the step's time goes now, and the measured ratios to torch's fused fp32 AdamW:
 docs/optim8bit.md ("Where the time goes"; ``benchmarks/optim_step.py --phases`` times kernel
@@ -290,25 +290,13 @@ static inline __attribute__((always_inline)) __m512i code16_fast(
 }
 
 #ifdef __AVX512VBMI__
-/* 64 codes by the region encoder, vector h (16 lanes) normalised by its own dv[h], rv[h] (a
- * block's, or, for narrow rows, [Note: narrow rows], each vector's block's), finished on bytes:
- * a multishift takes bits 14-21 of every dword, two byte permutes and an insert gather the 64
- * codes, and one masked byte op applies the sign rule (254 - count saturating at 0) or the
- * unsigned floor to all of them. Returns nonzero, writing nothing, when a lane lies near a
- * midpoint (the caller re-encodes those vectors by the table search). */
-static inline __attribute__((always_inline)) int encode64(const regions_t *R, const float *s,
-                                                          const __m512 *dv, const __m512 *rv,
-                                                          uint8_t *out, int floor0, int kind) {
-    const __m512i ctrl = _mm512_set1_epi64(14 | (46 << 8));
-    const __m512i idx = _mm512_loadu_si512((const void *)ENCODE_PICK);
-    __mmask16 flag = 0, m[4];
-    __m512i z[4], zi[4];
-    __m512 sv[4], x[4];
-    for (int h = 0; h < 4; h++) sv[h] = _mm512_loadu_ps(s + 16 * h);
-    for (int h = 0; h < 4; h++) x[h] = QS_NORMALISE(sv[h], dv[h], rv[h]);
-    region_z4(R, x, sv, kind, &flag, m, zi);
-    for (int h = 0; h < 4; h++) z[h] = _mm512_multishift_epi64_epi8(ctrl, zi[h]);
-    if (flag) return 1;
+/* The finish of 64 codes on bytes: z[h] holds the counts of vector h in the byte lanes a
+ * multishift took them to (bits 14-21 of every dword); two byte permutes and an insert gather
+ * the 64 codes, and one masked byte op applies the sign rule (254 - count saturating at 0) or the
+ * unsigned floor to all of them (m: region_z4's masks). */
+static inline __attribute__((always_inline)) void finish64(const __m512i *z, const __mmask16 *m,
+                                                           __m512i idx, uint8_t *out,
+                                                           int floor0, int kind) {
     const __m512i lo = _mm512_permutex2var_epi8(z[0], idx, z[1]);
     const __m512i hi = _mm512_permutex2var_epi8(z[2], idx, z[3]);
     __m512i w = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
@@ -319,9 +307,9 @@ static inline __attribute__((always_inline)) int encode64(const regions_t *R, co
     else if (floor0) w = _mm512_maskz_max_epu8(mm, w, _mm512_set1_epi8(1));
     else w = _mm512_maskz_mov_epi8(mm, w);
     _mm512_storeu_si512((void *)out, w);
-    return 0;
 }
 #endif
+
 
 /* 64 lanes per iteration, then 16: the region encoder when the map has a region table
  * (`kind` != 0), else the table search (4 independent gathers in flight). */
@@ -337,10 +325,22 @@ static inline __attribute__((always_inline)) int encode_avx512(const uint32_t *l
         const regions_t R = load_regions(regions);
 #ifdef __AVX512VBMI__
         /* 64 lanes per iteration, one flag test (a flagged group finishes the block 16 at a
-         * time) */
-        const __m512 dv4[4] = {dv, dv, dv, dv}, rv4[4] = {rv, rv, rv, rv};
-        for (; k + 64 <= n; k += 64)
-            if (encode64(&R, s + k, dv4, rv4, out + k, floor0, kind)) break;
+         * time), finished on bytes (finish64). The same steps as the narrow rows' loop
+         * (encode_group_k) with one divisor: written out here, as a shared helper taking the
+         * four vectors' divisors this loop took 1.03-1.04x the step on rows of 64. */
+        const __m512i ctrl = _mm512_set1_epi64(14 | (46 << 8));
+        const __m512i idx = _mm512_loadu_si512((const void *)ENCODE_PICK);
+        for (; k + 64 <= n; k += 64) {
+            __mmask16 flag = 0, m[4];
+            __m512i z[4], zi[4];
+            __m512 sv[4], x[4];
+            for (int h = 0; h < 4; h++) sv[h] = _mm512_loadu_ps(s + k + 16 * h);
+            for (int h = 0; h < 4; h++) x[h] = QS_NORMALISE(sv[h], dv, rv);
+            region_z4(&R, x, sv, kind, &flag, m, zi);
+            for (int h = 0; h < 4; h++) z[h] = _mm512_multishift_epi64_epi8(ctrl, zi[h]);
+            if (flag) break;
+            finish64(z, m, idx, out + k, floor0, kind);
+        }
 #endif
         for (; k + 16 <= n; k += 16)
             _mm_storeu_si128((__m128i *)(out + k),
@@ -424,39 +424,51 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
 
 #if defined(QS_AVX512) && defined(__AVX512VBMI__)
 #define QS_GROUP64 1
-/* [Note: narrow rows] A tensor whose rows hold 16 or 32 elements (LoRA's B of shape (out, r),
- * say) has one block per row under the row-block layout, so a block is one or two vectors, and
- * stepped block by block each paid the block's fixed costs (loading the decoder's and the
- * encoder's tables into registers, the update's set-up, the chain from the block's absmax
- * through 1/absmax to its codes) for 16 or 32 elements: 2.7x the time per element of a
- * 256-element block (3.67 vs 1.36 ns, AdamW8bit, one thread, Zen 4). The step takes such rows
- * up to 256 elements (16 or 8 blocks, at least 64 elements) at a time instead: one decode with
- * each vector scaled by its own block's absmax, one update over all of them (elementwise: the
- * same bits as block by block), each block's absmax, and a 64-lane encode with each vector
- * normalised by its own block's absmax. Every value comes from the same operations as block by
- * block, so the bits are the same (a block whose absmax is 0, not finite or outside the
- * exact-quotient range, a lane near a midpoint, the stochastic and bitsandbytes rules: those
- * take the per-block encoders as before; tests compare the builds without this path). */
+/* [Note: narrow rows] A tensor whose rows hold 8, 16 or 32 elements (LoRA's B of shape
+ * (out, r), say) has one block per row under the row-block layout, and stepped block by block
+ * each block paid its fixed costs (loading the decoder's and the encoder's tables into
+ * registers, the update's set-up, the chain from the block's absmax through 1/absmax to its
+ * codes) for a few elements: per element 2.7x (rows of 16) and 4.8x (rows of 8) the time of a
+ * 256-element block (AdamW8bit, one thread, Zen 4). The step takes such rows up to 256
+ * elements (at least 64) at a time instead: one decode with each lane scaled by its own row's
+ * absmax, one update over all of them (elementwise: the same bits as block by block), each
+ * row's absmax, and a 64-lane encode with each lane normalised by its own row's absmax (rows of
+ * 8: two rows per vector). Every value comes from the same operations as block by block, so
+ * the bits are the same (a block whose absmax is 0, not finite or outside the exact-quotient
+ * range, a lane near a midpoint, the stochastic and bitsandbytes rules: those take the
+ * per-block encoders as before; tests compare the builds without this path). Rows of 64 keep
+ * the per-block path here (one 64-lane pass each already; grouped they took 1.03x the time);
+ * the 4-bit kernel groups them too (0.85x). */
 static inline __attribute__((always_inline)) void encode_group_k(
     const qmap_t *q, const regions_t *R, float *s, int n, int nel, const float *m,
     const float *rm, uint8_t *c, int floor0, int kind) {
     const __m512i zidx = _mm512_set1_epi32(q->zero_idx);
+    const __m512i ctrl = _mm512_set1_epi64(14 | (46 << 8));
+    const __m512i idx = _mm512_loadu_si512((const void *)ENCODE_PICK);
     for (int k = 0; k < nel; k += 64) {
-        __m512 dv[4], rv[4];
+        __mmask16 flag = 0, mk[4];
+        __m512i z[4], zi[4];
+        __m512 sv[4], x[4], dv[4], rv[4];
         for (int h = 0; h < 4; h++) {
-            const int blk = (k + 16 * h) / n;
-            dv[h] = _mm512_set1_ps(m[blk]);
-            rv[h] = _mm512_set1_ps(rm[blk]);
+            dv[h] = narrow_scale(m, k + 16 * h, n);
+            rv[h] = narrow_scale(rm, k + 16 * h, n);
+            sv[h] = _mm512_loadu_ps(s + k + 16 * h);
+            x[h] = QS_NORMALISE(sv[h], dv[h], rv[h]);
         }
-        if (!encode64(R, s + k, dv, rv, c + k, floor0, kind)) continue;
-        for (int h = 0; h < 4; h++)
+        region_z4(R, x, sv, kind, &flag, mk, zi);
+        if (!flag) {
+            for (int h = 0; h < 4; h++) z[h] = _mm512_multishift_epi64_epi8(ctrl, zi[h]);
+            finish64(z, mk, idx, c + k, floor0, kind);
+            continue;
+        }
+        for (int h = 0; h < 4; h++) /* a lane near a midpoint: the table search (code16_fast) */
             _mm_storeu_si128((__m128i *)(c + k + 16 * h),
                              _mm512_cvtepi32_epi8(code16_fast(q->lut, R, s + k + 16 * h, dv[h],
                                                               rv[h], zidx, kind, floor0)));
     }
 }
 
-/* Encode nel / n blocks of n (16 or 32) elements at s (nel a multiple of 64, at most 256),
+/* Encode nel / n blocks of n (8, 16 or 32) elements at s (nel a multiple of 64, at most 256),
  * absmaxes m[], codes at c ([Note: narrow rows]); flags has neither the stochastic nor the
  * bitsandbytes bit. */
 static void encode_group(const qmap_t *q, float *s, int n, int nel, const float *m, uint8_t *c,
@@ -471,10 +483,13 @@ static void encode_group(const qmap_t *q, float *s, int n, int nel, const float 
             encode_block(q, s + b * n, n, m[b], c + b * n, flags, seed, gidx0 + b * n);
         return;
     }
-    float rm[16]; /* 1 / m: one vector division (correctly rounded, as the scalar one) */
-    const __mmask16 live = (__mmask16)((1u << nb) - 1);
-    _mm512_storeu_ps(rm, _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f),
-                                             _mm512_maskz_loadu_ps(live, m)));
+    float rm[32]; /* 1 / m, 16 at a time (vector divisions: correctly rounded, as the scalar) */
+    for (int b = 0; b < nb; b += 16) {
+        const __mmask16 live = (__mmask16)(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1);
+        _mm512_mask_storeu_ps(rm + b, live,
+                              _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f),
+                                                  _mm512_maskz_loadu_ps(live, m + b)));
+    }
     const regions_t R = load_regions(q->regions);
     const int floor0 = (!q->is_signed && (flags & 2)) ? 1 : 0;
     if (kind == 1) encode_group_k(q, &R, s, n, nel, m, rm, c, 0, 1);
@@ -590,7 +605,7 @@ static inline void decode_group(const uint8_t *planes, const uint8_t *c, const f
         decode64(pl, perm, c + k, d);
         for (int q = 0; q < 4; q++)
             _mm512_storeu_ps(s + k + 16 * q,
-                             _mm512_mul_ps(d[q], _mm512_set1_ps(amax[(k + 16 * q) / n])));
+                             _mm512_mul_ps(d[q], narrow_scale(amax, k + 16 * q, n)));
     }
 }
 
@@ -642,7 +657,7 @@ static inline __attribute__((always_inline)) void step_blocks(
     const float canon = (flags & 1) ? 0.0f : -0.0f; /* x + 0.0f turns -0.0 into +0.0 */
     int group = 0; /* blocks per 64 elements, when rows are stepped together: [Note: narrow rows] */
 #ifdef QS_GROUP64
-    if (nbr == 1 && (row_numel == 16 || row_numel == 32) && !(flags & (4 | 8)))
+    if (nbr == 1 && (row_numel == 8 || row_numel == 16 || row_numel == 32) && !(flags & (4 | 8)))
         group = 64 / (int)row_numel;
 #endif
     for (int64_t b = b0; b < b1; b++) {
@@ -794,13 +809,13 @@ static inline __attribute__((always_inline)) void step_blocks(
 #endif
 #ifdef QS_GROUP64
         if (nblk > 1) {
-            float g1[16], g2[16];
-            for (int h = 0; h < nblk; h++) a1[b + h] = g1[h] = absmax16n(s1 + h * n, n);
+            float g1[32], g2[32];
+            for (int h = 0; h < nblk; h++) a1[b + h] = g1[h] = narrow_absmax(s1 + h * n, n);
 #ifndef QS_PHASE_NO_ENCODE
             encode_group(&q1, s1, n, nu, g1, cc1, flags, seed1, gidx);
 #endif
             if (has2) {
-                for (int h = 0; h < nblk; h++) a2[b + h] = g2[h] = absmax16n(s2 + h * n, n);
+                for (int h = 0; h < nblk; h++) a2[b + h] = g2[h] = narrow_absmax(s2 + h * n, n);
 #ifndef QS_PHASE_NO_ENCODE
                 encode_group(&q2, s2, n, nu, g2, cc2, flags, seed2, gidx);
 #endif

@@ -24,10 +24,10 @@ and the code of 0.0 (the 8-bit kernel's [Note: non-finite state blocks]), so it 
 The parameter, gradient and codes 1024 elements ahead are prefetched before the encoders run
 (they touch no memory): 0.86x the step at 10M with one thread side by side (256 to 4096 ahead
 measured the same within noise; load 7-8).
-Rows of 16 or 32 elements (LoRA's B: one block per row) are stepped up to 256 elements at a
-time with AVX-512, each vector decoded and encoded with its own block's absmax (the 8-bit
-kernel's [Note: narrow rows]): a (262144, 16) AdamW4bit step 3.5 -> 1.33 ns per parameter on
-Zen 4 (one thread), the same bits; the search, packing and decoding bodies are shared helpers.
+Rows of 8 to 64 elements (LoRA's B: one block per row) are stepped up to 256 elements at a
+time with AVX-512, each lane decoded and encoded with its own row's absmax (the 8-bit kernel's
+[Note: narrow rows]): AdamW4bit on (262144, 16) 3.5 -> 1.33 ns per parameter on Zen 4 (one
+thread), the same bits; the search, packing and decoding bodies are shared helpers.
 """
 
 from __future__ import annotations
@@ -284,30 +284,29 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
 
 #if defined(__AVX512F__)
 #define QS_GROUP4 1
-/* [Note: narrow rows] of the 8-bit kernel (qshard.optim._kernels), here: rows of 16 or 32
- * elements are stepped up to 256 elements at a time, each vector decoded and encoded with its
- * own block's absmax; the same operations as block by block, so the same bits. */
+/* [Note: narrow rows] of the 8-bit kernel (qshard.optim._kernels), here: rows of 8, 16, 32 or 64
+ * elements are stepped up to 256 elements at a time, each lane decoded and encoded with its own
+ * row's absmax; the same operations as block by block, so the same bits. */
 static inline void decode4_group(const float *code, const uint8_t *c, const float *amax, int n,
                                  int nel, float *s) {
     const __m512 tab = _mm512_loadu_ps(code);
     for (int k = 0; k < nel; k += 16)
         _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16(tab, c + (k >> 1)),
-                                              _mm512_set1_ps(amax[k / n])));
+                                              narrow_scale(amax, k, n)));
 }
 
-/* encode4 of nel / n blocks of n (16 or 32) elements at s (nel a multiple of 64, at most 256),
+/* encode4 of nel / n blocks of n (8, 16, 32 or 64) elements at s (nel a multiple of 64, at most 256),
  * absmaxes m[], packed codes at c. */
 static void encode4_group(const uint32_t *lut, const float *mid, int linear, const float *s,
                           int n, int nel, const float *m, uint8_t *c) {
-    float r[16];
+    float r[32];
     for (int b = 0; b < nel / n; b++) r[b] = m[b] == 0.0f ? 1.0f : 1.0f / m[b]; /* encode4's */
     const search4_t T = search_tables(mid);
     for (int k = 0; k < nel; k += 64) {
         __m512 x[4];
         __m512i i[4];
         for (int h = 0; h < 4; h++)
-            x[h] = _mm512_mul_ps(_mm512_loadu_ps(s + k + 16 * h),
-                                 _mm512_set1_ps(r[(k + 16 * h) / n]));
+            x[h] = _mm512_mul_ps(_mm512_loadu_ps(s + k + 16 * h), narrow_scale(r, k + 16 * h, n));
         if (linear != 1) count64(&T, x, i);
         else
             for (int h = 0; h < 4; h++) i[h] = count16(&T, x[h], 1);
@@ -356,7 +355,8 @@ static inline __attribute__((always_inline)) void adam4_blocks(
     const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
     int group = 0; /* blocks per 64 elements, when rows are stepped together: [Note: narrow rows] */
 #ifdef QS_GROUP4
-    if (nbr == 1 && (row_numel == 16 || row_numel == 32)) group = 64 / (int)row_numel;
+    if (nbr == 1 && (row_numel == 8 || row_numel == 16 || row_numel == 32 || row_numel == 64))
+        group = 64 / (int)row_numel;
 #endif
     for (int64_t b = b0; b < b1; b++) {
         float s1[4096], s2[4096];
@@ -384,12 +384,12 @@ static inline __attribute__((always_inline)) void adam4_blocks(
         if (mode == 1) adam_block(p + off, g + off, s1, s2, nu, hp, 0.0f, 1, &m1, &m2);
         else if (mode == 2) adam_block(p + off, g + off, s1, s2, nu, hp, 0.0f, 2, &m1, &m2);
         else adam_block(p + off, g + off, s1, s2, nu, hp, 0.0f, 0, &m1, &m2);
-        float g1[16], g2[16];
+        float g1[32], g2[32];
 #ifdef QS_GROUP4
         if (nblk > 1)
             for (int h = 0; h < nblk; h++) {
-                a1[b + h] = g1[h] = absmax16n(s1 + h * n, n);
-                a2[b + h] = g2[h] = absmax16n(s2 + h * n, n);
+                a1[b + h] = g1[h] = narrow_absmax(s1 + h * n, n);
+                a2[b + h] = g2[h] = narrow_absmax(s2 + h * n, n);
             }
         else
 #endif
