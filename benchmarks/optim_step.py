@@ -39,11 +39,11 @@ need not add up to the step.
     python benchmarks/optim_step.py                       # 10M and 50M, all threads
     python benchmarks/optim_step.py --phases --sizes 10M --threads 1 --cpu-time
     python benchmarks/optim_step.py --sizes 1M --threads 1,2 --out-md /tmp/optim_step.md
-    python benchmarks/optim_step.py --models gpt2,lora,small --threads 1,2 --cpu-time
+    python benchmarks/optim_step.py --models gpt2,lora,lora8,small --threads 1,2 --cpu-time
 
-With ``--models`` each table is instead one model's parameter list (GPT-2 small, LoRA adapters,
-2,000 small matrices; ``MODELS``), where what a step costs per tensor shows: the same
-candidates, plus qshard's 8- and 4-bit AdamW with one kernel call per tensor (what a step cost
+With ``--models`` each table is instead one model's parameter list (GPT-2 small, LoRA adapters
+of rank 16 and 8, 2,000 small matrices; ``MODELS``), where what a step costs per tensor shows:
+the same candidates, plus qshard's 8- and 4-bit AdamW with one kernel call per tensor (what a step cost
 before the multi-tensor call).
 
 Target (issue 3): AdamW8bit <= 3x fused fp32 AdamW on CPU; state <= 2.04 bytes/param.
@@ -265,6 +265,7 @@ MODELS: dict[str, tuple[str, Callable[[], list[tuple[int, ...]]]]] = {
     # LoRA r=16 on q/k/v/o of a 32-layer, 4096-wide model: A (16, 4096) and B (4096, 16); the
     # B matrices' rows of 16 are each one partial block (the row-block layout).
     "lora": ("LoRA adapters, r=16, 32 layers x 4", lambda: [(16, 4096), (4096, 16)] * 128),
+    "lora8": ("LoRA adapters, r=8, 32 layers x 4", lambda: [(8, 4096), (4096, 8)] * 128),
     "small": ("2,000 matrices of 16 x 256", lambda: [(16, 256)] * 2000),
 }
 
