@@ -179,19 +179,15 @@ def test_variant_builds_write_the_same_bits(build, monkeypatch):
             assert_same_bits(a, b, (cls.__name__, kw, shape, build))
 
 
-@pytest.mark.parametrize("build", ["avx2", None], ids=["avx2", "torch"])
-def test_narrow_rows_write_the_same_bits(build, monkeypatch):
-    """[Note: narrow rows]: with AVX-512 the kernel steps rows of 8 to 64 elements up to 256
-    elements at a time; the AVX2 build steps them block by block, and the torch reference is the
-    specification. Same bits for every case (both second-moment maps), with blocks of every kind
-    (states at zero, tiny, huge, a row that turns NaN), row counts that leave a remainder or form
-    no group, and 1 and 2 threads (other splits of the blocks)."""
-    lib = None if build is None else _variant_library(build)
-    threads = torch.get_num_threads()
+def _steps_match(lib, shapes, grad_of, monkeypatch, threads=(1, 2)):
+    """Three steps of every case on the default build and on ``lib`` (None: the torch
+    reference), from the same start, with gradients ``grad_of(shape, gen, step)``: the same bits
+    after each step, at each thread count."""
+    saved = torch.get_num_threads()
     try:
-        for nthreads in (1, 2):
+        for nthreads in threads:
             torch.set_num_threads(nthreads)
-            for shape in ((301, 16), (150, 32), (3, 16), (70, 16), (601, 8), (75, 64)):
+            for shape in shapes:
                 for cls, kw in _CASES:
                     gen = torch.Generator().manual_seed(nthreads)
                     p1 = torch.nn.Parameter(torch.randn(shape, generator=gen))
@@ -199,12 +195,7 @@ def test_narrow_rows_write_the_same_bits(build, monkeypatch):
                     o1 = cls([p1], min_4bit_size=0, **kw)
                     o2 = cls([p2], min_4bit_size=0, **kw)
                     for step in range(3):
-                        g = torch.randn(shape, generator=gen) * 0.3
-                        for row, scale in ((1, 0.0), (2, 1e-35), (4, 1e19)):
-                            if row < shape[0]:
-                                g[row] *= scale
-                        if step == 2:
-                            g[min(6, shape[0] - 1), 3] = float("nan")
+                        g = grad_of(shape, gen, step)
                         p1.grad, p2.grad = g.clone(), g.clone()
                         o1.step()
                         monkeypatch.setattr(_kernels4, "library", lambda: lib)
@@ -213,7 +204,47 @@ def test_narrow_rows_write_the_same_bits(build, monkeypatch):
                         assert "exp_avg_codes" in o1.state[p1]
                         assert_same_bits((p1, o1), (p2, o2), (kw, shape, nthreads, step))
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("build", ["avx2", None], ids=["avx2", "torch"])
+def test_narrow_rows_write_the_same_bits(build, monkeypatch):
+    """[Note: narrow rows]: with AVX-512 the kernel steps rows of 8 to 64 elements up to 256
+    elements at a time; the AVX2 build steps them block by block, and the torch reference is the
+    specification. Same bits for every case (both second-moment maps), with blocks of every kind
+    (states at zero, tiny, subnormal, huge, a row that turns NaN), row counts that leave a
+    remainder or form no group, and 1 and 2 threads (other splits of the blocks)."""
+
+    def grad_of(shape, gen, step):
+        g = torch.randn(shape, generator=gen) * 0.3
+        for row, scale in ((1, 0.0), (2, 1e-35), (3, 1e-40), (4, 1e19)):
+            if row < shape[0]:
+                g[row] *= scale
+        if step == 2:
+            g[min(6, shape[0] - 1), 3] = float("nan")
+        return g
+
+    lib = None if build is None else _variant_library(build)
+    shapes = ((301, 16), (150, 32), (3, 16), (70, 16), (601, 8), (75, 64))
+    _steps_match(lib, shapes, grad_of, monkeypatch)
+
+
+@pytest.mark.parametrize("build", ["scalar", "avx2", None], ids=["scalar", "avx2", "torch"])
+def test_blocks_whose_reciprocal_overflows_write_the_same_bits(build, monkeypatch):
+    """[Note: 4-bit normalisation]: a block whose absmax is subnormal (its fp32 reciprocal
+    overflows: m after ~800 steps without gradient, v of gradients ~1e-21) is divided, not
+    multiplied by +Inf, on every path: the same codes on every build and on the torch reference
+    (they differed, and the scalar linear encoder converted NaN to an integer)."""
+
+    def grad_of(shape, gen, step):
+        g = torch.randn(shape, generator=gen) * 0.3
+        for row, scale in ((0, 1e-21), (1, 1e-39), (2, 1e-41), (3, 1e-44)):
+            if row < shape[0]:
+                g[row] *= scale
+        return g
+
+    lib = None if build is None else _variant_library(build)
+    _steps_match(lib, ((9, 13), (8, 8), (40, 300), (17, 16)), grad_of, monkeypatch, threads=(1,))
 
 
 def test_openmp_threads_and_concurrent_callers_write_the_same_bits():

@@ -185,12 +185,29 @@ static void decode4(const float *code, const uint8_t *c, float amax, int n, floa
     for (; k < n; k++) s[k] = code[nib(c, k)] * amax;
 }
 
+/* [Note: 4-bit normalisation] A block is normalised by multiplying with the fp32 reciprocal of
+ * its absmax, x = s * (1 / amax) (an all-zero block by 1). Where that reciprocal overflows (an
+ * absmax below ~2^-128, subnormal: the first moment of a row without gradient reaches it after
+ * ~800 steps of beta1 = 0.9) it is +Inf, and the quotients were +-Inf or NaN (0 * Inf), whose
+ * codes differed between the vector and scalar loops, the torch reference and the builds (the
+ * scalar linear loop converted a NaN to an integer: undefined behaviour). Such a block is
+ * normalised by the division s / amax instead (finite, |x| <= 1), on every path (the loops
+ * below, the narrow rows' grouped encoder, _qstate4.quantize_rows4, the Triton kernel). This
+ * returns the reciprocal to multiply with: 1 after dividing s in place, when it overflowed. */
+static inline float normalise4(float *s, int n, float amax) {
+    const float r = amax == 0.0f ? 1.0f : 1.0f / amax;
+    if (r <= 3.4028234663852886e38f) return r;
+    for (int k = 0; k < n; k++) s[k] = s[k] / amax;
+    return 1.0f;
+}
+
 /* Nearest codes of s[0..n) * (1 / amax) packed two a byte into c (n odd: the last high nibble
- * is 0). `linear` 2: a symmetric signed map (AVX2: 8 compares on |x|, below); 1: the map is
+ * is 0; s is divided in place where the reciprocal overflows: [Note: 4-bit normalisation]).
+ * `linear` 2: a symmetric signed map (AVX2: 8 compares on |x|, below); 1: the map is
  * (i + 1) / 16, whose code needs no table: the number of midpoints
  * (2i + 3) / 32 below x >= 0 is ceil(16x - 1.5) clamped to 0..15, exactly (16x is exact, and so
  * is 16x - 1.5 where it is >= -0.75; below, the count is 0 either way). */
-static void encode4(const uint32_t *lut, const float *mid, int linear, const float *s, int n,
+static void encode4(const uint32_t *lut, const float *mid, int linear, float *s, int n,
                     float amax, uint8_t *c) {
     if (amax != amax) { /* a non-finite block: the code of 0.0 ([Note: non-finite state blocks]) */
         const uint8_t z = linear == 1 ? 0 : (uint8_t)nearest_code(lut, 0.0f);
@@ -198,7 +215,7 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, const flo
         if (n & 1) c[n >> 1] = z;
         return;
     }
-    const float r = amax == 0.0f ? 1.0f : 1.0f / amax; /* an all-zero block: codes of 0.0 */
+    const float r = normalise4(s, n, amax); /* an all-zero block: codes of 0.0 */
     int k = 0;
 #if defined(__AVX512F__)
     { /* 16 lanes (64 for the search): the same counts as the 8-lane loop below. Any map: the
@@ -297,10 +314,10 @@ static inline void decode4_group(const float *code, const uint8_t *c, const floa
 
 /* encode4 of nel / n blocks of n (8, 16, 32 or 64) elements at s (nel a multiple of 64, at most 256),
  * absmaxes m[], packed codes at c. */
-static void encode4_group(const uint32_t *lut, const float *mid, int linear, const float *s,
-                          int n, int nel, const float *m, uint8_t *c) {
+static void encode4_group(const uint32_t *lut, const float *mid, int linear, float *s, int n,
+                          int nel, const float *m, uint8_t *c) {
     float r[32];
-    for (int b = 0; b < nel / n; b++) r[b] = m[b] == 0.0f ? 1.0f : 1.0f / m[b]; /* encode4's */
+    for (int b = 0; b < nel / n; b++) r[b] = normalise4(s + b * n, n, m[b]); /* encode4's */
     const search4_t T = search_tables(mid);
     for (int k = 0; k < nel; k += 64) {
         __m512 x[4];
