@@ -244,15 +244,17 @@ def _narrow_grad(shape, gen):
     return g
 
 
-@pytest.mark.parametrize("build", ["avx512-no-vbmi", "scalar"])
+@pytest.mark.parametrize("build", [None, "avx512-no-vbmi", "avx2"], ids=["vbmi", "no-vbmi", "avx2"])
 def test_narrow_rows_write_the_same_bits(monkeypatch, build):
-    """[Note: narrow rows]: the default build (AVX-512 VBMI) steps rows of 8 to 32 elements up
-    to 256 elements at a time (rows of 64 block by block: checked too); the builds without that path step them block by block. Same bits
-    for every optimizer, with blocks that leave the grouped encoder (absmax 0, below and above
-    the exact-quotient range, a row that turns NaN, lanes near a midpoint: random data has a few
-    per step), with row counts that leave a remainder or form no group, bitsandbytes' rules (not
-    grouped), and 1 and 2 threads (other splits of the blocks)."""
-    other = _other_library(build)
+    """[Note: narrow rows]: every vector build (AVX-512 VBMI: the default here; without VBMI;
+    AVX2) steps rows of 8 to 32 elements up to 256 elements at a time (rows of 64 block by block:
+    checked too); the scalar build steps them block by block. Same bits for every optimizer, with
+    blocks that leave the grouped encoder (absmax 0, below and above the exact-quotient range, a
+    row that turns NaN, lanes near a midpoint: random data has a few per step), with row counts
+    that leave a remainder or form no group, bitsandbytes' rules (not grouped), and 1 and 2
+    threads (other splits of the blocks)."""
+    grouped = _kernels.library() if build is None else _other_library(build)
+    scalar = _other_library("scalar")
     threads = torch.get_num_threads()
     try:
         for nthreads in (1, 2):
@@ -269,10 +271,10 @@ def test_narrow_rows_write_the_same_bits(monkeypatch, build):
                         if step == 2:
                             g[min(6, shape[0] - 1), 3] = float("nan")
                         p1.grad, p2.grad = g.clone(), g.clone()
-                        o1.step()
-                        monkeypatch.setattr(_kernels, "library", lambda: other)
-                        o2.step()
-                        monkeypatch.undo()
+                        for o_, lib in ((o1, grouped), (o2, scalar)):
+                            monkeypatch.setattr(_kernels, "library", lambda lib=lib: lib)
+                            o_.step()
+                            monkeypatch.undo()
                         assert any(k.endswith("_codes") for k in o1.state[p1]), "8-bit state"
                         assert_same_bits((p1, o1), (p2, o2), (cls, kw, shape, nthreads, step))
     finally:

@@ -55,6 +55,18 @@ static inline __m512 narrow_scale(const float *v, int k, int n) {
                                                    1));
     return _mm512_set1_ps(v[k / n]);
 }
+#elif defined(__AVX2__)
+static inline float narrow_absmax(const float *s, int n) { /* n = 8, 16, 32 or 64 */
+    const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i acc = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)s), mask);
+    for (int k = 8; k < n; k += 8)
+        acc = _mm256_max_epu32(acc,
+                               _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(s + k)), mask));
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));
+    return absmax_of_bits((uint32_t)_mm_cvtsi128_si32(x));
+}
 #endif
 
 """

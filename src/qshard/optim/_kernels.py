@@ -62,7 +62,8 @@ one process; the host is shared, so ratios, not absolute times, are what carry o
   and ctypes each (2,000 matrices of 16 x 256: 4.3x fused fp32 AdamW, now 2.0x).
 * rows of 8 to 32 elements (one block per row) stepped up to 256 elements at a time, each
   lane decoded and encoded with its own row's absmax ([Note: narrow rows]): AdamW8bit on
-  (262144, 16) 3.7 -> 1.75 ns per parameter on Zen 4 (one thread), the same bits.
+  (262144, 16) 3.7 -> 1.8 ns per parameter on Zen 4 (one thread; the same source built without
+  VBMI 3.5 -> 2.2, AVX2 only 3.8 -> 3.0), the same bits.
 
 Where the step's time goes now, and the measured ratios to torch's fused fp32 AdamW:
 docs/optim8bit.md ("Where the time goes"; ``benchmarks/optim_step.py --phases`` times kernel
@@ -422,8 +423,8 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
     }
 }
 
-#if defined(QS_AVX512) && defined(__AVX512VBMI__)
-#define QS_GROUP64 1
+#ifdef __AVX2__
+#define QS_NARROW 1
 /* [Note: narrow rows] A tensor whose rows hold 8, 16 or 32 elements (LoRA's B of shape
  * (out, r), say) has one block per row under the row-block layout, and stepped block by block
  * each block paid its fixed costs (loading the decoder's and the encoder's tables into
@@ -436,9 +437,12 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
  * 8: two rows per vector). Every value comes from the same operations as block by block, so
  * the bits are the same (a block whose absmax is 0, not finite or outside the exact-quotient
  * range, a lane near a midpoint, the stochastic and bitsandbytes rules: those take the
- * per-block encoders as before; tests compare the builds without this path). Rows of 64 keep
- * the per-block path here (one 64-lane pass each already; grouped they took 1.03x the time);
- * the 4-bit kernel groups them too (0.85x). */
+ * per-block encoders as before; tests compare every build with the scalar loops). Without VBMI
+ * the encode is 16 lanes at a time (the region encoder, or the table search for a map without
+ * a region table), with AVX2 only 8 (the table search); the decode likewise. Rows of 64 keep the
+ * per-block path here (one 64-lane pass each already; grouped they took 1.03x the time); the
+ * 4-bit kernel groups them too (0.85x). */
+#if defined(QS_AVX512) && defined(__AVX512VBMI__)
 static inline __attribute__((always_inline)) void encode_group_k(
     const qmap_t *q, const regions_t *R, float *s, int n, int nel, const float *m,
     const float *rm, uint8_t *c, int floor0, int kind) {
@@ -467,6 +471,34 @@ static inline __attribute__((always_inline)) void encode_group_k(
                                                               rv[h], zidx, kind, floor0)));
     }
 }
+#elif defined(QS_AVX512)
+static inline __attribute__((always_inline)) void encode_group_k(
+    const qmap_t *q, const regions_t *R, float *s, int n, int nel, const float *m,
+    const float *rm, uint8_t *c, int floor0, int kind) {
+    const __m512i zidx = _mm512_set1_epi32(q->zero_idx);
+    for (int k = 0; k < nel; k += 16) {
+        const __m512 dv = narrow_scale(m, k, n), rv = narrow_scale(rm, k, n);
+        const __m512i i = kind ? code16_fast(q->lut, R, s + k, dv, rv, zidx, kind, floor0)
+                               : code16(q->lut, s + k, dv, rv, zidx, floor0);
+        _mm_storeu_si128((__m128i *)(c + k), _mm512_cvtepi32_epi8(i));
+    }
+}
+#else
+static inline __attribute__((always_inline)) void encode_group_k(
+    const qmap_t *q, const void *R, float *s, int n, int nel, const float *m, const float *rm,
+    uint8_t *c, int floor0, int kind) {
+    (void)R;
+    (void)kind;
+    const __m256i zidx = _mm256_set1_epi32(q->zero_idx);
+    for (int k = 0; k < nel; k += 8) {
+        const __m256i i = code8(q->lut, s + k, _mm256_set1_ps(m[k / n]), _mm256_set1_ps(rm[k / n]),
+                                zidx, floor0);
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(i),
+                                           _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64((__m128i *)(c + k), _mm_packus_epi16(w, w));
+    }
+}
+#endif
 
 /* Encode nel / n blocks of n (8, 16 or 32) elements at s (nel a multiple of 64, at most 256),
  * absmaxes m[], codes at c ([Note: narrow rows]); flags has neither the stochastic nor the
@@ -475,7 +507,11 @@ static void encode_group(const qmap_t *q, float *s, int n, int nel, const float 
                          int flags, uint64_t seed, int64_t gidx0) {
     const int kind = q->regions[128] == 1 || q->regions[128] == 2 ? (int)q->regions[128] : 0;
     const int nb = nel / n;
-    int plain = kind != 0;
+#if defined(QS_AVX512) && defined(__AVX512VBMI__)
+    int plain = kind != 0; /* the 64-lane loop is the region encoder's */
+#else
+    int plain = 1;
+#endif
     for (int b = 0; b < nb; b++) /* a finite, nonzero absmax in the exact-quotient range */
         plain &= m[b] == m[b] && m[b] != 0.0f && qs_quot_ok(m[b]);
     if (!plain) {
@@ -483,7 +519,8 @@ static void encode_group(const qmap_t *q, float *s, int n, int nel, const float 
             encode_block(q, s + b * n, n, m[b], c + b * n, flags, seed, gidx0 + b * n);
         return;
     }
-    float rm[32]; /* 1 / m, 16 at a time (vector divisions: correctly rounded, as the scalar) */
+    float rm[32]; /* 1 / m (vector divisions: correctly rounded, as the scalar) */
+#ifdef QS_AVX512
     for (int b = 0; b < nb; b += 16) {
         const __mmask16 live = (__mmask16)(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1);
         _mm512_mask_storeu_ps(rm + b, live,
@@ -491,10 +528,16 @@ static void encode_group(const qmap_t *q, float *s, int n, int nel, const float 
                                                   _mm512_maskz_loadu_ps(live, m + b)));
     }
     const regions_t R = load_regions(q->regions);
+#else
+    for (int b = 0; b < nb; b++) rm[b] = 1.0f / m[b];
+    const int R = 0;
+#endif
     const int floor0 = (!q->is_signed && (flags & 2)) ? 1 : 0;
     if (kind == 1) encode_group_k(q, &R, s, n, nel, m, rm, c, 0, 1);
-    else if (floor0) encode_group_k(q, &R, s, n, nel, m, rm, c, 1, 2);
-    else encode_group_k(q, &R, s, n, nel, m, rm, c, 0, 2);
+    else if (kind == 2 && floor0) encode_group_k(q, &R, s, n, nel, m, rm, c, 1, 2);
+    else if (kind == 2) encode_group_k(q, &R, s, n, nel, m, rm, c, 0, 2);
+    else if (floor0) encode_group_k(q, &R, s, n, nel, m, rm, c, 1, 0);
+    else encode_group_k(q, &R, s, n, nel, m, rm, c, 0, 0);
 }
 #endif
 
@@ -532,6 +575,36 @@ static inline __attribute__((always_inline)) void decode64(const __m512i *pl, __
 }
 #endif
 
+#ifdef QS_AVX512
+/* The code values of the 16 bytes at c, the 256-entry table in the 16 registers t: 8 two-table
+ * permutes and a 3-level blend on index bits 5-7 (decode_block). */
+static inline __attribute__((always_inline)) __m512 decode16t(const __m512 *t, const uint8_t *c) {
+    const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    const __mmask16 m5 = _mm512_test_epi32_mask(i, _mm512_set1_epi32(32));
+    const __mmask16 m6 = _mm512_test_epi32_mask(i, _mm512_set1_epi32(64));
+    const __mmask16 m7 = _mm512_test_epi32_mask(i, _mm512_set1_epi32(128));
+    __m512 q[4];
+    for (int h = 0; h < 4; h++)
+        q[h] = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(t[4 * h], i, t[4 * h + 1]),
+                                    _mm512_permutex2var_ps(t[4 * h + 2], i, t[4 * h + 3]));
+    const __m512 lo = _mm512_mask_blend_ps(m6, q[0], q[1]);
+    const __m512 hi = _mm512_mask_blend_ps(m6, q[2], q[3]);
+    return _mm512_mask_blend_ps(m7, lo, hi);
+}
+#endif
+
+#ifdef __AVX2__
+/* The code values of the 8 bytes at c: eight scalar table loads assembled into a vector (faster
+ * than a gather on Zen 3). */
+static inline __attribute__((always_inline)) __m256 decode8l(const float *code, const uint8_t *c) {
+    uint64_t w;
+    memcpy(&w, c, 8); /* x86: little-endian, byte l is bits 8l..8l+7 */
+    return _mm256_setr_ps(code[w & 255], code[(w >> 8) & 255], code[(w >> 16) & 255],
+                          code[(w >> 24) & 255], code[(w >> 32) & 255], code[(w >> 40) & 255],
+                          code[(w >> 48) & 255], code[w >> 56]);
+}
+#endif
+
 static inline void decode_block(const float *code, const uint8_t *planes, const uint8_t *c,
                                 float amax, int n, float *s) {
     int k = 0;
@@ -560,43 +633,22 @@ static inline void decode_block(const float *code, const uint8_t *planes, const 
         __m512 t[16];
         for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(code + 16 * i);
         const __m512 a5 = _mm512_set1_ps(amax);
-        const __m512i bit5 = _mm512_set1_epi32(32), bit6 = _mm512_set1_epi32(64);
-        const __m512i bit7 = _mm512_set1_epi32(128);
-        for (; k + 16 <= n; k += 16) {
-            const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + k)));
-            const __mmask16 m5 = _mm512_test_epi32_mask(i, bit5);
-            const __mmask16 m6 = _mm512_test_epi32_mask(i, bit6);
-            const __mmask16 m7 = _mm512_test_epi32_mask(i, bit7);
-            __m512 q[4];
-            for (int h = 0; h < 4; h++)
-                q[h] = _mm512_mask_blend_ps(m5, _mm512_permutex2var_ps(t[4 * h], i, t[4 * h + 1]),
-                                            _mm512_permutex2var_ps(t[4 * h + 2], i, t[4 * h + 3]));
-            const __m512 lo = _mm512_mask_blend_ps(m6, q[0], q[1]);
-            const __m512 hi = _mm512_mask_blend_ps(m6, q[2], q[3]);
-            _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_mask_blend_ps(m7, lo, hi), a5));
-        }
+        for (; k + 16 <= n; k += 16) _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16t(t, c + k), a5));
     }
 #endif
 #ifdef __AVX2__
     const __m256 a = _mm256_set1_ps(amax);
-    for (; k + 8 <= n; k += 8) {
-        uint64_t w;
-        memcpy(&w, c + k, 8); /* x86: little-endian, byte l is bits 8l..8l+7 */
-        const __m256 v = _mm256_setr_ps(code[w & 255], code[(w >> 8) & 255],
-                                        code[(w >> 16) & 255], code[(w >> 24) & 255],
-                                        code[(w >> 32) & 255], code[(w >> 40) & 255],
-                                        code[(w >> 48) & 255], code[w >> 56]);
-        _mm256_storeu_ps(s + k, _mm256_mul_ps(v, a));
-    }
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8l(code, c + k), a));
 #endif
     for (; k < n; k++) s[k] = code[c[k]] * amax;
 }
 
-#ifdef QS_GROUP64
-/* decode_block's VBMI loop on nel elements (a multiple of 64) of blocks of n elements ([Note:
- * narrow rows]): each vector is scaled by its own block's absmax. */
-static inline void decode_group(const uint8_t *planes, const uint8_t *c, const float *amax, int n,
-                                int nel, float *s) {
+#ifdef QS_NARROW
+/* decode_block on nel elements (a multiple of 64) of blocks of n elements ([Note: narrow rows]):
+ * each lane scaled by its own block's absmax (AVX2: 8-lane vectors, each in one block). */
+static inline void decode_group(const float *code, const uint8_t *planes, const uint8_t *c,
+                                const float *amax, int n, int nel, float *s) {
+#if defined(QS_AVX512) && defined(__AVX512VBMI__)
     __m512i pl[16];
     for (int i = 0; i < 16; i++) pl[i] = _mm512_loadu_si512((const void *)(planes + 64 * i));
     const __m512i perm = _mm512_loadu_si512((const void *)DECODE_ORDER);
@@ -607,6 +659,17 @@ static inline void decode_group(const uint8_t *planes, const uint8_t *c, const f
             _mm512_storeu_ps(s + k + 16 * q,
                              _mm512_mul_ps(d[q], narrow_scale(amax, k + 16 * q, n)));
     }
+#elif defined(QS_AVX512)
+    (void)planes;
+    __m512 t[16];
+    for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(code + 16 * i);
+    for (int k = 0; k < nel; k += 16)
+        _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16t(t, c + k), narrow_scale(amax, k, n)));
+#else
+    (void)planes;
+    for (int k = 0; k < nel; k += 8)
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8l(code, c + k), _mm256_set1_ps(amax[k / n])));
+#endif
 }
 
 #endif
@@ -656,7 +719,7 @@ static inline __attribute__((always_inline)) void step_blocks(
     const uint64_t seed2 = mix64((uint64_t)X->seed ^ 0x5555555555555555ull);
     const float canon = (flags & 1) ? 0.0f : -0.0f; /* x + 0.0f turns -0.0 into +0.0 */
     int group = 0; /* blocks per 64 elements, when rows are stepped together: [Note: narrow rows] */
-#ifdef QS_GROUP64
+#ifdef QS_NARROW
     if (nbr == 1 && (row_numel == 8 || row_numel == 16 || row_numel == 32) && !(flags & (4 | 8)))
         group = 64 / (int)row_numel;
 #endif
@@ -675,10 +738,10 @@ static inline __attribute__((always_inline)) void step_blocks(
         uint8_t *cc1 = c1 + off;
         uint8_t *cc2 = has2 ? c2 + off : NULL;
 #ifndef QS_PHASE_NO_DECODE
-#ifdef QS_GROUP64
+#ifdef QS_NARROW
         if (nblk > 1) {
-            decode_group(planes1, cc1, a1 + b, n, nu, s1);
-            if (has2) decode_group(planes2, cc2, a2 + b, n, nu, s2);
+            decode_group(code1, planes1, cc1, a1 + b, n, nu, s1);
+            if (has2) decode_group(code2, planes2, cc2, a2 + b, n, nu, s2);
         } else
 #endif
         {
@@ -807,7 +870,7 @@ static inline __attribute__((always_inline)) void step_blocks(
             }
         }
 #endif
-#ifdef QS_GROUP64
+#ifdef QS_NARROW
         if (nblk > 1) {
             float g1[32], g2[32];
             for (int h = 0; h < nblk; h++) a1[b + h] = g1[h] = narrow_absmax(s1 + h * n, n);
