@@ -179,10 +179,10 @@ def test_variant_builds_write_the_same_bits(build, monkeypatch):
             assert_same_bits(a, b, (cls.__name__, kw, shape, build))
 
 
-def _steps_match(lib, shapes, grad_of, monkeypatch, threads=(1, 2)):
-    """Three steps of every case on the default build and on ``lib`` (None: the torch
-    reference), from the same start, with gradients ``grad_of(shape, gen, step)``: the same bits
-    after each step, at each thread count."""
+def _steps_match(lib_a, lib_b, shapes, grad_of, monkeypatch, threads=(1, 2)):
+    """Three steps of every case on ``lib_a`` and on ``lib_b`` (None: the torch reference), from
+    the same start, with gradients ``grad_of(shape, gen, step)``: the same bits after each step,
+    at each thread count."""
     saved = torch.get_num_threads()
     try:
         for nthreads in threads:
@@ -197,23 +197,25 @@ def _steps_match(lib, shapes, grad_of, monkeypatch, threads=(1, 2)):
                     for step in range(3):
                         g = grad_of(shape, gen, step)
                         p1.grad, p2.grad = g.clone(), g.clone()
-                        o1.step()
-                        monkeypatch.setattr(_kernels4, "library", lambda: lib)
-                        o2.step()
-                        monkeypatch.undo()
+                        for o_, lib in ((o1, lib_a), (o2, lib_b)):
+                            monkeypatch.setattr(_kernels4, "library", lambda lib=lib: lib)
+                            o_.step()
+                            monkeypatch.undo()
                         assert "exp_avg_codes" in o1.state[p1]
                         assert_same_bits((p1, o1), (p2, o2), (kw, shape, nthreads, step))
     finally:
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("build", ["avx2", None], ids=["avx2", "torch"])
-def test_narrow_rows_write_the_same_bits(build, monkeypatch):
-    """[Note: narrow rows]: with AVX-512 the kernel steps rows of 8 to 64 elements up to 256
-    elements at a time; the AVX2 build steps them block by block, and the torch reference is the
-    specification. Same bits for every case (both second-moment maps), with blocks of every kind
-    (states at zero, tiny, subnormal, huge, a row that turns NaN), row counts that leave a
-    remainder or form no group, and 1 and 2 threads (other splits of the blocks)."""
+@pytest.mark.parametrize("ref", ["scalar", None], ids=["scalar", "torch"])
+@pytest.mark.parametrize("build", [None, "avx2"], ids=["avx512", "avx2"])
+def test_narrow_rows_write_the_same_bits(build, ref, monkeypatch):
+    """[Note: narrow rows]: the vector builds (AVX-512: the default here; AVX2) step rows of 8 to
+    64 elements up to 256 elements at a time; the scalar build steps them block by block, and the
+    torch reference is the specification. Same bits for every case (both second-moment maps),
+    with blocks of every kind (states at zero, tiny, subnormal, huge, a row that turns NaN), row
+    counts that leave a remainder or form no group, and 1 and 2 threads (other splits of the
+    blocks)."""
 
     def grad_of(shape, gen, step):
         g = torch.randn(shape, generator=gen) * 0.3
@@ -224,9 +226,10 @@ def test_narrow_rows_write_the_same_bits(build, monkeypatch):
             g[min(6, shape[0] - 1), 3] = float("nan")
         return g
 
-    lib = None if build is None else _variant_library(build)
+    grouped = _kernels4.library() if build is None else _variant_library(build)
+    reference = None if ref is None else _variant_library(ref)
     shapes = ((301, 16), (150, 32), (3, 16), (70, 16), (601, 8), (75, 64))
-    _steps_match(lib, shapes, grad_of, monkeypatch)
+    _steps_match(grouped, reference, shapes, grad_of, monkeypatch)
 
 
 @pytest.mark.parametrize("build", ["scalar", "avx2", None], ids=["scalar", "avx2", "torch"])
@@ -244,7 +247,8 @@ def test_blocks_whose_reciprocal_overflows_write_the_same_bits(build, monkeypatc
         return g
 
     lib = None if build is None else _variant_library(build)
-    _steps_match(lib, ((9, 13), (8, 8), (40, 300), (17, 16)), grad_of, monkeypatch, threads=(1,))
+    shapes = ((9, 13), (8, 8), (40, 300), (17, 16))
+    _steps_match(_kernels4.library(), lib, shapes, grad_of, monkeypatch, threads=(1,))
 
 
 def test_openmp_threads_and_concurrent_callers_write_the_same_bits():

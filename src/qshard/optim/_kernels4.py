@@ -25,9 +25,10 @@ The parameter, gradient and codes 1024 elements ahead are prefetched before the 
 (they touch no memory): 0.86x the step at 10M with one thread side by side (256 to 4096 ahead
 measured the same within noise; load 7-8).
 Rows of 8 to 64 elements (LoRA's B: one block per row) are stepped up to 256 elements at a
-time with AVX-512, each lane decoded and encoded with its own row's absmax (the 8-bit kernel's
-[Note: narrow rows]): AdamW4bit on (262144, 16) 3.5 -> 1.33 ns per parameter on Zen 4 (one
-thread), the same bits; the search, packing and decoding bodies are shared helpers.
+time, each lane decoded and encoded with its own row's absmax (the 8-bit kernel's [Note: narrow
+rows]): AdamW4bit on (262144, 16) 3.5-3.9 -> 1.3-1.4 ns per parameter on Zen 4 (one thread; the
+AVX2 build 2.6 -> 2.0), the same bits; the search, packing and decoding bodies are helpers shared
+by both paths, and the narrow rows' loop is a separate copy of the step's loop.
 """
 
 from __future__ import annotations
@@ -156,6 +157,76 @@ static inline __attribute__((always_inline)) void pack16(__m512i i, uint8_t *c) 
 }
 #endif
 
+#ifdef __AVX2__
+/* The code values of the 8 nibbles in the 4 bytes at c (element 2i: the low nibble of byte i),
+ * the 16-entry map in the registers lo, hi: two permutes and a blend. */
+static inline __attribute__((always_inline)) __m256 decode8(__m256 lo, __m256 hi,
+                                                            const uint8_t *c) {
+    uint32_t w;
+    memcpy(&w, c, 4);
+    const __m256i idx =
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                         _mm256_set1_epi32(15));
+    const __m256 vl = _mm256_permutevar8x32_ps(lo, idx);
+    const __m256 vh = _mm256_permutevar8x32_ps(hi, idx);
+    return _mm256_blendv_ps(vl, vh, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* The AVX2 encoder's 15 midpoints, broadcast. */
+typedef struct {
+    __m256 mid[15];
+} mids8_t;
+
+static inline void load_mids8(const float *mid, mids8_t *M) {
+    for (int m = 0; m < 15; m++) M->mid[m] = _mm256_set1_ps(mid[m]);
+}
+
+/* The codes of 8 normalised values (see encode4 for `linear`). */
+static inline __attribute__((always_inline)) __m256i count8(const mids8_t *M, __m256 x,
+                                                            int linear) {
+    const __m256i zero = _mm256_setzero_si256(), seven = _mm256_set1_epi32(7);
+    if (linear == 1) {
+        const __m256 t = _mm256_ceil_ps(
+            _mm256_sub_ps(_mm256_mul_ps(x, _mm256_set1_ps(16.0f)), _mm256_set1_ps(1.5f)));
+        return _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), zero),
+                                _mm256_set1_epi32(15));
+    }
+    if (linear == 2) {
+        /* A symmetric signed map (codes -c6..-c0, 0, c0..c6, 1; midpoints -P6..-P0, P0..P7):
+         * for x > 0 the count is 7 + #(P < |x|); for x <= 0 it is #(P_k > |x|, k < 7) =
+         * 7 - #(P <= |x|) = 7 - #(P < next float above |x|), clamped (P7 may be below it). */
+        const __m256 a = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+        const __m256i pos =
+            _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+        const __m256 ae = _mm256_castsi256_ps(_mm256_add_epi32(
+            _mm256_castps_si256(a), _mm256_andnot_si256(pos, _mm256_set1_epi32(1))));
+        __m256i cnt = zero;
+        for (int m = 0; m < 8; m++)
+            cnt = _mm256_sub_epi32(
+                cnt, _mm256_castps_si256(_mm256_cmp_ps(ae, M->mid[7 + m], _CMP_GT_OQ)));
+        return _mm256_blendv_epi8(_mm256_sub_epi32(seven, _mm256_min_epi32(cnt, seven)),
+                                  _mm256_add_epi32(seven, cnt), pos);
+    }
+    /* 15 compares against the midpoints beat a table gather (0.5 ns/value) */
+    __m256i i = zero;
+    for (int m = 0; m < 15; m++)
+        i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(x, M->mid[m], _CMP_GT_OQ)));
+    return i;
+}
+
+/* 8 codes packed two a byte into the 4 bytes at c. */
+static inline __attribute__((always_inline)) void pack8(__m256i i, uint8_t *c) {
+    const __m256i sh = _mm256_sllv_epi32(i, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    const __m256i pair = _mm256_or_si256(sh, _mm256_srli_epi64(sh, 32)); /* even lanes */
+    const __m128i b = _mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(pair, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6)));
+    const __m128i w = _mm_packus_epi16(_mm_packus_epi32(b, b), _mm_setzero_si128());
+    const uint32_t out = (uint32_t)_mm_cvtsi128_si32(w);
+    memcpy(c, &out, 4);
+}
+#endif
+
 /* s[0..n) = code[nibble k] * amax. */
 static void decode4(const float *code, const uint8_t *c, float amax, int n, float *s) {
     int k = 0;
@@ -169,18 +240,7 @@ static void decode4(const float *code, const uint8_t *c, float amax, int n, floa
 #ifdef __AVX2__
     const __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
     const __m256 a = _mm256_set1_ps(amax);
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i m15 = _mm256_set1_epi32(15);
-    for (; k + 8 <= n; k += 8) {
-        uint32_t w;
-        memcpy(&w, c + (k >> 1), 4); /* little-endian: element 2i is the low nibble of byte i */
-        const __m256i idx =
-            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts), m15);
-        const __m256 vl = _mm256_permutevar8x32_ps(lo, idx);
-        const __m256 vh = _mm256_permutevar8x32_ps(hi, idx);
-        const __m256 v = _mm256_blendv_ps(vl, vh, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
-        _mm256_storeu_ps(s + k, _mm256_mul_ps(v, a));
-    }
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8(lo, hi, c + (k >> 1)), a));
 #endif
     for (; k < n; k++) s[k] = code[nib(c, k)] * amax;
 }
@@ -241,48 +301,19 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, float *s,
     }
 #endif
 #ifdef __AVX2__
+    mids8_t M;
+    load_mids8(mid, &M);
     const __m256 rv = _mm256_set1_ps(r);
-    const __m256 sixteen = _mm256_set1_ps(16.0f), onehalf = _mm256_set1_ps(1.5f);
-    const __m256i zero = _mm256_setzero_si256(), fifteen = _mm256_set1_epi32(15);
-    const __m256i one = _mm256_set1_epi32(1), seven = _mm256_set1_epi32(7);
-    const __m256 zerof = _mm256_setzero_ps();
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i odd = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
-    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
-    __m256 midv[15];
-    for (int m = 0; m < 15; m++) midv[m] = _mm256_set1_ps(mid[m]);
-    for (; k + 8 <= n; k += 8) {
-        const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + k), rv);
-        __m256i i;
-        if (linear == 1) {
-            const __m256 t = _mm256_ceil_ps(_mm256_sub_ps(_mm256_mul_ps(x, sixteen), onehalf));
-            i = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(t), zero), fifteen);
-        } else if (linear == 2) {
-            /* A symmetric signed map (codes -c6..-c0, 0, c0..c6, 1; midpoints -P6..-P0, P0..P7):
-             * for x > 0 the count is 7 + #(P < |x|); for x <= 0 it is #(P_k > |x|, k < 7) =
-             * 7 - #(P <= |x|) = 7 - #(P < next float above |x|), clamped (P7 may be below it). */
-            const __m256 a = _mm256_and_ps(x, absmask);
-            const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, zerof, _CMP_GT_OQ));
-            const __m256 ae = _mm256_castsi256_ps(
-                _mm256_add_epi32(_mm256_castps_si256(a), _mm256_andnot_si256(pos, one)));
-            __m256i cnt = zero;
-            for (int m = 0; m < 8; m++)
-                cnt = _mm256_sub_epi32(cnt, _mm256_castps_si256(_mm256_cmp_ps(ae, midv[7 + m],
-                                                                              _CMP_GT_OQ)));
-            i = _mm256_blendv_epi8(_mm256_sub_epi32(seven, _mm256_min_epi32(cnt, seven)),
-                                   _mm256_add_epi32(seven, cnt), pos);
-        } else { /* 15 compares against the midpoints beat a table gather (0.5 ns/value) */
-            i = zero;
-            for (int m = 0; m < 15; m++)
-                i = _mm256_sub_epi32(i, _mm256_castps_si256(_mm256_cmp_ps(x, midv[m], _CMP_GT_OQ)));
-        }
-        const __m256i sh = _mm256_sllv_epi32(i, odd);            /* odd lanes << 4 */
-        const __m256i pair = _mm256_or_si256(sh, _mm256_srli_epi64(sh, 32)); /* even lanes */
-        const __m128i b = _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(pair, even));
-        const __m128i w = _mm_packus_epi16(_mm_packus_epi32(b, b), _mm_setzero_si128());
-        const uint32_t out = (uint32_t)_mm_cvtsi128_si32(w);
-        memcpy(c + (k >> 1), &out, 4);
-    }
+    /* one loop per map kind (a loop testing `linear` per vector took 1.04x the step) */
+    if (linear == 1)
+        for (; k + 8 <= n; k += 8)
+            pack8(count8(&M, _mm256_mul_ps(_mm256_loadu_ps(s + k), rv), 1), c + (k >> 1));
+    else if (linear == 2)
+        for (; k + 8 <= n; k += 8)
+            pack8(count8(&M, _mm256_mul_ps(_mm256_loadu_ps(s + k), rv), 2), c + (k >> 1));
+    else
+        for (; k + 8 <= n; k += 8)
+            pack8(count8(&M, _mm256_mul_ps(_mm256_loadu_ps(s + k), rv), 0), c + (k >> 1));
 #endif
     for (; k < n; k += 2) {
         uint32_t code[2] = {0, 0};
@@ -299,17 +330,24 @@ static void encode4(const uint32_t *lut, const float *mid, int linear, float *s,
     }
 }
 
-#if defined(__AVX512F__)
+#ifdef __AVX2__
 #define QS_GROUP4 1
 /* [Note: narrow rows] of the 8-bit kernel (qshard.optim._kernels), here: rows of 8, 16, 32 or 64
  * elements are stepped up to 256 elements at a time, each lane decoded and encoded with its own
  * row's absmax; the same operations as block by block, so the same bits. */
 static inline void decode4_group(const float *code, const uint8_t *c, const float *amax, int n,
                                  int nel, float *s) {
+#if defined(__AVX512F__)
     const __m512 tab = _mm512_loadu_ps(code);
     for (int k = 0; k < nel; k += 16)
         _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16(tab, c + (k >> 1)),
                                               narrow_scale(amax, k, n)));
+#else
+    const __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
+    for (int k = 0; k < nel; k += 8)
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8(lo, hi, c + (k >> 1)),
+                                              _mm256_set1_ps(amax[k / n])));
+#endif
 }
 
 /* encode4 of nel / n blocks of n (8, 16, 32 or 64) elements at s (nel a multiple of 64, at most 256),
@@ -318,6 +356,7 @@ static void encode4_group(const uint32_t *lut, const float *mid, int linear, flo
                           int nel, const float *m, uint8_t *c) {
     float r[32];
     for (int b = 0; b < nel / n; b++) r[b] = normalise4(s + b * n, n, m[b]); /* encode4's */
+#if defined(__AVX512F__)
     const search4_t T = search_tables(mid);
     for (int k = 0; k < nel; k += 64) {
         __m512 x[4];
@@ -329,6 +368,13 @@ static void encode4_group(const uint32_t *lut, const float *mid, int linear, flo
             for (int h = 0; h < 4; h++) i[h] = count16(&T, x[h], 1);
         for (int h = 0; h < 4; h++) pack16(i[h], c + ((k + 16 * h) >> 1));
     }
+#else
+    mids8_t M;
+    load_mids8(mid, &M);
+    for (int k = 0; k < nel; k += 8)
+        pack8(count8(&M, _mm256_mul_ps(_mm256_loadu_ps(s + k), _mm256_set1_ps(r[k / n])), linear),
+              c + (k >> 1));
+#endif
     for (int b = 0; b < nel / n; b++)
         if (m[b] != m[b]) { /* a non-finite block: the code of 0.0, as encode4 writes */
             const uint8_t z = linear == 1 ? 0 : (uint8_t)nearest_code(lut, 0.0f);
@@ -356,11 +402,12 @@ static inline int64_t tensor4_blocks(const tensor4_t *X, int64_t block) {
     return X->rows * ((X->row_numel + block - 1) / block);
 }
 
-/* Blocks [b0, b1) of one tensor (its fields constant over the loop, as in the 8-bit kernel). */
-static inline __attribute__((always_inline)) void adam4_blocks(
+/* Blocks [b0, b1) of one tensor (its fields constant over the loop, as in the 8-bit kernel);
+ * `narrow`: rows of 8 to 64 elements, stepped several a pass ([Note: narrow rows]). */
+static inline __attribute__((always_inline)) void adam4_blocks_k(
     const tensor4_t *X, const float *code1, const float *mid1, const uint32_t *lut1, int linear1,
     const float *code2, const float *mid2, const uint32_t *lut2, int linear2, int64_t block,
-    int64_t b0, int64_t b1) {
+    int64_t b0, int64_t b1, int narrow) {
     float *p = (float *)(intptr_t)X->p;
     const float *g = (const float *)(intptr_t)X->g;
     uint8_t *c1 = (uint8_t *)(intptr_t)X->c1, *c2 = (uint8_t *)(intptr_t)X->c2;
@@ -370,11 +417,8 @@ static inline __attribute__((always_inline)) void adam4_blocks(
     const int64_t nbr = (row_numel + block - 1) / block;
     const int64_t nbytes = (row_numel + 1) / 2;
     const int mode = hp[7] != 1.0f ? 1 : (hp[4] != 0.0f ? 2 : 0);
-    int group = 0; /* blocks per 64 elements, when rows are stepped together: [Note: narrow rows] */
-#ifdef QS_GROUP4
-    if (nbr == 1 && (row_numel == 8 || row_numel == 16 || row_numel == 32 || row_numel == 64))
-        group = 64 / (int)row_numel;
-#endif
+    /* blocks per 64 elements, when rows are stepped together: [Note: narrow rows] */
+    const int group = narrow ? 64 / (int)row_numel : 0;
     for (int64_t b = b0; b < b1; b++) {
         float s1[4096], s2[4096];
         const int64_t r = b / nbr, j = b % nbr;
@@ -443,6 +487,22 @@ static inline __attribute__((always_inline)) void adam4_blocks(
         encode4(lut1, mid1, linear1, s1, n, m1, c1 + coff);
         encode4(lut2, mid2, linear2, s2, n, m2, c2 + coff);
     }
+}
+
+/* adam4_blocks_k, its narrow-rows loop a separate copy (one loop for both cost the AVX2 build
+ * 1.07x the step on whole blocks). */
+static inline __attribute__((always_inline)) void adam4_blocks(
+    const tensor4_t *X, const float *code1, const float *mid1, const uint32_t *lut1, int linear1,
+    const float *code2, const float *mid2, const uint32_t *lut2, int linear2, int64_t block,
+    int64_t b0, int64_t b1) {
+#ifdef QS_GROUP4
+    const int64_t rn = X->row_numel;
+    if ((rn + block - 1) / block == 1 && (rn == 8 || rn == 16 || rn == 32 || rn == 64)) {
+        adam4_blocks_k(X, code1, mid1, lut1, linear1, code2, mid2, lut2, linear2, block, b0, b1, 1);
+        return;
+    }
+#endif
+    adam4_blocks_k(X, code1, mid1, lut1, linear1, code2, mid2, lut2, linear2, block, b0, b1, 0);
 }
 
 int adam4bit_multi(const int64_t *tensors, int64_t ntensors, const float *code1,
