@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from qshard import _triton
-from qshard.optim import _kernels, _qstate
+from qshard.optim import _functional, _kernels, _qstate
 from qshard.optim._blockwise_base import BlockwiseOptimizer
 
 # The names imported from _multi_tensor, _options and _state_layout were defined here before
@@ -381,7 +381,11 @@ class Optimizer8bit(BlockwiseOptimizer):
         g32 = g_l.to(dt)
         if rounding.canonical_zero:
             g32 = g32 + 0.0
-        self._reference_update(p32, g32, states, group, step)
+        if dt == torch.float32:  # the kernel's bits ([Note: the kernel's order])
+            hp = self._kernel_hparams(group, step)
+            _functional.kernel8_update(self._kind, p32, g32, states, hp, first_step=step == 1)
+        else:
+            self._reference_update(p32, g32, states, group, step)
         if p32 is not p_l:
             p_l.copy_(p32)
         gen = None

@@ -4,8 +4,10 @@ Each function updates ``param`` and the (dequantized) states in place and touche
 the optimizers decide how the states are stored. The operation order follows the
 single-tensor ``torch.optim`` implementations (``lerp`` for Adam's first moment, ``addcmul``
 for the second, ``addcdiv`` for the step) so that, with fp32 states, results match
-``torch.optim`` to float rounding. The fused C kernel in :mod:`qshard.optim._kernels` evaluates
-the same expressions; tests hold the two to each other.
+``torch.optim`` to float rounding (the fp32-state path and fp64 parameters use them). The fused
+C kernel in :mod:`qshard.optim._kernels` evaluates the same expressions as separate fp32
+operations; :func:`kernel8_update` is that order in torch, which the 8-bit optimizers' torch path
+runs for fp32 parameters, so it writes the kernel's bits ([Note: the kernel's order]).
 """
 
 from __future__ import annotations
@@ -161,3 +163,83 @@ def adagrad_update(
     state_sum.addcmul_(grad, grad, value=1.0)
     std = state_sum.sqrt().add_(eps)
     param.addcdiv_(grad, std, value=-clr)
+
+
+# [Note: the kernel's order] The 8-bit optimizers' torch path (no C kernel: no compiler,
+# QSHARD_NO_KERNELS=1, a CPU the kernel does not serve) used to run the torch.optim-ordered
+# functions above on the decoded states; the kernel evaluates each update as separate fp32
+# operations with fp32 hyperparameters (its `_kernel_hparams`), so the two paths differed by
+# rounding: ~1 ulp in the parameters after a step and now and then a code, and a data-parallel
+# replica on a node without the kernel drifted from the others. `kernel8_update` is the
+# kernel's scalar loop (`step_blocks` in qshard.optim._kernels) written in torch: the same
+# operations in the same order (each torch elementwise op is one correctly rounded fp32
+# operation; the square root goes through fp64, which rounds it correctly as the kernel's
+# sqrtf does), so the torch path writes the kernel's bits (tested), as the 4-bit optimizers'
+# reference does (qshard.optim._qstate4.adam4bit_reference).
+
+_KIND_ADAM, _KIND_LION, _KIND_SGD, _KIND_RMSPROP, _KIND_ADAGRAD = range(5)  # _kernels.KIND_*
+
+
+def _sqrt32(x: Tensor) -> Tensor:
+    """The correctly rounded fp32 square root (torch's vectorised one can be 1 ulp off)."""
+    return x.double().sqrt().float()
+
+
+def kernel8_update(
+    kind: int, p: Tensor, g: Tensor, states: list[Tensor], hp: list[float], *, first_step: bool
+) -> None:
+    """One fp32 update of ``p`` and ``states`` in place, in the kernel's order ([Note: the
+    kernel's order]); ``g`` already canonical where the rounding rule says so, ``hp`` the
+    optimizer's ``_kernel_hparams`` (rounded to fp32 here, as the kernel reads them)."""
+    h = [float(torch.tensor(x, dtype=torch.float32)) for x in hp]
+    s1 = states[0]
+    if kind == _KIND_ADAM:
+        _, _, b2, eps, wd, step_size, bc2s, decay, b1w, b2w = h
+        s2 = states[1]
+        if decay != 1.0:
+            pi = p * decay
+        else:
+            pi = p
+            if wd != 0.0:
+                g = g + wd * pi
+        m = s1 + b1w * (g - s1)
+        v = s2 * b2 + (b2w * g) * g
+        p.copy_(pi - step_size * (m / (_sqrt32(v) / bc2s + eps)))
+        s1.copy_(m)
+        s2.copy_(v)
+    elif kind == _KIND_LION:
+        lr, b1, b2, _, decay, b1w, b2w = h
+        c = b1 * s1 + b1w * g
+        sign = torch.sign(c)  # NaN stays NaN (the kernel's rule; torch's vectorised sign gives 0)
+        p.copy_(p * decay - lr * torch.where(c.isnan(), c, sign))
+        s1.copy_(b2 * s1 + b2w * g)
+    elif kind == _KIND_SGD:
+        lr, mom, _, wd, nesterov, damp = h
+        if wd != 0.0:
+            g = g + wd * p
+        buf = g if first_step else s1 * mom + damp * g
+        d = g + mom * buf if nesterov != 0.0 else buf
+        p.copy_(p - lr * d)
+        s1.copy_(buf)
+    elif kind == _KIND_RMSPROP:
+        lr, alpha, eps, wd, mom, aw = h
+        if wd != 0.0:
+            g = g + wd * p
+        v = s1 * alpha + (aw * g) * g
+        avg = _sqrt32(v) + eps
+        if len(states) > 1:
+            buf = states[1] * mom + g / avg
+            p.copy_(p - lr * buf)
+            states[1].copy_(buf)
+        else:
+            p.copy_(p - lr * (g / avg))
+        s1.copy_(v)
+    elif kind == _KIND_ADAGRAD:
+        clr, eps, wd = h
+        if wd != 0.0:
+            g = g + wd * p
+        total = s1 + g * g
+        p.copy_(p - clr * (g / (_sqrt32(total) + eps)))
+        s1.copy_(total)
+    else:
+        raise ValueError(f"unknown update kind {kind}")
