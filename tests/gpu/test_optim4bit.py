@@ -50,6 +50,34 @@ def _assert_same_bits(got, want, where) -> None:
         assert torch.equal(k, r), where
 
 
+def _kernel_and_reference(p, g, state, qm, qv, block, hp, device, **luts):
+    """One step of the Triton kernel on ``device`` and of the torch reference on the CPU, from
+    the same parameter ``p`` (rows of dim 0), gradient and state (codes and absmax of m and v):
+    (kernel param, kernel state, reference param, reference state)."""
+    rows, row_numel = p.shape
+    ref_p, ref_state = p.clone(), [t.clone() for t in state]
+    _qstate4.adam4bit_reference(ref_p, g, *ref_state, m_map=qm, v_map=qv, block_size=block, hp=hp)
+    kp, ks = p.to(device), [t.to(device) for t in state]
+    _triton.optim4bit_step(
+        param=kp,
+        grad=g.to(device),
+        m_codes=ks[0],
+        m_absmax=ks[1],
+        m_code=qm.code,
+        m_mid=qm.mid,
+        v_codes=ks[2],
+        v_absmax=ks[3],
+        v_code=qv.code,
+        v_mid=qv.mid,
+        rows=rows,
+        row_numel=row_numel,
+        block_size=block,
+        hp=hp,
+        **luts,
+    )
+    return kp, ks, ref_p, ref_state
+
+
 @pytest.mark.parametrize("lut", [True, False], ids=["table", "binary"])
 @pytest.mark.parametrize("v_map", _qstate4.SECOND_MOMENT_MAPS)
 @pytest.mark.parametrize("hp_case", range(len(_HP)))
@@ -65,28 +93,9 @@ def test_kernel_equals_torch_reference(device, v_map, hp_case, lut):
             g = g.to(dtype)
             state = _warm_state((rows, row_numel), block, v_map, gen, "cpu")
             hp = _qstate4.adam_hparams(step=3, **_HP[hp_case])
-            ref_p, ref_state = p.clone(), [t.clone() for t in state]
-            _qstate4.adam4bit_reference(
-                ref_p, g, *ref_state, m_map=qm, v_map=qv, block_size=block, hp=hp
-            )
-            kp, kg = p.to(device), g.to(device)
-            ks = [t.to(device) for t in state]
-            _triton.optim4bit_step(
-                param=kp,
-                grad=kg,
-                m_codes=ks[0],
-                m_absmax=ks[1],
-                m_code=qm.code,
-                m_mid=qm.mid,
-                v_codes=ks[2],
-                v_absmax=ks[3],
-                v_code=qv.code,
-                v_mid=qv.mid,
-                rows=rows,
-                row_numel=row_numel,
-                block_size=block,
-                hp=hp,
-                **({"m_lut": qm.lut, "v_lut": qv.lut} if lut else {}),
+            luts = {"m_lut": qm.lut, "v_lut": qv.lut} if lut else {}
+            kp, ks, ref_p, ref_state = _kernel_and_reference(
+                p, g, state, qm, qv, block, hp, device, **luts
             )
             where = (v_map, hp_case, rows, row_numel, block, dtype)
             _assert_same_bits([kp, *ks], [ref_p, *ref_state], where)
@@ -163,25 +172,7 @@ def test_blocks_whose_reciprocal_overflows_equal_the_reference(device, v_map):
     state = [*_qstate4.quantize_rows4(m, qm, block), *_qstate4.quantize_rows4(v, qv, block)]
     assert bool((state[1] < 2.0**-126).any()), "the test needs subnormal absmaxes"
     hp = _qstate4.adam_hparams(step=3, **_HP[0])
-    ref_p, ref_state = p.clone(), [t.clone() for t in state]
-    _qstate4.adam4bit_reference(ref_p, g, *ref_state, m_map=qm, v_map=qv, block_size=block, hp=hp)
-    kp, ks = p.to(device), [t.to(device) for t in state]
-    _triton.optim4bit_step(
-        param=kp,
-        grad=g.to(device),
-        m_codes=ks[0],
-        m_absmax=ks[1],
-        m_code=qm.code,
-        m_mid=qm.mid,
-        v_codes=ks[2],
-        v_absmax=ks[3],
-        v_code=qv.code,
-        v_mid=qv.mid,
-        rows=rows,
-        row_numel=row_numel,
-        block_size=block,
-        hp=hp,
-    )
+    kp, ks, ref_p, ref_state = _kernel_and_reference(p, g, state, qm, qv, block, hp, device)
     _assert_same_bits([kp, *ks], [ref_p, *ref_state], v_map)
 
 
@@ -199,27 +190,7 @@ def test_nonfinite_blocks_store_nan_absmax_as_the_reference(device, v_map):
         g[0, 5], g[1, 290], g[2, 130] = float("nan"), float("inf"), -float("inf")
         state = _warm_state((rows, row_numel), block, v_map, gen, "cpu")
         hp = _qstate4.adam_hparams(step=3, **_HP[hp_case])
-        ref_p, ref_state = p.clone(), [t.clone() for t in state]
-        _qstate4.adam4bit_reference(
-            ref_p, g, *ref_state, m_map=qm, v_map=qv, block_size=block, hp=hp
-        )
-        kp, ks = p.to(device), [t.to(device) for t in state]
-        _triton.optim4bit_step(
-            param=kp,
-            grad=g.to(device),
-            m_codes=ks[0],
-            m_absmax=ks[1],
-            m_code=qm.code,
-            m_mid=qm.mid,
-            v_codes=ks[2],
-            v_absmax=ks[3],
-            v_code=qv.code,
-            v_mid=qv.mid,
-            rows=rows,
-            row_numel=row_numel,
-            block_size=block,
-            hp=hp,
-        )
+        kp, ks, ref_p, ref_state = _kernel_and_reference(p, g, state, qm, qv, block, hp, device)
         bad = torch.zeros(rows, 3, dtype=torch.bool)
         bad[0, 0] = bad[1, 2] = bad[2, 1] = True
         kp = kp.cpu()
