@@ -223,6 +223,52 @@ def adamw8bit(rec: Recorder, args) -> None:
     except Exception as e:
         rows_.append((f"AdamW8bit(optim_bits=32, fused=True): {type(e).__name__}", "", "", "", ""))
     _many_tensors(rec, args)
+    _narrow_rows(rec, args)
+
+
+def _narrow_rows(rec: Recorder, args) -> None:
+    """AdamW8bit / AdamW4bit on narrow rows (LoRA's B: one quantization block per row of 8)
+    against the same count of parameters in rows of 256 and torch's fused AdamW: the Triton
+    kernels take one block of a narrow tensor per padded 256-lane row of a program
+    (docs/optim8bit.md, Limits), which the CPU kernels no longer do ([Note: narrow rows]); this
+    measures what that costs on the device."""
+    import torch
+
+    from qshard.optim import AdamW4bit, AdamW8bit
+
+    numel = 1 << 22 if D.DEVICE == "cuda" else 1 << 12
+    rep = args.repeat
+    rows_ = _Rows(
+        rec,
+        f"AdamW step, {numel / 1e6:.1f}M parameters as rows of 8 (LoRA's B) or of 256",
+        ["optimizer", "ms", "x fused fp32 (same shape)"],
+    )
+    gen = torch.Generator(device=D.DEVICE).manual_seed(0)
+    base = torch.randn(numel, device=D.DEVICE, generator=gen)
+    grad = torch.randn(numel, device=D.DEVICE, generator=gen) * 1e-2
+    for width in (8, 256):
+        shape = (numel // width, width)
+
+        def param(base=base, grad=grad, shape=shape):
+            p = torch.nn.Parameter(base.clone().view(shape))
+            p.grad = grad.clone().view(shape)
+            return p
+
+        ref = param()
+        fused = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01, fused=D.DEVICE == "cuda")
+        t_fused = _ms(fused.step, rep)
+        rows_.append((f"torch AdamW(fused=True) fp32, rows of {width}", f"{t_fused:.3f}", "1.00"))
+        del fused, ref
+        for cls in (AdamW8bit, AdamW4bit):
+            try:
+                opt = cls([param()], lr=1e-3, weight_decay=0.01)
+                with _route():
+                    t = _ms(opt.step, rep)
+                rows_.append((f"qshard {cls.__name__}, rows of {width}", f"{t:.3f}",
+                              f"{t / t_fused:.2f}"))  # fmt: skip
+                del opt
+            except Exception as e:
+                rows_.append((f"{cls.__name__}, rows of {width}: {_err(e)}", "", ""))
 
 
 def _many_tensors(rec: Recorder, args) -> None:
