@@ -1,7 +1,7 @@
 """C text shared by the fused 8-bit and 4-bit optimizer kernels (:mod:`qshard.optim._kernels`,
-:mod:`qshard.optim._kernels4`): the block absmax on bit patterns with its non-finite rule
-and that of narrow rows' blocks (``NONFINITE_C``), a thread's share of a multi-tensor call (``THREAD_SHARE_C``) and the Adam /
-AdamW update of one decoded block (``adam_block_c``). Plain
+:mod:`qshard.optim._kernels4`): the block absmax on bit patterns with its non-finite rule, and
+that of narrow rows' blocks (``NONFINITE_C``), a thread's share of a multi-tensor call
+(``THREAD_SHARE_C``) and the Adam / AdamW update of one decoded block (``adam_block_c``). Plain
 strings, concatenated into each kernel's source; this module compiles nothing and imports no
 other part of qshard.
 """
@@ -50,9 +50,9 @@ static inline float narrow_absmax(const float *s, int n) {
 
 static inline __m512 narrow_scale(const float *v, int k, int n) {
     if (n == 8)
-        return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(v[k >> 3])),
-                                                   _mm256_castps_pd(_mm256_set1_ps(v[(k >> 3) + 1])),
-                                                   1));
+        return _mm512_castpd_ps(
+            _mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(v[k >> 3])),
+                               _mm256_castps_pd(_mm256_set1_ps(v[(k >> 3) + 1])), 1));
     return _mm512_set1_ps(v[k / n]);
 }
 #elif defined(__AVX2__)
@@ -60,8 +60,8 @@ static inline float narrow_absmax(const float *s, int n) { /* n = 8, 16, 32 or 6
     const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i acc = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)s), mask);
     for (int k = 8; k < n; k += 8)
-        acc = _mm256_max_epu32(acc,
-                               _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(s + k)), mask));
+        acc = _mm256_max_epu32(
+            acc, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(s + k)), mask));
     __m128i x = _mm_max_epu32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4E));
     x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xB1));

@@ -633,7 +633,8 @@ static inline void decode_block(const float *code, const uint8_t *planes, const 
         __m512 t[16];
         for (int i = 0; i < 16; i++) t[i] = _mm512_loadu_ps(code + 16 * i);
         const __m512 a5 = _mm512_set1_ps(amax);
-        for (; k + 16 <= n; k += 16) _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16t(t, c + k), a5));
+        for (; k + 16 <= n; k += 16)
+            _mm512_storeu_ps(s + k, _mm512_mul_ps(decode16t(t, c + k), a5));
     }
 #endif
 #ifdef __AVX2__
@@ -668,10 +669,10 @@ static inline void decode_group(const float *code, const uint8_t *planes, const 
 #else
     (void)planes;
     for (int k = 0; k < nel; k += 8)
-        _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8l(code, c + k), _mm256_set1_ps(amax[k / n])));
+        _mm256_storeu_ps(s + k,
+                         _mm256_mul_ps(decode8l(code, c + k), _mm256_set1_ps(amax[k / n])));
 #endif
 }
-
 #endif
 
 """
@@ -732,7 +733,7 @@ static inline __attribute__((always_inline)) void step_blocks(
             const int64_t left = (b1 - b) / group * group;
             nblk = (int)(left < 4 * group ? left : 4 * group);
         }
-        const int nu = n * nblk;                                   /* their elements */
+        const int nu = n * nblk; /* their elements */
         float *restrict pp = p + off;
         const float *restrict gg = g + off;
         uint8_t *cc1 = c1 + off;

@@ -240,7 +240,8 @@ static void decode4(const float *code, const uint8_t *c, float amax, int n, floa
 #ifdef __AVX2__
     const __m256 lo = _mm256_loadu_ps(code), hi = _mm256_loadu_ps(code + 8);
     const __m256 a = _mm256_set1_ps(amax);
-    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8(lo, hi, c + (k >> 1)), a));
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(s + k, _mm256_mul_ps(decode8(lo, hi, c + (k >> 1)), a));
 #endif
     for (; k < n; k++) s[k] = code[nib(c, k)] * amax;
 }
@@ -350,8 +351,8 @@ static inline void decode4_group(const float *code, const uint8_t *c, const floa
 #endif
 }
 
-/* encode4 of nel / n blocks of n (8, 16, 32 or 64) elements at s (nel a multiple of 64, at most 256),
- * absmaxes m[], packed codes at c. */
+/* encode4 of nel / n blocks of n (8, 16, 32 or 64) elements at s (nel a multiple of 64, at
+ * most 256), absmaxes m[], packed codes at c. */
 static void encode4_group(const uint32_t *lut, const float *mid, int linear, float *s, int n,
                           int nel, const float *m, uint8_t *c) {
     float r[32];
