@@ -435,9 +435,10 @@ static void encode_block(const qmap_t *q, float *s, int n, float amax, uint8_t *
  * absmax, one update over all of them (elementwise: the same bits as block by block), each
  * row's absmax, and a 64-lane encode with each lane normalised by its own row's absmax (rows of
  * 8: two rows per vector). Every value comes from the same operations as block by block, so
- * the bits are the same (a block whose absmax is 0, not finite or outside the exact-quotient
- * range, a lane near a midpoint, the stochastic and bitsandbytes rules: those take the
- * per-block encoders as before; tests compare every build with the scalar loops). Without VBMI
+ * the bits are the same (blocks whose absmax is 0, not finite or outside the exact-quotient
+ * range, and the stochastic and bitsandbytes rules, take the per-block encoders as before; a
+ * 64-lane group with a lane near a midpoint is re-encoded 16 lanes at a time, as inside a
+ * block; tests compare every build with the scalar loops). Without VBMI
  * the encode is 16 lanes at a time (the region encoder, or the table search for a map without
  * a region table), with AVX2 only 8 (the table search); the decode likewise. Rows of 64 keep the
  * per-block path here (one 64-lane pass each already; grouped they took 1.03x the time); the
