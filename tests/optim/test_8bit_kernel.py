@@ -240,9 +240,10 @@ def test_scalar_build_writes_the_same_bits(monkeypatch, extra, build):
 
 def _narrow_grad(shape, gen):
     """A gradient whose rows, stepped alike, give blocks of every kind: row 1 keeps its states
-    at zero (absmax 0), rows 2 and 4 put them below and above the exact-quotient range."""
+    at zero (absmax 0), rows 2, 4 and 5 put them below and above the exact-quotient range (row
+    5: Adam's v near the largest float, whose reciprocal is subnormal)."""
     g = torch.randn(shape, generator=gen) * 0.3
-    for row, scale in ((1, 0.0), (2, 1e-35), (4, 1e19)):
+    for row, scale in ((1, 0.0), (2, 1e-35), (4, 1e19), (5, 6e20)):
         if row < shape[0]:
             g[row] *= scale
     return g

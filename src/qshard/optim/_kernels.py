@@ -513,21 +513,29 @@ static void encode_group(const qmap_t *q, float *s, int n, int nel, const float 
 #else
     int plain = 1;
 #endif
-    for (int b = 0; b < nb; b++) /* a finite, nonzero absmax in the exact-quotient range */
-        plain &= m[b] == m[b] && m[b] != 0.0f && qs_quot_ok(m[b]);
+    /* Every absmax in the exact-quotient range (so finite and nonzero: qs_quot_ok), tested
+     * without branches (a branch per row cost rows of 8 13% of the step), and 1 / m (vector
+     * divisions: correctly rounded, as the scalar one). */
+    float rm[32];
+#ifdef QS_AVX512
+    for (int b = 0; b < nb; b += 16) {
+        const __mmask16 live = (__mmask16)(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(live, m + b);
+        const __mmask16 ok =
+            _mm512_mask_cmp_ps_mask(live, v, _mm512_set1_ps(QS_QUOT_LO), _CMP_GE_OQ) &
+            _mm512_mask_cmp_ps_mask(live, v, _mm512_set1_ps(QS_QUOT_HI), _CMP_LE_OQ);
+        plain &= ok == live;
+        _mm512_mask_storeu_ps(rm + b, live, _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f), v));
+    }
+#else
+    for (int b = 0; b < nb; b++) plain &= (m[b] >= QS_QUOT_LO) & (m[b] <= QS_QUOT_HI);
+#endif
     if (!plain) {
         for (int b = 0; b < nb; b++)
             encode_block(q, s + b * n, n, m[b], c + b * n, flags, seed, gidx0 + b * n);
         return;
     }
-    float rm[32]; /* 1 / m (vector divisions: correctly rounded, as the scalar) */
 #ifdef QS_AVX512
-    for (int b = 0; b < nb; b += 16) {
-        const __mmask16 live = (__mmask16)(nb - b >= 16 ? 0xFFFF : (1u << (nb - b)) - 1);
-        _mm512_mask_storeu_ps(rm + b, live,
-                              _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f),
-                                                  _mm512_maskz_loadu_ps(live, m + b)));
-    }
     const regions_t R = load_regions(q->regions);
 #else
     for (int b = 0; b < nb; b++) rm[b] = 1.0f / m[b];
