@@ -381,7 +381,7 @@ class Optimizer8bit(BlockwiseOptimizer):
         g32 = g_l.to(dt)
         if rounding.canonical_zero:
             g32 = g32 + 0.0
-        if dt == torch.float32:  # the kernel's bits ([Note: the kernel's order])
+        if p_l.dtype == torch.float32:  # the kernel's bits ([Note: the kernel's order])
             hp = self._kernel_hparams(group, step)
             _functional.kernel8_update(self._kind, p32, g32, states, hp, first_step=step == 1)
         else:

@@ -175,7 +175,10 @@ def adagrad_update(
 # operations in the same order (each torch elementwise op is one correctly rounded fp32
 # operation; the square root goes through fp64, which rounds it correctly as the kernel's
 # sqrtf does), so the torch path writes the kernel's bits (tested), as the 4-bit optimizers'
-# reference does (qshard.optim._qstate4.adam4bit_reference).
+# reference does (qshard.optim._qstate4.adam4bit_reference). For fp32 parameters only, the
+# ones a kernel could have stepped: it is 2-3x slower than the torch.optim-ordered functions
+# (separate passes, the square root through fp64), and bf16 parameters on a CPU always take the
+# torch path, so they keep the faster one.
 
 _KIND_ADAM, _KIND_LION, _KIND_SGD, _KIND_RMSPROP, _KIND_ADAGRAD = range(5)  # _kernels.KIND_*
 
@@ -193,20 +196,19 @@ def kernel8_update(
     optimizer's ``_kernel_hparams`` (rounded to fp32 here, as the kernel reads them)."""
     h = [float(torch.tensor(x, dtype=torch.float32)) for x in hp]
     s1 = states[0]
-    if kind == _KIND_ADAM:
+    if kind == _KIND_ADAM:  # in place where the order allows: the same operations
         _, _, b2, eps, wd, step_size, bc2s, decay, b1w, b2w = h
         s2 = states[1]
         if decay != 1.0:
-            pi = p * decay
-        else:
-            pi = p
-            if wd != 0.0:
-                g = g + wd * pi
-        m = s1 + b1w * (g - s1)
-        v = s2 * b2 + (b2w * g) * g
-        p.copy_(pi - step_size * (m / (_sqrt32(v) / bc2s + eps)))
-        s1.copy_(m)
-        s2.copy_(v)
+            p.mul_(decay)
+        elif wd != 0.0:
+            g = g + wd * p
+        t = torch.sub(g, s1)
+        s1.add_(t.mul_(b1w))  # m = s1 + b1w * (g - s1)
+        torch.mul(g, b2w, out=t)
+        s2.mul_(b2).add_(t.mul_(g))  # v = s2 * b2 + (b2w * g) * g
+        den = _sqrt32(s2).div_(bc2s).add_(eps)
+        p.sub_(torch.div(s1, den, out=den).mul_(step_size))
     elif kind == _KIND_LION:
         lr, b1, b2, _, decay, b1w, b2w = h
         c = b1 * s1 + b1w * g
