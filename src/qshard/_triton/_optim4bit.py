@@ -13,8 +13,8 @@ parameter that is 4 + 4 + 1 bytes read (param, grad, both codes) and 4 + 1 writt
 Encoding: the code is the number of the map's 15 midpoints strictly below ``x * (1 / absmax)``
 (ties to the lower code), read from the map's search table (`table_code`: one gather) when the
 caller passes it, else found by a 4-step branchless binary search; an all-zero block uses a
-reciprocal of 1, one whose reciprocal overflows is divided ([Note: 4-bit normalisation] in
-`qshard.optim._kernels4`); a block holding NaN/Inf stores a NaN absmax and the code of 0.0 (the C kernel's
+reciprocal of 1, one whose reciprocal overflows is scaled by 2^64 first ([Note: 4-bit
+normalisation] in `qshard.optim._kernels4`); a block holding NaN/Inf stores a NaN absmax and the code of 0.0 (the C kernel's
 [Note: non-finite state blocks]). Launched with fp fusion off (no FMA), like the C kernel's -ffp-contract=off;
 division and square root are the IEEE-rounded `div_rn` / `sqrt_rn`.
 """
@@ -82,10 +82,14 @@ def _absmax2(x_e, x_o, v0, v1):
 
 
 @triton.jit
-def _normalise(x, r, d):
-    """x * r (r = 1 / d, per block), or x / d where r overflowed: [Note: 4-bit normalisation]
-    in qshard.optim._kernels4."""
-    return tl.where(r <= 3.4028234663852886e38, x * r, tl.math.div_rn(x, d[:, None]))
+def _reciprocal(d):
+    """(scale, reciprocal) per block: x is normalised as (x * scale) * reciprocal, 1 and 1 / d,
+    or 2^64 and 1 / (d * 2^64) where 1 / d overflows ([Note: 4-bit normalisation] in
+    qshard.optim._kernels4)."""
+    one = tl.full(d.shape, 1.0, tl.float32)
+    r = tl.math.div_rn(one, d)
+    scale = tl.where(r <= 3.4028234663852886e38, 1.0, 18446744073709551616.0)
+    return scale[:, None], tl.math.div_rn(one, d * scale)[:, None]
 
 
 @triton.jit
@@ -173,20 +177,13 @@ def _step4_blocks(
     # holding NaN/Inf gets a NaN absmax and the codes of 0.0 (the C kernel's rule).
     n1 = _absmax2(m_e, m_o, v0, v1)
     n2 = _absmax2(v_e, v_o, v0, v1)
-    one = tl.full(n1.shape, 1.0, tl.float32)
-    d1 = tl.where(n1 == 0.0, 1.0, n1)  # zero block: 1
-    d2 = tl.where(n2 == 0.0, 1.0, n2)
-    r1 = tl.math.div_rn(one, d1)[:, None]
-    r2 = tl.math.div_rn(one, d2)[:, None]
+    k1, r1 = _reciprocal(tl.where(n1 == 0.0, 1.0, n1))  # zero block: 1
+    k2, r2 = _reciprocal(tl.where(n2 == 0.0, 1.0, n2))
     bad1, bad2 = (n1 != n1)[:, None], (n2 != n2)[:, None]
-    q1e = _code16(tl.where(bad1, 0.0, _normalise(m_e, r1, d1)), mid1_ptr, lut1_ptr, LUT1)
-    q1o = tl.where(
-        v1, _code16(tl.where(bad1, 0.0, _normalise(m_o, r1, d1)), mid1_ptr, lut1_ptr, LUT1), 0
-    )
-    q2e = _code16(tl.where(bad2, 0.0, _normalise(v_e, r2, d2)), mid2_ptr, lut2_ptr, LUT2)
-    q2o = tl.where(
-        v1, _code16(tl.where(bad2, 0.0, _normalise(v_o, r2, d2)), mid2_ptr, lut2_ptr, LUT2), 0
-    )
+    q1e = _code16(tl.where(bad1, 0.0, (m_e * k1) * r1), mid1_ptr, lut1_ptr, LUT1)
+    q1o = tl.where(v1, _code16(tl.where(bad1, 0.0, (m_o * k1) * r1), mid1_ptr, lut1_ptr, LUT1), 0)
+    q2e = _code16(tl.where(bad2, 0.0, (v_e * k2) * r2), mid2_ptr, lut2_ptr, LUT2)
+    q2o = tl.where(v1, _code16(tl.where(bad2, 0.0, (v_o * k2) * r2), mid2_ptr, lut2_ptr, LUT2), 0)
     tl.store(c1_ptr + coff, (q1e | (q1o << 4)).to(tl.uint8), mask=v0)
     tl.store(c2_ptr + coff, (q2e | (q2o << 4)).to(tl.uint8), mask=v0)
     tl.store(a1_ptr + b, n1, mask=b_ok)

@@ -251,19 +251,21 @@ static void decode4(const float *code, const uint8_t *c, float amax, int n, floa
  * absmax below ~2^-128, subnormal: the first moment of a row without gradient reaches it after
  * ~800 steps of beta1 = 0.9) it is +Inf, and the quotients were +-Inf or NaN (0 * Inf), whose
  * codes differed between the vector and scalar loops, the torch reference and the builds (the
- * scalar linear loop converted a NaN to an integer: undefined behaviour). Such a block is
- * normalised by the division s / amax instead (finite, |x| <= 1), on every path (the loops
- * below, the narrow rows' grouped encoder, _qstate4.quantize_rows4, the Triton kernel). This
- * returns the reciprocal to multiply with: 1 after dividing s in place, when it overflowed. */
+ * scalar linear loop converted a NaN to an integer: undefined behaviour). Such a block is scaled
+ * by 2^64 first, exactly: x = (s * 2^64) * (1 / (amax * 2^64)), finite (|x| <= ~1), on every
+ * path (the loops below, the narrow rows' grouped encoder, _qstate4.quantize_rows4, the Triton
+ * kernel), one multiply more per element there (a division instead would cost the GPU kernel one
+ * per element on every block, as a select evaluates both sides). This returns the reciprocal to
+ * multiply with, after scaling s in place where needed. */
 static inline float normalise4(float *s, int n, float amax) {
     const float r = amax == 0.0f ? 1.0f : 1.0f / amax;
     if (r <= 3.4028234663852886e38f) return r;
-    for (int k = 0; k < n; k++) s[k] = s[k] / amax;
-    return 1.0f;
+    for (int k = 0; k < n; k++) s[k] = s[k] * 0x1p64f;
+    return 1.0f / (amax * 0x1p64f);
 }
 
 /* Nearest codes of s[0..n) * (1 / amax) packed two a byte into c (n odd: the last high nibble
- * is 0; s is divided in place where the reciprocal overflows: [Note: 4-bit normalisation]).
+ * is 0; s is scaled in place where the reciprocal overflows: [Note: 4-bit normalisation]).
  * `linear` 2: a symmetric signed map (AVX2: 8 compares on |x|, below); 1: the map is
  * (i + 1) / 16, whose code needs no table: the number of midpoints
  * (2i + 3) / 32 below x >= 0 is ceil(16x - 1.5) clamped to 0..15, exactly (16x is exact, and so

@@ -112,9 +112,9 @@ def unpack(packed: Tensor, row_numel: int) -> Tensor:
 
 def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]:
     """Encode ``x`` (rows along dim 0) -> (packed codes ``(rows, ceil(row_numel/2))``, absmax
-    ``(rows, blocks_per_row)``): the nearest code of ``x * (1 / absmax)`` (fp32 reciprocal; the
-    division ``x / absmax`` where the reciprocal overflows, [Note: 4-bit normalisation] in
-    :mod:`qshard.optim._kernels4`).
+    ``(rows, blocks_per_row)``): the nearest code of ``x * (1 / absmax)`` (fp32 reciprocal; block
+    and absmax scaled by 2^64 first where the reciprocal overflows, [Note: 4-bit normalisation]
+    in :mod:`qshard.optim._kernels4`).
     -0.0 reads as +0.0; an all-zero block gets absmax 0 and the code nearest to 0 of the map
     (it decodes to 0 whatever the code); a block holding NaN or Inf gets a NaN absmax and that
     same code (it decodes to NaN)."""
@@ -126,13 +126,14 @@ def quantize_rows4(x: Tensor, q: QMap, block_size: int) -> tuple[Tensor, Tensor]
     xb = xp.view(rows, nbr, block_size)
     absmax = xb.abs().amax(dim=2)
     # normalised by multiplying with the fp32 reciprocal of the absmax (what the kernels do:
-    # one multiply per element instead of a division), or by the division where that reciprocal
-    # overflows ([Note: 4-bit normalisation] in qshard.optim._kernels4)
+    # one multiply per element instead of a division); where that reciprocal overflows, block
+    # and absmax scaled by 2^64 first ([Note: 4-bit normalisation] in qshard.optim._kernels4)
     r = torch.where(absmax > 0, 1.0 / absmax, torch.ones_like(absmax))
     v = xb * r[..., None]
     over = r.isinf()
     if not over.is_cpu or bool(over.any()):  # no host sync on a GPU: the fix-up always runs
-        v = torch.where(over[..., None], xb / absmax[..., None], v)
+        big = 2.0**64
+        v = torch.where(over[..., None], (xb * big) * (1.0 / (absmax * big))[..., None], v)
     mid = q.mid.to(x.device)
     idx = torch.bucketize(v, mid)
     # A block holding NaN or Inf: NaN absmax and, per element, the code of 0.0, so it decodes
