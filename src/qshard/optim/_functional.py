@@ -183,6 +183,11 @@ def adagrad_update(
 _KIND_ADAM, _KIND_LION, _KIND_SGD, _KIND_RMSPROP, _KIND_ADAGRAD = range(5)  # _kernels.KIND_*
 
 
+def f32(x: float) -> float:
+    """``x`` rounded to fp32 (a hyperparameter as the kernels read it)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def _sqrt32(x: Tensor) -> Tensor:
     """The correctly rounded fp32 square root (torch's vectorised one can be 1 ulp off)."""
     return x.double().sqrt().float()
@@ -194,7 +199,7 @@ def kernel8_update(
     """One fp32 update of ``p`` and ``states`` in place, in the kernel's order ([Note: the
     kernel's order]); ``g`` already canonical where the rounding rule says so, ``hp`` the
     optimizer's ``_kernel_hparams`` (rounded to fp32 here, as the kernel reads them)."""
-    h = [float(torch.tensor(x, dtype=torch.float32)) for x in hp]
+    h = [f32(x) for x in hp]
     s1 = states[0]
     if kind == _KIND_ADAM:  # in place where the order allows: the same operations
         _, _, b2, eps, wd, step_size, bc2s, decay, b1w, b2w = h

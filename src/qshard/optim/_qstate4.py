@@ -165,10 +165,6 @@ def dequantize_rows4(
 adam_hparams = functools.partial(_functional.adam_hparams, inverse_bc2=True)
 
 
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
 def adam4bit_reference(
     param: Tensor,
     grad: Tensor,
@@ -192,7 +188,7 @@ def adam4bit_reference(
     costs as much as the rest of the update), so all paths agree bit for bit (torch's ``lerp_``/``addcmul_`` use
     fused multiply-adds on CPU and its fp32 ``sqrt`` is not always correctly rounded, each
     differing in the last bit)."""
-    _, _, b2, eps, wd, step_size, ibc2, decay, b1w, b2w = (_f32(x) for x in hp)
+    _, _, b2, eps, wd, step_size, ibc2, decay, b1w, b2w = (_functional.f32(x) for x in hp)
     shape = param.shape
     m = dequantize_rows4(m_codes, m_absmax, m_map, block_size, shape)
     v = dequantize_rows4(v_codes, v_absmax, v_map, block_size, shape)
