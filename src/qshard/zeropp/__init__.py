@@ -18,6 +18,7 @@ from qshard.zeropp.reduce_scatter import (
     RecordingReduceScatter,
 )
 from qshard.zeropp.shard import HSDP_MESH_DIMS, find_blocks, hsdp_mesh, shard
+from qshard.zeropp.step_in_backward import StepInBackward
 
 __all__ = [
     "HSDP_MESH_DIMS",
@@ -28,6 +29,7 @@ __all__ = [
     "RecordingAllReduceHook",
     "RecordingReduceScatter",
     "ReplicateAllReduce",
+    "StepInBackward",
     "ZeroPPConfig",
     "find_blocks",
     "hsdp_mesh",

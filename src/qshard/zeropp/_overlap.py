@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -82,19 +83,48 @@ class OverlapQueue:
         self.what = what  # the reduction its errors name
         self._items: deque[Pending] = deque()
         self._task: int | None = None  # graph task whose end drains the queue
+        # [Note: landing] (StepInBackward): called with each unit whose reduced gradient has
+        # been written, in call order; the units (with their pending reduction, or None once
+        # FSDP2 has written the gradient itself) wait in _landing until then.
+        self.on_landed: Callable[[nn.Module], None] | None = None
+        self._landing: deque[tuple[nn.Module, Pending | None]] = deque()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def _push(self, item: Pending) -> None:
-        """Queue ``item`` and make sure the current backward drains it before it returns."""
+    def _push(self, item: Pending, unit: nn.Module | None = None) -> None:
+        """Queue ``item`` (the reduction of ``unit``'s gradient) and make sure the current
+        backward drains it before it returns."""
         task = torch._C._current_graph_task_id()
         if task == -1:
             raise RuntimeError(f"a {self.what} can only be deferred inside backward")
         self._items.append(item)
+        if unit is not None and self.on_landed is not None:
+            self._landing.append((unit, item))
+        self._end_with_backward(task)
+
+    def _end_with_backward(self, task: int) -> None:
         if self._task != task:
             self._task = task
             Variable._execution_engine.queue_callback(_EndOfBackward(self, task))
+
+    def reduced_in_call(self, unit: nn.Module | None) -> None:
+        """``unit``'s reduction ran inside the comm's call: FSDP2 writes the gradient as the
+        call returns, so the unit lands at the queue's next run (a later reduction's call, or
+        the drain at the end of backward). Nothing without ``on_landed`` or outside backward.
+
+        [Note: landing] With :class:`qshard.zeropp.StepInBackward`, ``on_landed`` steps the
+        optimizer for a unit's parameters once their reduced gradient is written. A deferred
+        reduction's unit lands when its output is written; a synchronous one's at the next run,
+        after FSDP2 has viewed (or added) the output as the gradient. Units land in the order
+        their reductions were called, the same on every rank: a unit whose reduction finished
+        early waits for the older ones, so a collective issued from ``on_landed`` (the early
+        gathers) is issued in one order everywhere."""
+        task = torch._C._current_graph_task_id()
+        if unit is None or self.on_landed is None or task == -1:
+            return
+        self._landing.append((unit, None))
+        self._end_with_backward(task)
 
     def advance(self) -> None:
         """Progress every pending reduction as far as it can go without blocking."""
@@ -122,6 +152,7 @@ class OverlapQueue:
         if self._task != task:
             return  # a later backward took the queue over
         self._task = None
+        self._landing.clear()  # a failed backward steps no more units
         if not self._items:
             return
         try:
@@ -145,6 +176,7 @@ class OverlapQueue:
                     self._items.remove(item)
         except Exception as exc:
             self._items.clear()
+            self._landing.clear()
             raise RuntimeError(
                 f"a deferred {self.what} failed ({type(exc).__name__}: {exc}); the gradients of "
                 f"this backward are incomplete. The error is the reduction's own (the "
@@ -152,6 +184,16 @@ class OverlapQueue:
                 f"ZeroPPConfig(overlap_reduce_scatter=False) (overlap=False on a comm built by "
                 f"hand) runs the {self.what} inside FSDP2's call"
             ) from exc
+        self._land()
+
+    def _land(self) -> None:
+        """Hand ``on_landed`` every unit whose gradient is written, oldest first, stopping at
+        the first still in flight ([Note: landing])."""
+        landing = self._landing
+        while landing and (landing[0][1] is None or landing[0][1] not in self._items):
+            unit, _ = landing.popleft()
+            if self.on_landed is not None:
+                self.on_landed(unit)
 
 
 class _EndOfBackward:

@@ -191,11 +191,9 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
     asynchronously and returns; the wait (and the 16-bit wire's fp32 sum) runs at a later
     reduce-scatter call, or in the drain at the end of backward (ledger event
     ``reduce_scatter_overlapped``). Same collective, same bits. A call that cannot be
-    deferred drains the queue first, as qgZ's does: FSDP2 may add its output into a gradient
-    that is a deferred reduction's output, not yet written (a module called twice in one
-    forward is reduced twice in a backward after a ``set_requires_gradient_sync(False)``
-    micro-batch; the add went into the unwritten buffer, and the deferred write then replaced
-    the sum, dropping one call's gradient).
+    deferred drains the queue first, as qgZ's does: FSDP2 may add its output into a deferred
+    reduction's unwritten output (a module called twice in a forward is reduced twice after a
+    ``set_requires_gradient_sync(False)`` micro-batch: the write then replaced the sum).
     """
 
     def __init__(
@@ -215,8 +213,7 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         self.queue = queue if queue is not None else OverlapQueue()
 
     def _deferrable(self, output_tensor: torch.Tensor, async_op: bool, world: int) -> bool:
-        # CPU only: on CUDA FSDP2 orders its buffers' reuse by stream events recorded right
-        # after the call, which a collective still in flight past the call would escape.
+        # CPU only: on CUDA FSDP2 orders buffer reuse by stream events a late collective escapes
         return (
             self.overlap
             and not async_op
@@ -271,12 +268,17 @@ class RecordingReduceScatter(WireComm, ReduceScatter):
         if self._deferrable(output_tensor, async_op, len(ranks)):
             self.queue.prepare()
             work = self._plain(output_tensor, input_tensor, group, op, ranks, True)
-            self.queue._push(_Waiting(work))
+            self.queue._push(_Waiting(work), self.unit)
             if (ledger := active_ledger()) is not None:
                 ledger.count("reduce_scatter_overlapped")
             return None
         self.queue.drain()  # FSDP2 may add this output into a deferred one: finish those first
-        return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
+        return self._in_call(self._plain(output_tensor, input_tensor, group, op, ranks, async_op))
+
+    def _in_call(self, work: dist.Work | None) -> dist.Work | None:
+        """Reduced in the call: the unit lands at the queue's next run ([Note: landing])."""
+        self.queue.reduced_in_call(self.unit)
+        return work
 
 
 class _Waiting:
@@ -364,11 +366,10 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
         self.block_size = block_size
         self.pipeline_stages = pipeline_stages
         self.codec = RowCodec(bits=bits, block_size=block_size, wire_dtype=wire_dtype)
-        # [Note: 4-block rows] Quantized sub-slices are padded to a multiple of 4 blocks, so every
-        # wire row holds 4k blocks: its scale header (16k bytes) and its length are multiples
-        # of 16 bytes, the alignment the GPU kernels need for 16-byte vector loads and stores
-        # of codes (checked in the sm_90 PTX: byte-wise loads otherwise). Both paths pad alike,
-        # so the wire format stays one; the cost is <= 4 blocks of zeros per slice.
+        # [Note: 4-block rows] Quantized sub-slices are padded to 4k blocks, so a wire row's
+        # scale header and length are multiples of 16 bytes, the alignment of the GPU kernels'
+        # 16-byte loads and stores of codes (sm_90 PTX: byte-wise otherwise). Both paths pad
+        # alike (one wire format); the cost is <= 4 blocks of zeros per slice.
         self._pad_blocks = 1 if bits is None else 4
         # the fused path's received shard sizes ([Note: qgZ checks the shard sizes])
         self._sizes = SizeVerdict(lambda sizes: _check_shard_sizes([sizes], self.unit))
@@ -383,7 +384,7 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
     ) -> dist.Work | None:
         ranks = group_ranks(group)
         topo = self.topology
-        if ranks != list(range(topo.world_size)):
+        if fallback := ranks != list(range(topo.world_size)):
             log_once(
                 f"qgz-group-{ranks}",
                 f"qgZ needs the node-major world group; got ranks {ranks}: using the plain "
@@ -391,25 +392,24 @@ class HierarchicalQuantizedReduceScatter(RecordingReduceScatter):
             )
             if (ledger := active_ledger()) is not None:
                 ledger.count("qgz_fallback_plain")
+        if fallback or output_tensor.numel() == 0:  # (wire rows of no elements fail)
             self.queue.drain()  # older deferred reductions issue their collectives first
-            return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
-        if output_tensor.numel() == 0:  # nothing to reduce; wire rows of no elements fail
-            self.queue.drain()
-            return self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
+            work = self._plain(output_tensor, input_tensor, group, op, ranks, async_op)
+            return self._in_call(work)
         scale = op_scale(op, len(ranks))
         if self._deferrable(output_tensor, async_op, len(ranks)) and not _triton.serves(
             input_tensor
         ):
             self.queue.prepare()
             self._count_topology_events()
-            self.queue._push(_Reduction(self, output_tensor, input_tensor, scale))
+            self.queue._push(_Reduction(self, output_tensor, input_tensor, scale), self.unit)
             if (ledger := active_ledger()) is not None:
                 ledger.count("qgz_overlapped")
             return None
         self.queue.drain()
         self._reduce(output_tensor, input_tensor, scale)
         # FSDP2 calls the reduce-scatter synchronously; if asked for a handle, the work is done.
-        return DeferredWork([]) if async_op else None
+        return self._in_call(DeferredWork([]) if async_op else None)
 
     def _count_topology_events(self) -> None:
         topo = self.topology

@@ -1,0 +1,267 @@
+"""Stepping the optimizer inside backward, unit by unit, and sending the next forward's
+gathers early.
+
+[Note: early gathers] With qwZ on a cluster of several ranks per node, a step's forward waits
+for each unit's inter-node hop (hop 1 of [Note: qwZ route]): at 100 Mbit/s on the emulated
+2 x 2 cluster ZeRO++'s forward is bound by those bytes, while its backward (hpZ keeps every
+backward gather inside the node) leaves the node link idle until qgZ's first hop. No gather of
+a step can start before the optimizer has written the weights, and the optimizer runs after
+``backward()`` returns. :class:`StepInBackward` steps each FSDP unit's parameters as soon as its
+reduced gradient is written, inside backward (the last blocks first, in the order their
+reductions were called), and right after that step quantizes the unit's new shards and sends
+hop 1 of its next forward gather, on inter-node groups of their own
+(``Topology.early_inter_node_groups``: on the inter-node group, gloo would run them before
+backward's later qgZ hops). The next forward's gather of the unit then quantizes FSDP2's input
+as usual, and uses the early hop only if its wire row is byte for byte the one sent, on this rank
+and on every peer of hop 1 (a one-element all-reduce on the early group: the peers decide alike,
+so a write to the parameters on some ranks only cannot leave the groups out of step); else (the
+parameters written between the step and the forward: a checkpoint load, a user's edit) the early
+hop is dropped and the gather runs both hops (ledger event ``qwz_early_stale``), so the forward
+always computes with what FSDP2 gathers, bit for bit. Used early hops count as
+``qwz_early_gather``. The check costs the quantization the early send could have saved (a fast
+pass, under a millisecond per unit here) and a small all-reduce per unit; the saving is hop 1's
+time on the node link. Memory: each early unit holds hop 1's output from its step to its forward
+(``num_nodes`` wire rows of its shard, a byte per element with INT8: a quarter of the unit's
+fp32 shard per node), as hpZ's secondary shard does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from qshard._fsdp import fsdp_param_groups
+from qshard.zeropp._overlap import _REPLICATED_MESH_INFOS, OverlapQueue
+from qshard.zeropp.all_gather import QuantizedAllGather
+from qshard.zeropp.reduce_scatter import RecordingReduceScatter
+
+__all__ = ["StepInBackward"]
+
+
+class StepInBackward:
+    """Step ``optimizer`` inside backward, one FSDP unit at a time, as each unit's reduced
+    gradient is written (its sharded gradient is freed right after, not held to the end of
+    backward); with ``send_early`` and qwZ across nodes, also send each unit's next forward
+    gather's inter-node hop right after its step ([Note: early gathers]).
+
+    ``model`` is what :func:`qshard.zeropp.shard` returned (any ZeRO++ feature, or
+    ``ZeroPPConfig(overlap_reduce_scatter=True)`` for the plain ZeRO-3 wire). After this, a
+    training step is ``loss.backward()`` alone: when it returns, every unit's parameters have been
+    stepped and their gradients set to ``None``; do not call ``optimizer.step()`` or
+    ``zero_grad()`` (a step finds no gradient and does nothing). Learning-rate schedulers step
+    as usual, after ``backward()``. Gradient accumulation: run the micro-batches before the last
+    inside :meth:`paused` (needed where they reduce their gradients; with
+    ``model.set_requires_gradient_sync(False)`` nothing lands before the last anyway).
+
+    What cannot work this way, refused or documented: a global gradient-norm clip (the step of
+    the first units runs before the last units' gradients exist; torchtitan's
+    ``early_step_in_backward`` has the same limit), a ``GradScaler`` (it must see every gradient
+    before any step), the 1-bit optimizers (their step is a collective over all gradients;
+    refused), HSDP or an all-reduce hook (the gradient is final only after the all-reduce;
+    refused). A backward that raises steps no further unit, but units stepped before the error
+    stay stepped.
+
+    Args:
+        model: the sharded model.
+        optimizer: a local optimizer over the model's parameters (every parameter it holds must
+            belong to one of the model's FSDP units): ``torch.optim`` or qshard's 8-bit / 4-bit
+            optimizers. Each unit's step calls ``optimizer.step()`` with its parameter groups
+            narrowed to the unit's parameters (state, hyperparameters and step counts are the
+            optimizer's own: a checkpoint of it is the usual one).
+        send_early: send the next forward's qwZ hop 1 early (only where qwZ gathers in two hops:
+            several nodes of several ranks each). Off by default: it pays only where the
+            forward waits on the node link and the backward leaves it idle, and costs a second
+            quantization per unit (docs/zeropp.md, "Stepping the optimizer inside backward").
+
+    Call on every rank (it creates process groups when ``send_early`` applies). :meth:`close`
+    hands the optimizer back to the usual loop.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, send_early: bool = False
+    ) -> None:
+        if not isinstance(model, FSDPModule):
+            raise TypeError(
+                f"model must be the FSDP2 model qshard.zeropp.shard() returned; got "
+                f"{type(model).__name__}"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer)}")
+        if not isinstance(send_early, bool):
+            raise TypeError(f"send_early must be a bool; got {send_early!r}")
+        _refuse_collective_step(optimizer)
+        self.optimizer = optimizer
+        self._paused = False
+        self._closed = False
+        self._units: dict[int, _Unit] = {}
+        self._hooks: list = []
+        queue: OverlapQueue | None = None
+        owner: dict[int, str] = {}
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            groups = fsdp_param_groups(module)
+            if groups is None or len(groups) > 1:
+                raise RuntimeError(
+                    f"FSDP unit {name or '<root>'}: this torch's FSDP2 keeps its parameter "
+                    "groups in a way StepInBackward cannot read (one group per unit expected)"
+                )
+            if not groups:
+                continue
+            group = groups[0]
+            _refuse_all_reduce(group, name)
+            comm = getattr(group, "_reduce_scatter_comm", None)
+            if not isinstance(comm, RecordingReduceScatter) or comm.unit is not module:
+                raise ValueError(
+                    f"FSDP unit {name or '<root>'} reduces its gradients with FSDP2's own "
+                    "reduce-scatter, whose end StepInBackward cannot see: shard the model with "
+                    "qshard.zeropp.shard() and a ZeRO++ feature, or "
+                    "ZeroPPConfig(overlap_reduce_scatter=True) for the plain wire"
+                )
+            if queue is None:
+                queue = comm.queue
+            elif comm.queue is not queue:
+                raise ValueError(
+                    "the model's reduce-scatter comms do not share one progress queue; install "
+                    "them with qshard.zeropp.shard() (or pass one queue= to every comm)"
+                )
+            params = {id(fp.sharded_param): fp.sharded_param for fp in group.fsdp_params}
+            for pid in params:
+                owner[pid] = name or "<root>"
+            if getattr(group.mesh_info, "shard_mesh_size", None) == 1:
+                # One rank: FSDP2 calls no reduce-scatter (it copies the gradient); its
+                # post-accumulate-grad hooks tell the queue instead (nothing to defer there).
+                landing = _OneRankLanding(comm.queue, module)
+                self._hooks += [
+                    p.register_post_accumulate_grad_hook(landing)
+                    for p in params.values()
+                    if p.requires_grad
+                ]
+            gather = getattr(group, "_all_gather_comm", None)
+            early = send_early and isinstance(gather, QuantizedAllGather) and gather.enable_early()
+            self._units[id(module)] = _Unit(group, params, gather if early else None)
+        if queue is None:
+            raise ValueError("the model has no FSDP unit with parameters")
+        if queue.on_landed is not None:
+            raise RuntimeError(
+                "another StepInBackward is installed on this model; close() it first"
+            )
+        for gi, g in enumerate(optimizer.param_groups):
+            for p in g["params"]:
+                if id(p) not in owner:
+                    raise ValueError(
+                        f"optimizer parameter group {gi} holds a parameter of shape "
+                        f"{tuple(p.shape)} that is not a sharded parameter of the model's FSDP "
+                        "units: build the optimizer after shard(), over model.parameters()"
+                    )
+        self._queue = queue
+        queue.on_landed = self._landed
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Backwards inside do not step (gradient accumulation's micro-batches before the
+        last); the units land with their gradients kept."""
+        self._check_open()
+        before, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = before
+
+    def close(self) -> None:
+        """Stop stepping inside backward (``optimizer.step()`` after ``backward()`` again) and
+        drop early gathers no forward used (collective: call on every rank)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.on_landed = None
+        for handle in self._hooks:
+            handle.remove()
+        for unit in self._units.values():
+            if unit.gather is not None:
+                unit.gather.discard_early()
+                unit.gather._early_groups = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this StepInBackward is closed")
+
+    def _landed(self, module: nn.Module) -> None:
+        unit = self._units.get(id(module))
+        if unit is None or self._paused:
+            return
+        live = [p for p in unit.params.values() if p.grad is not None]
+        if not live:
+            return
+        _step_only(self.optimizer, {id(p) for p in live})
+        for p in live:
+            p.grad = None
+        if unit.gather is not None:
+            unit.gather.send_early(unit.group)
+
+
+class _OneRankLanding:
+    """A post-accumulate-grad hook of a one-rank unit's parameters: the unit lands at the
+    queue's next run (the end of backward), once per backward."""
+
+    def __init__(self, queue: OverlapQueue, unit: nn.Module) -> None:
+        self.queue, self.unit, self.task = queue, unit, None
+
+    def __call__(self, param: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self.task != task:  # (shared by the unit's parameters)
+            self.task = task
+            self.queue.reduced_in_call(self.unit)
+
+
+class _Unit:
+    __slots__ = ("gather", "group", "params")
+
+    def __init__(self, group: object, params: dict, gather: QuantizedAllGather | None) -> None:
+        self.group, self.params, self.gather = group, params, gather
+
+
+def _step_only(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
+    """``optimizer.step()`` over the parameters in ``ids`` alone: each parameter group narrowed
+    to them (groups left empty set aside), restored after."""
+    groups = optimizer.param_groups
+    kept = [(g, g["params"]) for g in groups]
+    narrowed = []
+    for g, params in kept:
+        mine = [p for p in params if id(p) in ids]
+        if mine:
+            g["params"] = mine
+            narrowed.append(g)
+    try:
+        optimizer.param_groups = narrowed
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
+        for g, params in kept:
+            g["params"] = params
+
+
+def _refuse_collective_step(optimizer: torch.optim.Optimizer) -> None:
+    from qshard.optim._onebit import _DataParallelOneBitOptimizer
+
+    if isinstance(optimizer, _DataParallelOneBitOptimizer):
+        raise TypeError(
+            f"{type(optimizer).__name__} communicates in its step (a collective over every "
+            "gradient), so it cannot step one unit at a time inside backward: use it with "
+            "optimizer.step() after backward()"
+        )
+
+
+def _refuse_all_reduce(group: object, name: str) -> None:
+    if isinstance(getattr(group, "mesh_info", None), _REPLICATED_MESH_INFOS) or getattr(
+        group, "_all_reduce_hook", None
+    ):
+        raise ValueError(
+            f"FSDP unit {name or '<root>'} all-reduces its gradients after the reduce-scatter "
+            "(HSDP or an all-reduce hook): StepInBackward steps on the reduce-scatter's output "
+            "and does not support it; step after backward()"
+        )

@@ -1,0 +1,211 @@
+"""``qshard.zeropp.StepInBackward`` against the usual loop (``backward()``, then
+``optimizer.step()``), and its early qwZ gathers.
+
+One 2 nodes x 2 ranks gloo world runs every sub-case; a world of one checks the first user's
+single process. The reference is the same model and optimizer stepped after ``backward()``:
+stepping each unit inside backward, as its reduced gradient lands, must give bit-identical losses
+and parameters (each update is elementwise per parameter), with qgZ still deferred, and from the
+second step every unit's forward gather must use the hop 1 sent in the previous backward
+(ledger event ``qwz_early_gather``), with each step's wire bytes those of the reference. A write to
+the parameters between two steps must drop the early hops (``qwz_early_stale``) and gather the new
+values. Bad inputs are refused with errors that name the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from qshard.comm import CommLedger, Topology, recording
+from qshard.optim import AdamW8bit, OneBitAdam
+from qshard.testing import run_world
+from qshard.train.model import GPT, GPTConfig
+from qshard.zeropp import StepInBackward, ZeroPPConfig, shard
+
+CFG = GPTConfig(vocab_size=64, context=16, n_layer=3, n_head=2, n_embd=32, seed=0)
+UNITS = CFG.n_layer + 1  # every block and the root
+STEPS = 4
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.context + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _optimizer(name: str, params):
+    if name == "adamw8bit":
+        return AdamW8bit(params, lr=3e-3, min_8bit_size=64)
+    return torch.optim.AdamW(params, lr=3e-3, **({"fused": True} if name == "fused" else {}))
+
+
+def _trajectory(
+    topo, rank, *, stepper: bool, opt="fused", accumulate=False, poke="", early=True, **kw
+):
+    """Losses, final local shards, per-step events and inter-node bytes of ``STEPS`` steps."""
+    mp = kw.pop("mp", None)
+    model = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(**kw), mp_policy=mp)
+    optimizer = _optimizer(opt, model.parameters())
+    sib = StepInBackward(model, optimizer, send_early=early) if stepper else None
+    ledger = CommLedger(topo)
+    out: dict = {"loss": [], "events": [], "inter": []}
+    for i in range(STEPS):
+        with recording(ledger):
+            if accumulate:  # two micro-batches: the first reduced and kept, not stepped
+                x, y = _batch(rank + 10, i)
+                with sib.paused() if sib else contextlib.nullcontext():
+                    model(x, y)[1].backward()
+            x, y = _batch(rank, i)
+            _, loss = model(x, y)
+            loss.backward()
+        if sib is None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            assert all(p.grad is None for p in model.parameters())
+            assert optimizer.step() is None  # no gradient left: nothing happens
+        if poke == "all" or (poke == "rank0" and rank == 0):  # writes between steps
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.999)
+        s = ledger.step()
+        out["loss"].append(loss.item())
+        out["events"].append(
+            [s.event(e) for e in ("qwz_early_gather", "qwz_early_stale", "qgz_overlapped")]
+        )
+        out["inter"].append(s.inter_node_bytes)
+    out["params"] = [p.to_local().detach().clone() for p in model.parameters()]
+    if sib is not None:
+        sib.close()
+    return out
+
+
+CASES = {
+    "all": {"qwz": True, "hpz": True, "qgz": True},
+    "qwz": {"qwz": True},
+    "qgz": {"qgz": True},
+    "zero3": {"overlap_reduce_scatter": True},
+    "zero3_synchronous": {},  # every reduction inside FSDP2's call: units land a call later
+    "qwz_int4_foreach": {"qwz": True, "weight_bits": 4, "opt": "foreach"},
+    "all_adamw8bit": {"qwz": True, "hpz": True, "qgz": True, "opt": "adamw8bit"},
+    "qwz_bf16": {"qwz": True, "mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
+    "all_accumulate": {"qwz": True, "hpz": True, "qgz": True, "accumulate": True},
+    "qwz_poked": {"qwz": True, "poke": "all"},
+    "qwz_poked_rank0": {"qwz": True, "poke": "rank0"},
+    "all_not_early": {"qwz": True, "hpz": True, "qgz": True, "early": False},
+}
+QWZ = {"all", "qwz", "qwz_int4_foreach", "all_adamw8bit", "qwz_bf16", "all_accumulate"}
+
+
+def _case_trajectories(topo, rank, res):
+    for name, kw in CASES.items():
+        ref = _trajectory(topo, rank, stepper=False, **dict(kw))
+        got = _trajectory(topo, rank, stepper=True, **dict(kw))
+        res[name] = {
+            "loss": ref["loss"] == got["loss"],
+            "params": all(torch.equal(a, b) for a, b in zip(ref["params"], got["params"])),
+            "events": got["events"],
+            "ref_events": ref["events"],
+            "inter": (ref["inter"][1:], got["inter"][1:]),
+        }
+        dist.barrier()
+
+
+def _case_refusals(topo, rank, res):
+    errors = {}
+    model = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(qwz=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for key, call in (
+        ("not_fsdp", lambda: StepInBackward(GPT(CFG), opt)),
+        ("not_optimizer", lambda: StepInBackward(model, object())),
+        ("onebit", lambda: StepInBackward(model, OneBitAdam([torch.nn.Parameter(torch.ones(3))]))),
+        ("foreign", lambda: StepInBackward(model, torch.optim.SGD([torch.zeros(3)], lr=1))),
+        ("send_early", lambda: StepInBackward(model, opt, send_early=1)),
+    ):
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            errors[key] = str(exc)
+    plain = GPT(CFG)  # FSDP2's own comms
+    for block in plain.blocks:
+        fully_shard(block)
+    fully_shard(plain)
+    try:
+        StepInBackward(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
+    except ValueError as exc:
+        errors["plain_fsdp2_comm"] = str(exc)
+    first = StepInBackward(model, opt)
+    try:
+        StepInBackward(model, opt)
+    except RuntimeError as exc:
+        errors["twice"] = str(exc)
+    first.close()
+    StepInBackward(model, opt).close()  # after close() another one may take over
+    with pytest.raises(RuntimeError, match="closed"), first.paused():
+        pass
+    res["errors"] = errors
+
+
+def _run(rank: int, world: int) -> dict:
+    topo = Topology(world_size=world, ranks_per_node=2)
+    topo.init_groups()
+    res: dict = {}
+    for case in (_case_trajectories, _case_refusals):
+        case(topo, rank, res)
+        dist.barrier()
+    return res
+
+
+def test_step_in_backward_matches_the_usual_loop_2x2():
+    out = run_world(_run, 4, timeout_s=600)
+    for rank, r in enumerate(out):
+        for name in CASES:
+            c = r[name]
+            assert c["loss"] and c["params"], (rank, name)
+            early, stale, overlapped = zip(*c["events"])
+            if name == "qwz_poked":  # written between steps: every early hop dropped
+                assert early == (0,) * STEPS and stale == (0,) + (UNITS,) * 3, (rank, c)
+            elif name == "qwz_poked_rank0":  # rank 0 and its hop-1 peer (rank 2) drop theirs
+                dropped = (0,) + (UNITS,) * 3
+                assert (stale, early) == (
+                    (dropped, (0,) * 4) if rank in (0, 2) else ((0,) * 4, dropped)
+                ), (rank, c)
+            elif name in QWZ:
+                assert early == (0,) + (UNITS,) * (STEPS - 1) and stale == (0,) * 4, (rank, c)
+            else:
+                assert early == stale == (0,) * STEPS, (rank, name, c)
+            # qgZ stays deferred: stepping reads the gradients only once they are written
+            ref_overlapped = tuple(e[2] for e in c["ref_events"])
+            assert overlapped == ref_overlapped, (rank, name, overlapped, ref_overlapped)
+            if "poked" not in name:  # same wire bytes per step, the early hops included
+                assert c["inter"][0] == c["inter"][1], (rank, name, c["inter"])
+        errors = r["errors"]
+        assert "FSDP2 model" in errors["not_fsdp"]
+        assert "torch.optim.Optimizer" in errors["not_optimizer"]
+        assert "optimizer.step() after backward()" in errors["onebit"]
+        assert "build the optimizer after shard()" in errors["foreign"]
+        assert "send_early must be a bool" in errors["send_early"]
+        assert "overlap_reduce_scatter=True" in errors["plain_fsdp2_comm"]
+        assert "close() it first" in errors["twice"]
+
+
+def _run_one(rank: int, world: int) -> dict:
+    topo = Topology(world_size=1, ranks_per_node=1)
+    res = {}
+    for name, kw in (("qwz", {"qwz": True}), ("zero3", {"overlap_reduce_scatter": True})):
+        ref = _trajectory(topo, rank, stepper=False, **kw)
+        got = _trajectory(topo, rank, stepper=True, **kw)
+        res[name] = ref["loss"] == got["loss"] and all(
+            torch.equal(a, b) for a, b in zip(ref["params"], got["params"])
+        )
+        res[f"{name}_moved"] = got["loss"][0] != got["loss"][-1]
+    return res
+
+
+def test_step_in_backward_on_one_rank():
+    (r,) = run_world(_run_one, 1, timeout_s=300)
+    assert r == {"qwz": True, "qwz_moved": True, "zero3": True, "zero3_moved": True}
