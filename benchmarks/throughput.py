@@ -12,6 +12,9 @@ on this CPU), shards it, and trains on the same batches of the embedded corpus:
 - ``zero3``: ``qshard.zeropp.shard`` with every feature off (must cost what ``fsdp2`` costs);
 - ``zero3-bf16``: the same with a bf16 wire (the paper's fp16 ZeRO-3 baseline), when supported;
 - ``qwz``, ``hpz``, ``qgz``, ``all``: the ZeRO++ features alone and together;
+- ``qwz-sib``, ``all-sib`` (opt-in, not in the default sweep): ``qwz`` and ``all`` with the
+  optimizer stepped inside backward and the next forward's qwZ hop 1 sent right after each unit's
+  step (``qshard.zeropp.StepInBackward``); their optimizer phase is inside their backward;
 - ``hsdp``: HSDP (``ZeroPPConfig(hsdp=True)``: shard inside a node, FSDP2's own fp32 replicate
   all-reduce across nodes); ``hsdp-bf16``: its replicate all-reduce (and intra-node comms) on a
   16-bit wire; ``hsdp-int4``: the replicate all-reduce block-quantized to INT4 (qgZ's format,
@@ -148,8 +151,12 @@ HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
 # synchronously inside FSDP2's hook, as before it was deferred ([Note: deferred replicate
 # all-reduce] in qshard.zeropp.all_reduce).
 SYNC_VARIANTS = ("hsdp-bf16-sync", "hsdp-int4-sync")
+# Opt-in rows: the optimizer stepped inside backward, unit by unit, with qwZ's next forward
+# gathers sent early (qshard.zeropp.StepInBackward, [Note: early gathers]); no optimizer.step()
+# after backward, so the optimizer's time is inside the backward phase.
+STEP_IN_BACKWARD = {"qwz-sib": "qwz", "all-sib": "all"}
 DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
-ALL_VARIANTS = (*DEFAULT_VARIANTS, *SYNC_VARIANTS)
+ALL_VARIANTS = (*DEFAULT_VARIANTS, *SYNC_VARIANTS, *STEP_IN_BACKWARD)
 # ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
 FEATURES: dict[str, dict[str, object]] = {
     "zero3": {},
@@ -166,6 +173,7 @@ FEATURES: dict[str, dict[str, object]] = {
     "hsdp-1bit": {"hsdp": True, "replicate_reduce": False},
     "hsdp-01": {"hsdp": True, "replicate_reduce": False},
 }
+FEATURES.update({sib: FEATURES[base] for sib, base in STEP_IN_BACKWARD.items()})
 # Variants whose optimizer owns the inter-node sync (the rest use torch AdamW).
 DATA_PARALLEL = {"hsdp-1bit": "OneBitAdam", "hsdp-01": "ZeroOneAdam"}
 # --optimizer: torch AdamW's implementation flags. "default" passes none (torch picks: the
@@ -399,6 +407,11 @@ class _Run:
         torch.manual_seed(args.seed)
         self.model = _build(variant, args, topology)
         self.opt, self.warmup, self.steps = _optimizer(variant, self.model, args)
+        self.stepper = None
+        if variant in STEP_IN_BACKWARD:
+            from qshard.zeropp import StepInBackward
+
+            self.stepper = StepInBackward(self.model, self.opt, send_early=True)
         self.ledger = CommLedger(topology)
         self.meter = NodeLinkMeter()
         self.load: float | None = None
@@ -427,8 +440,9 @@ class _Run:
         loss.backward()
         if marks is not None:
             marks.append(time.perf_counter())
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.stepper is None:  # (else stepped inside backward)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         return loss.item()
 
     def timed_step(self, i: int) -> None:
