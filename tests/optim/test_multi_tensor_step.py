@@ -246,3 +246,32 @@ def test_cpu_call_kept_only_while_its_tensors_are():
     counts_fresh, fresh = run(keep=False)
     assert counts_fresh == [3, 6, 9, 12, 15, 18, 20, 23, 26, 29, 32], counts_fresh
     assert len(kept) == len(fresh) and all(torch.equal(a, b) for a, b in zip(kept, fresh))
+
+
+@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
+def test_a_group_narrowed_per_unit_keeps_a_plan_per_narrowing(cls):
+    """StepInBackward steps a group narrowed to one FSDP unit's parameters at a time: the same
+    bits as stepping the whole group, and each narrowing keeps its plan (the kept CPU call and
+    step bank are reused at the next step, not rebuilt at every call)."""
+    from qshard.zeropp.step_in_backward import _step_only
+
+    torch.manual_seed(0)
+    shapes = [(64, 300), (40, 257), (128,), (90, 130)]
+    whole = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    split = [torch.nn.Parameter(p.detach().clone()) for p in whole]
+    units = [split[:2], split[2:]]
+    size = {"min_4bit_size" if cls is qoptim.AdamW4bit else "min_8bit_size": 64}
+    opt_whole, opt_split = (cls(ps, lr=1e-2, **size) for ps in (whole, split))
+    plans = []
+    for step in range(3):
+        grads = [torch.randn(s) for s in shapes]
+        for p, q, g in zip(whole, split, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_whole.step()
+        for unit in units:
+            _step_only(opt_split, {id(p) for p in unit})
+        for p, q in zip(whole, split):
+            assert torch.equal(p, q), step
+        plans.append(dict(opt_split.__dict__["_plan_cache"]))
+    assert len(plans[-1]) == len(units)
+    assert all(plans[-1][k] is plans[1][k] for k in plans[-1])  # kept, not rebuilt
