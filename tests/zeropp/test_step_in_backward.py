@@ -49,7 +49,14 @@ def _trajectory(
     """Losses, final local shards, per-step events and inter-node bytes of ``STEPS`` steps."""
     mp = kw.pop("mp", None)
     model = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(**kw), mp_policy=mp)
-    optimizer = _optimizer(opt, model.parameters())
+    other = None
+    if opt == "two":  # the blocks' AdamW inside backward, the root's SGD after it
+        blocks = {id(p) for p in model.blocks.parameters()}
+        optimizer = _optimizer("fused", [p for p in model.parameters() if id(p) in blocks])
+        rest = [p for p in model.parameters() if id(p) not in blocks]
+        other = torch.optim.SGD(rest, lr=0.1, momentum=0.9)
+    else:
+        optimizer = _optimizer(opt, model.parameters())
     sib = StepInBackward(model, optimizer, send_early=early) if stepper else None
     ledger = CommLedger(topo)
     out: dict = {"loss": [], "events": [], "inter": []}
@@ -66,8 +73,13 @@ def _trajectory(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         else:
-            assert all(p.grad is None for p in model.parameters())
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            for p in model.parameters():  # stepped and freed; another optimizer's kept
+                assert (p.grad is None) == (id(p) in held)
             assert optimizer.step() is None  # no gradient left: nothing happens
+        if other is not None:
+            other.step()
+            other.zero_grad(set_to_none=True)
         if poke == "all" or (poke == "rank0" and rank == 0):  # writes between steps
             with torch.no_grad():
                 for p in model.parameters():
@@ -97,8 +109,17 @@ CASES = {
     "qwz_poked": {"qwz": True, "poke": "all"},
     "qwz_poked_rank0": {"qwz": True, "poke": "rank0"},
     "all_not_early": {"qwz": True, "hpz": True, "qgz": True, "early": False},
+    "qwz_two_optimizers": {"qwz": True, "opt": "two"},
 }
-QWZ = {"all", "qwz", "qwz_int4_foreach", "all_adamw8bit", "qwz_bf16", "all_accumulate"}
+QWZ = {
+    "all",
+    "qwz",
+    "qwz_int4_foreach",
+    "all_adamw8bit",
+    "qwz_bf16",
+    "all_accumulate",
+    "qwz_two_optimizers",
+}
 
 
 def _case_trajectories(topo, rank, res):
@@ -174,8 +195,9 @@ def test_step_in_backward_matches_the_usual_loop_2x2():
                 assert (stale, early) == (
                     (dropped, (0,) * 4) if rank in (0, 2) else ((0,) * 4, dropped)
                 ), (rank, c)
-            elif name in QWZ:
-                assert early == (0,) + (UNITS,) * (STEPS - 1) and stale == (0,) * 4, (rank, c)
+            elif name in QWZ:  # (the root's parameters stepped after backward: not sent)
+                sent = UNITS - 1 if name == "qwz_two_optimizers" else UNITS
+                assert early == (0,) + (sent,) * (STEPS - 1) and stale == (0,) * 4, (rank, c)
             else:
                 assert early == stale == (0,) * STEPS, (rank, name, c)
             # qgZ stays deferred: stepping reads the gradients only once they are written

@@ -290,6 +290,11 @@ class QuantizedAllGather(RecordingAllGather):
         flat = sharded_all_gather_input(param_group)
         if flat is None or flat.dtype not in _QUANTIZABLE or flat.numel() == 0:
             return False
+        if flat.device.type != "cpu":
+            # Not run on a GPU yet, and the forward's check would sync the host once per unit
+            # (torch.equal, the flag's .item()): off there until measured.
+            log_once("qwz-early-cuda", "qwZ's early gathers run on CPU only; sending none")
+            return False
         topo = self.topology
         _, slots = self._layout(flat.numel())
         with record_function("qshard::qwz::early_quantize"):

@@ -68,8 +68,9 @@ class StepInBackward:
     Args:
         model: the sharded model.
         optimizer: a local optimizer over the model's parameters (every parameter it holds must
-            belong to one of the model's FSDP units): ``torch.optim`` or qshard's 8-bit / 4-bit
-            optimizers. Each unit's step calls ``optimizer.step()`` with its parameter groups
+            belong to one of the model's FSDP units; parameters it does not hold keep their
+            gradients, for another optimizer stepped after ``backward()``): ``torch.optim`` or
+            qshard's 8-bit / 4-bit optimizers. Each unit's step calls ``optimizer.step()`` with its parameter groups
             narrowed to the unit's parameters (state, hyperparameters and step counts are the
             optimizer's own: a checkpoint of it is the usual one).
         send_early: send the next forward's qwZ hop 1 early (only where qwZ gathers in two hops:
@@ -99,8 +100,10 @@ class StepInBackward:
         self._closed = False
         self._units: dict[int, _Unit] = {}
         self._hooks: list = []
+        self._held_ids: tuple[tuple[int, ...], set[int]] | None = None
         queue: OverlapQueue | None = None
         owner: dict[int, str] = {}
+        found: list[tuple[nn.Module, object, dict]] = []
         for name, module in model.named_modules():
             if not isinstance(module, FSDPModule):
                 continue
@@ -132,18 +135,7 @@ class StepInBackward:
             params = {id(fp.sharded_param): fp.sharded_param for fp in group.fsdp_params}
             for pid in params:
                 owner[pid] = name or "<root>"
-            if getattr(group.mesh_info, "shard_mesh_size", None) == 1:
-                # One rank: FSDP2 calls no reduce-scatter (it copies the gradient); its
-                # post-accumulate-grad hooks tell the queue instead (nothing to defer there).
-                landing = _OneRankLanding(comm.queue, module)
-                self._hooks += [
-                    p.register_post_accumulate_grad_hook(landing)
-                    for p in params.values()
-                    if p.requires_grad
-                ]
-            gather = getattr(group, "_all_gather_comm", None)
-            early = send_early and isinstance(gather, QuantizedAllGather) and gather.enable_early()
-            self._units[id(module)] = _Unit(group, params, gather if early else None)
+            found.append((module, group, params))
         if queue is None:
             raise ValueError("the model has no FSDP unit with parameters")
         if queue.on_landed is not None:
@@ -158,6 +150,20 @@ class StepInBackward:
                         f"{tuple(p.shape)} that is not a sharded parameter of the model's FSDP "
                         "units: build the optimizer after shard(), over model.parameters()"
                     )
+        # Checked: now the hooks and the early groups (collective, every rank in unit order).
+        for module, group, params in found:
+            if getattr(group.mesh_info, "shard_mesh_size", None) == 1:
+                # One rank: FSDP2 calls no reduce-scatter (it copies the gradient); its
+                # post-accumulate-grad hooks tell the queue instead (nothing to defer there).
+                landing = _OneRankLanding(queue, module)
+                self._hooks += [
+                    p.register_post_accumulate_grad_hook(landing)
+                    for p in params.values()
+                    if p.requires_grad
+                ]
+            gather = getattr(group, "_all_gather_comm", None)
+            early = send_early and isinstance(gather, QuantizedAllGather) and gather.enable_early()
+            self._units[id(module)] = _Unit(group, params, gather if early else None)
         self._queue = queue
         queue.on_landed = self._landed
 
@@ -186,6 +192,16 @@ class StepInBackward:
                 unit.gather.discard_early()
                 unit.gather._early_groups = None
 
+    def _held(self) -> set[int]:
+        """The ids of the optimizer's parameters (a parameter the optimizer does not hold keeps
+        its gradient, for another optimizer stepped after backward); kept while the groups'
+        sizes stay."""
+        groups = self.optimizer.param_groups
+        shape = tuple(len(g["params"]) for g in groups)
+        if self._held_ids is None or self._held_ids[0] != shape:
+            self._held_ids = (shape, {id(p) for g in groups for p in g["params"]})
+        return self._held_ids[1]
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this StepInBackward is closed")
@@ -194,13 +210,16 @@ class StepInBackward:
         unit = self._units.get(id(module))
         if unit is None or self._paused:
             return
-        live = [p for p in unit.params.values() if p.grad is not None]
+        held = self._held()
+        live = [p for p in unit.params.values() if p.grad is not None and id(p) in held]
         if not live:
             return
         _step_only(self.optimizer, {id(p) for p in live})
         for p in live:
             p.grad = None
-        if unit.gather is not None:
+        if unit.gather is not None and all(
+            id(p) in held for p in unit.params.values() if p.requires_grad
+        ):  # (a unit partly left to another optimizer changes after backward: not sent)
             unit.gather.send_early(unit.group)
 
 
