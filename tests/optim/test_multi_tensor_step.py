@@ -248,11 +248,19 @@ def test_cpu_call_kept_only_while_its_tensors_are():
     assert len(kept) == len(fresh) and all(torch.equal(a, b) for a, b in zip(kept, fresh))
 
 
-@pytest.mark.parametrize("cls", [qoptim.AdamW8bit, qoptim.AdamW4bit])
-def test_a_group_narrowed_per_unit_keeps_a_plan_per_narrowing(cls):
-    """StepInBackward steps a group narrowed to one FSDP unit's parameters at a time: the same
-    bits as stepping the whole group, and each narrowing keeps its plan (the kept CPU call and
-    step bank are reused at the next step, not rebuilt at every call)."""
+@pytest.mark.parametrize(
+    ("cls", "extra"),
+    [
+        (qoptim.AdamW8bit, {}),
+        (qoptim.AdamW8bit, {"stochastic_rounding": True}),
+        (qoptim.AdamW4bit, {}),
+    ],
+)
+def test_a_group_stepped_unit_by_unit_keeps_a_plan_per_unit(cls, extra):
+    """StepInBackward steps one FSDP unit's parameters of a group at a time (the others'
+    gradients hidden): the same bits as stepping the whole group, stochastic rounding included
+    (each tensor keeps its place in the group, which seeds it), and each unit keeps its plan (the
+    kept CPU call and step bank are reused at the next step, not rebuilt at every call)."""
     from qshard.zeropp.step_in_backward import _step_only
 
     torch.manual_seed(0)
@@ -260,8 +268,8 @@ def test_a_group_narrowed_per_unit_keeps_a_plan_per_narrowing(cls):
     whole = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     split = [torch.nn.Parameter(p.detach().clone()) for p in whole]
     units = [split[:2], split[2:]]
-    size = {"min_4bit_size" if cls is qoptim.AdamW4bit else "min_8bit_size": 64}
-    opt_whole, opt_split = (cls(ps, lr=1e-2, **size) for ps in (whole, split))
+    kw = {"min_4bit_size": 64} if cls is qoptim.AdamW4bit else {"min_8bit_size": 64, **extra}
+    opt_whole, opt_split = (cls(ps, lr=1e-2, **kw) for ps in (whole, split))
     plans = []
     for step in range(3):
         grads = [torch.randn(s) for s in shapes]

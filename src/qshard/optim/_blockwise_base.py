@@ -305,7 +305,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if seen is not None:
             fingerprint = (self._plan_group_key(group), self._plan_backends(), keys, seen[0])
         cache = self.__dict__.setdefault("_plan_cache", {})
-        slot = _slot(gi, group)
+        slot = _slot(gi, items)
         kept = cache.get(slot)
         if fingerprint is not None and kept is not None and kept.fingerprint == fingerprint:
             grads = seen[1]  # (this step's gradients: the kept rows take their addresses)
@@ -365,10 +365,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             self._step_param(p, group, state, int(state["step"].item()), (gi, pi))
         banks = self.__dict__.setdefault("_step_banks", {})  # ([Note: step bank])
         if plan.batch:
-            steps = _advance_steps(plan.batch, banks, (_slot(gi, group), "batch"))
+            steps = _advance_steps(plan.batch, banks, (_slot(gi, plan.batch), "batch"))
             self._multi_tensor_step(gi, group, plan.batch, plan.rows, steps)
         if plan.triton:
-            steps = _advance_steps(plan.triton, banks, (_slot(gi, group), "triton"))
+            steps = _advance_steps(plan.triton, banks, (_slot(gi, plan.triton), "triton"))
             self._triton_run(group, plan.triton, plan.launches, steps)
 
     def _multi_tensor_row(
@@ -480,7 +480,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         # and the CPU counters advance as one buffer ([Note: step bank]) or one foreach call.
         off_device = group.get("fused") and _steps_off_device(params)
         banks = self.__dict__.setdefault("_step_banks", {})
-        bank = _step_bank(live, banks, (_slot(gi, group), "full")) if off_device else None
+        bank = _step_bank(live, banks, (_slot(gi, live), "full")) if off_device else None
         steps = [st["step"] for _, _, st in live]  # (after the bank: it may replace them)
         if not off_device:
             self._torch_update(group, params, grads, states, steps)
@@ -494,10 +494,10 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             p_l.copy_(p32)
 
 
-def _slot(gi: int, group: dict[str, Any]) -> tuple[int, int | None]:
-    """Where group ``gi``'s kept plan and step banks are filed: its index and its first
-    parameter, so that a group narrowed to a few of its parameters for a step (one FSDP unit's,
-    :class:`qshard.zeropp.StepInBackward`) keeps a plan per narrowing instead of rebuilding the
-    group's at every call (the kept plan's fingerprint still checks every tensor)."""
-    params = group["params"]
-    return gi, (id(params[0]) if params else None)
+def _slot(gi: int, items: list[_Item]) -> tuple[int, int | None]:
+    """Where group ``gi``'s kept plan and step banks for ``items`` are filed: the group's index
+    and the first item's parameter, so that a step over a few of the group's parameters (one
+    FSDP unit's at a time, :class:`qshard.zeropp.StepInBackward`: the others' gradients hidden)
+    keeps a plan per unit instead of rebuilding the group's at every call (the kept plan's
+    fingerprint still checks every tensor)."""
+    return gi, (id(items[0][1]) if items else None)

@@ -28,6 +28,7 @@ fp32 shard per node), as hpZ's secondary shard does.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -70,16 +71,18 @@ class StepInBackward:
         optimizer: a local optimizer over the model's parameters (every parameter it holds must
             belong to one of the model's FSDP units; parameters it does not hold keep their
             gradients, for another optimizer stepped after ``backward()``): ``torch.optim`` or
-            qshard's 8-bit / 4-bit optimizers. Each unit's step calls ``optimizer.step()`` with its parameter groups
-            narrowed to the unit's parameters (state, hyperparameters and step counts are the
-            optimizer's own: a checkpoint of it is the usual one).
+            qshard's 8-bit / 4-bit optimizers. Each unit's step calls ``optimizer.step()`` with
+            the other units' gradients hidden (state, hyperparameters and step counts are the
+            optimizer's own: a checkpoint of it is the usual one); its step hooks run once per
+            unit.
         send_early: send the next forward's qwZ hop 1 early (only where qwZ gathers in two hops:
             several nodes of several ranks each). Off by default: it pays only where the
             forward waits on the node link and the backward leaves it idle, and costs a second
             quantization per unit (docs/zeropp.md, "Stepping the optimizer inside backward").
 
-    Call on every rank (it creates process groups when ``send_early`` applies). :meth:`close`
-    hands the optimizer back to the usual loop.
+    Call on every rank (it creates process groups when ``send_early`` applies). It stays
+    installed until :meth:`close` (which hands the optimizer back to the usual loop) or until a
+    new ``StepInBackward`` on the same model replaces it (with a warning).
     """
 
     def __init__(
@@ -138,10 +141,16 @@ class StepInBackward:
             found.append((module, group, params))
         if queue is None:
             raise ValueError("the model has no FSDP unit with parameters")
-        if queue.on_landed is not None:
-            raise RuntimeError(
-                "another StepInBackward is installed on this model; close() it first"
+        previous = getattr(queue.on_landed, "__self__", None)
+        if isinstance(previous, StepInBackward):  # (an unknown installer is left alone below)
+            warnings.warn(
+                "qshard: a StepInBackward was installed on this model; the new one replaces it "
+                "(the old one is closed)",
+                stacklevel=2,
             )
+            previous.close()
+        elif queue.on_landed is not None:
+            raise RuntimeError("the model's progress queue already has an on_landed callback")
         for gi, g in enumerate(optimizer.param_groups):
             for p in g["params"]:
                 if id(p) not in owner:
@@ -245,23 +254,23 @@ class _Unit:
 
 
 def _step_only(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
-    """``optimizer.step()`` over the parameters in ``ids`` alone: each parameter group narrowed
-    to them (groups left empty set aside), restored after."""
-    groups = optimizer.param_groups
-    kept = [(g, g["params"]) for g in groups]
-    narrowed = []
-    for g, params in kept:
-        mine = [p for p in params if id(p) in ids]
-        if mine:
-            g["params"] = mine
-            narrowed.append(g)
+    """``optimizer.step()`` over the parameters in ``ids`` alone: every other parameter's
+    gradient (another unit's, assigned but not yet landed) is hidden for the call and put back
+    after. The groups stay whole, so a parameter keeps its place in them (the 8-bit optimizers'
+    stochastic rounding seeds each tensor by it)."""
+    hidden = [
+        (p, p.grad)
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.grad is not None and id(p) not in ids
+    ]
+    for p, _ in hidden:
+        p.grad = None
     try:
-        optimizer.param_groups = narrowed
         optimizer.step()
     finally:
-        optimizer.param_groups = groups
-        for g, params in kept:
-            g["params"] = params
+        for p, grad in hidden:
+            p.grad = grad
 
 
 def _refuse_collective_step(optimizer: torch.optim.Optimizer) -> None:
