@@ -14,6 +14,7 @@ values. Bad inputs are refused with errors that name the fix.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from qshard.comm import CommLedger, Topology, recording
 from qshard.optim import AdamW8bit, OneBitAdam
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
-from qshard.zeropp import StepInBackward, ZeroPPConfig, shard
+from qshard.zeropp import OverlapQueue, StepInBackward, ZeroPPConfig, shard
 
 CFG = GPTConfig(vocab_size=64, context=16, n_layer=3, n_head=2, n_embd=32, seed=0)
 UNITS = CFG.n_layer + 1  # every block and the root
@@ -110,6 +111,8 @@ CASES = {
     "qwz_poked_rank0": {"qwz": True, "poke": "rank0"},
     "all_not_early": {"qwz": True, "hpz": True, "qgz": True, "early": False},
     "qwz_two_optimizers": {"qwz": True, "opt": "two"},
+    # every early hop held to the end of backward ([Note: early hops yield to the reductions])
+    "all_held": {"qwz": True, "hpz": True, "qgz": True},
 }
 QWZ = {
     "all",
@@ -119,13 +122,18 @@ QWZ = {
     "qwz_bf16",
     "all_accumulate",
     "qwz_two_optimizers",
+    "all_held",
 }
 
 
 def _case_trajectories(topo, rank, res):
     for name, kw in CASES.items():
         ref = _trajectory(topo, rank, stepper=False, **dict(kw))
-        got = _trajectory(topo, rank, stepper=True, **dict(kw))
+        held = contextlib.nullcontext()
+        if name == "all_held":  # a reduction always "in flight": every early hop waits
+            held = mock.patch.object(OverlapQueue, "__len__", lambda self: 1)
+        with held:
+            got = _trajectory(topo, rank, stepper=True, **dict(kw))
         res[name] = {
             "loss": ref["loss"] == got["loss"],
             "params": all(torch.equal(a, b) for a, b in zip(ref["params"], got["params"])),

@@ -43,6 +43,10 @@ def _padded_layout(sizes: Sequence[int], block_size: int) -> tuple[int, tuple[Sl
     return sum(p for _, _, p in slots), tuple(slots)
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Early(NamedTuple):
     """An early hop 1 ([Note: early gathers]), in flight."""
 
@@ -172,7 +176,9 @@ class QuantizedAllGather(RecordingAllGather):
     waited inside ``qshard::qwz::finish``, whose own time is the decoding).
 
     [Note: qwZ hop order] Every rank must issue the collectives of one process group in the
-    same order. Hop 1 is issued at the call. Hop 2 is issued inside the handle's ``wait()``
+    same order. Hop 1 is issued at the call (with an early hop 1 sent in the previous backward,
+    the check's all-reduce is, and a hop 1 sent again is issued in ``wait()`` before hop 2; see
+    [Note: early gathers]). Hop 2 is issued inside the handle's ``wait()``
     (just before dequantizing) on gloo, whose ``wait()`` blocks the host; on CUDA at the call,
     right behind hop 1's ``wait()``, which on NCCL makes the stream wait, not the host (not yet
     run on a GPU). Never from a future callback or another thread. FSDP2 calls its
@@ -320,29 +326,43 @@ class QuantizedAllGather(RecordingAllGather):
         if early is not None:
             early.work.wait()
 
-    def _take_early(self, payload: torch.Tensor) -> _Early | None:
-        """The early hop 1 of this gather if it carried exactly ``payload`` (the wire row of
-        what FSDP2 gathers now) on this rank and on every peer; else None (waited for and
-        dropped), and the gather runs both hops as usual. The peers agree through a one-element
-        all-reduce on the early group, so a write to the parameters on some ranks only
-        re-sends hop 1 everywhere instead of leaving the groups out of step."""
-        early, self._early = self._early, None
-        if early is None:
-            return None
+    def _check_early(
+        self, early: _Early, payload: torch.Tensor, group: dist.ProcessGroup, twin, tag: str
+    ) -> tuple[dist.Work, Callable[[], None]]:
+        """Start deciding whether ``early``'s hop 1 carried exactly ``payload`` (the wire row
+        of what FSDP2 gathers now) on this rank and every hop-1 peer: a one-element MIN
+        all-reduce on the inter-node group, issued now. Returns its handle and ``resolve``,
+        which (called before hop 2) waits for it and either keeps the early hop or, if any peer
+        differs, sends hop 1 again from ``payload`` into the same rows. The peers decide alike,
+        so a write to the parameters on some ranks only re-sends hop 1 everywhere instead of
+        leaving the groups out of step (see [Note: early gathers])."""
         same = early.payload.shape == payload.shape and torch.equal(early.payload, payload)
-        group, _ = self._early_groups or (None, None)
         flag = torch.tensor([int(same)], dtype=torch.int32, device=payload.device)
         with record_function("qshard::qwz::early_check"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        ledger = active_ledger()
-        if not int(flag.item()):
-            early.work.wait()
+            flag_work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
+
+        def resolve() -> None:
+            with record_function("qshard::qwz::early_wait"):
+                flag_work.wait()
+                early.work.wait()
+            ledger = active_ledger()
+            if int(flag.item()):
+                if ledger is not None:
+                    ledger.count("qwz_early_gather")
+                return
             if ledger is not None:
                 ledger.count("qwz_early_stale")
-            return None
-        if ledger is not None:
-            ledger.count("qwz_early_gather")
-        return early
+            topo = self.topology
+            record(
+                "all_gather",
+                group_ranks=topo.peer_ranks(topo.local_rank),
+                tensor_bytes=early.peer_rows.numel(),
+                tag=tag,
+            )
+            with record_function("qshard::qwz::transfer"):
+                duplex.all_gather_single(early.peer_rows, payload, group, twin=twin)
+
+        return flag_work, resolve
 
     def __call__(
         self,
@@ -383,7 +403,7 @@ class QuantizedAllGather(RecordingAllGather):
             # Each parameter's shard quantized straight into its blocks of the wire row (see
             # [Note: fused wire rows] in qshard.zeropp._wire): no padded copy of the input.
             payload = self.codec.encode_slots(input_tensor.reshape(-1), slots, 1).view(-1)
-        early = self._take_early(payload) if two_hops else None
+        early, self._early = (self._early, None) if two_hops else (None, self._early)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         tag = phase_tag("all_gather")
         if two_hops:
@@ -418,11 +438,12 @@ class QuantizedAllGather(RecordingAllGather):
             # Each hop both ways at once on gloo ([Note: gloo exchanges are half duplex]).
             inter_twin = topo.twin_for(topo.peer_ranks(topo.local_rank))
             intra_twin = topo.twin_for(topo.node_ranks(topo.node))
+            resolve: Callable[[], None] = _nothing
             with record_function("qshard::qwz::transfer"):  # both hops when sync
-                if early is not None:
-                    work = early.work
+                if early is not None:  # (CPU only: send_early sends nothing elsewhere)
+                    work, resolve = self._check_early(early, payload, inter_group, inter_twin, tag)
                     if not async_op:
-                        work.wait()
+                        resolve()
                 else:
                     work = duplex.all_gather_single(
                         peer_rows, payload, inter_group, twin=inter_twin, async_op=async_op
@@ -437,6 +458,7 @@ class QuantizedAllGather(RecordingAllGather):
                 else:  # hop 2 issued in the handle's wait(), see [Note: qwZ hop order]
 
                     def issue_and_wait() -> None:
+                        resolve()  # an early hop 1 kept, or sent again (see _check_early)
                         with record_function("qshard::qwz::wait_intra"):  # issue, wait at once
                             duplex.all_gather_single(
                                 gathered, peer_rows, intra_group, twin=intra_twin
