@@ -81,11 +81,16 @@ def test_throughput_limit_column_and_issue_targets(load_benchmark, tmp_path):
             "0": {
                 "zero3-bf16": _tp_run([0.5, 0.6, 0.7], [15 * m, 15 * m], bf16),
                 "all": _tp_run([0.3, 0.4, 0.5], [3 * m, 3 * m], zpp),
+                "all-sib": _tp_run([0.4, 0.45, 0.5], [3 * m, 3 * m], zpp),
             },
             "100": {
                 "zero3-bf16": _tp_run([1.4, 1.5, 1.6], [15 * m, 15 * m], bf16),
                 # rx of node 1 (5 MiB) is the busiest direction: 0.4385 s > compute 0.4 s.
                 "all": dict(_tp_run([0.5, 0.6, 0.7], [3 * m, 2 * m], zpp), node_rx=[2 * m, 5 * m]),
+                # its own compute floor (0.45 s) is above all's limit: measured against all's
+                "all-sib": dict(
+                    _tp_run([0.45, 0.5, 0.55], [3 * m, 2 * m], zpp), node_rx=[2 * m, 5 * m]
+                ),
             },
             "400": {
                 "zero3-bf16": _tp_run([0.6], [15 * m, 15 * m], bf16),
@@ -110,6 +115,10 @@ def test_throughput_limit_column_and_issue_targets(load_benchmark, tmp_path):
         "all at 100 Mbit/s: 1.37x its limit 0.439 s (link-bound; target <= 1.2x: NOT met)" in text
     )
     assert "all at 400 Mbit/s: 1.00x its limit 0.400 s (compute-bound; target <= 1.2x: met)" in text
+    assert "ZeRO++ (all-sib) at 100 Mbit/s: 3.00x zero3-bf16 (target >= 4.0x: NOT met)" in text
+    assert (
+        "all-sib at 100 Mbit/s: 1.14x all's limit 0.439 s (link-bound; target <= 1.2x: met)" in text
+    )
     saved = json.loads(js.read_text())
     assert saved["limits"]["100"]["all"]["limit_s"] == pytest.approx(5 * m * 8 * 1514 / 1448 / 1e8)
     assert saved["limits"]["100"]["all"]["x_limit"] == pytest.approx(0.6 / 0.4385480839779005)
