@@ -12,9 +12,9 @@ on this CPU), shards it, and trains on the same batches of the embedded corpus:
 - ``zero3``: ``qshard.zeropp.shard`` with every feature off (must cost what ``fsdp2`` costs);
 - ``zero3-bf16``: the same with a bf16 wire (the paper's fp16 ZeRO-3 baseline), when supported;
 - ``qwz``, ``hpz``, ``qgz``, ``all``: the ZeRO++ features alone and together;
-- ``qwz-sib``, ``all-sib`` (opt-in, not in the default sweep): ``qwz`` and ``all`` with the
-  optimizer stepped inside backward and the next forward's qwZ hop 1 sent right after each unit's
-  step (``qshard.zeropp.StepInBackward``); their optimizer phase is inside their backward;
+- ``all-sib`` (opt-in, not in the default sweep): ``all`` with the optimizer stepped inside
+  backward, unit by unit (``qshard.zeropp.StepInBackward``); its optimizer phase is inside its
+  backward;
 - ``hsdp``: HSDP (``ZeroPPConfig(hsdp=True)``: shard inside a node, FSDP2's own fp32 replicate
   all-reduce across nodes); ``hsdp-bf16``: its replicate all-reduce (and intra-node comms) on a
   16-bit wire; ``hsdp-int4``: the replicate all-reduce block-quantized to INT4 (qgZ's format,
@@ -151,10 +151,9 @@ HSDP_VARIANTS = ("hsdp", "hsdp-bf16", "hsdp-int4", "hsdp-1bit", "hsdp-01")
 # synchronously inside FSDP2's hook, as before it was deferred ([Note: deferred replicate
 # all-reduce] in qshard.zeropp.all_reduce).
 SYNC_VARIANTS = ("hsdp-bf16-sync", "hsdp-int4-sync")
-# Opt-in rows: the optimizer stepped inside backward, unit by unit, with qwZ's next forward
-# gathers sent early (qshard.zeropp.StepInBackward, [Note: early gathers]); no optimizer.step()
-# after backward, so the optimizer's time is inside the backward phase.
-STEP_IN_BACKWARD = {"qwz-sib": "qwz", "all-sib": "all"}
+# Opt-in row: the optimizer stepped inside backward, unit by unit (qshard.zeropp.StepInBackward);
+# no optimizer.step() after backward, so the optimizer's time is inside the backward phase.
+STEP_IN_BACKWARD = {"all-sib": "all"}
 DEFAULT_VARIANTS = ("fsdp2", "zero3", "zero3-bf16", "qwz", "hpz", "qgz", "all", *HSDP_VARIANTS)
 ALL_VARIANTS = (*DEFAULT_VARIANTS, *SYNC_VARIANTS, *STEP_IN_BACKWARD)
 # ZeroPPConfig switches per variant; "fsdp2" bypasses qshard entirely.
@@ -193,6 +192,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_cluster_args(p, args, variants=ALL_VARIANTS)
     check_optimizer_arg(args)
+    if args.back_to_back < 0 or (args.back_to_back and not args.interleave):
+        p.error("--back-to-back N takes N >= 0 and runs with --interleave")
     return args
 
 
@@ -228,6 +229,15 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="per rate, build every variant first and alternate their timed steps round by "
         "round (rotating the order); --no-interleave runs one variant after another",
+    )
+    p.add_argument(
+        "--back-to-back",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the interleaved steps, also time N blocks of each variant's --steps steps "
+        "run back to back, the variants' blocks taking turns (see [Note: back-to-back blocks]; "
+        "needs --interleave)",
     )
     add_optimizer_arg(p)
     add_prefetch_arg(p)
@@ -411,7 +421,7 @@ class _Run:
         if variant in STEP_IN_BACKWARD:
             from qshard.zeropp import StepInBackward
 
-            self.stepper = StepInBackward(self.model, self.opt, send_early=True)
+            self.stepper = StepInBackward(self.model, self.opt)
         self.ledger = CommLedger(topology)
         self.meter = NodeLinkMeter()
         self.load: float | None = None
@@ -532,8 +542,33 @@ def _measure_rate(variants, args, topology, corpus, rank, world) -> list[tuple[s
         for v, i in step_round:
             runs[v].timed_step(i)
     out = [(v, r.result()) for v, r in zip(variants, runs, strict=True)]
+    if args.back_to_back:
+        for (_, row), seconds in zip(out, _back_to_back(runs, args.back_to_back), strict=True):
+            row["back_to_back"] = seconds
     del runs
     gc.collect()  # every variant's model and optimizer go before the next rate's are built
+    return out
+
+
+def _back_to_back(runs: list[_Run], blocks: int) -> list[list[float]]:
+    """[Note: back-to-back blocks] Per run, the mean step time of each of ``blocks`` blocks of
+    its ``steps`` steps run back to back (one barrier before the block and one after, none
+    between its steps; the runs' blocks take turns). The interleaved timed steps are each
+    metered alone between barriers, and other variants' steps run between two of a variant's:
+    work a step leaves in flight past its end (the early forward gathers once tried with
+    ``StepInBackward``) then finishes for free, which flattered such a schedule by 13%
+    (docs/zeropp.md). Blocks time steps as training runs them."""
+    import torch.distributed as dist
+
+    out: list[list[float]] = [[] for _ in runs]
+    for block in range(blocks):
+        for k, run in enumerate(runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(run.steps):
+                run._step(run.warmup + run.steps * (block + 1) + i)
+            dist.barrier()
+            out[k].append((time.perf_counter() - t0) / run.steps)
     return out
 
 
@@ -582,11 +617,13 @@ def worker(args: argparse.Namespace) -> int:
         if rank != 0:
             continue
         for variant, res in rows:
+            blocks = res.get("back_to_back")
             print(
                 f"[throughput] {rate_name(rate)} {variant:>10}: median "
                 f"{statistics.median(res['times']):.3f} s/step, link "
                 f"{max(res['node_tx']) / 2**20:.2f} MiB/step, ledger "
-                f"{res['ledger_inter'] / 2**20:.2f} MiB/step",
+                f"{res['ledger_inter'] / 2**20:.2f} MiB/step"
+                + (f", back to back {statistics.median(blocks):.3f} s/step" if blocks else ""),
                 flush=True,
             )
         print(f"[throughput] {rate_name(rate)}: {time.perf_counter() - t0:.0f} s", flush=True)

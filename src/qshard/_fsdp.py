@@ -17,15 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-__all__ = [
-    "fsdp_param_groups",
-    "prefetch_unshard",
-    "premul_sum_factor",
-    "sharded_all_gather_input",
-    "trainable_shard_numel",
-]
+__all__ = ["fsdp_param_groups", "prefetch_unshard", "premul_sum_factor", "trainable_shard_numel"]
 
 
 def fsdp_param_groups(module: Any) -> list[Any] | None:
@@ -97,36 +89,3 @@ def prefetch_unshard(module: Any, pass_type: str) -> bool:
     for group in groups:
         prefetch(group, pass_type)
     return True
-
-
-def sharded_all_gather_input(group: Any) -> torch.Tensor | None:
-    """The flat all-gather input FSDP2 builds for parameter group ``group`` in its sharded
-    state (this rank's shards of the unit's parameters, in the group's parameter order, in its
-    all-gather dtype), made now. ``None`` where FSDP2 would not build it that way: a unit not
-    sharded now (unsharded, or hpZ's post-forward shard), parameters of mixed all-gather dtypes
-    (gathered as bytes), tensor subclasses with their own all-gather hooks, CPU offload, or a
-    torch whose FSDP2 keeps these elsewhere."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-            _get_param_all_gather_inputs,
-        )
-        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-    except ImportError:
-        return None
-    fsdp_params = getattr(group, "fsdp_params", None)
-    if not fsdp_params:
-        return None
-    for fp in fsdp_params:
-        data = getattr(fp, "_sharded_param_data", None)
-        if (
-            data is None
-            or getattr(fp, "sharded_state", None) != ShardedState.SHARDED
-            or getattr(fp, "offload_to_cpu", True)
-            or hasattr(getattr(fp, "_sharded_local_tensor", None), "fsdp_pre_all_gather")
-        ):
-            return None
-    with torch.no_grad():
-        inputs = [t for ts in _get_param_all_gather_inputs(fsdp_params) for t in ts]
-        if len({t.dtype for t in inputs}) != 1:
-            return None
-        return torch.cat([t.reshape(-1) for t in inputs])

@@ -99,6 +99,7 @@ def test_throughput_limit_column_and_issue_targets(load_benchmark, tmp_path):
         },
     }
     data["results"]["400"]["all"]["load"] = 7.3
+    data["results"]["100"]["all-sib"]["back_to_back"] = [0.61, 0.63]
     tp.report(args, data, wall_s=10.0)
     text = md.read_text()
     assert "| 1.000       | 4.000     | 7.3  |" in text  # the row's load; "-" where unknown
@@ -116,6 +117,7 @@ def test_throughput_limit_column_and_issue_targets(load_benchmark, tmp_path):
     )
     assert "all at 400 Mbit/s: 1.00x its limit 0.400 s (compute-bound; target <= 1.2x: met)" in text
     assert "ZeRO++ (all-sib) at 100 Mbit/s: 3.00x zero3-bf16 (target >= 4.0x: NOT met)" in text
+    assert "| 100 Mbit/s | all-sib | 0.500                | 0.610     | 0.630     |" in text
     assert (
         "all-sib at 100 Mbit/s: 1.14x all's limit 0.439 s (link-bound; target <= 1.2x: met)" in text
     )
@@ -146,6 +148,9 @@ def test_throughput_rejects_unknown_variants(load_benchmark):
     tp = load_benchmark("throughput")
     with pytest.raises(SystemExit):
         tp._args(["--variants", "zero3,turbo"])
+    with pytest.raises(SystemExit):  # back-to-back blocks follow the interleaved rounds
+        tp._args(["--back-to-back", "2", "--no-interleave"])
+    assert tp._args(["--back-to-back", "2"]).back_to_back == 2
 
 
 def test_convergence_verdicts_against_their_references(load_benchmark, tmp_path):

@@ -1,20 +1,17 @@
 """``qshard.zeropp.StepInBackward`` against the usual loop (``backward()``, then
-``optimizer.step()``), and its early qwZ gathers.
+``optimizer.step()``).
 
 One 2 nodes x 2 ranks gloo world runs every sub-case; a world of one checks the first user's
 single process. The reference is the same model and optimizer stepped after ``backward()``:
 stepping each unit inside backward, as its reduced gradient lands, must give bit-identical losses
-and parameters (each update is elementwise per parameter), with qgZ still deferred, and from the
-second step every unit's forward gather must use the hop 1 sent in the previous backward
-(ledger event ``qwz_early_gather``), with each step's wire bytes those of the reference. A write to
-the parameters between two steps must drop the early hops (``qwz_early_stale``) and gather the new
-values. Bad inputs are refused with errors that name the fix.
+and parameters (each update is elementwise per parameter) and the same wire bytes, with qgZ still
+deferred (the same ``qgz_overlapped`` count) and every stepped gradient freed when ``backward()``
+returns. Bad inputs are refused with errors that name the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
-from unittest import mock
 
 import pytest
 import torch
@@ -25,7 +22,7 @@ from qshard.comm import CommLedger, Topology, recording
 from qshard.optim import AdamW8bit, OneBitAdam
 from qshard.testing import run_world
 from qshard.train.model import GPT, GPTConfig
-from qshard.zeropp import OverlapQueue, StepInBackward, ZeroPPConfig, shard
+from qshard.zeropp import StepInBackward, ZeroPPConfig, shard
 
 CFG = GPTConfig(vocab_size=64, context=16, n_layer=3, n_head=2, n_embd=32, seed=0)
 UNITS = CFG.n_layer + 1  # every block and the root
@@ -44,9 +41,7 @@ def _optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=3e-3, **({"fused": True} if name == "fused" else {}))
 
 
-def _trajectory(
-    topo, rank, *, stepper: bool, opt="fused", accumulate=False, poke="", early=True, **kw
-):
+def _trajectory(topo, rank, *, stepper: bool, opt="fused", accumulate=False, **kw):
     """Losses, final local shards, per-step events and inter-node bytes of ``STEPS`` steps."""
     mp = kw.pop("mp", None)
     model = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(**kw), mp_policy=mp)
@@ -58,7 +53,16 @@ def _trajectory(
         other = torch.optim.SGD(rest, lr=0.1, momentum=0.9)
     else:
         optimizer = _optimizer(opt, model.parameters())
-    sib = StepInBackward(model, optimizer, send_early=early) if stepper else None
+    sib = StepInBackward(model, optimizer) if stepper else None
+    alive: list[int] = []  # gradients alive as each unit lands (the memory stepping frees)
+    if sib is not None:
+        landed = sib._queue.on_landed
+
+        def count(unit):
+            alive.append(sum(p.grad is not None for p in model.parameters()))
+            landed(unit)
+
+        sib._queue.on_landed = count
     ledger = CommLedger(topo)
     out: dict = {"loss": [], "events": [], "inter": []}
     for i in range(STEPS):
@@ -81,17 +85,12 @@ def _trajectory(
         if other is not None:
             other.step()
             other.zero_grad(set_to_none=True)
-        if poke == "all" or (poke == "rank0" and rank == 0):  # writes between steps
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(0.999)
         s = ledger.step()
         out["loss"].append(loss.item())
-        out["events"].append(
-            [s.event(e) for e in ("qwz_early_gather", "qwz_early_stale", "qgz_overlapped")]
-        )
+        out["events"].append(s.event("qgz_overlapped"))
         out["inter"].append(s.inter_node_bytes)
     out["params"] = [p.to_local().detach().clone() for p in model.parameters()]
+    out["alive"] = (max(alive, default=0), sum(1 for _ in model.parameters()))
     if sib is not None:
         sib.close()
     return out
@@ -107,39 +106,20 @@ CASES = {
     "all_adamw8bit": {"qwz": True, "hpz": True, "qgz": True, "opt": "adamw8bit"},
     "qwz_bf16": {"qwz": True, "mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16)},
     "all_accumulate": {"qwz": True, "hpz": True, "qgz": True, "accumulate": True},
-    "qwz_poked": {"qwz": True, "poke": "all"},
-    "qwz_poked_rank0": {"qwz": True, "poke": "rank0"},
-    "all_not_early": {"qwz": True, "hpz": True, "qgz": True, "early": False},
     "qwz_two_optimizers": {"qwz": True, "opt": "two"},
-    # every early hop held to the end of backward ([Note: early hops yield to the reductions])
-    "all_held": {"qwz": True, "hpz": True, "qgz": True},
-}
-QWZ = {
-    "all",
-    "qwz",
-    "qwz_int4_foreach",
-    "all_adamw8bit",
-    "qwz_bf16",
-    "all_accumulate",
-    "qwz_two_optimizers",
-    "all_held",
 }
 
 
 def _case_trajectories(topo, rank, res):
     for name, kw in CASES.items():
         ref = _trajectory(topo, rank, stepper=False, **dict(kw))
-        held = contextlib.nullcontext()
-        if name == "all_held":  # a reduction always "in flight": every early hop waits
-            held = mock.patch.object(OverlapQueue, "__len__", lambda self: 1)
-        with held:
-            got = _trajectory(topo, rank, stepper=True, **dict(kw))
+        got = _trajectory(topo, rank, stepper=True, **dict(kw))
         res[name] = {
             "loss": ref["loss"] == got["loss"],
             "params": all(torch.equal(a, b) for a, b in zip(ref["params"], got["params"])),
-            "events": got["events"],
-            "ref_events": ref["events"],
-            "inter": (ref["inter"][1:], got["inter"][1:]),
+            "overlapped": (ref["events"], got["events"]),
+            "inter": (ref["inter"], got["inter"]),
+            "alive": got["alive"],
         }
         dist.barrier()
 
@@ -153,7 +133,6 @@ def _case_refusals(topo, rank, res):
         ("not_optimizer", lambda: StepInBackward(model, object())),
         ("onebit", lambda: StepInBackward(model, OneBitAdam([torch.nn.Parameter(torch.ones(3))]))),
         ("foreign", lambda: StepInBackward(model, torch.optim.SGD([torch.zeros(3)], lr=1))),
-        ("send_early", lambda: StepInBackward(model, opt, send_early=1)),
     ):
         try:
             call()
@@ -194,30 +173,19 @@ def test_step_in_backward_matches_the_usual_loop_2x2():
         for name in CASES:
             c = r[name]
             assert c["loss"] and c["params"], (rank, name)
-            early, stale, overlapped = zip(*c["events"])
-            if name == "qwz_poked":  # written between steps: every early hop dropped
-                assert early == (0,) * STEPS and stale == (0,) + (UNITS,) * 3, (rank, c)
-            elif name == "qwz_poked_rank0":  # rank 0 and its hop-1 peer (rank 2) drop theirs
-                dropped = (0,) + (UNITS,) * 3
-                assert (stale, early) == (
-                    (dropped, (0,) * 4) if rank in (0, 2) else ((0,) * 4, dropped)
-                ), (rank, c)
-            elif name in QWZ:  # (the root's parameters stepped after backward: not sent)
-                sent = UNITS - 1 if name == "qwz_two_optimizers" else UNITS
-                assert early == (0,) + (sent,) * (STEPS - 1) and stale == (0,) * 4, (rank, c)
-            else:
-                assert early == stale == (0,) * STEPS, (rank, name, c)
             # qgZ stays deferred: stepping reads the gradients only once they are written
-            ref_overlapped = tuple(e[2] for e in c["ref_events"])
-            assert overlapped == ref_overlapped, (rank, name, overlapped, ref_overlapped)
-            if "poked" not in name:  # same wire bytes per step, the early hops included
-                assert c["inter"][0] == c["inter"][1], (rank, name, c["inter"])
+            assert c["overlapped"][0] == c["overlapped"][1], (rank, name, c["overlapped"])
+            assert c["inter"][0] == c["inter"][1], (rank, name, c["inter"])
+            # Units stepped and freed during backward: with synchronous reductions each lands at
+            # the next call, so never every gradient is alive at once; deferred ones land when
+            # their hops arrive (here often all in the final drain: timing, not asserted).
+            most, total = c["alive"]
+            assert most > 0 and (most < total or name != "zero3_synchronous"), (rank, name, most)
         errors = r["errors"]
         assert "FSDP2 model" in errors["not_fsdp"]
         assert "torch.optim.Optimizer" in errors["not_optimizer"]
         assert "optimizer.step() after backward()" in errors["onebit"]
         assert "build the optimizer after shard()" in errors["foreign"]
-        assert "send_early must be a bool" in errors["send_early"]
         assert "overlap_reduce_scatter=True" in errors["plain_fsdp2_comm"]
 
 

@@ -270,15 +270,6 @@ class Topology:
             raise ValueError(f"kind must be 'intra' or 'inter'; got {kind!r}")
         return self._group(f"{kind}_twin")
 
-    def early_inter_node_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-        """A second group of ``inter_node_group``'s ranks, and on a gloo job its twin (else
-        ``None``), for traffic that must not queue behind the inter-node group's (gloo runs a
-        group's collectives one after another, in issue order): the next forward's gathers that
-        :class:`qshard.zeropp.StepInBackward` sends during backward, beside qgZ's hops. Created
-        on first access (collective, like the groups; one set per job)."""
-        twin = self._group("inter_early_twin") if _gloo_job() else None
-        return self._group("inter_early"), twin
-
     def _group(self, kind: str) -> dist.ProcessGroup:
         """This rank's group of ``kind``, made once per job (:meth:`_make_groups`)."""
         world = dist.group.WORLD

@@ -118,8 +118,8 @@ class OverlapQueue:
         reduction's unit lands when its output is written; a synchronous one's at the next run,
         after FSDP2 has viewed (or added) the output as the gradient. Units land in the order
         their reductions were called, the same on every rank: a unit whose reduction finished
-        early waits for the older ones, so a collective issued from ``on_landed`` (the early
-        gathers) is issued in one order everywhere."""
+        early waits for the older ones, so anything ``on_landed`` issues (an optimizer whose
+        step communicates would) goes out in one order everywhere."""
         task = torch._C._current_graph_task_id()
         if unit is None or self.on_landed is None or task == -1:
             return

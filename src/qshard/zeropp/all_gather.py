@@ -9,14 +9,12 @@ concatenated, in ``param_dtype``; the output is the same for every rank, rank-ma
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.profiler import record_function
 
-from qshard._fsdp import sharded_all_gather_input
 from qshard.comm import duplex
 from qshard.comm.ledger import active_ledger, record
 from qshard.comm.topology import Topology
@@ -41,18 +39,6 @@ def _padded_layout(sizes: Sequence[int], block_size: int) -> tuple[int, tuple[Sl
         slots.append((start, size, -(-size // block_size) * block_size))
         start += size
     return sum(p for _, _, p in slots), tuple(slots)
-
-
-def _nothing() -> None:
-    pass
-
-
-class _Early(NamedTuple):
-    """An early hop 1 ([Note: early gathers]), in flight."""
-
-    payload: torch.Tensor  # this rank's wire row
-    peer_rows: torch.Tensor  # hop 1's output
-    work: dist.Work
 
 
 class RecordingAllGather(WireComm, AllGather):
@@ -176,9 +162,7 @@ class QuantizedAllGather(RecordingAllGather):
     waited inside ``qshard::qwz::finish``, whose own time is the decoding).
 
     [Note: qwZ hop order] Every rank must issue the collectives of one process group in the
-    same order. Hop 1 is issued at the call (with an early hop 1 sent in the previous backward,
-    the check's all-reduce is, and a hop 1 sent again is issued in ``wait()`` before hop 2; see
-    [Note: early gathers]). Hop 2 is issued inside the handle's ``wait()``
+    same order. Hop 1 is issued at the call. Hop 2 is issued inside the handle's ``wait()``
     (just before dequantizing) on gloo, whose ``wait()`` blocks the host; on CUDA at the call,
     right behind hop 1's ``wait()``, which on NCCL makes the stream wait, not the host (not yet
     run on a GPU). Never from a future callback or another thread. FSDP2 calls its
@@ -238,10 +222,6 @@ class QuantizedAllGather(RecordingAllGather):
         self.hierarchical = bool(hierarchical)
         self._segment_sizes = segment_sizes
         self._layouts: dict[tuple[int, ...], tuple[int, tuple[Slot, ...]]] = {}
-        # [Note: early gathers]: the groups hop 1 is sent early on (None: never), and the hop 1
-        # in flight for the next forward
-        self._early_groups: tuple[dist.ProcessGroup, dist.ProcessGroup | None] | None = None
-        self._early: _Early | None = None
 
     def _layout(self, n: int) -> tuple[int, tuple[Slot, ...]]:
         """(padded length, the slots of the padded row): see :func:`_padded_layout`."""
@@ -273,96 +253,6 @@ class QuantizedAllGather(RecordingAllGather):
         if (ledger := active_ledger()) is not None:
             ledger.count("qwz_flat_gather")
         return False
-
-    def enable_early(self) -> bool:
-        """Let :meth:`send_early` send hop 1 of the next forward's gather on
-        ``Topology.early_inter_node_groups`` (collective on first use: call on every rank).
-        False, enabling nothing, where the gather takes one hop (one node, one rank per node, a
-        flat gather)."""
-        topo = self.topology
-        if not self.hierarchical or topo.num_nodes == 1 or topo.ranks_per_node == 1:
-            return False
-        self._early_groups = topo.early_inter_node_groups()
-        return True
-
-    def send_early(self, param_group: object) -> bool:
-        """Quantize this unit's shards as FSDP2 will hand them to the next forward's gather and
-        send that gather's hop 1 now (see [Note: early gathers]). ``param_group``: the unit's
-        FSDP2 parameter group, in its sharded state. Returns whether it sent; every rank of a
-        model must call it at the same points (a collective), and decides alike."""
-        if self._early_groups is None:
-            return False
-        self.discard_early()
-        flat = sharded_all_gather_input(param_group)
-        if flat is None or flat.dtype not in _QUANTIZABLE or flat.numel() == 0:
-            return False
-        if flat.device.type != "cpu":
-            # Not run on a GPU yet, and the forward's check would sync the host once per unit
-            # (torch.equal, the flag's .item()): off there until measured.
-            log_once("qwz-early-cuda", "qwZ's early gathers run on CPU only; sending none")
-            return False
-        topo = self.topology
-        _, slots = self._layout(flat.numel())
-        with record_function("qshard::qwz::early_quantize"):
-            payload = self.codec.encode_slots(flat, slots, 1).view(-1)
-        peer_rows = torch.empty(
-            topo.num_nodes * payload.numel(), dtype=torch.uint8, device=payload.device
-        )
-        record(
-            "all_gather",
-            group_ranks=topo.peer_ranks(topo.local_rank),
-            tensor_bytes=peer_rows.numel(),
-            tag="fwd_all_gather",  # the next forward's gather, sent early
-        )
-        group, twin = self._early_groups
-        with record_function("qshard::qwz::early_transfer"):
-            work = duplex.all_gather_single(peer_rows, payload, group, twin=twin, async_op=True)
-        self._early = _Early(payload, peer_rows, work)
-        return True
-
-    def discard_early(self) -> None:
-        """Wait for and drop an early hop 1 no forward used (a collective every rank sent)."""
-        early, self._early = self._early, None
-        if early is not None:
-            early.work.wait()
-
-    def _check_early(
-        self, early: _Early, payload: torch.Tensor, group: dist.ProcessGroup, twin, tag: str
-    ) -> tuple[dist.Work, Callable[[], None]]:
-        """Start deciding whether ``early``'s hop 1 carried exactly ``payload`` (the wire row
-        of what FSDP2 gathers now) on this rank and every hop-1 peer: a one-element MIN
-        all-reduce on the inter-node group, issued now. Returns its handle and ``resolve``,
-        which (called before hop 2) waits for it and either keeps the early hop or, if any peer
-        differs, sends hop 1 again from ``payload`` into the same rows. The peers decide alike,
-        so a write to the parameters on some ranks only re-sends hop 1 everywhere instead of
-        leaving the groups out of step (see [Note: early gathers])."""
-        same = early.payload.shape == payload.shape and torch.equal(early.payload, payload)
-        flag = torch.tensor([int(same)], dtype=torch.int32, device=payload.device)
-        with record_function("qshard::qwz::early_check"):
-            flag_work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
-
-        def resolve() -> None:
-            with record_function("qshard::qwz::early_wait"):
-                flag_work.wait()
-                early.work.wait()
-            ledger = active_ledger()
-            if int(flag.item()):
-                if ledger is not None:
-                    ledger.count("qwz_early_gather")
-                return
-            if ledger is not None:
-                ledger.count("qwz_early_stale")
-            topo = self.topology
-            record(
-                "all_gather",
-                group_ranks=topo.peer_ranks(topo.local_rank),
-                tensor_bytes=early.peer_rows.numel(),
-                tag=tag,
-            )
-            with record_function("qshard::qwz::transfer"):
-                duplex.all_gather_single(early.peer_rows, payload, group, twin=twin)
-
-        return flag_work, resolve
 
     def __call__(
         self,
@@ -403,27 +293,23 @@ class QuantizedAllGather(RecordingAllGather):
             # Each parameter's shard quantized straight into its blocks of the wire row (see
             # [Note: fused wire rows] in qshard.zeropp._wire): no padded copy of the input.
             payload = self.codec.encode_slots(input_tensor.reshape(-1), slots, 1).view(-1)
-        early, self._early = (self._early, None) if two_hops else (None, self._early)
         gathered = torch.empty(world * payload.numel(), dtype=torch.uint8, device=payload.device)
         tag = phase_tag("all_gather")
         if two_hops:
             topo = self.topology
             nodes, per_node = topo.num_nodes, topo.ranks_per_node
             inter_group, intra_group = topo.inter_node_group, topo.intra_node_group
-            if early is not None:
-                peer_rows = early.peer_rows  # (hop 1 recorded when it was sent)
-            else:
-                peer_rows = torch.empty(
-                    nodes * payload.numel(), dtype=torch.uint8, device=payload.device
-                )
-                # Both hops recorded now, with the call's phase tag, so one gather's bytes
-                # always land in the same ledger step.
-                record(
-                    "all_gather",
-                    group_ranks=topo.peer_ranks(topo.local_rank),
-                    tensor_bytes=peer_rows.numel(),
-                    tag=tag,
-                )
+            peer_rows = torch.empty(
+                nodes * payload.numel(), dtype=torch.uint8, device=payload.device
+            )
+            # Both hops recorded now, with the call's phase tag, so one gather's bytes always
+            # land in the same ledger step.
+            record(
+                "all_gather",
+                group_ranks=topo.peer_ranks(topo.local_rank),
+                tensor_bytes=peer_rows.numel(),
+                tag=tag,
+            )
             record(
                 "all_gather",
                 group_ranks=topo.node_ranks(topo.node),
@@ -438,16 +324,10 @@ class QuantizedAllGather(RecordingAllGather):
             # Each hop both ways at once on gloo ([Note: gloo exchanges are half duplex]).
             inter_twin = topo.twin_for(topo.peer_ranks(topo.local_rank))
             intra_twin = topo.twin_for(topo.node_ranks(topo.node))
-            resolve: Callable[[], None] = _nothing
             with record_function("qshard::qwz::transfer"):  # both hops when sync
-                if early is not None:  # (CPU only: send_early sends nothing elsewhere)
-                    work, resolve = self._check_early(early, payload, inter_group, inter_twin, tag)
-                    if not async_op:
-                        resolve()
-                else:
-                    work = duplex.all_gather_single(
-                        peer_rows, payload, inter_group, twin=inter_twin, async_op=async_op
-                    )
+                work = duplex.all_gather_single(
+                    peer_rows, payload, inter_group, twin=inter_twin, async_op=async_op
+                )
                 if not async_op:
                     duplex.all_gather_single(gathered, peer_rows, intra_group, twin=intra_twin)
                 elif self._hop2_at_call(payload.device):  # a stream wait: the host goes on
@@ -458,7 +338,6 @@ class QuantizedAllGather(RecordingAllGather):
                 else:  # hop 2 issued in the handle's wait(), see [Note: qwZ hop order]
 
                     def issue_and_wait() -> None:
-                        resolve()  # an early hop 1 kept, or sent again (see _check_early)
                         with record_function("qshard::qwz::wait_intra"):  # issue, wait at once
                             duplex.all_gather_single(
                                 gathered, peer_rows, intra_group, twin=intra_twin

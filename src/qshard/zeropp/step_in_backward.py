@@ -1,45 +1,34 @@
-"""Stepping the optimizer inside backward, unit by unit, and sending the next forward's
-gathers early.
+"""Stepping the optimizer inside backward, unit by unit.
 
-[Note: early gathers] With qwZ on a cluster of several ranks per node, a step's forward waits
-for each unit's inter-node hop (hop 1 of [Note: qwZ route]): at 100 Mbit/s on the emulated
-2 x 2 cluster ZeRO++'s forward is bound by those bytes, while its backward (hpZ keeps every
-backward gather inside the node) leaves the node link idle until qgZ's first hop. No gather of
-a step can start before the optimizer has written the weights, and the optimizer runs after
-``backward()`` returns. :class:`StepInBackward` steps each FSDP unit's parameters as soon as its
-reduced gradient is written, inside backward (the last blocks first, in the order their
-reductions were called), and after that step quantizes the unit's new shards and sends hop 1
-of its next forward gather (held while a reduction is in flight: [Note: early hops yield to the
-reductions]), on inter-node groups of their own (``Topology.early_inter_node_groups``: on the
-inter-node group, gloo would run them before backward's later qgZ hops). The next forward's
-gather of the unit then quantizes FSDP2's input as usual, and uses the early hop only if its
-wire row is byte for byte the one sent, on this rank and on every peer of hop 1 (a one-element
-all-reduce on the inter-node group, issued with the gather and waited for before hop 2: the
-peers decide alike, so a write to the parameters on some ranks only cannot leave the groups out
-of step); else (the parameters written between the step and the forward: a checkpoint load, a
-user's edit) hop 1 is sent again from the new row before hop 2 (ledger event
-``qwz_early_stale``), so the forward always computes with what FSDP2 gathers, bit for bit. Used
-early hops count as ``qwz_early_gather``. The check costs the quantization the early send could
-have saved and a small all-reduce per unit; the saving is hop 1's time on the node link. Memory: each early unit holds hop 1's output from its step to its forward
-(``num_nodes`` wire rows of its shard, a byte per element with INT8: a quarter of the unit's
-fp32 shard per node), as hpZ's secondary shard does.
+[Note: step in backward] :class:`StepInBackward` steps each FSDP unit's parameters as soon as
+its reduced gradient is written, inside backward (the last blocks first, in the order their
+reductions were called on every rank: [Note: landing] in :mod:`qshard.zeropp._overlap`), and
+frees the unit's sharded gradient right after, instead of holding every gradient to the end of
+backward. Unlike stepping from FSDP2's post-accumulate-grad hooks (torchtitan's
+``early_step_in_backward``, torchtune's optimizer in backward), it keeps qgZ's reduce-scatter
+deferred behind the next block's backward: a hook on the gradient forces the synchronous path
+([Note: deferred qgZ]).
+
+It was built to send each unit's next forward gather (qwZ's inter-node hop) right after the
+unit's step, so that a forward bound by the node link would find its gathers done. Measured with
+consecutive steps (docs/zeropp.md, "Stepping the optimizer inside backward"), that made the step
+15-20% slower: the link that backward leaves idle lies before its first unit lands, and sent
+later the early hops delay the last reductions, which backward waits for, or the forward's first
+gathers. So only the stepping is kept; with it the step takes as long as the usual loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import deque
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed.fsdp import FSDPModule
 
 from qshard._fsdp import fsdp_param_groups
 from qshard.zeropp._overlap import _REPLICATED_MESH_INFOS, OverlapQueue
-from qshard.zeropp.all_gather import QuantizedAllGather
 from qshard.zeropp.reduce_scatter import RecordingReduceScatter
 
 __all__ = ["StepInBackward"]
@@ -47,9 +36,8 @@ __all__ = ["StepInBackward"]
 
 class StepInBackward:
     """Step ``optimizer`` inside backward, one FSDP unit at a time, as each unit's reduced
-    gradient is written (its sharded gradient is freed right after, not held to the end of
-    backward); with ``send_early`` and qwZ across nodes, also send each unit's next forward
-    gather's inter-node hop right after its step ([Note: early gathers]).
+    gradient is written; its sharded gradient is freed right after, not held to the end of
+    backward ([Note: step in backward]).
 
     ``model`` is what :func:`qshard.zeropp.shard` returned (any ZeRO++ feature, or
     ``ZeroPPConfig(overlap_reduce_scatter=True)`` for the plain ZeRO-3 wire). After this, a
@@ -77,19 +65,13 @@ class StepInBackward:
             the other units' gradients hidden (state, hyperparameters and step counts are the
             optimizer's own: a checkpoint of it is the usual one); its step hooks run once per
             unit.
-        send_early: send the next forward's qwZ hop 1 early (only where qwZ gathers in two hops:
-            several nodes of several ranks each). Off by default: it pays only where the
-            forward waits on the node link and the backward leaves it idle, and costs a second
-            quantization per unit (docs/zeropp.md, "Stepping the optimizer inside backward").
 
-    Call on every rank (it creates process groups when ``send_early`` applies). It stays
-    installed until :meth:`close` (which hands the optimizer back to the usual loop) or until a
-    new ``StepInBackward`` on the same model replaces it (with a warning).
+    Call on every rank. It stays installed until :meth:`close` (which hands the optimizer back
+    to the usual loop) or until a new ``StepInBackward`` on the same model replaces it (with a
+    warning).
     """
 
-    def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, send_early: bool = False
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(model, FSDPModule):
             raise TypeError(
                 f"model must be the FSDP2 model qshard.zeropp.shard() returned; got "
@@ -97,17 +79,13 @@ class StepInBackward:
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer; got {type(optimizer)}")
-        if not isinstance(send_early, bool):
-            raise TypeError(f"send_early must be a bool; got {send_early!r}")
         _refuse_collective_step(optimizer)
         self.optimizer = optimizer
         self._paused = False
         self._closed = False
-        self._units: dict[int, _Unit] = {}
+        self._units: dict[int, dict[int, torch.Tensor]] = {}  # unit id -> its parameters
         self._hooks: list = []
         self._held_ids: tuple[tuple[int, ...], set[int]] | None = None
-        self._to_send: deque[_Unit] = deque()  # landed, early hop held back
-        self._flush_task: int | None = None
         queue: OverlapQueue | None = None
         owner: dict[int, str] = {}
         found: list[tuple[nn.Module, object, dict]] = []
@@ -163,7 +141,7 @@ class StepInBackward:
                         f"{tuple(p.shape)} that is not a sharded parameter of the model's FSDP "
                         "units: build the optimizer after shard(), over model.parameters()"
                     )
-        # Checked: now the hooks and the early groups (collective, every rank in unit order).
+        # Checked: now the hooks.
         for module, group, params in found:
             if getattr(group.mesh_info, "shard_mesh_size", None) == 1:
                 # One rank: FSDP2 calls no reduce-scatter (it copies the gradient); its
@@ -174,9 +152,7 @@ class StepInBackward:
                     for p in params.values()
                     if p.requires_grad
                 ]
-            gather = getattr(group, "_all_gather_comm", None)
-            early = send_early and isinstance(gather, QuantizedAllGather) and gather.enable_early()
-            self._units[id(module)] = _Unit(group, params, gather if early else None)
+            self._units[id(module)] = params
         self._queue = queue
         queue.on_landed = self._landed
 
@@ -192,19 +168,13 @@ class StepInBackward:
             self._paused = before
 
     def close(self) -> None:
-        """Stop stepping inside backward (``optimizer.step()`` after ``backward()`` again) and
-        drop early gathers no forward used (collective: call on every rank)."""
+        """Stop stepping inside backward (``optimizer.step()`` after ``backward()`` again)."""
         if self._closed:
             return
         self._closed = True
         self._queue.on_landed = None
         for handle in self._hooks:
             handle.remove()
-        self._to_send.clear()  # (held by a backward that raised)
-        for unit in self._units.values():
-            if unit.gather is not None:
-                unit.gather.discard_early()
-                unit.gather._early_groups = None
 
     def _held(self) -> set[int]:
         """The ids of the optimizer's parameters (a parameter the optimizer does not hold keeps
@@ -221,45 +191,16 @@ class StepInBackward:
             raise RuntimeError("this StepInBackward is closed")
 
     def _landed(self, module: nn.Module) -> None:
-        unit = self._units.get(id(module))
-        if unit is None or self._paused:
+        params = self._units.get(id(module))
+        if params is None or self._paused:
             return
         held = self._held()
-        live = [p for p in unit.params.values() if p.grad is not None and id(p) in held]
+        live = [p for p in params.values() if p.grad is not None and id(p) in held]
         if not live:
             return
         _step_only(self.optimizer, {id(p) for p in live})
         for p in live:
             p.grad = None
-        if unit.gather is not None and all(
-            id(p) in held for p in unit.params.values() if p.requires_grad
-        ):  # (a unit partly left to another optimizer changes after backward: not sent)
-            self._send_when_idle(unit)
-
-    def _send_when_idle(self, unit: _Unit) -> None:
-        """Send ``unit``'s early hop now if no reduction is in flight, else once none is (with
-        every unit held before it, in landing order) or at the end of backward.
-
-        [Note: early hops yield to the reductions] The end of backward waits for the last
-        units' reductions, whose inter-node hops share the node link with the early hops. Sent
-        at once, the early hops of the units landing last delayed those reductions: at
-        100 Mbit/s on the emulated 2 x 2 cluster the backward grew from 0.16 to 0.22 s, as much
-        as the forward saved. Held while a reduction is in flight, they fill the link where
-        it idles and the rest go out as backward ends, behind the forward's first compute
-        (the step: 0.337 -> 0.293 s; docs/zeropp.md). Issued in landing order on every rank;
-        only when differs between ranks, which collectives allow."""
-        self._to_send.append(unit)
-        task = torch._C._current_graph_task_id()
-        if task != -1 and task != self._flush_task:
-            self._flush_task = task
-            Variable._execution_engine.queue_callback(self._flush)  # after the queue's drain
-        if len(self._queue) == 0:
-            self._flush()
-
-    def _flush(self) -> None:
-        while self._to_send:
-            unit = self._to_send.popleft()
-            unit.gather.send_early(unit.group)
 
 
 class _OneRankLanding:
@@ -274,13 +215,6 @@ class _OneRankLanding:
         if self.task != task:  # (shared by the unit's parameters)
             self.task = task
             self.queue.reduced_in_call(self.unit)
-
-
-class _Unit:
-    __slots__ = ("gather", "group", "params")
-
-    def __init__(self, group: object, params: dict, gather: QuantizedAllGather | None) -> None:
-        self.group, self.params, self.gather = group, params, gather
 
 
 def _step_only(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
