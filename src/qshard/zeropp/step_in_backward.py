@@ -124,14 +124,7 @@ class StepInBackward:
         if queue is None:
             raise ValueError("the model has no FSDP unit with parameters")
         previous = getattr(queue.on_landed, "__self__", None)
-        if isinstance(previous, StepInBackward):  # (an unknown installer is left alone below)
-            warnings.warn(
-                "qshard: a StepInBackward was installed on this model; the new one replaces it "
-                "(the old one is closed)",
-                stacklevel=2,
-            )
-            previous.close()
-        elif queue.on_landed is not None:
+        if queue.on_landed is not None and not isinstance(previous, StepInBackward):
             raise RuntimeError("the model's progress queue already has an on_landed callback")
         for gi, g in enumerate(optimizer.param_groups):
             for p in g["params"]:
@@ -141,7 +134,14 @@ class StepInBackward:
                         f"{tuple(p.shape)} that is not a sharded parameter of the model's FSDP "
                         "units: build the optimizer after shard(), over model.parameters()"
                     )
-        # Checked: now the hooks.
+        # Checked: now replace an installed stepper, and add the hooks.
+        if isinstance(previous, StepInBackward):
+            warnings.warn(
+                "qshard: a StepInBackward was installed on this model; the new one replaces it "
+                "(the old one is closed)",
+                stacklevel=2,
+            )
+            previous.close()
         for module, group, params in found:
             if getattr(group.mesh_info, "shard_mesh_size", None) == 1:
                 # One rank: FSDP2 calls no reduce-scatter (it copies the gradient); its
