@@ -83,9 +83,9 @@ class OverlapQueue:
         self.what = what  # the reduction its errors name
         self._items: deque[Pending] = deque()
         self._task: int | None = None  # graph task whose end drains the queue
-        # [Note: landing] (StepInBackward): called with each unit whose reduced gradient has
-        # been written, in call order; the units (with their pending reduction, or None once
-        # FSDP2 has written the gradient itself) wait in _landing until then.
+        # StepInBackward's hook, called with each unit whose reduced gradient is written, in
+        # call order; the units (with their pending reduction, or None once FSDP2 has written
+        # the gradient itself) wait in _landing until then (see [Note: landing]).
         self.on_landed: Callable[[nn.Module], None] | None = None
         self._landing: deque[tuple[nn.Module, Pending | None]] = deque()
 

@@ -85,7 +85,6 @@ class StepInBackward:
         self._closed = False
         self._units: dict[int, dict[int, torch.Tensor]] = {}  # unit id -> its parameters
         self._hooks: list = []
-        self._held_ids: tuple[tuple[int, ...], set[int]] | None = None
         queue: OverlapQueue | None = None
         owner: dict[int, str] = {}
         found: list[tuple[nn.Module, object, dict]] = []
@@ -176,16 +175,6 @@ class StepInBackward:
         for handle in self._hooks:
             handle.remove()
 
-    def _held(self) -> set[int]:
-        """The ids of the optimizer's parameters (a parameter the optimizer does not hold keeps
-        its gradient, for another optimizer stepped after backward); kept while the groups'
-        sizes stay."""
-        groups = self.optimizer.param_groups
-        shape = tuple(len(g["params"]) for g in groups)
-        if self._held_ids is None or self._held_ids[0] != shape:
-            self._held_ids = (shape, {id(p) for g in groups for p in g["params"]})
-        return self._held_ids[1]
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this StepInBackward is closed")
@@ -194,7 +183,9 @@ class StepInBackward:
         params = self._units.get(id(module))
         if params is None or self._paused:
             return
-        held = self._held()
+        # (a parameter the optimizer does not hold keeps its gradient, for another optimizer
+        # stepped after backward; read each time: _step_only walks the groups anyway)
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
         live = [p for p in params.values() if p.grad is not None and id(p) in held]
         if not live:
             return
