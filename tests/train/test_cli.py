@@ -90,6 +90,20 @@ def test_defaults_are_the_main_job():
         (["--cache-dir", ""], "--cache-dir is an empty string; omit it"),
         # was: trained on the flags' defaults as if no file had been named
         (["--deepspeed-config", ""], "--deepspeed-config is an empty string; omit it"),
+        # stepping inside backward: no global norm to clip to, no step left to skip
+        (["--step-in-backward"], "cannot clip to it: pass --grad-clip 0"),
+        (
+            ["--step-in-backward", "--grad-clip", "0", "--on-nonfinite", "skip"],
+            "a non-finite step cannot be skipped: pass --on-nonfinite stop",
+        ),
+        (
+            ["--step-in-backward", "--grad-clip", "0", "--optim", "onebit_adam", "--zeropp", "off"],
+            "communicates in its step",
+        ),
+        (
+            ["--step-in-backward", "--grad-clip", "0", "--parallel", "hsdp", "--zeropp", "off"],
+            "pass --parallel zero3",
+        ),
     ],
 )
 def test_bad_combinations_are_refused_with_the_fix(argv, message, capsys):

@@ -78,7 +78,36 @@ def _four_rank_world(rank, world, tmp):
     step = _export_loaded(
         cfg, tmp / "four/checkpoints/step_00000003", tmp / "four_step3.safetensors"
     )
-    return {"losses": result["losses"], "loaded_step": step}
+    return {"losses": result["losses"], "loaded_step": step, **_in_backward_runs(tmp, world)}
+
+
+def _in_backward_runs(tmp: Path, world: int) -> dict:
+    """--step-in-backward against the usual step on 2 nodes x 2 (ZeRO++ all, and the plain wire
+    through the overlap queue), and a checkpoint it wrote resumed by a run without it."""
+    out: dict = {}
+    for zeropp in ("all", "off"):
+        base = _config(
+            tmp, world, 2, steps=4, grad_clip=0.0, checkpoint_interval=2, keep_checkpoints=5,
+            zeropp=zeropp,
+        ).replace(eval_interval=0)  # fmt: skip
+        runs = {}
+        for name, inb in (("usual", False), ("in_backward", True)):
+            folder = tmp / f"{name}_{zeropp}"
+            runs[name] = train(base.replace(out=str(folder), step_in_backward=inb))["losses"]
+            if dist.get_rank() == 0:
+                rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+                runs[f"{name}_norms"] = [r["grad_norm"] for r in rows if "grad_norm" in r]
+                runs[f"{name}_export"] = (folder / "model.safetensors").read_bytes()
+        out[f"in_backward_{zeropp}"] = runs
+    if dist.get_rank() == 0:
+        shutil.copytree(
+            tmp / "in_backward_off/checkpoints/step_00000002",
+            tmp / "in_backward_resumed/checkpoints/step_00000002",
+        )
+    dist.barrier()
+    resumed = base.replace(out=str(tmp / "in_backward_resumed"), resume=True)
+    out["in_backward_resumed"] = train(resumed)["losses"]
+    return out
 
 
 def _two_rank_world(rank, world, tmp):
@@ -299,6 +328,22 @@ def test_an_out_under_a_file_fails_every_rank_with_the_fix(worlds):
     )
     assert len(two["bad_out"]) == 2
     assert all(message in str(v) for v in two["bad_out"]), two["bad_out"]
+
+
+def test_step_in_backward_trains_the_same_bits(worlds):
+    """--step-in-backward ([Note: stepping inside backward in the app]): the usual run's losses
+    and exported weights bit for bit, the logged gradient norm up to summation order, and its
+    checkpoint resumes without it."""
+    _, four, _ = worlds
+    for zeropp in ("all", "off"):
+        runs = four[f"in_backward_{zeropp}"]
+        assert runs["in_backward"] == runs["usual"], zeropp
+        assert runs["in_backward_export"] == runs["usual_export"], zeropp
+        assert len(runs["in_backward_norms"]) == 4
+        assert runs["in_backward_norms"] == pytest.approx(runs["usual_norms"], rel=1e-5)
+        assert all(n > 0 for n in runs["in_backward_norms"])
+    usual = four["in_backward_off"]["usual"]
+    assert four["in_backward_resumed"] == {s: usual[s] for s in (2, 3)}
 
 
 def test_loss_falls(worlds):

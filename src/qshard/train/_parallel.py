@@ -8,6 +8,7 @@ can refuse an unavailable option in the launcher, before any rank starts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -27,6 +28,7 @@ __all__ = [
     "distribute",
     "forward_context",
     "missing_features",
+    "optional_feature",
     "zero_one_adam_schedule",
     "zeropp_blocks",
 ]
@@ -46,7 +48,8 @@ _FALLBACK_MODULES = {
 }
 
 
-def _optional(module: str, name: str) -> Any | None:
+def optional_feature(module: str, name: str) -> Any | None:
+    """``module.name`` if this install provides it, else ``None``."""
     for mod in (module, _FALLBACK_MODULES.get(name)):
         if mod is None:
             continue
@@ -63,7 +66,10 @@ def _zeropp_config(config: TrainConfig) -> Any:
     if config.deepspeed_config:  # [Note: DeepSpeed config and flags]
         from qshard.train._deepspeed import translation
 
-        return translation(config.deepspeed_config).zeropp or cls()
+        zcfg = translation(config.deepspeed_config).zeropp or cls()
+        if config.step_in_backward and zcfg.overlap_reduce_scatter is None:
+            zcfg = dataclasses.replace(zcfg, overlap_reduce_scatter=True)
+        return zcfg
     if config.parallel == "hsdp":
         grads = config.replicate_grads
         return cls(
@@ -73,12 +79,20 @@ def _zeropp_config(config: TrainConfig) -> Any:
             # 1-bit Adam / 0/1 Adam sync the replicas themselves: no gradient crosses nodes.
             replicate_reduce=config.optim not in DATA_PARALLEL_OPTIMIZERS,
         )
-    return cls(qwz="qwz" in features, hpz="hpz" in features, qgz="qgz" in features)
+    # --step-in-backward steps each unit when its reduction lands, which the overlap queue
+    # reports; the plain wire (--zeropp off) uses the queue only when asked to.
+    overlap = True if config.step_in_backward and not features else None
+    return cls(
+        qwz="qwz" in features,
+        hpz="hpz" in features,
+        qgz="qgz" in features,
+        overlap_reduce_scatter=overlap,
+    )
 
 
 def zeropp_blocks(config: TrainConfig) -> dict[str, int]:
     """qwZ / qgZ quantization block sizes of the run (for the analytic estimate)."""
-    if _optional("qshard.zeropp", "ZeroPPConfig") is None:
+    if optional_feature("qshard.zeropp", "ZeroPPConfig") is None:
         return {}
     zcfg = _zeropp_config(config)
     return {"weight_block": zcfg.weight_block_size, "grad_block": zcfg.grad_block_size}
@@ -87,7 +101,7 @@ def zeropp_blocks(config: TrainConfig) -> dict[str, int]:
 def zeropp_kept_blocks(config: TrainConfig) -> int:
     """How many last blocks ``shard()`` keeps unsharded from forward to backward in this run
     (``ZeroPPConfig.kept_blocks``; 0 without qshard.zeropp)."""
-    if _optional("qshard.zeropp", "ZeroPPConfig") is None:
+    if optional_feature("qshard.zeropp", "ZeroPPConfig") is None:
         return 0
     return int(_zeropp_config(config).kept_blocks)
 
@@ -95,16 +109,24 @@ def zeropp_kept_blocks(config: TrainConfig) -> int:
 def missing_features(config: TrainConfig) -> list[str]:
     """Messages for options of ``config`` this install cannot run (empty when all is there)."""
     problems = []
-    if config.zeropp_features and _optional("qshard.zeropp", "shard") is None:
+    if config.zeropp_features and optional_feature("qshard.zeropp", "shard") is None:
         problems.append(
             f"--zeropp {config.zeropp} needs qshard.zeropp.shard, which this install does not "
             "provide yet; pass --zeropp off (plain FSDP2 ZeRO-3)"
         )
-    if config.optim in _OPTIMIZER_CLASSES and _optional(*_OPTIMIZER_CLASSES[config.optim]) is None:
+    if (
+        config.optim in _OPTIMIZER_CLASSES
+        and optional_feature(*_OPTIMIZER_CLASSES[config.optim]) is None
+    ):
         module, name = _OPTIMIZER_CLASSES[config.optim]
         problems.append(
             f"--optim {config.optim} needs {module}.{name}, which this install does not "
             "provide yet; pass --optim adamw"
+        )
+    if config.step_in_backward and optional_feature("qshard.zeropp", "StepInBackward") is None:
+        problems.append(
+            "--step-in-backward needs qshard.zeropp.StepInBackward, which this install does not "
+            "provide yet; drop --step-in-backward"
         )
     if config.model == "llama" and transformers_missing():
         problems.append(
@@ -116,7 +138,7 @@ def missing_features(config: TrainConfig) -> list[str]:
             "--progress needs tqdm, which is not installed: pip install 'qshard[train]' (or "
             "pip install tqdm); or pass --no-progress"
         )
-    if config.stable_embedding and _optional("qshard.nn", "StableEmbedding") is None:
+    if config.stable_embedding and optional_feature("qshard.nn", "StableEmbedding") is None:
         problems.append(
             "--stable-embedding needs qshard.nn.StableEmbedding, which this install does not "
             "provide yet; drop --stable-embedding"
@@ -145,7 +167,7 @@ def distribute(
         dtype = "" if compute_dtype == torch.float32 else f"; {_dtype_name(compute_dtype)} autocast"
         return f"replicated (data parallel, {config.optim} communicates{dtype})"
     features = config.zeropp_features
-    shard = _optional("qshard.zeropp", "shard")
+    shard = optional_feature("qshard.zeropp", "shard")
     if shard is not None:
         kwargs: dict[str, Any] = {"topology": topology, "config": _zeropp_config(config)}
         if mp_policy is not None:
@@ -218,7 +240,7 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     betas = (config.beta1, config.beta2)
     if config.optim == "adamw":
         return torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=1e-8)
-    cls = _optional(*_OPTIMIZER_CLASSES[config.optim])
+    cls = optional_feature(*_OPTIMIZER_CLASSES[config.optim])
     if cls is None:
         raise RuntimeError(missing_features(config)[0])
     if config.optim in ("adamw8bit", "adamw4bit"):

@@ -155,6 +155,12 @@ class TrainConfig:
     """Adam beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
+    step_in_backward: bool = False
+    """Step the optimizer inside backward, one FSDP unit at a time as its reduced gradient
+    lands, and free that gradient at once (``qshard.zeropp.StepInBackward``): less gradient
+    memory, the same bits as the usual step. Needs ``--grad-clip 0`` (the first units step
+    before the global norm exists), ``--on-nonfinite stop``, ``--parallel zero3`` and an
+    optimizer that steps locally (not 1-bit Adam / 0/1 Adam)."""
     seed: int = 0
     """Seed of the model init, the data order and dropout."""
     # --- observation
@@ -275,6 +281,7 @@ class TrainConfig:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose from {', '.join(DTYPES)}")
         features = parse_zeropp(self.zeropp)  # raises with the fix
         self._check_parallel(features)
+        self._check_step_in_backward()
         if self.optim in DATA_PARALLEL_OPTIMIZERS and features:
             raise ValueError(
                 f"--optim {self.optim} is data-parallel (it replicates the model and compresses "
@@ -358,6 +365,34 @@ class TrainConfig:
                 f"--optim {self.optim} on HSDP sends no gradient across nodes (it syncs the "
                 f"replicas itself), so --replicate-grads {self.replicate_grads} has nothing to "
                 "compress; drop it"
+            )
+
+    def _check_step_in_backward(self) -> None:
+        if not self.step_in_backward:
+            return
+        why = "--step-in-backward steps each FSDP unit as its gradient lands"
+        if self.grad_clip and not math.isinf(self.grad_clip):
+            raise ValueError(
+                f"{why}, before the global gradient norm exists, so it cannot clip to it: pass "
+                f"--grad-clip 0 (a DeepSpeed config: gradient_clipping 0), or drop "
+                "--step-in-backward"
+            )
+        if self.on_nonfinite == "skip":
+            raise ValueError(
+                f"{why}, before the last gradients are known, so a non-finite step cannot be "
+                "skipped: pass --on-nonfinite stop (the job stops; resume from the newest "
+                "checkpoint), or drop --step-in-backward"
+            )
+        if self.optim in DATA_PARALLEL_OPTIMIZERS:
+            raise ValueError(
+                f"{why}, and --optim {self.optim} communicates in its step (a collective over "
+                "every gradient); pick a local optimizer (adamw, adamw8bit, adamw4bit) or drop "
+                "--step-in-backward"
+            )
+        if self.parallel == "hsdp":
+            raise ValueError(
+                f"{why}, and HSDP's gradient is final only after its inter-node all-reduce; pass "
+                "--parallel zero3, or drop --step-in-backward"
             )
 
     def local_ranks_per_node(self) -> int:

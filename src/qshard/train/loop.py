@@ -51,6 +51,7 @@ from qshard.comm import CommLedger, Topology, recording
 from qshard.optim import optimizer_state_bytes
 from qshard.train import _faults, _runtime, _summary
 from qshard.train import checkpoint as ckpt
+from qshard.train._in_backward import BackwardStepping
 from qshard.train._metrics import MetricsWriter, peak_memory_bytes
 from qshard.train._parallel import build_optimizer, distribute, forward_context
 from qshard.train.config import (
@@ -121,6 +122,10 @@ def _train(config: TrainConfig) -> TrainResult:
     model, optimizer, layout = build(config, topology=job.topology, device=job.device)
     _runtime.set_collective_timeout(config.collective_timeout)  # also the groups build() made
     start_step = _resume(config, job, model, optimizer)
+    stepping = None
+    if config.step_in_backward:
+        stepping = BackwardStepping(model, optimizer)
+        layout += "; the optimizer steps inside backward"
     estimates = _summary.estimate_run(config, model, job.topology, job.compute_dtype)
     if job.is_main:
         _announce(config, job, model, layout, corpus, estimates, start_step)
@@ -132,7 +137,7 @@ def _train(config: TrainConfig) -> TrainResult:
         for step in range(start_step, config.steps):
             t0 = time.perf_counter()
             lr = _set_learning_rate(optimizer, step, config)
-            stats = _step(model, optimizer, corpus.train, config, job, step)
+            stats = _step(model, optimizer, corpus.train, config, job, step, stepping)
             due = _Due.at(step, config)
             if due.evaluate or due.save:
                 _synchronize(optimizer)
@@ -450,10 +455,13 @@ def _step(
     config: TrainConfig,
     job: _Job,
     step: int,
+    stepping: BackwardStepping | None = None,
 ) -> _StepStats:
     """Forward, backward, clip, optimizer step (unless the step is non-finite, see
     :func:`_check_finite`); returns the loss mean over ranks and the grad norm (global, or for
-    a replicated run the mean of the ranks' norms) as :class:`_StepStats`."""
+    a replicated run the mean of the ranks' norms) as :class:`_StepStats`. With ``stepping``
+    (``--step-in-backward``) the optimizer steps inside backward, and the norm is the one its
+    per-unit steps saw ([Note: stepping inside backward in the app])."""
     poison = _faults.at_step(step)  # the testing hook, [Note: fault injection]
     torch.manual_seed(_mix(config.seed, step, job.rank))  # see [Note: exact resume]
     x, y = batch_for_step(
@@ -470,9 +478,11 @@ def _step(
     if poison:
         loss = _faults.poison(loss)
     loss.backward()
-    grad_norm = _global_grad_norm(model, config.grad_clip)
-    stats = _StepStats.reduce(loss, grad_norm, config, job)
-    if _check_finite(stats, loss, config, job, step):
+    if stepping is None:
+        stats = _StepStats.reduce(loss, _global_grad_norm(model, config.grad_clip), config, job)
+    else:
+        stats = _StepStats.reduce(loss, stepping.take_squared_norm(), config, job, squared=True)
+    if _check_finite(stats, loss, config, job, step) and stepping is None:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return stats
@@ -490,8 +500,16 @@ class _StepStats:
 
     @classmethod
     def reduce(
-        cls, loss: torch.Tensor, grad_norm: float, config: TrainConfig, job: _Job
+        cls,
+        loss: torch.Tensor,
+        grad_norm: float,
+        config: TrainConfig,
+        job: _Job,
+        *,
+        squared: bool = False,
     ) -> _StepStats:
+        """``squared``: ``grad_norm`` is this rank's sum of squares over its shards (summed
+        over the ranks here), not FSDP's global norm."""
         local = torch.stack([loss.detach().float().reshape(()), torch.tensor(grad_norm)])
         total = local.to(_runtime.comm_device())
         dist.all_reduce(total)
@@ -500,6 +518,8 @@ class _StepStats:
         # the mean of the ranks' local norms.
         replicated = config.optim in DATA_PARALLEL_OPTIMIZERS
         norm = norm_sum / job.world if replicated else grad_norm
+        if squared:
+            norm = math.sqrt(norm_sum) if norm_sum >= 0 else math.nan
         finite = math.isfinite(loss_sum) and math.isfinite(norm_sum)
         return cls(loss=loss_sum / job.world, grad_norm=norm, finite=finite)
 
@@ -530,9 +550,14 @@ def _check_finite(
         return False
     latest = ckpt.latest_checkpoint(job.checkpoints)
     resume = f"the newest complete checkpoint is {latest}" if latest else "no checkpoint yet"
+    # (--step-in-backward has stepped the units already: it cannot skip, the config refuses it)
+    how = (
+        "drop --step-in-backward and pass --on-nonfinite skip to skip such steps"
+        if config.step_in_backward
+        else "pass --on-nonfinite skip to skip such steps"
+    )
     raise _faults.RankFailure(
-        f"rank {job.rank}: {what}; stopped (--on-nonfinite stop; pass --on-nonfinite skip to "
-        f"skip such steps); {resume}"
+        f"rank {job.rank}: {what}; stopped (--on-nonfinite stop; {how}); {resume}"
     )
 
 
