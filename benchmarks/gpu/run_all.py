@@ -43,6 +43,9 @@ poisons only its own process) with its own time cap, all within the global --bud
 9b. onebit_round: the 1-bit compressed all-reduce's vectorized round (the accelerators'
    default) vs the per-tensor one (the CPU's) in a world of one, results cross-checked, and
    OneBitAdam's compressed step vs torch's fused Adam;
+9c. step_in_backward: the same GPT under FSDP2 (`shard()` in a world of one), the optimizer
+    (torch's fused AdamW, AdamW8bit) stepped after backward and inside it (StepInBackward):
+    one step's peak memory, ms/step, and the final parameters compared bit for bit;
 10. sweep: benchmarks/gpu/sweep.py's tables (launch geometry and encoder variants of the
     optimizer and quantize kernels, each byte-checked against the default; ~100 s);
 11. sm90_ptx: tests/gpu/test_compile_sm90.py (sm_90 cubins, IEEE div/sqrt, no FMA, v4 loads)
@@ -52,7 +55,8 @@ Timings: CUDA events around each call after warm-up calls (median of --repeat).
 
 Layout: this file holds the orchestration and the environment, correctness, kernel-bandwidth,
 test and sweep sections; `_step_sections.py` the optimizer-step and GPT-step sections,
-`_qgz_sections.py` the qgZ ones, `_onebit_sections.py` the 1-bit one, `_device.py` the device the sections run on and their shared
+`_qgz_sections.py` the qgZ ones, `_onebit_sections.py` the 1-bit one, `_sib_sections.py`
+the StepInBackward one, `_device.py` the device the sections run on and their shared
 helpers, `_harness.py` the child-process machinery.
 
     python benchmarks/gpu/run_all.py [--quick] [--budget-s 510] [--sections a,b] [--skip c]
@@ -94,6 +98,7 @@ from _qgz_sections import (  # noqa: E402
     qgz_middle_hop,
     qgz_reduce_scatter,
 )
+from _sib_sections import step_in_backward  # noqa: E402
 from _step_sections import adamw4bit, adamw8bit, gpt_step  # noqa: E402
 
 
@@ -477,6 +482,7 @@ SECTIONS = [
     ("gpu_tests", gpu_tests, 150, "pytest tests/gpu on the GPU"),
     ("gpt_step", gpt_step, 75, "GPT training step, quantized paths vs fp32"),
     ("onebit_round", onebit_round, 40, "1-bit all-reduce: vectorized vs per-tensor round"),
+    ("step_in_backward", step_in_backward, 50, "StepInBackward: peak memory, time, same bits"),
     ("sweep", sweep_section, 110, "launch geometry / encoder variants (benchmarks/gpu/sweep.py)"),
     ("sm90_ptx", sm90_ptx, 60, "sm_90 AOT compile + PTX checks (slow test)"),
 ]

@@ -120,6 +120,22 @@ def test_out_directory_is_OUT_when_set(tmp_path):
     assert (tmp_path / "o" / "summary.md").exists()
 
 
+def test_step_in_backward_section_compares_the_same_steps(tmp_path):
+    """The StepInBackward section (one world of one under FSDP2): both optimizers stepped after
+    backward and inside it, the parameters equal bit for bit."""
+    proc, _, summary = _run(tmp_path, "--sections", "step_in_backward")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (table,) = summary["sections"]["step_in_backward"]["tables"]
+    rows = [dict(zip(table["header"], row)) for row in table["rows"]]
+    assert [(r["optimizer"], r["stepped"]) for r in rows] == [
+        ("torch AdamW(fused)", "after backward"),
+        ("torch AdamW(fused)", "inside backward"),
+        ("AdamW8bit", "after backward"),
+        ("AdamW8bit", "inside backward"),
+    ]
+    assert [r["same parameters"] for r in rows] == ["-", "True", "-", "True"]
+
+
 @pytest.mark.slow
 def test_smoke_run_every_section(tmp_path):
     proc, _, summary = _run(tmp_path, "--out-md", str(tmp_path / "gpu.md"), timeout=900)
@@ -138,6 +154,7 @@ def test_smoke_run_every_section(tmp_path):
         "GPT training step",
         "1-bit compressed_all_reduce on the device",
         "OneBitAdam compressed step vs torch Adam",
+        "StepInBackward on one device",
     ):
         assert heading in text
     # every kernel bit-exact in the smoke run (the Environment table's cuda_available is False
