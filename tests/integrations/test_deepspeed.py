@@ -599,7 +599,9 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
     with pytest.raises(ValueError, match=r"--min-lr 0\.0003 must not exceed --lr 0\.0001"):
         config_from_args([*low, "--min-lr", "3e-4"])
     with pytest.raises(
-        ValueError, match=r"one node \(1 rank\); set 1 \(hpZ off\).*--ranks-per-node 2"
+        ValueError,
+        match=r"one node \(1 rank\); set 1 \(hpZ off\).*--ranks-per-node 2 with --nproc a "
+        r"multiple of 2\)",
     ):
         config_from_args([*base[:-1], "1"])
     for change, message in (
@@ -761,3 +763,34 @@ def test_qshard_train_round_trip(tmp_path):
         env=env,
     )
     assert bad.returncode == 2 and "--lr 0.01 conflicts with" in bad.stderr
+
+
+def test_a_resume_the_file_changes_names_the_key_to_change(tmp_path):
+    """A file with train_micro_batch_size_per_gpu resumed on another --nproc makes another
+    global batch. The refusal said "pass the same options", and --batch-size with the
+    checkpoint's value was then refused as a conflict with the file: a circle. It now names
+    the file's key (``resume_advice``)."""
+    from qshard.train._deepspeed import resume_advice
+    from qshard.train.config import resume_mismatches, resume_refusal
+
+    del_batch = {k: v for k, v in ZEROPP.items() if k != "train_batch_size"}
+    (tmp_path / "micro").mkdir()
+    path = _write(tmp_path / "micro", {**del_batch, "train_micro_batch_size_per_gpu": 2})
+    four = config_from_args(["--deepspeed-config", path, "--nproc", "4", "--ranks-per-node", "2"])
+    two = config_from_args(["--deepspeed-config", path, "--nproc", "2", "--ranks-per-node", "2"])
+    saved = {"config": four.to_dict()}
+    changed = resume_mismatches(saved, two)
+    assert changed == ["--batch-size 8 (now 4)"]
+    message = resume_refusal("ckpt", changed, advice=resume_advice(two, saved))
+    assert (
+        f"--batch-size comes from {path} (its train_batch_size, or train_micro_batch_size_per_gpu "
+        f'x --nproc): set "train_batch_size": 8 there, without train_micro_batch_size_per_gpu'
+    ) in message
+    assert "pass the same options" not in message
+    # following it resumes: the file's global batch is the checkpoint's on 2 ranks
+    fixed = _write(tmp_path, {**del_batch, "train_batch_size": 8})
+    again = config_from_args(["--deepspeed-config", fixed, "--nproc", "2", "--ranks-per-node", "2"])
+    assert resume_mismatches(saved, again) == []
+    # without a file, or where the file sets none of what changed: the usual words
+    assert resume_advice(four.replace(deepspeed_config=None), saved) is None
+    assert resume_advice(two, {"config": {**four.to_dict(), "batch_size": 4}}) is None

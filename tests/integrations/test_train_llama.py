@@ -80,6 +80,11 @@ def test_llama_trains_resumes_and_exports(tmp_path):
     assert set(saved) == set(state) - {k for k in state if k.endswith("rotary_emb.inv_freq")}
     assert all(state[k].equal(v) for k, v in saved.items())
     assert hf.config.num_key_value_heads == 1 and hf.config.num_hidden_layers == meta["n_layer"]
+    # the keys save_pretrained adds, which tools that pick the model class read (they were
+    # missing), and its generation config
+    written = json.loads((tmp_path / "full/hf/config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLM"] and written["dtype"] == "float32"
+    assert (tmp_path / "full/hf/generation_config.json").is_file()
     summary = (tmp_path / "full/summary.txt").read_text()
     assert "=== qshard train summary ===" in summary
 

@@ -671,7 +671,7 @@ class _Reader:
                     else "set 1 (hpZ off)"
                 )
                 + f", or make a node {size} ranks (Topology(ranks_per_node={size}); qshard "
-                f"train --ranks-per-node {size})",
+                f"train --ranks-per-node {size} with --nproc a multiple of {size})",
             )
         wire = None
         if mp_policy is None and comm in ("fp16", "bf16"):

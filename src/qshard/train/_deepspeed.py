@@ -23,6 +23,7 @@ the fix.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from qshard.integrations.deepspeed import (
@@ -31,7 +32,12 @@ from qshard.integrations.deepspeed import (
     HpzSizeUncheckedWarning,
     read_deepspeed_config,
 )
-from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig, parse_zeropp
+from qshard.train.config import (
+    DATA_PARALLEL_OPTIMIZERS,
+    RESUME_MUST_MATCH,
+    TrainConfig,
+    parse_zeropp,
+)
 
 __all__ = ["apply_deepspeed", "translation"]
 
@@ -179,6 +185,37 @@ def _batch_mismatch(t: DeepSpeedTranslation, *, nproc: int) -> str:
     if batch % nproc == 0:
         keys += f" or train_micro_batch_size_per_gpu to {batch // nproc}"
     return f"{why}; run on --nproc {batch // micro}, {keys}, or give only one of the two keys"
+
+
+def resume_advice(config: TrainConfig, saved: Mapping[str, object]) -> str | None:
+    """How to resume a checkpoint (``saved``: its ``qshard.json``) whose run had another value
+    of an option that ``config``'s DeepSpeed file sets, or ``None`` (no file, or the file sets
+    none of the changed options). The flag cannot be passed (it would conflict with the file),
+    so "pass the same options" sent the user in a circle: a file with
+    ``train_micro_batch_size_per_gpu``, resumed on another ``--nproc``, makes another global
+    batch, and ``--batch-size`` with the checkpoint's value was refused as a conflict."""
+    if not config.deepspeed_config:
+        return None
+    before = saved.get("config")
+    before = before if isinstance(before, Mapping) else {}
+    path = config.deepspeed_config
+    fixes = []
+    for name in RESUME_MUST_MATCH:
+        if name not in _FILE_SOURCE or name not in before or before[name] == getattr(config, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "batch_size":
+            fixes.append(
+                f'{flag} comes from {path} ({_FILE_SOURCE[name]}): set "train_batch_size": '
+                f"{before[name]} there, without train_micro_batch_size_per_gpu (or with "
+                f"{before[name]} / --nproc)"
+            )
+        else:
+            fixes.append(
+                f"{flag} comes from {path} ({_FILE_SOURCE[name]}): set it back to "
+                f"{before[name]} there"
+            )
+    return "; ".join(fixes) or None
 
 
 def _same_value(name: str, given: Any, value: Any) -> bool:

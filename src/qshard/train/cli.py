@@ -325,7 +325,10 @@ def preflight(config: TrainConfig) -> None:
             )
         changed = resume_mismatches(info, config)
         if changed:
-            raise ValueError(resume_refusal(latest, changed))
+            from qshard.train._deepspeed import resume_advice
+
+            advice = resume_advice(config, info)
+            raise ValueError(resume_refusal(latest, changed, advice=advice))
         _refuse_per_rank_layout(latest, info, config)
         try:
             _check_files(latest, info)

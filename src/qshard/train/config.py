@@ -489,12 +489,14 @@ def resume_mismatches(saved: Mapping[str, object], config: TrainConfig) -> list[
     return changed
 
 
-def resume_refusal(checkpoint: object, changed: list[str]) -> str:
-    """The error for a ``--resume`` that changes what :func:`resume_mismatches` found."""
+def resume_refusal(checkpoint: object, changed: list[str], *, advice: str | None = None) -> str:
+    """The error for a ``--resume`` that changes what :func:`resume_mismatches` found;
+    ``advice`` replaces "pass the same options" where a flag cannot be passed (a DeepSpeed
+    config sets it: ``qshard.train._deepspeed.resume_advice``)."""
+    how = advice or "pass the same options to resume it"
     return (
-        f"--resume: {checkpoint} was written with {', '.join(changed)}; pass the same "
-        "options to resume it (a resume continues that run: its model, optimizer and data), "
-        "or a new --out to start fresh"
+        f"--resume: {checkpoint} was written with {', '.join(changed)}; {how} (a resume "
+        "continues that run: its model, optimizer and data), or a new --out to start fresh"
     )
 
 

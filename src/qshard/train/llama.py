@@ -15,6 +15,7 @@ up to a multiple of 8, so its three matrices hold as many weights as the GPT's 4
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 
@@ -108,6 +109,19 @@ class Llama(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def pretrained_files(self) -> dict[str, str]:
+        """The JSON files ``save_pretrained`` writes beside the weights, by name: the model's
+        config with the keys that method adds (``architectures``, by which serving tools pick
+        the model class, and the weights' ``dtype``) and its generation config. The config
+        object itself is left as it was."""
+        config = copy.deepcopy(self.hf.config)
+        config.architectures = [type(self.hf).__name__]
+        config.dtype = next(self.hf.parameters()).dtype
+        return {
+            "config.json": config.to_json_string(),
+            "generation_config.json": self.hf.generation_config.to_json_string(),
+        }
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

@@ -255,7 +255,7 @@ def run_dir_problem(out: str | os.PathLike[str], *, create: bool) -> str | None:
 
 
 #: ``--model llama``'s export: [Note: a Llama export transformers loads].
-_HF_EXPORT = ("hf/model.safetensors", "hf/config.json")
+_HF_EXPORT = ("hf/model.safetensors", "hf/config.json", "hf/generation_config.json")
 
 
 def _clear_previous_run(job: _Job) -> None:
@@ -380,9 +380,13 @@ def _resume(
     for group, values in zip(optimizer.param_groups, configured, strict=True):
         group.update(values)
     # The launcher compared the options before any rank started; under torchrun none did.
-    changed = resume_mismatches(ckpt.checkpoint_info(loaded.path), config)
+    saved = ckpt.checkpoint_info(loaded.path)
+    changed = resume_mismatches(saved, config)
     if changed:
-        raise ckpt.CheckpointError(resume_refusal(loaded.path, changed))
+        from qshard.train._deepspeed import resume_advice
+
+        advice = resume_advice(config, saved)
+        raise ckpt.CheckpointError(resume_refusal(loaded.path, changed, advice=advice))
     if loaded.step > config.steps:  # the loop would run no step and report an empty run
         raise ckpt.CheckpointError(
             f"--resume: {loaded.path} is at step {loaded.step}, past --steps {config.steps}; "
@@ -724,8 +728,8 @@ def _finish(
     # [Note: a Llama export transformers loads] --model llama exports the wrapped
     # LlamaForCausalLM in its own tensor names with its config.json into --out/hf, the layout of
     # save_pretrained, so LlamaForCausalLM.from_pretrained(--out/hf) loads it (the run folder's
-    # own config.json is the run's configuration). config.json goes first: the model file
-    # appears atomically, so its presence means both are there.
+    # own config.json is the run's configuration). The JSON files go first: the model file
+    # appears atomically, so its presence means all are there.
     llama = isinstance(model, Llama)
     target = job.run_dir / (_HF_EXPORT[0] if llama else "model.safetensors")
     # An extended run's earlier summary and export describe an earlier step: a launch that
@@ -736,10 +740,10 @@ def _finish(
         meta = {name: getattr(shape, name) for name in shape.__dataclass_fields__}
         if llama and job.is_main:
             target.parent.mkdir(exist_ok=True)
-            hf_config = model.hf.config.to_json_string()  # type: ignore[union-attr]
-            tmp = target.parent / ".config.json.tmp"
-            tmp.write_text(hf_config)
-            os.replace(tmp, job.run_dir / _HF_EXPORT[1])
+            for name, text in model.pretrained_files().items():  # type: ignore[union-attr]
+                tmp = target.parent / f".{name}.tmp"
+                tmp.write_text(text)
+                os.replace(tmp, target.parent / name)
         export_path = ckpt.export_safetensors(
             model,
             target,
