@@ -7,9 +7,9 @@ interleaved, so a change of the shared host's speed during the run hits all of t
 same optimizer timed in separate blocks moved by up to 1.7x between runs here). All run with the
 same number of threads. Columns: ns per parameter (median step), ratio to
 ``torch.optim.AdamW(fused=True)`` (median of the per-round ratios), optimizer-state bytes per
-parameter, and the memory-traffic limit (below). bitsandbytes and torchao 8-bit AdamW are
-included when importable and skipped (with a note) otherwise. Each table's notes give the host
-load average before and after it (the machine is shared).
+parameter, and the memory-traffic limit (below). bitsandbytes' 8-bit and torchao's 8-bit and
+4-bit AdamW are included when importable and skipped (with a note) otherwise. Each table's notes
+give the host load average before and after it (the machine is shared).
 
 At the sizes in ``--fp32-sizes`` (default 10M) the table also times the fp32-state path of
 ``AdamW8bit``: the 2-D parameter with ``optim_bits=32`` and a 1-D parameter of the same size
@@ -102,9 +102,11 @@ def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:
     except Exception as e:  # not installed, or no CPU backend
         notes.append(f"bitsandbytes skipped ({type(e).__name__}: {e})")
     try:
+        from torchao.optim import AdamW4bit as AoAdamW4bit
         from torchao.optim import AdamW8bit as AoAdamW8bit
 
         out.append(("torchao AdamW8bit", lambda ps: AoAdamW8bit(ps, lr=1e-3)))
+        out.append(("torchao AdamW4bit", lambda ps: AoAdamW4bit(ps, lr=1e-3)))
     except Exception as e:
         notes.append(f"torchao skipped ({type(e).__name__}: {e})")
     return out, notes
