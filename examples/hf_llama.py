@@ -188,7 +188,12 @@ def save_pretrained(path: str, model: nn.Module) -> None:
     """Write ``model`` as ``transformers`` does (``config.json`` and ``model.safetensors``) for
     ``from_pretrained`` (collective). Every rank gathers the full weights (to rank 0's CPU) and
     rank 0 writes them: ``model.save_pretrained(path)`` on a sharded model would gather on rank 0
-    alone, while the gather needs every rank (a hang)."""
+    alone, while the gather needs every rank (a hang). A forward under ``no_grad`` (an
+    evaluation) leaves FSDP2's root unit unsharded in the compute dtype, and ``save_pretrained``
+    records the dtype of the parameters it finds there (``bfloat16``, so ``from_pretrained``
+    would cast the fp32 weights): ``reshard()`` first puts the fp32 shards back."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
     sd = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

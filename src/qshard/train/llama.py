@@ -114,7 +114,8 @@ class Llama(nn.Module):
         """The JSON files ``save_pretrained`` writes beside the weights, by name: the model's
         config with the keys that method adds (``architectures``, by which serving tools pick
         the model class, and the weights' ``dtype``) and its generation config. The config
-        object itself is left as it was."""
+        object itself is left as it was. On a sharded model call it resharded: a forward
+        under ``no_grad`` (an evaluation) leaves FSDP2's root unsharded in the compute dtype."""
         config = copy.deepcopy(self.hf.config)
         config.architectures = [type(self.hf).__name__]
         config.dtype = next(self.hf.parameters()).dtype

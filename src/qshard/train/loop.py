@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from qshard.comm import CommLedger, Topology, recording
@@ -738,6 +739,8 @@ def _finish(
     if config.export and (trained or not current or not target.is_file()):
         shape = model.config  # type: ignore[union-attr]
         meta = {name: getattr(shape, name) for name in shape.__dataclass_fields__}
+        if isinstance(model, FSDPModule):  # every rank: the root may be unsharded, see
+            model.reshard()  # Llama.pretrained_files (nothing is sent; the next use gathers)
         if llama and job.is_main:
             target.parent.mkdir(exist_ok=True)
             for name, text in model.pretrained_files().items():  # type: ignore[union-attr]
