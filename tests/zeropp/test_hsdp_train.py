@@ -172,9 +172,9 @@ def test_hsdp_sends_no_gradient_only_for_an_optimizer_that_syncs_replicas(tmp_pa
     for exactly the optimizers that sync the node replicas themselves, whatever
     ``--replicate-grads`` says; every other one would be refused by shard()'s guard (or drift)."""
     from qshard.optim._onebit import _DataParallelOneBitOptimizer
-    from qshard.train._parallel import _OPTIMIZER_CLASSES, _optional, _zeropp_config
+    from qshard.train._parallel import _OPTIMIZER_CLASSES, _zeropp_config, optional_feature
 
-    cls = torch.optim.AdamW if optim == "adamw" else _optional(*_OPTIMIZER_CLASSES[optim])
+    cls = torch.optim.AdamW if optim == "adamw" else optional_feature(*_OPTIMIZER_CLASSES[optim])
     syncs = issubclass(cls, _DataParallelOneBitOptimizer)
     grads = ("fp32",) if optim in DATA_PARALLEL_OPTIMIZERS else REPLICATE_GRADS
     for g in grads:
