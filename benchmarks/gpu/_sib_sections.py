@@ -1,8 +1,11 @@
 """run_all.py's StepInBackward section: the GPT as one GPU trains it with FSDP2 (qshard's
 ``shard()`` in a world of one), the optimizer stepped after backward and inside it
-(``qshard.zeropp.StepInBackward``), side by side: the peak memory of a step (what stepping
-inside backward is for: each unit's gradient is freed as soon as it is stepped), the step time,
-and whether the two left the same parameters, bit for bit, after the same steps."""
+(``qshard.zeropp.StepInBackward``), side by side: whether the two left the same parameters, bit
+for bit, after the same steps (StepInBackward's first run on CUDA), and the step time.
+
+Not the gradient memory stepping inside backward saves: in a world of one FSDP2 calls no
+reduce-scatter, and every unit lands at the end of backward ([Note: step in backward]), so one
+device shows no saving by construction; a multi-GPU world would."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def _free_port() -> int:
 
 
 def _trained(opt_name: str, in_backward: bool, cfg, data, repeat: int):
-    """(ms per step, peak bytes of one step or None off CUDA, the final parameters on CPU)."""
+    """(ms per step, the final parameters on CPU)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -54,19 +57,10 @@ def _trained(opt_name: str, in_backward: bool, cfg, data, repeat: int):
             opt.zero_grad(set_to_none=True)
 
     ms = _ms(step, repeat)  # warm-up steps included: both modes run the same steps
-    peak = None
-    if D.DEVICE == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        step()
     final = [p.detach().full_tensor().float().cpu() for p in params]
     if stepper is not None:
         stepper.close()
-    return ms, peak, final
+    return ms, final
 
 
 def step_in_backward(rec: Recorder, args) -> None:
@@ -82,9 +76,9 @@ def step_in_backward(rec: Recorder, args) -> None:
     rows = _Rows(
         rec,
         f"StepInBackward on one device: FSDP2 (shard(), a world of one), GPT {n_params / 1e6:.0f}M "
-        f"params, batch {args.batch}x{cfg.context}, bf16 compute (peak: one step's "
-        "torch.cuda.max_memory_allocated)",
-        ["optimizer", "stepped", "ms/step", "peak MiB", "peak x after-backward", "same parameters"],
+        f"params, batch {args.batch}x{cfg.context}, bf16 compute (one device: every unit lands "
+        "at the end of backward, so no gradient memory is saved here)",
+        ["optimizer", "stepped", "ms/step", "x after backward", "same parameters"],
     )
     dist.init_process_group(
         "nccl" if D.DEVICE == "cuda" else "gloo",
@@ -99,19 +93,17 @@ def step_in_backward(rec: Recorder, args) -> None:
             for in_backward in (False, True):
                 what = "inside backward" if in_backward else "after backward"
                 try:
-                    ms, peak, final = _trained(opt_name, in_backward, cfg, data, args.repeat)
+                    ms, final = _trained(opt_name, in_backward, cfg, data, args.repeat)
                 except Exception as e:
-                    rows.append((opt_name, f"{what}: {_err(e)}", "", "", "", ""))
+                    rows.append((opt_name, f"{what}: {_err(e)}", "", "", ""))
                     continue
-                if base is None and not in_backward:
-                    base = (peak, final)
-                mib = "-" if peak is None else f"{peak / 2**20:,.0f}"
                 ratio = same = "-"
-                if in_backward and base is not None:
-                    if peak is not None and base[0]:
-                        ratio = f"{peak / base[0]:.2f}"
+                if not in_backward:
+                    base = (ms, final)
+                elif base is not None:
+                    ratio = f"{ms / base[0]:.2f}"
                     same = str(all(torch.equal(a, b) for a, b in zip(final, base[1])))
-                rows.append((opt_name, what, f"{ms:.1f}", mib, ratio, same))
+                rows.append((opt_name, what, f"{ms:.1f}", ratio, same))
                 if D.DEVICE == "cuda":
                     torch.cuda.empty_cache()
     finally:

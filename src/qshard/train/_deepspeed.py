@@ -34,7 +34,6 @@ from qshard.integrations.deepspeed import (
 )
 from qshard.train.config import (
     DATA_PARALLEL_OPTIMIZERS,
-    RESUME_MUST_MATCH,
     TrainConfig,
     parse_zeropp,
 )
@@ -187,35 +186,54 @@ def _batch_mismatch(t: DeepSpeedTranslation, *, nproc: int) -> str:
     return f"{why}; run on --nproc {batch // micro}, {keys}, or give only one of the two keys"
 
 
-def resume_advice(config: TrainConfig, saved: Mapping[str, object]) -> str | None:
+# The app's optimizers a file's optimizer.type names (the 8-bit / 4-bit ones have no type).
+_FILE_OPTIMIZER_TYPES = {
+    "adamw": "AdamW",
+    "onebit_adam": "OneBitAdam",
+    "zero_one_adam": "ZeroOneAdam",
+}
+
+
+def resume_advice(config: TrainConfig, saved: Mapping[str, object]) -> dict[str, str]:
     """How to resume a checkpoint (``saved``: its ``qshard.json``) whose run had another value
-    of an option that ``config``'s DeepSpeed file sets, or ``None`` (no file, or the file sets
-    none of the changed options). The flag cannot be passed (it would conflict with the file),
-    so "pass the same options" sent the user in a circle: a file with
+    of an option that ``config``'s DeepSpeed file sets: the fix for each such flag, by flag
+    (empty without a file, or where the file sets none of the changed options; a flag the file
+    leaves alone is passed as usual). The flag itself cannot be passed (it would conflict with
+    the file), so "pass the same options" sent the user in a circle: a file with
     ``train_micro_batch_size_per_gpu``, resumed on another ``--nproc``, makes another global
     batch, and ``--batch-size`` with the checkpoint's value was refused as a conflict."""
     if not config.deepspeed_config:
-        return None
+        return {}
     before = saved.get("config")
     before = before if isinstance(before, Mapping) else {}
     path = config.deepspeed_config
-    fixes = []
-    for name in RESUME_MUST_MATCH:
-        if name not in _FILE_SOURCE or name not in before or before[name] == getattr(config, name):
-            continue
-        flag = "--" + name.replace("_", "-")
-        if name == "batch_size":
-            fixes.append(
-                f'{flag} comes from {path} ({_FILE_SOURCE[name]}): set "train_batch_size": '
-                f"{before[name]} there, without train_micro_batch_size_per_gpu (or with "
-                f"{before[name]} / --nproc)"
+    t = translation(path)
+    ranks = config.nproc  # the world size under torchrun
+
+    def changed(name: str) -> bool:
+        return name in before and before[name] != getattr(config, name)
+
+    fixes: dict[str, str] = {}
+    if changed("optim") and t.optimizer is not None:
+        old = str(before["optim"])
+        if old == "adamw8bit" and t.optimizer == "adamw":
+            fix = "pass --optim adamw8bit (the file's AdamW, with 8-bit state)"
+        elif old in _FILE_OPTIMIZER_TYPES:
+            fix = f'set "optimizer": {{"type": "{_FILE_OPTIMIZER_TYPES[old]}", ...}} there'
+        else:  # no optimizer.type names it: the flag chooses where the file has no optimizer
+            fix = f"remove the file's optimizer section and pass --optim {old}"
+        fixes["--optim"] = f"--optim comes from {path} ({_FILE_SOURCE['optim']}): {fix}"
+    if changed("batch_size") and (t.train_batch_size or t.micro_batch_size):
+        old = before["batch_size"]
+        fix = f'set "train_batch_size": {old} there, without train_micro_batch_size_per_gpu'
+        if isinstance(old, int) and old % ranks == 0:
+            fix += (
+                f" (or with it at {old // ranks} on these {ranks} rank{'s' if ranks > 1 else ''})"
             )
-        else:
-            fixes.append(
-                f"{flag} comes from {path} ({_FILE_SOURCE[name]}): set it back to "
-                f"{before[name]} there"
-            )
-    return "; ".join(fixes) or None
+        fixes["--batch-size"] = (
+            f"--batch-size comes from {path} ({_FILE_SOURCE['batch_size']}): {fix}"
+        )
+    return fixes
 
 
 def _same_value(name: str, given: Any, value: Any) -> bool:

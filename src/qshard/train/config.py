@@ -372,10 +372,14 @@ class TrainConfig:
             return
         why = "--step-in-backward steps each FSDP unit as its gradient lands"
         if self.grad_clip and not math.isinf(self.grad_clip):
+            fix = (  # a DeepSpeed file sets the clip: the flag would conflict with it
+                f'set "gradient_clipping": 0 in {self.deepspeed_config}'
+                if self.deepspeed_config
+                else "pass --grad-clip 0"
+            )
             raise ValueError(
-                f"{why}, before the global gradient norm exists, so it cannot clip to it: pass "
-                f"--grad-clip 0 (a DeepSpeed config: gradient_clipping 0), or drop "
-                "--step-in-backward"
+                f"{why}, before the global gradient norm exists, so it cannot clip to it: "
+                f"{fix}, or drop --step-in-backward"
             )
         if self.on_nonfinite == "skip":
             raise ValueError(
@@ -489,14 +493,24 @@ def resume_mismatches(saved: Mapping[str, object], config: TrainConfig) -> list[
     return changed
 
 
-def resume_refusal(checkpoint: object, changed: list[str], *, advice: str | None = None) -> str:
-    """The error for a ``--resume`` that changes what :func:`resume_mismatches` found;
-    ``advice`` replaces "pass the same options" where a flag cannot be passed (a DeepSpeed
-    config sets it: ``qshard.train._deepspeed.resume_advice``)."""
-    how = advice or "pass the same options to resume it"
+def resume_refusal(
+    checkpoint: object, changed: list[str], *, advice: Mapping[str, str] | None = None
+) -> str:
+    """The error for a ``--resume`` that changes what :func:`resume_mismatches` found.
+    ``advice`` holds the fix of each flag that cannot simply be passed again, by flag (a
+    DeepSpeed config sets it: ``qshard.train._deepspeed.resume_advice``); the others are to be
+    passed as the run had them."""
+    advice = advice or {}
+    rest = [c.split(" ", 1)[0] for c in changed if c.split(" ", 1)[0] not in advice]
+    how = list(advice.values())
+    if rest and how:
+        how.append(f"pass the checkpoint's {', '.join(rest)}")
+    elif not how:
+        how.append("pass the same options to resume it")
     return (
-        f"--resume: {checkpoint} was written with {', '.join(changed)}; {how} (a resume "
-        "continues that run: its model, optimizer and data), or a new --out to start fresh"
+        f"--resume: {checkpoint} was written with {', '.join(changed)}; {'; '.join(how)} (a "
+        "resume continues that run: its model, optimizer and data), or a new --out to start "
+        "fresh"
     )
 
 
