@@ -27,7 +27,6 @@ divergence shows there). Deterministic: the numbers do not depend on the host's 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -36,10 +35,18 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args, at_least
+from _common import Report, add_report_args
+from _small_gpt import (
+    BETAS,
+    EPS,
+    add_problem_args,
+    describe,
+    lr_at,
+    model_and_groups,
+    train,
+)
 from qshard.optim import _functional, _qstate4
-from qshard.train.data import batch_for_step, load_corpus
-from qshard.train.model import GPT, GPTConfig
+from qshard.train.data import load_corpus
 
 
 @dataclass(frozen=True)
@@ -115,65 +122,17 @@ class _SimulatedAdamW:
                     st[1] = _roundtrip(st[1], f.v_map, f.v_block)
 
 
-def _lr_at(step: int, args) -> float:
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * t))
-
-
 def _run(fmt: Format, corpus, args) -> dict:
-    cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, context=args.context)
-    model = GPT(cfg)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = _SimulatedAdamW(groups, fmt, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    losses = []
+    model, groups = model_and_groups(args, seed=0)
+    opt = _SimulatedAdamW(groups, fmt, lr=args.lr, betas=BETAS, eps=EPS)
     t0 = time.perf_counter()
-    for step in range(args.steps):
-        x, y = batch_for_step(
-            corpus.train, step=step, seed=0, global_batch=args.batch_size, context=args.context
-        )
-        _, loss = model(x, y)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(_lr_at(step, args))
-        losses.append(float(loss))
-    with torch.no_grad():
-        val = []
-        for i in range(args.eval_batches):
-            x, y = batch_for_step(
-                corpus.val,
-                step=i,
-                seed=0,
-                global_batch=args.batch_size,
-                context=args.context,
-                stream=1,
-            )
-            val.append(float(model(x, y)[1]))
-    tail = losses[-max(1, args.steps // 10) :]
-    after = losses[args.warmup_steps :] or losses
-    finite = all(math.isfinite(v) for v in losses + val)
-    return dict(
-        val=sum(val) / len(val) if finite else float("nan"),
-        train=sum(tail) / len(tail),
-        peak=max(after),
-        seconds=time.perf_counter() - t0,
-    )
+    result = train(model, corpus, args, 0, lambda step: opt.step(lr_at(step, args)))
+    return {**result, "seconds": time.perf_counter() - t0}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=at_least(1), default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=at_least(0), default=15)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--eval-batches", type=int, default=8)
+    add_problem_args(p)
     p.add_argument("--formats", default="", help="comma separated indices into the list (all)")
     add_report_args(p)
     args = p.parse_args(argv)
@@ -190,9 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     report = Report("4-bit optimizer state formats (AdamW, small GPT)")
     report.note(
-        f"GPT {args.n_layer} layers, width {args.n_embd}, context {args.context}; {args.steps} "
-        f"steps, batch {args.batch_size}, lr {args.lr} (warm-up {args.warmup_steps}, cosine to "
-        f"lr/10), one process, 1 thread, seed 0. Load average at start: "
+        f"{describe(args)}, seed 0. Load average at start: "
         f"{os.getloadavg()[0]:.1f} (times only; losses are deterministic)."
     )
     rows = []

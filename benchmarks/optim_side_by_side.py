@@ -1,10 +1,11 @@
 """The low-bit optimizers a user would otherwise pick, side by side with qshard's on one training
-run: the same GPT, seed, batches and schedule for each, one process.
+run: the same GPT, init, batches and schedule for each, one process.
 
-Every optimizer trains the app's small GPT (``qshard.train.model.GPT``; default 2 layers, width
-128, context 64, as ``optim4bit_formats.py`` and the convergence benchmark) on the embedded corpus
-with AdamW's settings from the app (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices and
-embeddings, none on biases and norms; linear warm-up, cosine to lr/10, gradient clipping at 1.0).
+Every optimizer trains the app's small GPT (``_small_gpt.py``: ``qshard.train.model.GPT``,
+default 2 layers, width 128, context 64, as ``optim4bit_formats.py``) on the embedded corpus
+with the app's AdamW settings (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices and
+embeddings, none on biases and norms; linear warm-up, cosine to lr/10, gradient clipping at 1.0),
+once per ``--seeds`` seed of the data order (the init is the GPT's own, the same for every run).
 Rows: ``torch.optim.AdamW`` (fused, the fp32 reference), qshard's ``AdamW8bit`` and
 ``AdamW4bit``, and when importable torchao's ``AdamW8bit`` / ``AdamW4bit`` and bitsandbytes'
 ``AdamW8bit``, each with its own library's defaults for what is not named above (block sizes,
@@ -18,13 +19,12 @@ median optimizer-step time in ms (``opt.step()`` alone; the runs are sequential,
 host the step time is indicative: ``optim_step.py`` interleaves steps for ratios). The losses are
 deterministic for a given build (the run prints the host load with the times).
 
-    python benchmarks/optim_side_by_side.py --steps 300 --out-md docs/results/optim_side_by_side.md
+    python benchmarks/optim_side_by_side.py --steps 1000 --warmup-steps 50 --seeds 0,1,2 --out-md FILE
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -34,13 +34,19 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Report, add_report_args, at_least, machine_info
+from _common import Report, add_report_args
+from _small_gpt import (
+    BETAS,
+    EPS,
+    add_problem_args,
+    describe,
+    lr_at,
+    model_and_groups,
+    train,
+)
 from optim_step import _state_bytes
 from qshard.optim import AdamW4bit, AdamW8bit
-from qshard.train.data import batch_for_step, load_corpus
-from qshard.train.model import GPT, GPTConfig
-
-BETAS, EPS, WEIGHT_DECAY = (0.9, 0.95), 1e-8, 0.1
+from qshard.train.data import load_corpus
 
 
 def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:
@@ -69,13 +75,6 @@ def _candidates() -> tuple[list[tuple[str, Callable]], list[str]]:
     return out, notes
 
 
-def _lr_at(step: int, args: argparse.Namespace) -> float:
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    t = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr / 10 + (args.lr - args.lr / 10) * 0.5 * (1 + math.cos(math.pi * t))
-
-
 def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for group in opt.param_groups:
         if isinstance(group["lr"], torch.Tensor):  # torchao keeps it a tensor (no recompiles)
@@ -85,51 +84,20 @@ def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 
 def _run(factory: Callable, corpus, args: argparse.Namespace, seed: int) -> dict:
-    torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=4, context=args.context)
-    model = GPT(cfg)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": WEIGHT_DECAY},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    model, groups = model_and_groups(args, seed=0)  # one init: the seeds vary the data order
     opt = factory(groups, args.lr)
-    losses, step_ms = [], []
-    for step in range(args.steps):
-        x, y = batch_for_step(
-            corpus.train, step=step, seed=seed, global_batch=args.batch_size, context=args.context
-        )
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        _set_lr(opt, _lr_at(step, args))
+    step_ms = []
+
+    def step(i: int) -> None:
+        _set_lr(opt, lr_at(i, args))
         t0 = time.perf_counter()
         opt.step()
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        losses.append(float(loss.detach()))
-    val = []
-    with torch.no_grad():
-        for i in range(args.eval_batches):
-            x, y = batch_for_step(
-                corpus.val,
-                step=i,
-                seed=0,  # the same validation batches for every seed
-                global_batch=args.batch_size,
-                context=args.context,
-                stream=1,
-            )
-            val.append(float(model(x, y)[1]))
-    tail = losses[-max(1, args.steps // 10) :]
-    after = losses[args.warmup_steps :] or losses
-    finite = all(math.isfinite(v) for v in losses + val)
-    numel = sum(p.numel() for p in model.parameters())
+
+    result = train(model, corpus, args, seed, step)
     return dict(
-        val=sum(val) / len(val) if finite else float("nan"),
-        train=sum(tail) / len(tail),
-        peak=max(after),
-        state=_state_bytes(opt) / numel,
+        **result,
+        state=_state_bytes(opt) / sum(p.numel() for p in model.parameters()),
         # the first steps compile (torchao) or build state: the median of the second half
         step_ms=statistics.median(step_ms[len(step_ms) // 2 :]),
     )
@@ -137,24 +105,15 @@ def _run(factory: Callable, corpus, args: argparse.Namespace, seed: int) -> dict
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=at_least(2), default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup-steps", type=at_least(1), default=15)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--eval-batches", type=int, default=8)
+    add_problem_args(p)
     p.add_argument("--only", default="", help="comma separated substrings of the rows to run")
     p.add_argument(
         "--seeds",
         default="0",
-        help="comma separated seeds (model init and data order); each row is their mean",
+        help="comma separated seeds of the data order (one model init); each row is their mean",
     )
     add_report_args(p)
     args = p.parse_args(argv)
-    if args.warmup_steps >= args.steps:
-        p.error(f"--warmup-steps {args.warmup_steps} must be below --steps {args.steps}")
     torch.set_num_threads(1)
     corpus = load_corpus()
     candidates, notes = _candidates()
@@ -162,11 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         wanted = [w.strip() for w in args.only.split(",") if w.strip()]
         candidates = [c for c in candidates if any(w in c[0] for w in wanted)]
     report = Report("Low-bit AdamW side by side on one training run (small GPT)")
-    report.note(machine_info())
     report.note(
-        f"GPT {args.n_layer} layers, width {args.n_embd}, context {args.context}; {args.steps} "
-        f"steps, batch {args.batch_size}, lr {args.lr} (warm-up {args.warmup_steps}, cosine to "
-        f"lr/10), clip 1.0, one process, 1 thread, seeds {args.seeds}. Load average at start: "
+        f"{describe(args)}, seeds {args.seeds} (the data order; one init). Load average at "
+        f"start: "
         f"{os.getloadavg()[0]:.1f}."
     )
     for note in notes:
