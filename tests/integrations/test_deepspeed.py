@@ -809,6 +809,9 @@ def test_a_resume_the_file_changes_names_the_key_to_change(tmp_path):
     ):
         other = {"config": {**four.to_dict(), "optim": old}}
         assert fix in refusal(four, other)
+    # an AdamW run resumed with the swap to 8-bit state: the flag goes
+    swapped = four.replace(optim="adamw8bit")
+    assert "drop --optim adamw8bit (the file's AdamW is the run's)" in refusal(swapped)
     # a file without an optimizer or batch section: those flags are the user's to pass back
     (tmp_path / "bare").mkdir()
     bare = _write(tmp_path / "bare", {"zero_optimization": {"stage": 3}})

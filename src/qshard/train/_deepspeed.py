@@ -216,7 +216,9 @@ def resume_advice(config: TrainConfig, saved: Mapping[str, object]) -> dict[str,
     fixes: dict[str, str] = {}
     if changed("optim") and t.optimizer is not None:
         old = str(before["optim"])
-        if old == "adamw8bit" and t.optimizer == "adamw":
+        if old == t.optimizer:  # the file names the run's: the flag swapped it (adamw8bit)
+            fix = f"drop --optim {config.optim} (the file's {_FILE_OPTIMIZER_TYPES[old]} is the run's)"
+        elif old == "adamw8bit" and t.optimizer == "adamw":
             fix = "pass --optim adamw8bit (the file's AdamW, with 8-bit state)"
         elif old in _FILE_OPTIMIZER_TYPES:
             fix = f'set "optimizer": {{"type": "{_FILE_OPTIMIZER_TYPES[old]}", ...}} there'
