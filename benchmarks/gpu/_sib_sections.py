@@ -9,17 +9,9 @@ device shows no saving by construction; a multi-GPU world would."""
 
 from __future__ import annotations
 
-import socket
-
 import _device as D
 from _device import _err, _ms, _Rows
 from _harness import Recorder
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _trained(opt_name: str, in_backward: bool, cfg, data, repeat: int):
@@ -80,11 +72,8 @@ def step_in_backward(rec: Recorder, args) -> None:
         "at the end of backward, so no gradient memory is saved here)",
         ["optimizer", "stepped", "ms/step", "x after backward", "same parameters"],
     )
-    dist.init_process_group(
-        "nccl" if D.DEVICE == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
-        rank=0,
-        world_size=1,
+    dist.init_process_group(  # a world of one: an in-process store, no port
+        "nccl" if D.DEVICE == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
     )
     try:
         data = torch.randint(0, 256, (args.batch, cfg.context + 1), device=D.DEVICE)

@@ -765,62 +765,6 @@ def test_qshard_train_round_trip(tmp_path):
     assert bad.returncode == 2 and "--lr 0.01 conflicts with" in bad.stderr
 
 
-def test_a_resume_the_file_changes_names_the_key_to_change(tmp_path):
-    """A file with train_micro_batch_size_per_gpu resumed on another --nproc makes another
-    global batch. The refusal said "pass the same options", and --batch-size with the
-    checkpoint's value was then refused as a conflict with the file: a circle. It now names
-    the file's key (``resume_advice``), only for what the file sets, with a fix the file can
-    express, and still names the flags it does not set."""
-    from qshard.train._deepspeed import resume_advice
-    from qshard.train.config import resume_mismatches, resume_refusal
-
-    del_batch = {k: v for k, v in ZEROPP.items() if k != "train_batch_size"}
-    (tmp_path / "micro").mkdir()
-    path = _write(tmp_path / "micro", {**del_batch, "train_micro_batch_size_per_gpu": 2})
-    four = config_from_args(["--deepspeed-config", path, "--nproc", "4", "--ranks-per-node", "2"])
-    two = config_from_args(["--deepspeed-config", path, "--nproc", "2", "--ranks-per-node", "2"])
-    saved = {"config": four.to_dict()}
-
-    def refusal(config, saved=saved) -> str:
-        changed = resume_mismatches(saved, config)
-        return resume_refusal("ckpt", changed, advice=resume_advice(config, saved))
-
-    message = refusal(two)
-    assert message.startswith("--resume: ckpt was written with --batch-size 8 (now 4); ")
-    assert (
-        f"--batch-size comes from {path} (its train_batch_size, or "
-        'train_micro_batch_size_per_gpu x --nproc): set "train_batch_size": 8 there, without '
-        "train_micro_batch_size_per_gpu (or with it at 4 on these 2 ranks) (a resume"
-    ) in message
-    assert "pass the same options" not in message
-    # a flag the file does not set is still named, beside the file's fix
-    message = refusal(two.replace(seed=5))
-    assert "--seed 0 (now 5), --batch-size 8 (now 4)" in message
-    assert "; pass the checkpoint's --seed (a resume" in message
-    # following the advice resumes: the file's global batch is the checkpoint's on 2 ranks
-    fixed = _write(tmp_path, {**del_batch, "train_batch_size": 8})
-    again = config_from_args(["--deepspeed-config", fixed, "--nproc", "2", "--ranks-per-node", "2"])
-    assert resume_mismatches(saved, again) == []
-    # the optimizer: an 8-bit run under the file's AdamW is --optim adamw8bit; a 4-bit one has
-    # no optimizer.type, so the file's section goes and the flag chooses
-    for old, fix in (
-        ("adamw8bit", "pass --optim adamw8bit (the file's AdamW, with 8-bit state)"),
-        ("adamw4bit", "remove the file's optimizer section and pass --optim adamw4bit"),
-    ):
-        other = {"config": {**four.to_dict(), "optim": old}}
-        assert fix in refusal(four, other)
-    # an AdamW run resumed with the swap to 8-bit state: the flag goes
-    swapped = four.replace(optim="adamw8bit")
-    assert "drop --optim adamw8bit (the file's AdamW is the run's)" in refusal(swapped)
-    # a file without an optimizer or batch section: those flags are the user's to pass back
-    (tmp_path / "bare").mkdir()
-    bare = _write(tmp_path / "bare", {"zero_optimization": {"stage": 3}})
-    flags = config_from_args(["--deepspeed-config", bare, "--nproc", "4", "--optim", "adamw"])
-    message = refusal(flags, {"config": {**flags.to_dict(), "optim": "adamw8bit", "batch_size": 4}})
-    assert "pass the same options to resume it" in message and "comes from" not in message
-    assert resume_advice(four.replace(deepspeed_config=None), saved) == {}
-
-
 def test_step_in_backward_with_a_clipping_file_names_the_files_key(tmp_path):
     """--step-in-backward cannot clip; with a file that clips, "pass --grad-clip 0" was then
     refused as a conflict with the file."""

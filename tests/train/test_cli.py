@@ -15,7 +15,8 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from qshard.train.cli import _report, build_parser, config_from_args, main
-from qshard.train.config import TrainConfig, corpus_source, parse_zeropp, resume_mismatches
+from qshard.train.config import TrainConfig, parse_zeropp
+from tests.train.test_resume_options import _saved
 
 
 def test_every_config_field_is_a_flag_with_help():
@@ -580,98 +581,6 @@ def test_resume_of_a_per_rank_checkpoint_with_another_parallel_is_refused(tmp_pa
     argv += ["--parallel", "hsdp", "--ranks-per-node", "2"]
     assert main(argv) == 2
     assert "was written with --parallel zero3 (now hsdp)" in capsys.readouterr().err
-
-
-def _saved(config: TrainConfig) -> dict[str, object]:
-    """A checkpoint's qshard.json as a run of ``config`` writes it (the parts a resume reads)."""
-    return {
-        "step": 10,
-        "config": config.to_dict(),
-        "corpus": {"source": corpus_source(config.data)},
-    }
-
-
-@pytest.mark.parametrize(
-    ("change", "named"),
-    [
-        ({"seed": 1}, "--seed 0 (now 1)"),
-        ({"batch_size": 16}, "--batch-size 8 (now 16)"),
-        ({"val_fraction": 0.1}, "--val-fraction 0.05 (now 0.1)"),
-        ({"n_embd": 128}, "--n-embd 256 (now 128)"),
-        ({"optim": "adamw"}, "--optim adamw8bit (now adamw)"),
-    ],
-)
-def test_resume_refuses_what_changes_the_model_or_the_data_stream(change, named):
-    """Before, --seed, --batch-size and --val-fraction (the batch of every step, the split)
-    were not compared: the resumed run trained on other data while claiming to continue."""
-    base = TrainConfig()
-    assert resume_mismatches(_saved(base), base.replace(**change)) == [named]
-
-
-def test_resume_names_parallel_only_for_a_one_bit_checkpoint():
-    # An adamw8bit checkpoint may change --parallel; resumed with --optim onebit_adam it was
-    # told to put back --parallel as well (chosen by the new run's optimizer).
-    base = TrainConfig(parallel="hsdp", zeropp="off")
-    assert resume_mismatches(_saved(base), base.replace(optim="onebit_adam", parallel="zero3")) == [
-        "--optim adamw8bit (now onebit_adam)"
-    ]
-    one_bit = TrainConfig(optim="onebit_adam", zeropp="off", parallel="hsdp")
-    assert resume_mismatches(_saved(one_bit), one_bit.replace(parallel="zero3")) == [
-        "--parallel hsdp (now zero3)"
-    ]
-
-
-def test_resume_refuses_another_corpus_and_accepts_the_same_one_by_another_path(
-    tmp_path, monkeypatch
-):
-    (tmp_path / "a.txt").write_text("a")
-    (tmp_path / "b.txt").write_text("b")
-    run = TrainConfig(data=str(tmp_path / "a.txt"))
-    saved = _saved(run)
-    assert resume_mismatches(saved, run.replace(data=str(tmp_path / "b.txt"))) == [
-        f"--data {tmp_path / 'a.txt'} (now {tmp_path / 'b.txt'})"
-    ]
-    assert resume_mismatches(saved, run.replace(data=None)) == [
-        f"--data {tmp_path / 'a.txt'} (now (the Python standard library))"
-    ]
-    monkeypatch.chdir(tmp_path)
-    assert resume_mismatches(saved, run.replace(data="a.txt")) == []
-    # A checkpoint written before the corpus was recorded: the flag as given.
-    old = {"step": 10, "config": run.to_dict()}
-    assert resume_mismatches(old, run.replace(data="b.txt")) == [
-        f"--data {tmp_path / 'a.txt'} (now {tmp_path / 'b.txt'})"
-    ]
-
-
-def test_resume_accepts_what_may_change_when_a_run_continues():
-    """Extending a run, its schedule, intervals, world size, ZeRO++ features and fault options
-    are not part of what it trains on; a checkpoint of an older qshard is not compared on
-    options it did not record."""
-    base = TrainConfig()
-    later = base.replace(
-        steps=400,
-        lr=1e-3,
-        min_lr=1e-4,
-        warmup_steps=10,
-        eval_interval=0,
-        eval_batches=2,
-        checkpoint_interval=7,
-        keep_checkpoints=5,
-        nproc=2,
-        ranks_per_node=1,
-        zeropp="off",
-        dtype="bf16",
-        export=False,
-        progress=False,
-        max_restarts=2,
-        collective_timeout=60.0,
-        on_nonfinite="skip",
-        out="elsewhere",
-        cache_dir="cache",
-        resume=True,
-    )
-    assert resume_mismatches(_saved(base), later) == []
-    assert resume_mismatches({"step": 10, "config": {"n_embd": 256}}, base.replace(seed=3)) == []
 
 
 def test_resume_with_another_seed_or_corpus_is_refused_before_launch(tmp_path, capsys, monkeypatch):

@@ -187,11 +187,7 @@ def _batch_mismatch(t: DeepSpeedTranslation, *, nproc: int) -> str:
 
 
 # The app's optimizers a file's optimizer.type names (the 8-bit / 4-bit ones have no type).
-_FILE_OPTIMIZER_TYPES = {
-    "adamw": "AdamW",
-    "onebit_adam": "OneBitAdam",
-    "zero_one_adam": "ZeroOneAdam",
-}
+_FILE_OPTIMIZER_TYPES = {"adamw": "AdamW", **_ONE_BIT_TYPES}
 
 
 def resume_advice(config: TrainConfig, saved: Mapping[str, object]) -> dict[str, str]:

@@ -32,11 +32,11 @@ class BackwardStepping:
         if stepper_cls is None:  # refused in the launcher; reachable only when called directly
             raise RuntimeError("--step-in-backward needs qshard.zeropp.StepInBackward")
         self._squares: list[torch.Tensor] = []
-        self._hook = optimizer.register_step_pre_hook(self._add)
-        try:
-            self.stepper = stepper_cls(model, optimizer)
+        hook = optimizer.register_step_pre_hook(self._add)
+        try:  # installed for the run (the model's progress queue holds it)
+            stepper_cls(model, optimizer)
         except Exception:
-            self._hook.remove()
+            hook.remove()
             raise
 
     def _add(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -55,7 +55,3 @@ class BackwardStepping:
         if not squares:
             return 0.0
         return float(torch.stack(squares).sum())
-
-    def close(self) -> None:
-        self.stepper.close()
-        self._hook.remove()

@@ -61,15 +61,21 @@ def optional_feature(module: str, name: str) -> Any | None:
 
 
 def _zeropp_config(config: TrainConfig) -> Any:
+    zcfg = _zeropp_config_of_flags(config)
+    if config.step_in_backward and zcfg.overlap_reduce_scatter is None:
+        # --step-in-backward steps each unit when its reduction lands, which the overlap queue
+        # reports; the plain wire (--zeropp off) uses the queue only when asked to.
+        zcfg = dataclasses.replace(zcfg, overlap_reduce_scatter=True)
+    return zcfg
+
+
+def _zeropp_config_of_flags(config: TrainConfig) -> Any:
     features = config.zeropp_features
     cls = importlib.import_module("qshard.zeropp").ZeroPPConfig
     if config.deepspeed_config:  # [Note: DeepSpeed config and flags]
         from qshard.train._deepspeed import translation
 
-        zcfg = translation(config.deepspeed_config).zeropp or cls()
-        if config.step_in_backward and zcfg.overlap_reduce_scatter is None:
-            zcfg = dataclasses.replace(zcfg, overlap_reduce_scatter=True)
-        return zcfg
+        return translation(config.deepspeed_config).zeropp or cls()
     if config.parallel == "hsdp":
         grads = config.replicate_grads
         return cls(
@@ -79,15 +85,7 @@ def _zeropp_config(config: TrainConfig) -> Any:
             # 1-bit Adam / 0/1 Adam sync the replicas themselves: no gradient crosses nodes.
             replicate_reduce=config.optim not in DATA_PARALLEL_OPTIMIZERS,
         )
-    # --step-in-backward steps each unit when its reduction lands, which the overlap queue
-    # reports; the plain wire (--zeropp off) uses the queue only when asked to.
-    overlap = True if config.step_in_backward and not features else None
-    return cls(
-        qwz="qwz" in features,
-        hpz="hpz" in features,
-        qgz="qgz" in features,
-        overlap_reduce_scatter=overlap,
-    )
+    return cls(qwz="qwz" in features, hpz="hpz" in features, qgz="qgz" in features)
 
 
 def zeropp_blocks(config: TrainConfig) -> dict[str, int]:

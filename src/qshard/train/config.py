@@ -501,7 +501,8 @@ def resume_refusal(
     DeepSpeed config sets it: ``qshard.train._deepspeed.resume_advice``); the others are to be
     passed as the run had them."""
     advice = advice or {}
-    rest = [c.split(" ", 1)[0] for c in changed if c.split(" ", 1)[0] not in advice]
+    flags = [c.split(" ", 1)[0] for c in changed]  # "--seed 0 (now 1)" -> "--seed"
+    rest = [flag for flag in flags if flag not in advice]
     how = list(advice.values())
     if rest and how:
         how.append(f"pass the checkpoint's {', '.join(rest)}")

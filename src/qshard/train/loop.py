@@ -524,7 +524,7 @@ class _StepStats:
         replicated = config.optim in DATA_PARALLEL_OPTIMIZERS
         norm = norm_sum / job.world if replicated else grad_norm
         if squared:
-            norm = math.sqrt(norm_sum) if norm_sum >= 0 else math.nan
+            norm = math.sqrt(norm_sum)  # (a sum of squares: NaN or >= 0)
         finite = math.isfinite(loss_sum) and math.isfinite(norm_sum)
         return cls(loss=loss_sum / job.world, grad_norm=norm, finite=finite)
 
