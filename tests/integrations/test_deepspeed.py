@@ -605,7 +605,10 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
     ):
         config_from_args([*base[:-1], "1"])
     for change, message in (
-        ({"gradient_accumulation_steps": 2}, "no gradient accumulation"),
+        (
+            {"gradient_accumulation_steps": 3},  # train_batch_size 8: not 3 x 4 ranks' share
+            r"ds.json: train_batch_size: 8 is not a multiple of gradient_accumulation_steps 3",
+        ),
         ({"communication_data_type": "bf16"}, "communication_data_type"),
         ({"zero_optimization": {"stage": 0}}, "plain data parallel"),
         # Said of the file's keys; they were "--batch-size 6 must be divisible by the number
@@ -625,33 +628,60 @@ def test_cli_takes_the_file_and_refuses_conflicts(tmp_path):
             config_from_args(["--deepspeed-config", _write(tmp_path, {**ZEROPP, **change})])
 
 
-def test_cli_names_the_fix_of_a_batch_that_is_not_the_micro_batch_times_the_ranks(tmp_path):
-    """train_batch_size 4 with a micro batch of 2 fits 2 ranks only. On 1 rank DeepSpeed would
-    accumulate 2 micro batches, which the app does not do; the error said only "4 is not
-    train_micro_batch_size_per_gpu 2 x 1 ranks", without the fix docs/deepspeed.md promises."""
+def test_cli_reads_the_batch_keys_as_deepspeed_does(tmp_path):
+    """DeepSpeed's train_batch_size = micro batch x gradient_accumulation_steps x world size,
+    a missing key derived from the others, maps to --batch-size and --grad-accum-steps on
+    --nproc ranks (the app refused every accumulation before); keys that do not fit the ranks
+    are refused with the fix: the --nproc that fits, the global batch that does, or the key
+    DeepSpeed would derive left out."""
+
+    def read(cfg: dict, *argv: str):
+        path = _write(tmp_path, {**cfg, "zero_optimization": {"stage": 3}})
+        c = config_from_args(["--deepspeed-config", path, *argv])
+        return c.batch_size, c.grad_accum_steps
+
     batches = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
+    assert read(batches, "--nproc", "1") == (4, 2)  # DeepSpeed derives 2 micro-batches
+    assert read(batches, "--nproc", "2") == (4, 1)
     path = _write(tmp_path, {**batches, "zero_optimization": {"stage": 3}})
-    with pytest.raises(DeepSpeedConfigError) as one:
-        config_from_args(["--deepspeed-config", path, "--nproc", "1"])
-    assert str(one.value) == (
-        f"{path}: train_batch_size: 4 is not train_micro_batch_size_per_gpu 2 x 1 rank = 2: "
-        "DeepSpeed would accumulate gradients over 2 micro batches per step, and qshard train "
-        "has no gradient accumulation; run on --nproc 2, set train_batch_size to 2 or "
-        "train_micro_batch_size_per_gpu to 4, or give only one of the two keys"
-    )
     with pytest.raises(DeepSpeedConfigError) as four:
         config_from_args(["--deepspeed-config", path, "--nproc", "4"])
-    assert str(four.value).endswith(
-        "train_batch_size: 4 is not train_micro_batch_size_per_gpu 2 x 4 ranks = 8; run on "
-        "--nproc 2, set train_batch_size to 8 or train_micro_batch_size_per_gpu to 1, or give "
-        "only one of the two keys"
+    assert str(four.value) == (
+        f"{path}: train_batch_size: 4 is not train_micro_batch_size_per_gpu 2 x 4 ranks = 8; run "
+        "on --nproc 2, set train_batch_size to 8, or give only one of the two keys"
     )
-    with pytest.raises(
-        DeepSpeedConfigError,
-        match="x 3 ranks = 6; run on --nproc 2, set train_batch_size to 6, or give only",
-    ):
+    with pytest.raises(DeepSpeedConfigError, match="x 3 ranks = 6; run on --nproc 2, set"):
         config_from_args(["--deepspeed-config", path, "--nproc", "3"])  # 4 does not split in 3
-    assert config_from_args(["--deepspeed-config", path, "--nproc", "2"]).batch_size == 4
+    all_three = {**batches, "train_batch_size": 16, "gradient_accumulation_steps": 4}
+    assert read(all_three, "--nproc", "2") == (16, 4)
+    path = _write(tmp_path, {**all_three, "zero_optimization": {"stage": 3}})
+    with pytest.raises(DeepSpeedConfigError) as wide:
+        config_from_args(["--deepspeed-config", path, "--nproc", "4"])
+    assert str(wide.value) == (
+        f"{path}: train_batch_size: 16 is not train_micro_batch_size_per_gpu 2 x "
+        "gradient_accumulation_steps 4 x 4 ranks = 32; run on --nproc 2, set train_batch_size "
+        "to 32, or leave out gradient_accumulation_steps (DeepSpeed derives it)"
+    )
+    no_micro = {"train_batch_size": 16, "gradient_accumulation_steps": 4}
+    assert read(no_micro, "--nproc", "2") == (16, 4)  # micro batch 2
+    path = _write(tmp_path, {**no_micro, "zero_optimization": {"stage": 3}})
+    with pytest.raises(DeepSpeedConfigError) as three:
+        config_from_args(["--deepspeed-config", path, "--nproc", "3"])
+    assert str(three.value) == (
+        f"{path}: train_batch_size: 16 does not split evenly over 3 ranks x 4 micro-batches "
+        "(DeepSpeed requires train_batch_size = train_micro_batch_size_per_gpu x "
+        "gradient_accumulation_steps x world size); set a multiple of 12 (e.g. 12), or run on "
+        "--nproc 2"
+    )
+    assert read(
+        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, "--nproc", "2"
+    ) == (12, 3)
+    # accumulation alone: the batch stays the flag's
+    assert read({"gradient_accumulation_steps": 2}, "--nproc", "2", "--batch-size", "8") == (8, 2)
+    # the flag against the file: the same value passes, another is refused naming both
+    assert read(all_three, "--nproc", "2", "--grad-accum-steps", "4") == (16, 4)
+    with pytest.raises(DeepSpeedConfigError, match=r"--grad-accum-steps 2 conflicts with .*sets 4"):
+        read(all_three, "--nproc", "2", "--grad-accum-steps", "2")
 
 
 def test_cli_file_without_an_optimizer_section_keeps_the_optim_flag(tmp_path):

@@ -105,6 +105,23 @@ def test_defaults_are_the_main_job():
             ["--step-in-backward", "--grad-clip", "0", "--parallel", "hsdp", "--zeropp", "off"],
             "pass --parallel zero3",
         ),
+        (
+            ["--step-in-backward", "--grad-clip", "0", "--grad-accum-steps", "2"],
+            "micro-batches' gradients are not the step's: pass --grad-accum-steps 1",
+        ),
+        # micro-batches: equal, of at least one sequence each
+        (["--grad-accum-steps", "0"], "--grad-accum-steps must be an int >= 1; got 0"),
+        (
+            ["--grad-accum-steps", "3"],  # 8 sequences over 4 ranks: 2 each
+            "--grad-accum-steps 3 must divide each rank's 2 sequences (--batch-size 8 over 4 "
+            "ranks) into equal micro-batches: pass --grad-accum-steps among 1, 2, or "
+            "--batch-size 12",
+        ),
+        (
+            ["--grad-accum-steps", "4", "--nproc", "1", "--batch-size", "6"],
+            "each rank's 6 sequences (--batch-size 6 over 1 rank) into equal micro-batches: pass "
+            "--grad-accum-steps among 1, 2, 3, 6, or --batch-size 8",
+        ),
     ],
 )
 def test_bad_combinations_are_refused_with_the_fix(argv, message, capsys):

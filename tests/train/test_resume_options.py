@@ -126,9 +126,18 @@ def test_a_resume_the_file_changes_names_the_key_to_change(tmp_path):
     assert message.startswith("--resume: ckpt was written with --batch-size 8 (now 4); ")
     assert (
         f"--batch-size comes from {path} (its train_batch_size, or "
-        'train_micro_batch_size_per_gpu x --nproc): set "train_batch_size": 8 there, without '
-        "train_micro_batch_size_per_gpu (or with it at 4 on these 2 ranks) (a resume"
+        "train_micro_batch_size_per_gpu x gradient_accumulation_steps x --nproc): set "
+        '"train_batch_size": 8 there, without train_micro_batch_size_per_gpu (or with it at 4 '
+        "on these 2 ranks) (a resume"
     ) in message
+    # with accumulation in the file, the micro batch that fits is the share over both
+    (tmp_path / "accum").mkdir()
+    accum = {**del_batch, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2}
+    accum_path = _write(tmp_path / "accum", accum)
+    accum_two = ["--deepspeed-config", accum_path, "--nproc", "2", "--ranks-per-node", "2"]
+    assert "(or with it at 2 on these 2 ranks)" in refusal(config_from_args(accum_two))
+    # --grad-accum-steps itself may change on a resume (the same global batch)
+    assert resume_mismatches(saved, four.replace(grad_accum_steps=2)) == []
     assert "pass the same options" not in message
     # a flag the file does not set is still named, beside the file's fix
     message = refusal(two.replace(seed=5))

@@ -3,7 +3,7 @@
 [Note: DeepSpeed config and flags] The file is read with
 :func:`qshard.integrations.deepspeed.read_deepspeed_config`. Its settings that have a flag
 (``--optim``, ``--zeropp``, ``--lr``, ``--beta1``/``--beta2``, ``--weight-decay``,
-``--grad-clip``, ``--dtype``, ``--batch-size``) replace those flags' defaults; a flag given
+``--grad-clip``, ``--dtype``, ``--batch-size``, ``--grad-accum-steps``) replace those flags' defaults; a flag given
 explicitly with another value is refused, naming both (one exception: ``--optim adamw8bit``
 with the file's Adam/AdamW keeps its hyperparameters and quantizes the state). Flags the file
 does not speak to (model size, steps, schedule, checkpoints) keep theirs, except that the
@@ -13,11 +13,13 @@ flag (the 1-bit optimizers' schedules, ZeRO++'s prefetch and wire dtype) reach e
 through ``TrainConfig.deepspeed_config``, which :mod:`qshard.train._parallel` reads again; a
 file without an optimizer section leaves ``--optim`` (with the app's run-sized 1-bit
 schedules) to the flag, as DeepSpeed then takes the script's optimizer.
-What the app cannot run (gradient accumulation, Adam with L2 decay, bf16 gradient reduction,
-stage 0 with an optimizer that is not 1-bit or stage 3 with one (the file's optimizer, or
-``--optim``'s when the file has no optimizer section), an lr of 0, a ``train_batch_size`` that
-is not the micro batch times the ranks or does not split over them) is refused with the key and
-the fix.
+The batch keys are read as DeepSpeed reads them on ``--nproc`` ranks (``train_batch_size =
+micro batch x gradient_accumulation_steps x world size``, a missing one derived from the
+others) into ``--batch-size`` and ``--grad-accum-steps``.
+What the app cannot run (Adam with L2 decay, bf16 gradient reduction, stage 0 with an optimizer
+that is not 1-bit or stage 3 with one (the file's optimizer, or ``--optim``'s when the file has
+no optimizer section), an lr of 0, batch keys that do not fit the ranks) is refused with the key
+and the fix.
 """
 
 from __future__ import annotations
@@ -65,7 +67,14 @@ _FILE_SOURCE = {
     "zeropp": "its zero_optimization section; off at stage 0 or without the section",
     "dtype": "bf16 when its bf16 section is enabled, else fp32",
     "grad_clip": "its gradient_clipping; 0.0, no clipping, where the key is absent",
-    "batch_size": "its train_batch_size, or train_micro_batch_size_per_gpu x --nproc",
+    "batch_size": (
+        "its train_batch_size, or train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+        "x --nproc"
+    ),
+    "grad_accum_steps": (
+        "its gradient_accumulation_steps, or train_batch_size / (train_micro_batch_size_per_gpu "
+        "x --nproc)"
+    ),
 }
 
 
@@ -149,41 +158,54 @@ def _flag_values(
         )
     values["dtype"] = "fp32" if t.mp_policy is None else "bf16"
     values["grad_clip"] = t.gradient_clipping
-    if (t.gradient_accumulation_steps or 1) > 1:
-        raise refuse(
-            "gradient_accumulation_steps",
-            f"{t.gradient_accumulation_steps}: qshard train has no gradient accumulation; set 1 "
-            "and give the global batch as train_batch_size",
-        )
-    batch = t.train_batch_size
-    if t.micro_batch_size is not None:
-        if batch is not None and batch != t.micro_batch_size * nproc:
-            raise refuse("train_batch_size", _batch_mismatch(t, nproc=nproc))
-        batch = t.micro_batch_size * nproc
-    if batch is not None:
-        values["batch_size"] = batch
+    values.update(_batch_values(t, nproc=nproc, refuse=refuse))
     return values
 
 
+def _batch_values(t: DeepSpeedTranslation, *, nproc: int, refuse: Any) -> dict[str, int]:
+    """``batch_size`` and ``grad_accum_steps`` as DeepSpeed derives them on ``nproc`` ranks from
+    the keys the file gives (``train_batch_size = micro x accumulation x world size``; a missing
+    accumulation count is ``train_batch_size / (micro x world)``, a missing micro batch
+    ``train_batch_size / (accumulation x world)``); only what the file determines."""
+    batch, micro, accum = t.train_batch_size, t.micro_batch_size, t.gradient_accumulation_steps
+    out: dict[str, int] = {}
+    if micro is not None:
+        if accum is None and batch is not None:
+            if batch % (micro * nproc):
+                raise refuse("train_batch_size", _batch_mismatch(t, nproc=nproc))
+            accum = batch // (micro * nproc)  # DeepSpeed derives it
+        if batch is not None and batch != micro * (accum or 1) * nproc:
+            raise refuse("train_batch_size", _batch_mismatch(t, nproc=nproc))
+        batch = micro * (accum or 1) * nproc
+    if accum is not None:
+        out["grad_accum_steps"] = accum
+    if batch is not None:
+        out["batch_size"] = batch
+    return out
+
+
 def _batch_mismatch(t: DeepSpeedTranslation, *, nproc: int) -> str:
-    """Why a ``train_batch_size`` that is not the micro batch times the ranks cannot run, and
-    what would. DeepSpeed derives ``gradient_accumulation_steps`` from the two when it is not
-    given (``train_batch_size / (micro x world)``, 2 for 4 and 2 on one rank); the app has no
-    gradient accumulation, so the fixes are the ranks that fit (the reader checked that the
-    micro batch divides the global one), either key at a value that fits, or one key alone."""
-    batch, micro = t.train_batch_size, t.micro_batch_size
+    """Why a ``train_batch_size`` that is not the micro batch x the accumulation steps x the
+    ranks cannot run, and what would: the ranks that fit (the reader checked that the product of
+    the per-rank keys divides the global batch), ``train_batch_size`` at the product, or one
+    key left out for DeepSpeed's rule to derive."""
+    batch, micro, accum = t.train_batch_size, t.micro_batch_size, t.gradient_accumulation_steps
     assert batch is not None and micro is not None
     ranks = f"{nproc} rank{'s' if nproc != 1 else ''}"
-    why = f"{batch} is not train_micro_batch_size_per_gpu {micro} x {ranks} = {micro * nproc}"
-    if t.gradient_accumulation_steps is None and batch % (micro * nproc) == 0:
-        why += (
-            f": DeepSpeed would accumulate gradients over {batch // (micro * nproc)} micro "
-            "batches per step, and qshard train has no gradient accumulation"
-        )
-    keys = f"set train_batch_size to {micro * nproc}"
-    if batch % nproc == 0:
-        keys += f" or train_micro_batch_size_per_gpu to {batch // nproc}"
-    return f"{why}; run on --nproc {batch // micro}, {keys}, or give only one of the two keys"
+    per_rank = micro * (accum or 1)
+    product = f"train_micro_batch_size_per_gpu {micro}"
+    if accum is not None:
+        product += f" x gradient_accumulation_steps {accum}"
+    why = f"{batch} is not {product} x {ranks} = {per_rank * nproc}"
+    drop = (
+        "leave out gradient_accumulation_steps (DeepSpeed derives it)"
+        if accum is not None
+        else "give only one of the two keys"
+    )
+    return (
+        f"{why}; run on --nproc {batch // per_rank}, set train_batch_size to "
+        f"{per_rank * nproc}, or {drop}"
+    )
 
 
 # The app's optimizers a file's optimizer.type names (the 8-bit / 4-bit ones have no type).
@@ -224,9 +246,10 @@ def resume_advice(config: TrainConfig, saved: Mapping[str, object]) -> dict[str,
     if changed("batch_size") and (t.train_batch_size or t.micro_batch_size):
         old = before["batch_size"]
         fix = f'set "train_batch_size": {old} there, without train_micro_batch_size_per_gpu'
-        if isinstance(old, int) and old % ranks == 0:
+        share = ranks * (t.gradient_accumulation_steps or 1)  # micro x accumulation x ranks
+        if isinstance(old, int) and old % share == 0:
             fix += (
-                f" (or with it at {old // ranks} on these {ranks} rank{'s' if ranks > 1 else ''})"
+                f" (or with it at {old // share} on these {ranks} rank{'s' if ranks > 1 else ''})"
             )
         fixes["--batch-size"] = (
             f"--batch-size comes from {path} ({_FILE_SOURCE['batch_size']}): {fix}"
@@ -275,7 +298,9 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
             )
         out[name] = value
     if "batch_size" in values:  # after the conflicts: a flag given otherwise is named first
-        _check_batch_splits(values["batch_size"], nproc=args["nproc"], where=path)
+        _check_batch_splits(
+            values["batch_size"], nproc=args["nproc"], accum=out["grad_accum_steps"], where=path
+        )
     if "lr" in values and "min_lr" not in explicit:
         # The app's cosine schedule stays (the file's lr is its peak); its floor keeps the
         # defaults' ratio, or a file's lr below the default --min-lr would be refused.
@@ -284,14 +309,16 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
     return out
 
 
-def _check_batch_splits(batch: int, *, nproc: int, where: str) -> None:
-    """The file's global batch must split evenly over the ranks; said of its key (TrainConfig
-    would name ``--batch-size``, a flag not given, and suggest a value that then conflicts)."""
-    if batch % nproc:
-        fits = next(n for n in range(nproc, 0, -1) if batch % n == 0)
+def _check_batch_splits(batch: int, *, nproc: int, accum: int, where: str) -> None:
+    """The file's global batch must split evenly over the ranks and their ``accum``
+    micro-batches; said of its key (TrainConfig would name ``--batch-size``, a flag not given,
+    and suggest a value that then conflicts)."""
+    if batch % (nproc * accum):
+        fits = next(n for n in range(nproc, 0, -1) if batch % (n * accum) == 0)
+        each = f"{nproc} ranks" if accum == 1 else f"{nproc} ranks x {accum} micro-batches"
         raise DeepSpeedConfigError(
-            f"{where}: train_batch_size: {batch} does not split evenly over {nproc} ranks "
+            f"{where}: train_batch_size: {batch} does not split evenly over {each} "
             "(DeepSpeed requires train_batch_size = train_micro_batch_size_per_gpu x "
-            f"gradient_accumulation_steps x world size); set a multiple of {nproc} (e.g. "
-            f"{nproc * max(1, batch // nproc)}), or run on --nproc {fits}"
+            f"gradient_accumulation_steps x world size); set a multiple of {nproc * accum} (e.g. "
+            f"{nproc * accum * max(1, batch // (nproc * accum))}), or run on --nproc {fits}"
         )

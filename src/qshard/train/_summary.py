@@ -17,6 +17,7 @@ from qshard.train._metrics import encode_record, format_bytes, table
 from qshard.train._parallel import zeropp_blocks, zeropp_kept_blocks
 from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
 from qshard.train.estimate import (
+    CommEstimate,
     ddp_allreduce_bytes,
     estimate_comm,
     estimate_hsdp_comm,
@@ -44,6 +45,17 @@ class Estimates:
     """HSDP's cross-node bytes with FSDP2's fp32 replicate all-reduce (same model and nodes)."""
     layouts: dict[str, float] = field(default_factory=dict)
     """Total memory per rank of the same model and optimizer as ZeRO-3, HSDP and replicated."""
+
+
+def _per_step(micro: CommEstimate, config: TrainConfig) -> CommEstimate:
+    """A ZeRO-3 layout's bytes of one micro-batch, times the step's micro-batches: each gathers
+    and reduce-scatters across nodes ([Note: gradient accumulation in the app])."""
+    k = config.grad_accum_steps
+    return CommEstimate(
+        fwd_all_gather=k * micro.fwd_all_gather,
+        bwd_all_gather=k * micro.bwd_all_gather,
+        grad_reduce_scatter=k * micro.grad_reduce_scatter,
+    )
 
 
 def _largest_unit_params(model: nn.Module) -> int:
@@ -125,18 +137,22 @@ def estimate_run(
     else:
         # FSDP2 gathers the parameters in the compute dtype (MixedPrecisionPolicy's param_dtype)
         # and reduces gradients in fp32 (reduce_dtype): a bf16 run's plain gathers send 2 bytes.
-        comm = estimate_comm(
-            **sizes,
-            features=features,
-            wire_bytes=float(common["compute_bytes"]),
-            grad_wire_bytes=4.0,
-            **zeropp_blocks(config),
+        comm = _per_step(
+            estimate_comm(
+                **sizes,
+                features=features,
+                wire_bytes=float(common["compute_bytes"]),
+                grad_wire_bytes=4.0,
+                **zeropp_blocks(config),
+            ),
+            config,
         )
     return Estimates(
         memory=memory,
         comm=comm,
-        zero3_fp32=estimate_comm(**sizes, wire_bytes=4.0),
-        zero3_16=estimate_comm(**sizes, wire_bytes=2.0),
+        # the ZeRO-3 baselines train the same micro-batches (HSDP and DDP send once per step)
+        zero3_fp32=_per_step(estimate_comm(**sizes, wire_bytes=4.0), config),
+        zero3_16=_per_step(estimate_comm(**sizes, wire_bytes=2.0), config),
         ddp_fp32=ddp_allreduce_bytes(**sizes),
         hsdp_fp32=estimate_hsdp_comm(**sizes),
         layouts=memory_by_layout(

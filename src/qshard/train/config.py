@@ -21,6 +21,7 @@ __all__ = [
     "RESUME_MUST_MATCH",
     "ZEROPP_FEATURES",
     "TrainConfig",
+    "accumulation_problem",
     "corpus_source",
     "launch_ranks_per_node",
     "parse_zeropp",
@@ -138,6 +139,12 @@ class TrainConfig:
     """Optimizer steps (total, counting resumed ones)."""
     batch_size: int = 8
     """Global batch in sequences; split evenly over the ranks."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step: each rank runs its share of the global batch as this
+    many forward/backward passes and sums their gradients before the step (the same update,
+    less activation memory; DeepSpeed's ``gradient_accumulation_steps``). Under ZeRO-3 each
+    micro-batch's gradients are reduce-scattered (cross-node bytes grow with it); under HSDP
+    only the last one's cross the nodes."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
@@ -212,6 +219,7 @@ class TrainConfig:
 
         for name in ("nproc", "n_layer", "n_head", "n_embd", "context", "steps", "batch_size"):
             positive(name)
+        positive("grad_accum_steps")
         for name in ("warmup_steps", "eval_interval", "checkpoint_interval", "seed"):
             positive(name, zero_ok=True)
         positive("eval_batches")
@@ -306,6 +314,9 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be divisible by the number of ranks "
                 f"{self.nproc}; e.g. --batch-size {self.nproc * max(1, self.batch_size // self.nproc)}"
             )
+        problem = accumulation_problem(self.batch_size, self.nproc, self.grad_accum_steps)
+        if problem:
+            raise ValueError(problem)
 
     def _check_types(self) -> None:
         """Each field's kind, named with its flag: built in Python (not by the CLI's parser),
@@ -398,6 +409,12 @@ class TrainConfig:
                 f"{why}, and HSDP's gradient is final only after its inter-node all-reduce; pass "
                 "--parallel zero3, or drop --step-in-backward"
             )
+        if self.grad_accum_steps > 1:
+            raise ValueError(
+                f"{why}, and with --grad-accum-steps {self.grad_accum_steps} the first "
+                "micro-batches' gradients are not the step's: pass --grad-accum-steps 1 (a "
+                "larger per-rank batch), or drop --step-in-backward"
+            )
 
     def local_ranks_per_node(self) -> int:
         """``ranks_per_node`` for a launch on this machine (see the field's doc)."""
@@ -438,8 +455,9 @@ RESUME_MUST_MATCH: tuple[str, ...] = (
 )
 """Fields a ``--resume`` must keep (plus ``--data``, compared by :func:`corpus_source`, and
 ``--parallel`` for the data-parallel optimizers' per-rank state). Everything else may change:
-the schedule (``--steps`` to extend a run, ``--lr``, ...), ``--nproc`` (DCP reshards), the
-intervals and the launch and fault options."""
+the schedule (``--steps`` to extend a run, ``--lr``, ...), ``--nproc`` (DCP reshards),
+``--grad-accum-steps`` (the same global batch in other micro-batches), the intervals and the
+launch and fault options."""
 
 
 def launch_ranks_per_node(nproc: int, ranks_per_node: int | None) -> int:
@@ -512,6 +530,25 @@ def resume_refusal(
         f"--resume: {checkpoint} was written with {', '.join(changed)}; {'; '.join(how)} (a "
         "resume continues that run: its model, optimizer and data), or a new --out to start "
         "fresh"
+    )
+
+
+def accumulation_problem(batch_size: int, world: int, steps: int) -> str | None:
+    """Why ``--grad-accum-steps steps`` cannot split a rank's share of ``--batch-size`` over
+    ``world`` ranks into equal micro-batches (each at least one sequence), with the fix; None
+    when it can (``batch_size`` already divides by ``world``). Equal micro-batches keep the
+    step's loss the mean over the whole global batch."""
+    if steps == 1 or batch_size % world:
+        return None
+    per_rank = batch_size // world
+    if per_rank % steps == 0:
+        return None
+    fits = [k for k in range(1, per_rank + 1) if per_rank % k == 0]
+    return (
+        f"--grad-accum-steps {steps} must divide each rank's {per_rank} sequences (--batch-size "
+        f"{batch_size} over {world} rank{'s' if world != 1 else ''}) into equal micro-batches: "
+        f"pass --grad-accum-steps among {', '.join(map(str, fits))}, or --batch-size "
+        f"{world * steps * -(-per_rank // steps)}"
     )
 
 

@@ -1,7 +1,8 @@
 """The per-rank training loop of ``qshard train``: :func:`train` runs on every rank.
 
 One step: the global batch of the step (a pure function of seed and step, see
-:mod:`qshard.train.data`), forward, backward, gradient clipping on the global norm, optimizer
+:mod:`qshard.train.data`), forward and backward (in micro-batches with
+``--grad-accum-steps``), gradient clipping on the global norm, optimizer
 step, ledger step. Every ``eval_interval`` steps a validation estimate; every
 ``checkpoint_interval`` steps (and at the end) an atomic DCP checkpoint; at the end a
 safetensors export and the summary: loss drop, throughput, measured vs estimated memory and
@@ -54,10 +55,12 @@ from qshard.train import _faults, _runtime, _summary
 from qshard.train import checkpoint as ckpt
 from qshard.train._in_backward import BackwardStepping
 from qshard.train._metrics import MetricsWriter, peak_memory_bytes
+from qshard.train._micro import accumulate, micro_batches
 from qshard.train._parallel import build_optimizer, distribute, forward_context
 from qshard.train.config import (
     DATA_PARALLEL_OPTIMIZERS,
     TrainConfig,
+    accumulation_problem,
     resume_mismatches,
     resume_refusal,
 )
@@ -127,6 +130,9 @@ def _train(config: TrainConfig) -> TrainResult:
     if config.step_in_backward:
         stepping = BackwardStepping(model, optimizer)
         layout += "; the optimizer steps inside backward"
+    if config.grad_accum_steps > 1:
+        micro = config.batch_size // (job.world * config.grad_accum_steps)
+        layout += f"; {config.grad_accum_steps} micro-batches of {micro} per rank per step"
     estimates = _summary.estimate_run(config, model, job.topology, job.compute_dtype)
     if job.is_main:
         _announce(config, job, model, layout, corpus, estimates, start_step)
@@ -187,6 +193,9 @@ class _Job:
             raise ValueError(
                 f"--batch-size {config.batch_size} must be divisible by the world size {world}"
             )
+        problem = accumulation_problem(config.batch_size, world, config.grad_accum_steps)
+        if problem:  # under torchrun the world is not --nproc
+            raise ValueError(problem)
         device = _runtime.device()
         job = cls(
             rank=rank,
@@ -462,7 +471,8 @@ def _step(
     step: int,
     stepping: BackwardStepping | None = None,
 ) -> _StepStats:
-    """Forward, backward, clip, optimizer step (unless the step is non-finite, see
+    """Forward and backward (in ``--grad-accum-steps`` micro-batches: :mod:`._micro`), clip,
+    optimizer step (unless the step is non-finite, see
     :func:`_check_finite`); returns the loss mean over ranks and the grad norm (global, or for
     a replicated run the mean of the ranks' norms) as :class:`_StepStats`. With ``stepping``
     (``--step-in-backward``) the optimizer steps inside backward, and the norm is the one its
@@ -478,11 +488,9 @@ def _step(
         rank=job.rank,
         world_size=job.world,
     )
-    with forward_context(config, job.compute_dtype, job.device):
-        _, loss = model(x.to(job.device), y.to(job.device))
-    if poison:
-        loss = _faults.poison(loss)
-    loss.backward()
+    loss = accumulate(
+        model, x, y, config, compute_dtype=job.compute_dtype, device=job.device, poison=poison
+    )
     if stepping is None:
         stats = _StepStats.reduce(loss, _global_grad_norm(model, config.grad_clip), config, job)
     else:
@@ -623,9 +631,12 @@ def _evaluate(model: nn.Module, tokens: Any, config: TrainConfig) -> float:
             world_size=world,
             stream=1,
         )
-        with forward_context(config, _runtime.compute_dtype(config, device), device):
-            _, loss = model(x.to(device), y.to(device))
-        total += loss.float()
+        # in the training's micro-batches: a rank's whole share may not fit at once
+        parts = micro_batches(x, y, config.grad_accum_steps)
+        for xm, ym in parts:
+            with forward_context(config, _runtime.compute_dtype(config, device), device):
+                _, loss = model(xm.to(device), ym.to(device))
+            total += loss.float() / len(parts)
     model.train()
     return _runtime.mean_over_ranks(total / config.eval_batches)
 
