@@ -116,6 +116,13 @@ def _accumulation_runs(tmp: Path, world: int) -> dict:
                 run["norms"] = [r["grad_norm"] for r in rows if "grad_norm" in r]
                 run["val"] = result["val_losses"]
             out[f"{name}_{k}"] = run
+    # --step-in-backward: the backwards before the last run paused; the same bits as the
+    # usual step of the same micro-batches
+    base = _config(tmp, world, 2, steps=3, export=False, grad_clip=0.0)
+    base = base.replace(batch_size=8, grad_accum_steps=2, eval_interval=0)
+    for inb in (False, True):
+        folder = str(tmp / f"accum_sib_{inb}")
+        out[f"sib_{inb}"] = train(base.replace(out=folder, step_in_backward=inb))["losses"]
     return out
 
 
@@ -388,8 +395,8 @@ def test_gradient_accumulation_trains_the_same_steps(worlds):
     """--grad-accum-steps 2 ([Note: gradient accumulation in the app]): the global batch in two
     micro-batches per rank gives the one-pass run's losses and gradient norms up to rounding on
     every layout (a missing 1/K doubles the norm: Adam's update alone would not show it); ZeRO-3
-    sends every micro-batch's gathers and reductions across nodes (2x the bytes), HSDP only
-    the last one's all-reduce (the same bytes)."""
+    sends every micro-batch's reductions across nodes, HSDP only the last one's all-reduce (the
+    same bytes); --step-in-backward steps once, in the last backward."""
     _, four, _ = worlds
     acc = four["accumulation"]
     # fp32 reductions (HSDP's int8 all-reduce runs once, on the summed gradient): rounding only.
@@ -404,10 +411,19 @@ def test_gradient_accumulation_trains_the_same_steps(worlds):
         assert two["norms"] == pytest.approx(one["norms"], rel=rel), name
         assert two["val"] == pytest.approx(one["val"], rel=rel), name
         assert one["inter"] > 0, name
-    for name in ("zero3", "zeropp"):  # the summary's estimates and baseline follow
+    # ZeRO-3: every micro-batch's gradients cross, and the blocks' gathers; the root and the
+    # kept blocks (and with hpZ every unit) keep their weights for the next forward
+    # (set_keep_weights_after_backward), so less than twice the bytes. The estimate follows.
+    for name in ("zero3", "zeropp"):
         one, two = acc[f"{name}_1"], acc[f"{name}_2"]
-        for key in ("inter", "estimate", "zero3_fp32"):
-            assert two[key] == pytest.approx(2 * one[key]), (name, key)
+        for key in ("inter", "estimate"):
+            assert one[key] < two[key] < 2 * one[key], (name, key)
+        assert two["inter"] / two["estimate"] == pytest.approx(
+            one["inter"] / one["estimate"], rel=0.05
+        ), name
+        assert two["zero3_fp32"] == 2 * one["zero3_fp32"], name  # the paper's baseline
+    assert acc["zero3_2"]["inter"] == acc["zero3_2"]["estimate"]  # fp32, no padding: exact
+    assert acc["sib_True"] == acc["sib_False"]
     for name in ("hsdp", "hsdp_int8"):
         one, two = acc[f"{name}_1"], acc[f"{name}_2"]
         assert (two["inter"], two["estimate"]) == (one["inter"], one["estimate"]), name

@@ -34,10 +34,14 @@ class BackwardStepping:
         self._squares: list[torch.Tensor] = []
         hook = optimizer.register_step_pre_hook(self._add)
         try:  # installed for the run (the model's progress queue holds it)
-            stepper_cls(model, optimizer)
+            self._stepper = stepper_cls(model, optimizer)
         except Exception:
             hook.remove()
             raise
+
+    def paused(self) -> Any:
+        """A context in which backwards do not step (the micro-batches before the last)."""
+        return self._stepper.paused()
 
     def _add(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         with torch.no_grad():

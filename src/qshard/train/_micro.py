@@ -11,19 +11,28 @@ depend on K: a run may resume with another ``--grad-accum-steps``.
 Communication per micro-batch follows what each layout needs:
 
 * ZeRO-3 / ZeRO++ (FSDP2): every micro-batch's backward reduce-scatters its gradients into the
-  sharded ``.grad`` (FSDP2 accumulates into it), as DeepSpeed's ZeRO-3 does. Skipping the
-  reduction until the last micro-batch would keep every rank's whole unsharded gradient alive in
-  between: ZeRO-3's memory saving gone. Cross-node bytes per step grow K times (forward
-  gathers too: the units reshard after each micro-batch's backward).
+  sharded ``.grad`` (FSDP2 accumulates into it), as DeepSpeed's ZeRO-3 and torchtitan do.
+  Skipping the reduction until the last micro-batch would keep every rank's whole unsharded
+  gradient alive in between: ZeRO-3's memory saving gone. The units keep after backward the
+  copy of their weights they held since forward (``qshard.zeropp.set_keep_weights_after_
+  backward``: hpZ's node-local secondary shard, the root and the kept last blocks whole), so
+  only the first micro-batch's forward gathers them across nodes; blocks without hpZ gather
+  across nodes in every micro-batch's forward and backward, and every micro-batch's gradients
+  cross the nodes.
 * HSDP: every micro-batch reduce-scatters inside the node; only the last one all-reduces
   across nodes (``set_requires_all_reduce``, honoured by the compressed replicate all-reduce
   too), so the cross-node bytes per step do not grow with K.
 * 1-bit Adam / 0/1 Adam on a replicated model: gradients accumulate locally; the optimizer
   communicates once, in its step.
+
+With ``--step-in-backward`` the backwards before the last run paused (no unit steps), so the
+units step once, on the summed gradients, inside the last backward.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,8 +40,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from qshard.train import _faults
-from qshard.train._parallel import forward_context
-from qshard.train.config import TrainConfig
+from qshard.train._parallel import forward_context, optional_feature
+from qshard.train.config import DATA_PARALLEL_OPTIMIZERS, TrainConfig
 
 __all__ = ["accumulate", "micro_batches"]
 
@@ -47,10 +56,16 @@ def micro_batches(
     return list(zip(x.chunk(steps), y.chunk(steps), strict=True))
 
 
-def _all_reduce_on(model: nn.Module, config: TrainConfig, on: bool) -> None:
-    """HSDP: whether this backward all-reduces across nodes (the last micro-batch only)."""
+def _between_micro_batches(model: nn.Module, config: TrainConfig) -> Callable[[bool], None]:
+    """What tells the model whether a backward is not the step's last: HSDP's cross-node
+    all-reduce waits for the last; ZeRO-3's units keep their weights' copy for the next
+    forward (a model :func:`qshard.zeropp.shard` built)."""
     if config.parallel == "hsdp" and isinstance(model, FSDPModule):
-        model.set_requires_all_reduce(on)
+        return lambda more: model.set_requires_all_reduce(not more)
+    keep = optional_feature("qshard.zeropp", "set_keep_weights_after_backward")
+    if config.optim in DATA_PARALLEL_OPTIMIZERS or keep is None:
+        return lambda more: None  # replicated, or plain fully_shard: nothing to tell
+    return lambda more: keep(model, more)
 
 
 def accumulate(
@@ -58,30 +73,37 @@ def accumulate(
     x: torch.Tensor,
     y: torch.Tensor,
     config: TrainConfig,
+    job: Any,
     *,
-    compute_dtype: torch.dtype,
-    device: torch.device,
     poison: Any = None,
+    stepping: Any = None,
 ) -> torch.Tensor:
     """Forward and backward of this rank's rows ``(x, y)`` in ``config.grad_accum_steps``
-    micro-batches ([Note: gradient accumulation in the app]); returns their mean loss, detached.
-    ``poison``: the fault-injection hook's value
-    for the step (applied to the last micro-batch's loss)."""
+    micro-batches ([Note: gradient accumulation in the app]) on ``job``'s device and compute
+    dtype; returns their mean loss, detached. ``poison``: the fault-injection hook's value for
+    the step (applied to the last micro-batch's loss); ``stepping``: ``--step-in-backward``'s
+    :class:`~qshard.train._in_backward.BackwardStepping`, paused but in the last backward."""
+    compute_dtype, device = job.compute_dtype, job.device
     steps = config.grad_accum_steps
     parts = micro_batches(x, y, steps)
+    more_to_come = _between_micro_batches(model, config) if steps > 1 else None
     losses = []
     try:
         for i, (xm, ym) in enumerate(parts):
             last = i == steps - 1
-            if steps > 1:
-                _all_reduce_on(model, config, last)
+            if more_to_come is not None:
+                more_to_come(not last)
             with forward_context(config, compute_dtype, device):
                 _, loss = model(xm.to(device), ym.to(device))
             if poison and last:
                 loss = _faults.poison(loss)
-            (loss if steps == 1 else loss / steps).backward()
+            hold = (
+                stepping.paused() if stepping is not None and not last else contextlib.nullcontext()
+            )
+            with hold:
+                (loss if steps == 1 else loss / steps).backward()
             losses.append(loss.detach())
     finally:
-        if steps > 1:
-            _all_reduce_on(model, config, True)
+        if more_to_come is not None:
+            more_to_come(False)
     return losses[0] if steps == 1 else torch.stack([v.float() for v in losses]).mean()

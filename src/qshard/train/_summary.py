@@ -47,15 +47,30 @@ class Estimates:
     """Total memory per rank of the same model and optimizer as ZeRO-3, HSDP and replicated."""
 
 
-def _per_step(micro: CommEstimate, config: TrainConfig) -> CommEstimate:
-    """A ZeRO-3 layout's bytes of one micro-batch, times the step's micro-batches: each gathers
-    and reduce-scatters across nodes ([Note: gradient accumulation in the app])."""
+def _per_step(micro: CommEstimate, config: TrainConfig, *, repeated: float) -> CommEstimate:
+    """A ZeRO-3 layout's bytes of one micro-batch, for the step's micro-batches ([Note:
+    gradient accumulation in the app]): each reduce-scatters, and gathers in backward, across
+    nodes; after the first, the forward gathers across nodes only the ``repeated`` share of the
+    weights (the units that keep no copy for the next forward: 0 with hpZ, where every unit
+    keeps one; the blocks fully resharded after forward without it)."""
     k = config.grad_accum_steps
     return CommEstimate(
-        fwd_all_gather=k * micro.fwd_all_gather,
+        fwd_all_gather=(1 + (k - 1) * repeated) * micro.fwd_all_gather,
         bwd_all_gather=k * micro.bwd_all_gather,
         grad_reduce_scatter=k * micro.grad_reduce_scatter,
     )
+
+
+def _regathered_share(model: nn.Module, config: TrainConfig) -> float:
+    """The share of the weights a ZeRO-3 run's later micro-batches gather across nodes in
+    forward: those of the blocks :func:`qshard.zeropp.shard` reshards fully after forward (all
+    but the last ``kept_blocks``; none with hpZ, whose secondary shards stay in the node)."""
+    if "hpz" in config.zeropp_features:
+        return 0.0
+    blocks = list(model.blocks)  # type: ignore[union-attr]
+    resharded = blocks[: max(0, len(blocks) - zeropp_kept_blocks(config))]
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for b in resharded for p in b.parameters()) / max(total, 1)
 
 
 def _largest_unit_params(model: nn.Module) -> int:
@@ -146,13 +161,14 @@ def estimate_run(
                 **zeropp_blocks(config),
             ),
             config,
+            repeated=_regathered_share(model, config),
         )
     return Estimates(
         memory=memory,
         comm=comm,
-        # the ZeRO-3 baselines train the same micro-batches (HSDP and DDP send once per step)
-        zero3_fp32=_per_step(estimate_comm(**sizes, wire_bytes=4.0), config),
-        zero3_16=_per_step(estimate_comm(**sizes, wire_bytes=2.0), config),
+        # the paper's ZeRO-3 baselines gather every weight for every micro-batch
+        zero3_fp32=_per_step(estimate_comm(**sizes, wire_bytes=4.0), config, repeated=1.0),
+        zero3_16=_per_step(estimate_comm(**sizes, wire_bytes=2.0), config, repeated=1.0),
         ddp_fp32=ddp_allreduce_bytes(**sizes),
         hsdp_fp32=estimate_hsdp_comm(**sizes),
         layouts=memory_by_layout(

@@ -409,12 +409,6 @@ class TrainConfig:
                 f"{why}, and HSDP's gradient is final only after its inter-node all-reduce; pass "
                 "--parallel zero3, or drop --step-in-backward"
             )
-        if self.grad_accum_steps > 1:
-            raise ValueError(
-                f"{why}, and with --grad-accum-steps {self.grad_accum_steps} the first "
-                "micro-batches' gradients are not the step's: pass --grad-accum-steps 1 (a "
-                "larger per-rank batch), or drop --step-in-backward"
-            )
 
     def local_ranks_per_node(self) -> int:
         """``ranks_per_node`` for a launch on this machine (see the field's doc)."""
@@ -545,7 +539,8 @@ def accumulation_problem(batch_size: int, world: int, steps: int) -> str | None:
         return None
     fits = [k for k in range(1, per_rank + 1) if per_rank % k == 0]
     return (
-        f"--grad-accum-steps {steps} must divide each rank's {per_rank} sequences (--batch-size "
+        f"--grad-accum-steps {steps} must divide each rank's {per_rank} "
+        f"sequence{'s' if per_rank != 1 else ''} (--batch-size "
         f"{batch_size} over {world} rank{'s' if world != 1 else ''}) into equal micro-batches: "
         f"pass --grad-accum-steps among {', '.join(map(str, fits))}, or --batch-size "
         f"{world * steps * -(-per_rank // steps)}"

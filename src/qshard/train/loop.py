@@ -488,9 +488,7 @@ def _step(
         rank=job.rank,
         world_size=job.world,
     )
-    loss = accumulate(
-        model, x, y, config, compute_dtype=job.compute_dtype, device=job.device, poison=poison
-    )
+    loss = accumulate(model, x, y, config, job, poison=poison, stepping=stepping)
     if stepping is None:
         stats = _StepStats.reduce(loss, _global_grad_norm(model, config.grad_clip), config, job)
     else:

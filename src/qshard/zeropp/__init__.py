@@ -9,6 +9,7 @@ optionally compressed inter-node gradient all-reduce (:class:`ReplicateAllReduce
 one).
 """
 
+from qshard.zeropp._keep import set_keep_weights_after_backward
 from qshard.zeropp._overlap import OverlapQueue
 from qshard.zeropp.all_gather import QuantizedAllGather, RecordingAllGather
 from qshard.zeropp.all_reduce import RecordingAllReduceHook, ReplicateAllReduce
@@ -33,5 +34,6 @@ __all__ = [
     "ZeroPPConfig",
     "find_blocks",
     "hsdp_mesh",
+    "set_keep_weights_after_backward",
     "shard",
 ]

@@ -490,7 +490,9 @@ class _StaleCopyGuard:
       copy: left on across an optimizer step, plain FSDP2 (and ``shard()`` before this) ran
       every later forward with the weights gathered before the first step. Such units are
       resharded; the micro-batches of an accumulation (no step in between) keep their copy,
-      as FSDP2 intends. Resharding is local (no collective).
+      as FSDP2 intends. Resharding is local (no collective). The same holds for the copies
+      ``set_keep_weights_after_backward`` keeps (whole, or hpZ's secondary shard: [Note:
+      weights kept across micro-batches]).
     - A forward prefetch (``shard()``'s explicit ``set_modules_to_forward_prefetch``) issued in
       a forward that then skips the prefetched block (an evaluation path or early exit that
       leaves a block out) stays pending; FSDP2 drops such a gather only at the end of a
@@ -571,12 +573,22 @@ class _StaleCopyGuard:
             groups = fsdp_param_groups(unit) or ()
             for group in groups:
                 _drop_unused_gather(group)
+            # a copy kept after backward: by set_reshard_after_backward(False), or by
+            # set_keep_weights_after_backward (whole, or hpZ's secondary shard)
             if any(
-                getattr(g, "reshard_after_backward", True) is False
-                and getattr(g, "is_unsharded", False)
+                getattr(g, "is_unsharded", False) or getattr(g, "is_sharded_post_forward", False)
                 for g in groups
             ):
                 unit.reshard()  # type: ignore[operator]
+
+    def tracks(self, unit: nn.Module) -> bool:
+        return any(ref() is unit for ref in self._units)
+
+
+def guards_model(unit: nn.Module) -> bool:
+    """Whether ``unit`` belongs to a model :func:`shard` built (its stale-copy guard tracks
+    it)."""
+    return any(guard.tracks(unit) for guard in list(_GUARDS))
 
 
 def _drop_unused_gather(group: object) -> None:
