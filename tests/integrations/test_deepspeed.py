@@ -640,38 +640,35 @@ def test_cli_reads_the_batch_keys_as_deepspeed_does(tmp_path):
         c = config_from_args(["--deepspeed-config", path, *argv])
         return c.batch_size, c.grad_accum_steps
 
+    def refused(cfg: dict, nproc: int) -> str:
+        path = _write(tmp_path, {**cfg, "zero_optimization": {"stage": 3}})
+        with pytest.raises(DeepSpeedConfigError) as info:
+            config_from_args(["--deepspeed-config", path, "--nproc", str(nproc)])
+        message = str(info.value)
+        assert message.startswith(f"{path}: train_batch_size: "), message
+        return message.removeprefix(f"{path}: train_batch_size: ")
+
     batches = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2}
     assert read(batches, "--nproc", "1") == (4, 2)  # DeepSpeed derives 2 micro-batches
     assert read(batches, "--nproc", "2") == (4, 1)
-    path = _write(tmp_path, {**batches, "zero_optimization": {"stage": 3}})
-    with pytest.raises(DeepSpeedConfigError) as four:
-        config_from_args(["--deepspeed-config", path, "--nproc", "4"])
-    assert str(four.value) == (
-        f"{path}: train_batch_size: 4 is not train_micro_batch_size_per_gpu 2 x 4 ranks = 8; run "
-        "on --nproc 2, set train_batch_size to 8, or give only one of the two keys"
+    assert refused(batches, 4) == (
+        "4 is not train_micro_batch_size_per_gpu 2 x 4 ranks = 8; run on --nproc 2, set "
+        "train_batch_size to 8, or give only one of the two keys"
     )
-    with pytest.raises(DeepSpeedConfigError, match="x 3 ranks = 6; run on --nproc 2, set"):
-        config_from_args(["--deepspeed-config", path, "--nproc", "3"])  # 4 does not split in 3
+    assert "x 3 ranks = 6; run on --nproc 2, set" in refused(batches, 3)  # 4 does not split
     all_three = {**batches, "train_batch_size": 16, "gradient_accumulation_steps": 4}
     assert read(all_three, "--nproc", "2") == (16, 4)
-    path = _write(tmp_path, {**all_three, "zero_optimization": {"stage": 3}})
-    with pytest.raises(DeepSpeedConfigError) as wide:
-        config_from_args(["--deepspeed-config", path, "--nproc", "4"])
-    assert str(wide.value) == (
-        f"{path}: train_batch_size: 16 is not train_micro_batch_size_per_gpu 2 x "
-        "gradient_accumulation_steps 4 x 4 ranks = 32; run on --nproc 2, set train_batch_size "
-        "to 32, or leave out gradient_accumulation_steps (DeepSpeed derives it)"
+    assert refused(all_three, 4) == (
+        "16 is not train_micro_batch_size_per_gpu 2 x gradient_accumulation_steps 4 x 4 ranks = "
+        "32; run on --nproc 2, set train_batch_size to 32, or leave out "
+        "gradient_accumulation_steps (DeepSpeed derives it)"
     )
     no_micro = {"train_batch_size": 16, "gradient_accumulation_steps": 4}
     assert read(no_micro, "--nproc", "2") == (16, 4)  # micro batch 2
-    path = _write(tmp_path, {**no_micro, "zero_optimization": {"stage": 3}})
-    with pytest.raises(DeepSpeedConfigError) as three:
-        config_from_args(["--deepspeed-config", path, "--nproc", "3"])
-    assert str(three.value) == (
-        f"{path}: train_batch_size: 16 does not split evenly over 3 ranks x 4 micro-batches "
-        "(DeepSpeed requires train_batch_size = train_micro_batch_size_per_gpu x "
-        "gradient_accumulation_steps x world size); set a multiple of 12 (e.g. 12), or run on "
-        "--nproc 2"
+    assert refused(no_micro, 3) == (
+        "16 does not split evenly over 3 ranks x 4 micro-batches (DeepSpeed requires "
+        "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x world "
+        "size); set a multiple of 12 (e.g. 12), or run on --nproc 2"
     )
     assert read(
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, "--nproc", "2"

@@ -20,9 +20,9 @@ would hold every block's whole weights.
 
 Turn it off for the last micro-batch's backward (its units then reshard as usual). A kept copy
 never outlives an optimizer step: :func:`qshard.zeropp.shard`'s stale-copy guard reshards every
-unit left unsharded or in its secondary shard before the next forward ([Note: no backward, no
-stale copy]); a weight changed in place outside an optimizer step needs ``model.reshard()``, as
-documented there. The price is memory: each kept unit holds its copy from its backward to the
+unit this function manages that is left unsharded or in its secondary shard before the next
+forward ([Note: no backward, no stale copy]); a weight changed in place outside an optimizer
+step needs ``model.reshard()``, as documented there. The price is memory: each kept unit holds its copy from its backward to the
 next micro-batch's forward, instead of only from its forward to its backward.
 """
 
@@ -35,11 +35,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from qshard._fsdp import fsdp_param_groups
+from qshard.zeropp.shard import KEEP_ATTR as _KEEP
 from qshard.zeropp.shard import guards_model
 
 __all__ = ["set_keep_weights_after_backward"]
-
-_KEEP = "_qshard_keep_weights"
 
 
 def set_keep_weights_after_backward(model: nn.Module, keep: bool) -> int:

@@ -573,16 +573,28 @@ class _StaleCopyGuard:
             groups = fsdp_param_groups(unit) or ()
             for group in groups:
                 _drop_unused_gather(group)
-            # a copy kept after backward: by set_reshard_after_backward(False), or by
-            # set_keep_weights_after_backward (whole, or hpZ's secondary shard)
-            if any(
-                getattr(g, "is_unsharded", False) or getattr(g, "is_sharded_post_forward", False)
-                for g in groups
-            ):
+            if any(_kept_copy(g) for g in groups):
                 unit.reshard()  # type: ignore[operator]
 
     def tracks(self, unit: nn.Module) -> bool:
         return any(ref() is unit for ref in self._units)
+
+
+#: The attribute :func:`qshard.zeropp.set_keep_weights_after_backward` sets on a parameter
+#: group it manages (None: never managed).
+KEEP_ATTR = "_qshard_keep_weights"
+
+
+def _kept_copy(group: object) -> bool:
+    """Whether a parameter group holds, at an optimizer step, a copy of its weights kept after
+    backward on purpose: by FSDP2's ``set_reshard_after_backward(False)``, or by
+    ``set_keep_weights_after_backward`` (whole, or hpZ's secondary shard). A unit left unsharded
+    by a failed step is FSDP2's to recover (``reset_iter_state()``), as with plain FSDP2."""
+    unsharded = getattr(group, "is_unsharded", False)
+    if getattr(group, "reshard_after_backward", True) is False and unsharded:
+        return True
+    managed = getattr(group, KEEP_ATTR, None) is not None
+    return managed and (unsharded or getattr(group, "is_sharded_post_forward", False))
 
 
 def guards_model(unit: nn.Module) -> bool:
