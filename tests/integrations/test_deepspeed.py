@@ -673,6 +673,20 @@ def test_cli_reads_the_batch_keys_as_deepspeed_does(tmp_path):
     assert read(
         {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, "--nproc", "2"
     ) == (12, 3)
+    # a micro batch alone: the count is the flag's, the micro batch stays the file's
+    assert read(
+        {"train_micro_batch_size_per_gpu": 1}, "--nproc", "3", "--grad-accum-steps", "2"
+    ) == (6, 2)
+    assert read(
+        {"train_micro_batch_size_per_gpu": 2}, "--nproc", "2", "--grad-accum-steps", "2"
+    ) == (8, 2)
+    # a global batch the flag's count does not split (no rank count fits it either)
+    path = _write(tmp_path, {"train_batch_size": 6, "zero_optimization": {"stage": 3}})
+    with pytest.raises(DeepSpeedConfigError) as flag:
+        config_from_args(["--deepspeed-config", path, "--nproc", "2", "--grad-accum-steps", "4"])
+    assert str(flag.value).endswith(
+        "set a multiple of 8 (e.g. 8), or pass a --grad-accum-steps that divides 3"
+    )
     # accumulation alone: the batch stays the flag's
     assert read({"gradient_accumulation_steps": 2}, "--nproc", "2", "--batch-size", "8") == (8, 2)
     # the flag against the file: the same value passes, another is refused naming both

@@ -11,6 +11,8 @@ user's single process.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -37,7 +39,7 @@ def _run(topo, rank, keep: str, mp=None, **features):
     model = shard(GPT(CFG), topology=topo, config=ZeroPPConfig(**features), mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ledger = CommLedger(topo)
-    losses, kept = [], set()
+    losses, kept, warned = [], set(), []
     for step in range(STEPS):
         with recording(ledger):
             for m in range(K):
@@ -48,7 +50,10 @@ def _run(topo, rank, keep: str, mp=None, **features):
                 loss = model(x, y)[1]
                 (loss / K).backward()
                 losses.append(loss.item())
-        optimizer.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        warned += [str(w.message) for w in caught if "set_keep_weights" in str(w.message)]
         optimizer.zero_grad(set_to_none=True)
     for unit in model.modules():  # what a keep left on holds (the guard drops it at a step)
         if isinstance(unit, FSDPModule):
@@ -61,6 +66,7 @@ def _run(topo, rank, keep: str, mp=None, **features):
         "fwd_intra": s.intra(tag="fwd_all_gather"),
         "rest_inter": s.inter_node_bytes - s.inter(tag="fwd_all_gather"),
         "kept": kept,
+        "warned": warned,
     }
 
 
@@ -86,7 +92,11 @@ def _world(rank, world):
         out[name] = {
             "same": _same(runs["off"], runs["until_last"]),
             "same_always": _same(runs["off"], runs["always"]),
-            **{f"{k}_{f}": runs[k][f] for k in runs for f in ("fwd_inter", "fwd_intra", "kept")},
+            **{
+                f"{k}_{f}": runs[k][f]
+                for k in runs
+                for f in ("fwd_inter", "fwd_intra", "kept", "warned")
+            },
             "rest": (runs["off"]["rest_inter"], runs["until_last"]["rest_inter"]),
         }
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -138,10 +148,15 @@ def test_kept_weights_give_the_same_bits_and_one_cross_node_forward_per_step(res
 def test_a_keep_left_on_never_serves_pre_step_weights(results):
     """Never turned off, the copies outlive the last backward; the optimizer step's guard
     reshards them, so the next forward gathers the new weights (the losses and parameters of
-    the run that keeps nothing)."""
+    the run that keeps nothing), and warns: until then ``model.parameters()`` were the copies,
+    so a ``clip_grad_norm_`` before the step saw none of their gradients."""
     for r in results:
         for name in CASES:
             assert r[name]["same_always"], name
+            # ... and says that a clip before the step saw the copies, not the gradients
+            assert len(r[name]["always_warned"]) == STEPS, name
+            assert "Turn it off before the last micro-batch" in r[name]["always_warned"][0]
+            assert r[name]["until_last_warned"] == r[name]["off_warned"] == [], name
 
 
 def test_bad_uses_are_refused_with_the_fix(results):

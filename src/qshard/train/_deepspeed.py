@@ -90,10 +90,17 @@ def translation(path: str, *, ranks_per_node: int | None = None) -> DeepSpeedTra
 
 
 def _flag_values(
-    t: DeepSpeedTranslation, *, nproc: int, optim: str, optim_given: bool, where: str
+    t: DeepSpeedTranslation,
+    *,
+    nproc: int,
+    optim: str,
+    optim_given: bool,
+    flag_accum: int,
+    where: str,
 ) -> dict[str, Any]:
     """The flags ``t`` fixes. ``optim`` is ``--optim``'s value (``optim_given``: explicitly),
-    which the run trains when the file has no ``optimizer`` section."""
+    which the run trains when the file has no ``optimizer`` section; ``flag_accum`` is
+    ``--grad-accum-steps``'s, the count where the file gives only a micro batch."""
 
     def refuse(key: str, why: str) -> DeepSpeedConfigError:
         return DeepSpeedConfigError(f"{where}: {key}: {why}")
@@ -158,15 +165,19 @@ def _flag_values(
         )
     values["dtype"] = "fp32" if t.mp_policy is None else "bf16"
     values["grad_clip"] = t.gradient_clipping
-    values.update(_batch_values(t, nproc=nproc, refuse=refuse))
+    values.update(_batch_values(t, nproc=nproc, flag_accum=flag_accum, refuse=refuse))
     return values
 
 
-def _batch_values(t: DeepSpeedTranslation, *, nproc: int, refuse: Any) -> dict[str, int]:
+def _batch_values(
+    t: DeepSpeedTranslation, *, nproc: int, flag_accum: int, refuse: Any
+) -> dict[str, int]:
     """``batch_size`` and ``grad_accum_steps`` as DeepSpeed derives them on ``nproc`` ranks from
     the keys the file gives (``train_batch_size = micro x accumulation x world size``; a missing
     accumulation count is ``train_batch_size / (micro x world)``, a missing micro batch
-    ``train_batch_size / (accumulation x world)``); only what the file determines."""
+    ``train_batch_size / (accumulation x world)``); only what the file determines. A file with a
+    micro batch and neither other key leaves the count to ``--grad-accum-steps``
+    (``flag_accum``), and its micro batch stays the per-rank micro batch."""
     batch, micro, accum = t.train_batch_size, t.micro_batch_size, t.gradient_accumulation_steps
     out: dict[str, int] = {}
     if micro is not None:
@@ -176,7 +187,7 @@ def _batch_values(t: DeepSpeedTranslation, *, nproc: int, refuse: Any) -> dict[s
             accum = batch // (micro * nproc)  # DeepSpeed derives it
         if batch is not None and batch != micro * (accum or 1) * nproc:
             raise refuse("train_batch_size", _batch_mismatch(t, nproc=nproc))
-        batch = micro * (accum or 1) * nproc
+        batch = micro * (accum or flag_accum) * nproc
     if accum is not None:
         out["grad_accum_steps"] = accum
     if batch is not None:
@@ -283,6 +294,7 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
         nproc=args["nproc"],
         optim=args["optim"],
         optim_given="optim" in explicit,
+        flag_accum=args["grad_accum_steps"],
         where=path,
     )
     out = dict(args)
@@ -299,7 +311,11 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
         out[name] = value
     if "batch_size" in values:  # after the conflicts: a flag given otherwise is named first
         _check_batch_splits(
-            values["batch_size"], nproc=args["nproc"], accum=out["grad_accum_steps"], where=path
+            values["batch_size"],
+            nproc=args["nproc"],
+            accum=out["grad_accum_steps"],
+            accum_from_flag="grad_accum_steps" not in values,
+            where=path,
         )
     if "lr" in values and "min_lr" not in explicit:
         # The app's cosine schedule stays (the file's lr is its peak); its floor keeps the
@@ -309,16 +325,23 @@ def apply_deepspeed(args: dict[str, Any], *, explicit: set[str]) -> dict[str, An
     return out
 
 
-def _check_batch_splits(batch: int, *, nproc: int, accum: int, where: str) -> None:
+def _check_batch_splits(
+    batch: int, *, nproc: int, accum: int, accum_from_flag: bool, where: str
+) -> None:
     """The file's global batch must split evenly over the ranks and their ``accum``
     micro-batches; said of its key (TrainConfig would name ``--batch-size``, a flag not given,
     and suggest a value that then conflicts)."""
     if batch % (nproc * accum):
-        fits = next(n for n in range(nproc, 0, -1) if batch % (n * accum) == 0)
+        fits = next((n for n in range(nproc, 0, -1) if batch % (n * accum) == 0), None)
         each = f"{nproc} ranks" if accum == 1 else f"{nproc} ranks x {accum} micro-batches"
+        fixes = f"set a multiple of {nproc * accum} (e.g. "
+        fixes += f"{nproc * accum * max(1, batch // (nproc * accum))})"
+        if fits is not None:
+            fixes += f", or run on --nproc {fits}"
+        if accum_from_flag and accum > 1:
+            fixes += f", or pass a --grad-accum-steps that divides {batch // nproc}"
         raise DeepSpeedConfigError(
             f"{where}: train_batch_size: {batch} does not split evenly over {each} "
             "(DeepSpeed requires train_batch_size = train_micro_batch_size_per_gpu x "
-            f"gradient_accumulation_steps x world size); set a multiple of {nproc * accum} (e.g. "
-            f"{nproc * accum * max(1, batch // (nproc * accum))}), or run on --nproc {fits}"
+            f"gradient_accumulation_steps x world size); {fixes}"
         )

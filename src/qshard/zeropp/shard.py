@@ -567,6 +567,7 @@ class _StaleCopyGuard:
         pending, self._pending = list(self._pending.values()), {}
         for module in pending:
             module.reshard()  # type: ignore[operator]
+        left_on = False
         for ref in self._units:
             if (unit := ref()) is None:
                 continue
@@ -574,7 +575,10 @@ class _StaleCopyGuard:
             for group in groups:
                 _drop_unused_gather(group)
             if any(_kept_copy(g) for g in groups):
+                left_on |= any(getattr(g, KEEP_ATTR, None) is not None for g in groups)
                 unit.reshard()  # type: ignore[operator]
+        if left_on:
+            _warn_keep_left_on()
 
     def tracks(self, unit: nn.Module) -> bool:
         return any(ref() is unit for ref in self._units)
@@ -595,6 +599,18 @@ def _kept_copy(group: object) -> bool:
         return True
     managed = getattr(group, KEEP_ATTR, None) is not None
     return managed and (unsharded or getattr(group, "is_sharded_post_forward", False))
+
+
+def _warn_keep_left_on() -> None:
+    warnings.warn(
+        "qshard.zeropp: an optimizer step found weights kept by set_keep_weights_after_backward "
+        "(it was on for the step's last backward); they are dropped now, so the next forward "
+        "gathers the new weights, but until then model.parameters() were those copies, "
+        "without the gradients: a clip_grad_norm_ or a gradient read before this step saw "
+        "none of theirs. Turn it off before the last micro-batch: "
+        "set_keep_weights_after_backward(model, False)",
+        stacklevel=user_stacklevel(),
+    )
 
 
 def guards_model(unit: nn.Module) -> bool:
