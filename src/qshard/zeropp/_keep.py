@@ -21,9 +21,11 @@ would hold every block's whole weights.
 Turn it off for the last micro-batch's backward (its units then reshard as usual). A kept copy
 never outlives an optimizer step: :func:`qshard.zeropp.shard`'s stale-copy guard reshards every
 unit this function manages that is left unsharded or in its secondary shard before the next
-forward ([Note: no backward, no stale copy]); a weight changed in place outside an optimizer
-step needs ``model.reshard()``, as documented there. The price is memory: each kept unit holds its copy from its backward to the
-next micro-batch's forward, instead of only from its forward to its backward.
+forward ([Note: no backward, no stale copy]), and warns: until then ``model.parameters()``
+yielded the copies, which hold no gradient (a clip before the step saw none of theirs). A
+weight changed in place outside an optimizer step needs ``model.reshard()``, as documented
+there. The price is memory: each kept unit holds its copy from its backward to the next
+micro-batch's forward, instead of only from its forward to its backward.
 """
 
 from __future__ import annotations
