@@ -3,9 +3,10 @@
 [Note: DeepSpeed config and flags] The file is read with
 :func:`qshard.integrations.deepspeed.read_deepspeed_config`. Its settings that have a flag
 (``--optim``, ``--zeropp``, ``--lr``, ``--beta1``/``--beta2``, ``--weight-decay``,
-``--grad-clip``, ``--dtype``, ``--batch-size``, ``--grad-accum-steps``) replace those flags' defaults; a flag given
-explicitly with another value is refused, naming both (one exception: ``--optim adamw8bit``
-with the file's Adam/AdamW keeps its hyperparameters and quantizes the state). Flags the file
+``--grad-clip``, ``--dtype``, ``--batch-size``, ``--grad-accum-steps``) replace those flags'
+defaults; a flag given explicitly with another value is refused, naming both (one exception:
+``--optim adamw8bit`` with the file's Adam/AdamW keeps its hyperparameters and quantizes the
+state). Flags the file
 does not speak to (model size, steps, schedule, checkpoints) keep theirs, except that the
 file's ``lr`` (the schedule's peak) also moves ``--min-lr``'s default with it (the defaults'
 ratio, 1/10) unless ``--min-lr`` is given. Settings with no
