@@ -11,7 +11,9 @@ run would add is a tokenizer and ``from_pretrained``; the distributed part is th
 * ``AdamW8bit`` (8-bit block-wise state) or ``ZeroOneAdam`` (1-bit compressed data parallel:
   the model then stays replicated and the optimizer communicates; bf16 through autocast);
 * activation checkpointing (the model's own, non-reentrant), gradient accumulation (FSDP2
-  reduces gradients once, on the last micro-batch), clipping on the global norm;
+  reduces gradients once, on the last micro-batch; the weights gathered for the first
+  micro-batch kept for the others, ``set_keep_weights_after_backward``), clipping on the global
+  norm;
 * ``--save-pretrained DIR``: the trained model for ``from_pretrained``, gathered on every rank
   and written by rank 0 (``save_pretrained`` on a sharded model alone would hang);
 * a DCP checkpoint through ``torch.distributed.checkpoint.state_dict`` that loads on any
@@ -54,7 +56,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from qshard.comm import Topology
 from qshard.optim import AdamW8bit, ZeroOneAdam
-from qshard.zeropp import ZeroPPConfig, shard
+from qshard.zeropp import ZeroPPConfig, set_keep_weights_after_backward, shard
 
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -160,15 +162,20 @@ def train_step(
     *,
     lr: float,
     max_norm: float = 1.0,
+    keep_weights: bool = False,
 ) -> tuple[float, float]:
     """One optimizer step over ``batches`` (gradient accumulation); returns this rank's mean
-    loss and the gradient norm before clipping."""
+    loss and the gradient norm before clipping. ``keep_weights`` (a model ``shard()`` made
+    ZeRO-3): the weights gathered for the first micro-batch's forward are kept for the others
+    (``set_keep_weights_after_backward``: hpZ's node-local shards, the root; the same bits)."""
     sharded = isinstance(model, FSDPModule)
     device = next(model.parameters()).device
     total = 0.0
     for i, ids in enumerate(batches):
         if sharded:  # reduce-scatter once, after the last micro-batch
             model.set_requires_gradient_sync(i == len(batches) - 1)
+        if keep_weights:  # off for the last backward: the step's clip reads the gradients
+            set_keep_weights_after_backward(model, i < len(batches) - 1)
         ids = ids.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=not sharded):
             loss = model(input_ids=ids, labels=ids).loss / len(batches)
@@ -343,7 +350,13 @@ def main() -> None:
             batch=args.batch_size,
             context=args.context,
         )
-        loss, norm = train_step(model, optimizer, batches, lr=1e-3 * min(1.0, (step + 1) / 5))
+        loss, norm = train_step(
+            model,
+            optimizer,
+            batches,
+            lr=1e-3 * min(1.0, (step + 1) / 5),
+            keep_weights=isinstance(model, FSDPModule) and not args.zeropp.hsdp,
+        )
         mean = torch.tensor([loss], device=device)
         dist.all_reduce(mean)
         if rank == 0:
