@@ -67,10 +67,8 @@ def _regathered_share(model: nn.Module, config: TrainConfig) -> float:
     but the last ``kept_blocks``; none with hpZ, whose secondary shards stay in the node)."""
     if "hpz" in config.zeropp_features:
         return 0.0
-    blocks = list(model.blocks)  # type: ignore[union-attr]
-    resharded = blocks[: max(0, len(blocks) - zeropp_kept_blocks(config))]
     total = sum(p.numel() for p in model.parameters())
-    return sum(p.numel() for b in resharded for p in b.parameters()) / max(total, 1)
+    return _resharded_block_params(model, config) / max(total, 1)
 
 
 def _largest_unit_params(model: nn.Module) -> int:
@@ -80,9 +78,10 @@ def _largest_unit_params(model: nn.Module) -> int:
     return max(*in_blocks, total - sum(in_blocks))
 
 
-def _hpz_params(model: nn.Module, config: TrainConfig) -> int:
-    # hpZ's secondary shards hold the blocks before the kept last ones (shard()'s
-    # _fully_shard_units); the kept blocks and the root stay unsharded through backward.
+def _resharded_block_params(model: nn.Module, config: TrainConfig) -> int:
+    # The blocks before the kept last ones (shard()'s _fully_shard_units), which reshard after
+    # forward (with hpZ to their secondary shards); the kept blocks and the root stay unsharded
+    # through backward.
     blocks = list(model.blocks)  # type: ignore[union-attr]
     first_kept = max(0, len(blocks) - zeropp_kept_blocks(config))
     return sum(p.numel() for b in blocks[:first_kept] for p in b.parameters())
@@ -137,7 +136,7 @@ def estimate_run(
         optim=config.optim,
         sharded=hsdp or not replicated,
         shard_ranks=ranks_per_node if hsdp else None,
-        hpz_params=_hpz_params(model, config) if "hpz" in features else None,
+        hpz_params=_resharded_block_params(model, config) if "hpz" in features else None,
     )
     sizes = dict(num_params=num_params, world_size=world_size, ranks_per_node=ranks_per_node)
     if hsdp and not replicated:
